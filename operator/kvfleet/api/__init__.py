@@ -1,0 +1,1 @@
+"""Pydantic models of the custom resources; the single source of crds/*.yaml."""

@@ -1,0 +1,1 @@
+"""MELL: the pure KV-cache scheduling core (papers/mell.txt). No kubernetes, kopf, torch, vllm or triton."""

@@ -1,0 +1,1 @@
+"""The trace-driven capacity simulator: how many GPUs a workload needs under each policy."""
