@@ -5,7 +5,7 @@ set -euo pipefail
 venv=${1:-.venv}
 python=${2:-python3}
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
+"$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet -e '.[dev]'
 # torch (CPU use only) and triton: installed by their own script because PyPI's torch wheel pulls
 # several GB of CUDA libraries that a CPU machine never loads.
