@@ -1,1 +1,38 @@
-"""DistAttention kernels (Triton), their launchers and torch references (papers/infinite-llm-distattention.txt)."""
+"""DistAttention kernels (Triton), their launchers and torch references (papers/infinite-llm-distattention.txt).
+
+One request's KV cache can live on several workers: each part computes a micro-attention over its own
+blocks and returns (output, log-sum-exp), and ScaleReduce merges the parts exactly (section 4.2).
+
+- `micro_attention_decode`: decode over a paged KV cache, GQA-grouped, split-KV for long contexts;
+- `micro_attention_prefill`: causal prefill of new tokens with the same partial contract;
+- `scale_reduce`, `scale_reduce_varlen`, `scale_reduce_pair`: the merge, dense, varlen, pairwise.
+
+Each op has three modules: `*_kernel` (Triton), `*_launcher` (checks, grid, `out=`), `*_reference`
+(torch, fp64). The names below are imported on first use, so importing the package loads neither
+torch nor triton and never touches a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "micro_attention_decode": "kvfleet.kernels.micro_attention_decode_launcher",
+    "micro_attention_decode_reference": "kvfleet.kernels.micro_attention_decode_reference",
+    "micro_attention_prefill": "kvfleet.kernels.micro_attention_prefill_launcher",
+    "micro_attention_prefill_reference": "kvfleet.kernels.micro_attention_prefill_reference",
+    "scale_reduce": "kvfleet.kernels.scale_reduce_launcher",
+    "scale_reduce_varlen": "kvfleet.kernels.scale_reduce_launcher",
+    "scale_reduce_pair": "kvfleet.kernels.scale_reduce_launcher",
+    "scale_reduce_reference": "kvfleet.kernels.scale_reduce_reference",
+    "scale_reduce_varlen_reference": "kvfleet.kernels.scale_reduce_reference",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

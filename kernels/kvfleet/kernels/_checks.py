@@ -1,0 +1,74 @@
+"""Input checks shared by the launchers.
+
+A Triton kernel reading a tensor of the wrong dtype, shape or layout does not fail: it reads the
+wrong bytes and returns plausible numbers. So every launcher checks its inputs first and says which
+argument is wrong and why, in words a caller can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1); read per call, never at import."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    return t
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """CUDA tensors on a GPU; CPU tensors only under the interpreter, where kernels run in numpy."""
+    if interpreting():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU when TRITON_INTERPRET=1, got {t.device}")
+    elif t.device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {t.device}: the Triton kernels need CUDA tensors "
+            "(or TRITON_INTERPRET=1 to run them on the CPU)"
+        )
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_out(
+    name: str, out: torch.Tensor | None, shape: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Results are fp32 (FIELD-NOTES, merge rule): an `out=` tensor must be fp32, contiguous, right shape."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=torch.float32, device=device)
+    check_tensor(name, out, ndim=len(shape), dtypes=(torch.float32,), device=device)
+    check_shape(name, out, shape)
+    return out
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

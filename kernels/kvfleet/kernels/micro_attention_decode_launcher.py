@@ -1,0 +1,153 @@
+"""Launcher for the decode micro-attention: checks inputs, picks the split-KV count and tile sizes,
+runs the kernel and, when the context was split, merges the splits with ScaleReduce.
+
+The result is one DistAttention partial (Infinite-LLM section 4.2): the normalised output of this
+part's tokens in fp32 and their natural-log LSE in fp32, ready to be merged with the partials of the
+other parts by `scale_reduce*` wherever the query was shipped from (section 4.6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.kernels._checks import (
+    ATTENTION_DTYPES,
+    check_device,
+    check_out,
+    check_shape,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+)
+from kvfleet.kernels.micro_attention_decode_kernel import micro_attention_decode_kernel
+from kvfleet.kernels.scale_reduce_launcher import launch_scale_reduce
+
+# Tokens per loop iteration: 64 bf16 tokens x 128 dims is 16 KB of K and 16 KB of V per step, enough
+# in flight per program to keep HBM busy without spilling registers.
+DEFAULT_BLOCK_N = 64
+# Below this many tokens per split the merge's extra traffic outweighs the added parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_NUM_SPLITS = 64
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_num_tokens: int, num_sms: int, block_n: int = DEFAULT_BLOCK_N
+) -> int:
+    """Split the context until there are about two programs per SM (one is too few to hide the
+    latency of the page gathers), but never below MIN_TOKENS_PER_SPLIT tokens per split."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    by_length = max(1, max_num_tokens // max(MIN_TOKENS_PER_SPLIT, block_n))
+    return max(1, min(wanted, by_length, MAX_NUM_SPLITS))
+
+
+def micro_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query token per sequence over the KV blocks this part holds.
+
+    q [num_seqs, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (same dtype as q: fp16, bf16 or fp32); block_table int32 [num_seqs, max_num_blocks]
+    (physical block ids, in token order); seq_lens int32 [num_seqs] (tokens of each sequence in this
+    part, 0 allowed). num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to
+    head_dim ** -0.5. num_splits: split-KV count, None to choose from the shapes and the GPU.
+
+    Returns (out fp32 [num_seqs, num_q_heads, head_dim], lse fp32 [num_seqs, num_q_heads], natural
+    log); a sequence with no tokens here gets out 0 and lse -inf. `out=`/`out_lse=` are written in place.
+    """
+    check_tensor("q", q, ndim=3, dtypes=ATTENTION_DTYPES)
+    check_device("q", q)
+    num_seqs, num_q_heads, head_dim = q.shape
+    device = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    num_blocks, block_size, num_kv_heads, k_head_dim = k_cache.shape
+    if k_head_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {k_head_dim} differs from q head_dim {head_dim}")
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    if block_table.shape[0] != num_seqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences in q")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = check_out("out", out, (num_seqs, num_q_heads, head_dim), device)
+    out_lse = check_out("out_lse", out_lse, (num_seqs, num_q_heads), device)
+    if num_seqs == 0 or num_q_heads == 0:
+        return out, out_lse
+
+    # Split sizes come from the block table's width, an upper bound on every seq_len, so the launch
+    # needs no device-to-host sync; splits past a short sequence's end return empty partials.
+    max_num_tokens = block_table.shape[1] * block_size
+    if num_splits is None:
+        num_sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_num_tokens, num_sms, block_n)
+    tokens_per_split = -(-max(1, max_num_tokens) // num_splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    num_splits = max(1, -(-max_num_tokens // tokens_per_split))
+
+    if num_splits == 1:
+        o_dst, lse_dst = out, out_lse
+        o_split_stride, lse_split_stride = 0, 0
+    else:
+        # fp32 partials, never 16-bit (FIELD-NOTES: vLLM's paged_attention_v2 loses precision there).
+        o_dst = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        lse_dst = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+        o_split_stride, lse_split_stride = o_dst.stride(2), lse_dst.stride(2)
+
+    upcast = interpreting() or q.dtype == torch.float32
+    group_size = num_q_heads // num_kv_heads
+    if scale is None:
+        scale = head_dim**-0.5
+    micro_attention_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        o_dst,
+        lse_dst,
+        float(scale) * 1.4426950408889634,  # log2(e)
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        o_dst.stride(0),
+        o_dst.stride(1),
+        o_split_stride,
+        lse_dst.stride(0),
+        lse_dst.stride(1),
+        lse_split_stride,
+        tokens_per_split,
+        HEAD_DIM=head_dim,
+        GROUP_SIZE=group_size,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
+        GROUP_PAD=max(16, next_power_of_2(group_size)),
+        BLOCK_N=block_n,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else "tf32",
+    )
+    if num_splits > 1:
+        launch_scale_reduce(o_dst, lse_dst, out, out_lse)
+    return out, out_lse

@@ -1,0 +1,135 @@
+"""Triton kernel: one prefill micro-attention, causal, of new query tokens over the paged KV blocks one
+part holds.
+
+Infinite-LLM section 4.6 plans a long prompt's rBlocks before the prefill runs, some local and some
+borrowed from other instances, and overlaps attention with their transfer. With the same (output,
+LSE) contract as decode, each part can compute its share where its blocks are and ScaleReduce merges
+the parts (section 4.2, eq. (5)), so a prompt whose KV does not fit on one GPU can also be spread.
+
+Causality across parts is expressed by one integer per sequence, the causal offset: query token i
+(0-based among this sequence's new tokens) sees this part's KV token j iff j <= i + offset. For the
+part holding the end of the sequence (the cached context followed by the new tokens themselves),
+offset = kv_len - q_len; for a part holding only earlier tokens, any offset >= kv_len - 1 makes
+everything visible. A query row that sees nothing in this part returns 0 and LSE -inf.
+
+Prefill is compute bound (every K/V tile is reused by a whole tile of queries), so a program serves
+one query head and a tile of query tokens; grouping the query heads of a KV head, as decode does,
+would only save L2 traffic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def micro_attention_prefill_kernel(
+    q_ptr,  # [total_q_tokens, num_q_heads, head_dim], sequences packed one after another
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_table_ptr,  # int32 [num_seqs, max_num_blocks_per_seq]
+    kv_lens_ptr,  # int32 [num_seqs]: KV tokens of each sequence held by this part
+    query_start_loc_ptr,  # int32 [num_seqs + 1]: sequence s owns q rows start[s] .. start[s+1]-1
+    causal_offsets_ptr,  # int32 [num_seqs]
+    out_ptr,  # fp32 [total_q_tokens, num_q_heads, head_dim]
+    lse_ptr,  # fp32 [total_q_tokens, num_q_heads]
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_bt_seq,
+    stride_out_tok,
+    stride_out_head,
+    stride_lse_tok,
+    stride_lse_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # KV tokens per loop iteration
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq_id = tl.program_id(0)
+    q_tile_id = tl.program_id(1)
+    q_head_id = tl.program_id(2)
+    kv_head_id = q_head_id // GROUP_SIZE
+
+    q_start = tl.load(query_start_loc_ptr + seq_id)
+    q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
+    if q_tile_id * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq_id)
+    causal_offset = tl.load(causal_offsets_ptr + seq_id)
+
+    q_idx = q_tile_id * BLOCK_M + tl.arange(0, BLOCK_M)  # position among this sequence's new tokens
+    q_mask = q_idx < q_len
+    dim_offs = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dim_offs < HEAD_DIM
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_tok + q_head_id * stride_q_head + dim_offs[None, :],
+        mask=q_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # The last query row of the tile bounds what any row of it can see: skip the blocks past it.
+    last_q = tl.minimum(q_tile_id * BLOCK_M + BLOCK_M, q_len) - 1
+    kv_end = tl.minimum(kv_len, tl.maximum(last_q + causal_offset + 1, 0))
+    bt_row = block_table_ptr + seq_id.to(tl.int64) * stride_bt_seq
+    for kv0 in range(0, kv_end, BLOCK_N):
+        kv_idx = kv0 + tl.arange(0, BLOCK_N)
+        kv_in = kv_idx < kv_end
+        block_ids = tl.load(bt_row + kv_idx // BLOCK_SIZE, mask=kv_in, other=0).to(tl.int64)
+        in_block = (kv_idx % BLOCK_SIZE).to(tl.int64)
+        kv_mask = kv_in[:, None] & dim_mask[None, :]
+
+        k_rows = block_ids * stride_k_block + in_block * stride_k_tok + kv_head_id * stride_k_head
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = kv_in[None, :] & (kv_idx[None, :] <= q_idx[:, None] + causal_offset) & q_mask[:, None]
+        s = tl.where(visible, s, float("-inf"))
+
+        # Unlike decode, a row can see nothing in a whole tile (the causal diagonal): measure against 0
+        # while its max is still -inf, so no -inf - -inf appears.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_rows = block_ids * stride_v_block + in_block * stride_v_tok + kv_head_id * stride_v_head
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    lse = tl.where(has_tokens, (m_i + tl.log2(tl.where(has_tokens, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_out_tok + q_head_id * stride_out_head + dim_offs[None, :],
+        out,
+        mask=q_mask[:, None] & dim_mask[None, :],
+    )
+    tl.store(lse_ptr + q_rows * stride_lse_tok + q_head_id * stride_lse_head, lse, mask=q_mask)
