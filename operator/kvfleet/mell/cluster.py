@@ -1,0 +1,562 @@
+"""Bookkeeping shared by every policy: GPUs, items, loads, activation order, and epoch batching.
+
+MELL and the baselines differ only in where they put things (mell.py, baselines.py); the mechanics
+of one epoch are the same for all of them and live here: events are applied in the order of MELL's
+request operation batching (§VI-C: departs, then updates, then allocates), every move is written to a
+buffer keyed by request so that redundant moves cancel (A->B->A vanishes, A->B->C becomes A->C, a
+request placed and moved in the same epoch is just placed), and GPUs left idle are terminated at
+the end of the epoch (Algorithm 1).
+
+The scheduler object is mutable for speed (1,000,000 live requests), but it is a deterministic
+function of its initial state and the batches it is given: no clock, no randomness, no I/O, and every
+iteration is over insertion-ordered dicts. `snapshot()` / `from_snapshot()` give the pure form
+(state, batch) -> (plan, state) that the operator uses after a restart.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from kvfleet.mell.models import (
+    Arrive,
+    EventBatch,
+    Finish,
+    Grow,
+    Location,
+    Migration,
+    Placement,
+    Plan,
+    SizeClass,
+    Span,
+    size_class,
+)
+
+X = int(SizeClass.X)
+L = int(SizeClass.L)
+M = int(SizeClass.M)
+S = int(SizeClass.S)
+T = int(SizeClass.T)
+TINY = int(SizeClass.TINY)
+NO_CATEGORY = -1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of a policy. Weights are the provider-set priority factors of MELL §VI-C."""
+
+    capacity_bytes: int
+    gpus_per_node: int = 8
+    nodes_per_zone: int = 4
+    # Priority of a GPU from its workload: more free memory and fewer requests rank higher.
+    weight_free: float = 1.0
+    weight_requests: float = 0.001
+    # Priority from GPU j to GPU j' adds a distance bonus (same node before same zone before elsewhere).
+    weight_same_node: float = 0.2
+    weight_same_zone: float = 0.1
+    # How many under-filled multi-items a tiny request probes (oldest GPU first) before opening a new one.
+    tiny_probe_limit: int = 4
+    # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU (mell.py).
+    refill_underfilled_t: bool = True
+    # Load balance (Llumnix-style baseline): migrate only while the pair's gap exceeds this share of C.
+    lb_gap_fraction: float = 0.1
+
+
+class Gpu:
+    """A worker's scheduling state (internal and mutable; see GpuSnapshot for the frozen value)."""
+
+    __slots__ = ("gpu_id", "index", "seq", "location", "load_bytes", "items", "class_counts", "num_requests",
+                 "category", "span_owner", "idle")
+
+    def __init__(self, gpu_id: str, index: int, seq: int, location: Location) -> None:
+        self.gpu_id = gpu_id
+        self.index = index
+        self.seq = seq
+        self.location = location
+        self.load_bytes = 0
+        self.items: dict[int, Item] = {}
+        self.class_counts = [0, 0, 0, 0, 0, 0]
+        self.num_requests = 0
+        self.category = NO_CATEGORY
+        self.span_owner: str | None = None  # request whose full KV chunk this GPU holds
+        self.idle = False
+
+
+class Item:
+    """What gets placed: one request, or a multi-item bundling tiny requests (MELL §VI-C)."""
+
+    __slots__ = ("item_id", "cls", "size_bytes", "members", "gpu", "is_bundle", "arrival_seq")
+
+    def __init__(self, item_id: int, cls: int, members: dict[str, int], is_bundle: bool, arrival_seq: int) -> None:
+        self.item_id = item_id
+        self.cls = cls
+        self.members = members
+        self.size_bytes = sum(members.values())
+        self.gpu: Gpu | None = None
+        self.is_bundle = is_bundle
+        self.arrival_seq = arrival_seq
+
+
+@dataclass(frozen=True)
+class ItemSnapshot:
+    members: tuple[tuple[str, int], ...]
+    is_bundle: bool
+    gpu_id: str
+
+
+@dataclass(frozen=True)
+class SpanSnapshot:
+    request_id: str
+    head_gpu_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    gpu_id: str
+    index: int
+    seq: int
+    location: Location
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """The whole scheduling state as a value: rebuildable from worker reports (DESIGN.md)."""
+
+    gpus: tuple[GpuSnapshot, ...]
+    items: tuple[ItemSnapshot, ...]
+    spans: tuple[SpanSnapshot, ...]
+    next_gpu_index: int
+    next_seq: int
+
+
+class ClusterPolicy:
+    """Base of all policies: applies batches, keeps loads and categories, records the plan."""
+
+    name = "base"
+    uses_free_index = False
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        self.cfg = config
+        self.capacity_bytes = config.capacity_bytes
+        self.gpus: dict[str, Gpu] = {}
+        self.item_of: dict[str, Item] = {}
+        self._next_gpu_index = 0
+        self._next_seq = 0
+        self._next_item_id = 0
+        self._next_arrival = 0
+        self._mra: list[list[tuple[int, str]]] = [[] for _ in range(6)]
+        self._latest: list[tuple[int, str]] = []
+        self._idle: list[Gpu] = []
+        self._free_index: list[tuple[int, int, str]] = []
+        self._heads: dict[str, list[Gpu]] = {}
+        self._respanned: dict[str, str] = {}
+        # per-batch recording
+        self._new_placements: dict[str, str] = {}
+        self._moves: dict[str, list[object]] = {}
+        self._preemptions: list[Migration] = []
+        self._activated: dict[str, None] = {}
+        self._op_moves = 0
+        self._moves_per_op: list[int] = []
+        self._num_hops = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def schedule(self, batch: EventBatch) -> Plan:
+        """Algorithm 1 for one epoch, with request operation batching (§VI-C)."""
+        finishes: list[Finish] = []
+        grows: list[Grow] = []
+        arrives: list[Arrive] = []
+        for event in batch.events:
+            if isinstance(event, Finish):
+                finishes.append(event)
+            elif isinstance(event, Grow):
+                grows.append(event)
+            else:
+                arrives.append(event)
+        self._begin_batch()
+        # (1) departs, (2) updates, (3) allocates; moves land in the buffer and cancel there.
+        for fin in finishes:
+            self._op_moves = 0
+            self._finish(fin.request_id)
+            # A request moved by an earlier depart of this batch and finished now needs no move.
+            if self._moves.pop(fin.request_id, None) is not None:
+                self._num_hops += 1
+            self._moves_per_op.append(self._op_moves)
+        for grow in grows:
+            self._op_moves = 0
+            if grow.request_id not in self.item_of:
+                raise ValueError(f"unknown request {grow.request_id!r} grew")
+            self._grow(grow.request_id, grow.size_bytes)
+            self._moves_per_op.append(self._op_moves)
+        for arr in arrives:
+            if arr.request_id in self.item_of:
+                raise ValueError(f"request {arr.request_id!r} arrived twice")
+            if arr.size_bytes < 0:
+                raise ValueError(f"request {arr.request_id!r} has a negative size")
+            self._op_moves = 0
+            self._arrive(arr.request_id, arr.size_bytes)
+            self._moves_per_op.append(self._op_moves)
+        self._op_moves = 0
+        self.after_batch()
+        if self._op_moves:
+            self._moves_per_op.append(self._op_moves)
+        return self._end_batch(batch.now_s)
+
+    def num_gpus(self) -> int:
+        return sum(1 for g in self.gpus.values() if not g.idle)
+
+    def gpu_of(self, request_id: str) -> str:
+        item = self.item_of[request_id]
+        assert item.gpu is not None
+        return item.gpu.gpu_id
+
+    def loads(self) -> dict[str, int]:
+        return {g.gpu_id: g.load_bytes for g in self.gpus.values()}
+
+    def snapshot(self) -> ClusterSnapshot:
+        items: list[ItemSnapshot] = []
+        seen: set[int] = set()
+        for item in self.item_of.values():
+            if item.item_id in seen or item.gpu is None:
+                continue
+            seen.add(item.item_id)
+            items.append(ItemSnapshot(tuple(item.members.items()), item.is_bundle, item.gpu.gpu_id))
+        gpus = tuple(GpuSnapshot(g.gpu_id, g.index, g.seq, g.location) for g in self.gpus.values())
+        spans = tuple(SpanSnapshot(rid, tuple(g.gpu_id for g in heads)) for rid, heads in self._heads.items())
+        return ClusterSnapshot(gpus, tuple(items), spans, self._next_gpu_index, self._next_seq)
+
+    def restore(self, snap: ClusterSnapshot) -> None:
+        """Load a snapshot into an empty policy (placement is taken as reported, not re-decided)."""
+        if self.gpus:
+            raise ValueError("restore() needs an empty policy")
+        self._next_gpu_index = snap.next_gpu_index
+        self._next_seq = snap.next_seq
+        for gs in snap.gpus:
+            gpu = Gpu(gs.gpu_id, gs.index, gs.seq, gs.location)
+            self.gpus[gpu.gpu_id] = gpu
+            heapq.heappush(self._latest, (-gpu.seq, gpu.gpu_id))
+            if self.uses_free_index:
+                insort(self._free_index, (self.capacity_bytes, gpu.seq, gpu.gpu_id))
+        for its in snap.items:
+            members = dict(its.members)
+            size = sum(members.values())
+            cls = T if its.is_bundle else int(size_class(size, self.capacity_bytes))
+            item = self._new_item(cls, members, its.is_bundle)
+            self._place(item, self.gpus[its.gpu_id])
+        for sp in snap.spans:
+            heads = [self.gpus[gid] for gid in sp.head_gpu_ids]
+            for head in heads:
+                self._make_head(head, sp.request_id)
+            self._heads[sp.request_id] = heads
+        for gpu in self.gpus.values():
+            if not gpu.items and gpu.span_owner is None:
+                gpu.idle = True
+                self._idle.append(gpu)
+
+    # ------------------------------------------------------------------ hooks for policies
+
+    def on_arrive(self, request_id: str, size_bytes: int) -> None:
+        raise NotImplementedError
+
+    def on_finish(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def on_grow(self, request_id: str, size_bytes: int) -> None:
+        raise NotImplementedError
+
+    def after_batch(self) -> None:
+        """Called after all allocates (the load-balance baseline migrates here)."""
+
+    # ------------------------------------------------------------------ primitives
+
+    def _new_item(self, cls: int, members: dict[str, int], is_bundle: bool) -> Item:
+        item = Item(self._next_item_id, cls, members, is_bundle, self._next_arrival)
+        self._next_item_id += 1
+        self._next_arrival += 1
+        for rid in members:
+            self.item_of[rid] = item
+        return item
+
+    def _free(self, gpu: Gpu) -> int:
+        return self.capacity_bytes - gpu.load_bytes
+
+    def _activate(self) -> Gpu:
+        """Start a GPU. One emptied earlier in this epoch is reused (its pod still exists)."""
+        seq = self._next_seq
+        self._next_seq += 1
+        if self._idle:
+            gpu = self._idle.pop()
+            if self.uses_free_index:
+                self._free_index_remove(gpu)
+            gpu.idle = False
+            gpu.seq = seq
+        else:
+            index = self._next_gpu_index
+            self._next_gpu_index += 1
+            node = index // self.cfg.gpus_per_node
+            zone = node // self.cfg.nodes_per_zone
+            gpu = Gpu(f"gpu-{index}", index, seq, Location(f"node-{node}", f"zone-{zone}"))
+            self.gpus[gpu.gpu_id] = gpu
+            self._activated[gpu.gpu_id] = None
+        if self.uses_free_index:
+            insort(self._free_index, (self._free(gpu), gpu.seq, gpu.gpu_id))
+        heapq.heappush(self._latest, (-seq, gpu.gpu_id))
+        if len(self._latest) > 4 * len(self.gpus) + 64:
+            self._latest = [(-g.seq, g.gpu_id) for g in self.gpus.values() if not g.idle]
+            heapq.heapify(self._latest)
+        return gpu
+
+    def _set_load(self, gpu: Gpu, new_load: int) -> None:
+        if self.uses_free_index and not gpu.idle:
+            self._free_index_remove(gpu)
+            gpu.load_bytes = new_load
+            insort(self._free_index, (self._free(gpu), gpu.seq, gpu.gpu_id))
+        else:
+            gpu.load_bytes = new_load
+
+    def _free_index_remove(self, gpu: Gpu) -> None:
+        key = (self._free(gpu), gpu.seq, gpu.gpu_id)
+        pos = bisect_left(self._free_index, key)
+        if pos < len(self._free_index) and self._free_index[pos] == key:
+            del self._free_index[pos]
+
+    def _load_on_primary(self, item: Item) -> int:
+        return item.size_bytes
+
+    def _recategorize(self, gpu: Gpu) -> None:
+        counts = gpu.class_counts
+        cat = NO_CATEGORY
+        for c in (X, L, M, S, T):
+            if counts[c]:
+                cat = c
+                break
+        if cat != gpu.category:
+            gpu.category = cat
+            if cat != NO_CATEGORY:
+                heap = self._mra[cat]
+                heapq.heappush(heap, (-gpu.seq, gpu.gpu_id))
+                if len(heap) > 4 * len(self.gpus) + 64:
+                    self._mra[cat] = [(-g.seq, g.gpu_id) for g in self.gpus.values() if g.category == cat]
+                    heapq.heapify(self._mra[cat])
+
+    def _place(self, item: Item, gpu: Gpu) -> None:
+        item.gpu = gpu
+        gpu.items[item.item_id] = item
+        gpu.class_counts[item.cls] += 1
+        gpu.num_requests += len(item.members)
+        self._set_load(gpu, gpu.load_bytes + self._load_on_primary(item))
+        self._recategorize(gpu)
+
+    def _remove(self, item: Item) -> Gpu:
+        gpu = item.gpu
+        assert gpu is not None
+        item.gpu = None
+        del gpu.items[item.item_id]
+        gpu.class_counts[item.cls] -= 1
+        gpu.num_requests -= len(item.members)
+        self._set_load(gpu, gpu.load_bytes - self._load_on_primary(item))
+        self._recategorize(gpu)
+        self._maybe_idle(gpu)
+        return gpu
+
+    def _maybe_idle(self, gpu: Gpu) -> None:
+        if not gpu.items and gpu.span_owner is None and not gpu.idle:
+            if self.uses_free_index:
+                self._free_index_remove(gpu)
+            gpu.idle = True
+            self._idle.append(gpu)
+
+    def _resize(self, item: Item, new_size: int, new_cls: int | None = None) -> None:
+        """Change an item's size (and class) in place, on its GPU."""
+        gpu = item.gpu
+        assert gpu is not None
+        old_load = self._load_on_primary(item)
+        item.size_bytes = new_size
+        if new_cls is not None and new_cls != item.cls:
+            gpu.class_counts[item.cls] -= 1
+            item.cls = new_cls
+            gpu.class_counts[new_cls] += 1
+            self._recategorize(gpu)
+        self._set_load(gpu, gpu.load_bytes - old_load + self._load_on_primary(item))
+
+    def _record(self, request_id: str, size: int, src: Gpu | None, dst: Gpu, cause: str) -> None:
+        if src is None or request_id in self._new_placements:
+            self._new_placements[request_id] = dst.gpu_id
+            return
+        move = self._moves.get(request_id)
+        if move is None:
+            self._moves[request_id] = [src.gpu_id, dst.gpu_id, size, cause]
+        else:
+            self._num_hops += 1
+            move[1] = dst.gpu_id
+            move[2] = size
+
+    def _put(self, item: Item, gpu: Gpu, cause: str, src: Gpu | None) -> None:
+        """Place an item that is not on any GPU; `src` is where it was (None for a new request)."""
+        self._place(item, gpu)
+        if src is not None and src is not gpu:
+            self._op_moves += 1
+        for rid, size in item.members.items():
+            self._record(rid, size, src, gpu, cause)
+
+    def _move(self, item: Item, dst: Gpu, cause: str) -> None:
+        src = self._remove(item)
+        self._put(item, dst, cause, src)
+
+    def _latest_gpu(self) -> Gpu | None:
+        """The most recently activated GPU that is in use."""
+        heap = self._latest
+        while heap:
+            neg_seq, gid = heap[0]
+            gpu = self.gpus.get(gid)
+            if gpu is not None and not gpu.idle and gpu.seq == -neg_seq:
+                return gpu
+            heapq.heappop(heap)
+        return None
+
+    def _mra_gpu(self, categories: tuple[int, ...], exclude: Gpu | None = None) -> Gpu | None:
+        """The most recently activated GPU whose category is one of `categories` (MELL §VI-C)."""
+        best: Gpu | None = None
+        for cat in categories:
+            heap = self._mra[cat]
+            held: list[tuple[int, str]] = []
+            found: Gpu | None = None
+            while heap:
+                neg_seq, gid = heap[0]
+                gpu = self.gpus.get(gid)
+                if gpu is None or gpu.category != cat or gpu.seq != -neg_seq or gpu.idle:
+                    heapq.heappop(heap)
+                    continue
+                if gpu is exclude:
+                    held.append(heapq.heappop(heap))
+                    continue
+                found = gpu
+                break
+            for entry in held:
+                heapq.heappush(heap, entry)
+            if found is not None and (best is None or found.seq > best.seq):
+                best = found
+        return best
+
+    def _gpus_in(self, categories: tuple[int, ...]) -> list[Gpu]:
+        return [g for g in self.gpus.values() if g.category in categories and not g.idle]
+
+    def _priority(self, gpu: Gpu) -> float:
+        """Priority of a GPU from its workload alone (MELL §VI-C, used for incoming requests)."""
+        cfg = self.cfg
+        return cfg.weight_free * self._free(gpu) / self.capacity_bytes - cfg.weight_requests * gpu.num_requests
+
+    def _priority_from(self, origin: Gpu, gpu: Gpu) -> float:
+        """Priority of `gpu` for `origin`: workload plus distance (same node > same zone > elsewhere)."""
+        bonus = 0.0
+        if gpu.location.node_id == origin.location.node_id:
+            bonus = self.cfg.weight_same_node
+        elif gpu.location.zone_id == origin.location.zone_id:
+            bonus = self.cfg.weight_same_zone
+        return self._priority(gpu) + bonus
+
+    # ------------------------------------------------------------------ DistAttention spans
+
+    def _make_head(self, gpu: Gpu, request_id: str) -> None:
+        gpu.span_owner = request_id
+        gpu.class_counts[X] += 1
+        self._recategorize(gpu)
+        self._set_load(gpu, self.capacity_bytes)
+
+    def _split(self, size_bytes: int) -> tuple[int, int]:
+        """(full chunks, tail bytes) of a request: k chunks of exactly C, a tail in (0, C]."""
+        chunks = max(0, -(-size_bytes // self.capacity_bytes) - 1)
+        return chunks, size_bytes - chunks * self.capacity_bytes
+
+    def _arrive(self, request_id: str, size_bytes: int) -> None:
+        """A request larger than C is not a failure (DESIGN.md): whole chunks of C fill GPUs of their
+        own and the tail is scheduled like any request; DistAttention spans them (Infinite-LLM)."""
+        chunks, tail = self._split(size_bytes)
+        if chunks:
+            self._heads[request_id] = [self._new_head(request_id) for _ in range(chunks)]
+        self.on_arrive(request_id, tail)
+
+    def _new_head(self, request_id: str) -> Gpu:
+        gpu = self._activate()
+        self._make_head(gpu, request_id)
+        return gpu
+
+    def _grow(self, request_id: str, size_bytes: int) -> None:
+        heads = self._heads.get(request_id)
+        chunks, tail = self._split(size_bytes)
+        if chunks == (len(heads) if heads else 0):
+            self.on_grow(request_id, tail)
+            return
+        if chunks < (len(heads) if heads else 0):
+            return  # KV only grows (§VI-A): a stale report changes nothing
+        # The tail passed C: it becomes whole chunks on GPUs of their own and a new, small tail is
+        # scheduled afresh (its blocks are newly written, nothing is copied).
+        src = self.item_of[request_id].gpu
+        self.on_finish(request_id)
+        self._moves.pop(request_id, None)
+        new_heads = self._heads.setdefault(request_id, [])
+        while len(new_heads) < chunks:
+            new_heads.append(self._new_head(request_id))
+        self.on_arrive(request_id, tail)
+        if src is not None and request_id in self._new_placements:
+            self._respanned[request_id] = src.gpu_id
+
+    def _finish(self, request_id: str) -> None:
+        self.on_finish(request_id)
+        for head in self._heads.pop(request_id, []):
+            head.span_owner = None
+            head.class_counts[X] -= 1
+            self._recategorize(head)
+            self._set_load(head, 0)
+            self._maybe_idle(head)
+
+    # ------------------------------------------------------------------ batch begin / end
+
+    def _begin_batch(self) -> None:
+        self._new_placements = {}
+        self._moves = {}
+        self._preemptions = []
+        self._activated = {}
+        self._moves_per_op = []
+        self._num_hops = 0
+        self._respanned = {}
+
+    def _end_batch(self, now_s: float) -> Plan:
+        terminate: list[str] = []
+        for gpu in self._idle:
+            del self.gpus[gpu.gpu_id]
+            if gpu.gpu_id in self._activated:
+                del self._activated[gpu.gpu_id]
+            else:
+                terminate.append(gpu.gpu_id)
+        self._idle = []
+        migrations: list[Migration] = []
+        cancelled = self._num_hops
+        for rid, (src, dst, size, cause) in self._moves.items():
+            if src == dst:
+                cancelled += 1
+                continue
+            assert isinstance(src, str) and isinstance(dst, str) and isinstance(size, int) and isinstance(cause, str)
+            if cause == "preempt":
+                # Recompute preemption (baselines): re-prefill, not a migration (see baselines.py).
+                self._preemptions.append(Migration(rid, src, dst, size, cause))
+            else:
+                migrations.append(Migration(rid, src, dst, size, cause))
+        placements = tuple(Placement(rid, gid) for rid, gid in self._new_placements.items())
+        spans = tuple(
+            Span(rid, (*(g.gpu_id for g in heads), self.gpu_of(rid))) for rid, heads in self._heads.items()
+        )
+        return Plan(
+            now_s=now_s,
+            placements=placements,
+            migrations=tuple(migrations),
+            preemptions=tuple(self._preemptions),
+            spans=spans,
+            activate_gpu_ids=tuple(self._activated),
+            terminate_gpu_ids=tuple(sorted(terminate)),
+            moves_per_operation=tuple(self._moves_per_op),
+            num_moves_cancelled=cancelled,
+        )

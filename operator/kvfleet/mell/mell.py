@@ -1,0 +1,419 @@
+"""MELL's online KV-cache scheduler: Allocate / Depart / Update of Fig. 10 under Algorithm 1.
+
+Each method below is one branch of Fig. 10 and says which. Where the paper leaves a case open, the
+choice made here is marked "(kvfleet)" and documented in docs/mell.md:
+
+* Multi-items (§VI-C): a tiny request (<= C/8) joins an under-filled multi-item, probing the oldest
+  GPUs first so that multi-items shrunk by departures are refilled where they are and the newest GPU
+  drains; otherwise it opens a new multi-item placed by Allocate T-request. A multi-item that grows
+  past C/4 sheds the grown request into a new multi-item on the same GPU (no data moves).
+* Growth without a class change that overloads a GPU (Fig. 10 only covers L->L): the grown request is
+  departed and re-allocated, as in Update case 1.
+* Allocate S/M "to the most recently activated S/M-GPU": the GPU of the request's own class, so that
+  M-GPUs hold M-requests and S-GPUs S-requests (Theorem 1, properties 1 and 2).
+* A T-request departing from a GPU that it leaves empty triggers no refill (the GPU is terminated),
+  nor from a GPU still at least 3/4 full (Theorem 1 property 3 already holds there).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from kvfleet.mell.cluster import L, M, NO_CATEGORY, S, T, TINY, ClusterPolicy, Gpu, Item, SchedulerConfig
+from kvfleet.mell.models import size_class
+
+
+class MellPolicy(ClusterPolicy):
+    name = "mell"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        # Under-filled multi-items, oldest GPU first: (gpu seq, item id).
+        self._underfilled: list[tuple[int, int]] = []
+        self._bundles: dict[int, Item] = {}
+        # T-GPUs that fell under 3/4 full, oldest first (see _underfilled_t_gpu).
+        self._t_low: list[tuple[int, str]] = []
+
+    # ================================================================ events (Algorithm 1)
+
+    def on_arrive(self, request_id: str, size_bytes: int) -> None:
+        cls = int(size_class(size_bytes, self.capacity_bytes))
+        if cls == TINY:
+            self._allocate_tiny(request_id, size_bytes, None, "allocate")
+            return
+        item = self._new_item(cls, {request_id: size_bytes}, False)
+        self.allocate(item, "allocate", None)
+
+    def on_finish(self, request_id: str) -> None:
+        item = self.item_of.pop(request_id, None)
+        if item is None:
+            raise ValueError(f"unknown request {request_id!r} finished")
+        if item.is_bundle:
+            self.item_of[request_id] = item
+            self._leave_bundle(item, request_id)
+            return
+        self.depart(item, "depart")
+
+    def on_grow(self, request_id: str, size_bytes: int) -> None:
+        item = self.item_of.get(request_id)
+        if item is None:
+            raise ValueError(f"unknown request {request_id!r} grew")
+        if item.is_bundle:
+            self._grow_tiny(item, request_id, size_bytes)
+            return
+        old = item.size_bytes
+        if size_bytes <= old:
+            return  # KV only grows (§VI-A); a stale report changes nothing
+        item.members[request_id] = size_bytes
+        self.update(item, size_bytes)
+
+    # ================================================================ Allocate (Fig. 10)
+
+    def allocate(self, item: Item, cause: str, src: Gpu | None) -> None:
+        cls = item.cls
+        if cls == T:
+            self._allocate_t(item, cause, src, None)
+        elif cls in (S, M):
+            self._allocate_sm(item, cause, src)
+        else:
+            self._allocate_l(item, cause, src)
+
+    def _allocate_t(self, item: Item, cause: str, src: Gpu | None, exclude: Gpu | None) -> None:
+        # Fig. 10 Allocate case 1: the L-GPU with the highest priority that fits ...
+        best: Gpu | None = None
+        best_key = (0.0, 0)
+        for gpu in self._gpus_in((L,)):
+            if gpu is exclude or self._free(gpu) < item.size_bytes:
+                continue
+            key = (self._priority(gpu), -gpu.seq)
+            if best is None or key > best_key:
+                best, best_key = gpu, key
+        if best is None and self.cfg.refill_underfilled_t:
+            best = self._underfilled_t_gpu(item.size_bytes, exclude)
+        if best is None:
+            # ... otherwise the most recently activated T-GPU (a new GPU when that one is full).
+            best = self._mra_gpu((T,), exclude)
+            if best is None or self._free(best) < item.size_bytes:
+                best = self._activate()
+        self._put(item, best, cause, src)
+
+    def _underfilled_t_gpu(self, size: int, exclude: Gpu | None) -> Gpu | None:
+        """(kvfleet, `refill_underfilled_t`) the oldest T-GPU under 3/4 full that fits the T-request.
+
+        Fig. 10 refills a T-GPU only when a T-request departs from it, and never when it was the newest
+        GPU at that moment (case 1); such GPUs stay under 3/4 full once newer GPUs exist, against
+        Theorem 1 property 3, and on long runs they accumulate. Sending T-requests there first
+        restores the property instead of growing the newest T-GPU.
+        """
+        heap = self._t_low
+        c = self.capacity_bytes
+        probes = 0
+        while heap and probes < self.cfg.tiny_probe_limit:
+            seq, gid = heap[0]
+            gpu = self.gpus.get(gid)
+            if gpu is None or gpu.idle or gpu.seq != seq or gpu.category != T or 4 * gpu.load_bytes >= 3 * c:
+                heapq.heappop(heap)
+                continue
+            if gpu is not exclude and self._free(gpu) >= size:
+                latest = self._latest_gpu()
+                if latest is not None and gpu is not latest:
+                    return gpu
+            probes += 1
+            heapq.heappop(heap)
+        return None
+
+    def _set_load(self, gpu: Gpu, new_load: int) -> None:
+        super()._set_load(gpu, new_load)
+        if self.cfg.refill_underfilled_t and gpu.category == T and 4 * new_load < 3 * self.capacity_bytes:
+            heapq.heappush(self._t_low, (gpu.seq, gpu.gpu_id))
+
+    def _non_t_load(self, gpu: Gpu) -> int:
+        return sum(self._load_on_primary(it) for it in gpu.items.values() if it.cls != T)
+
+    def _allocate_sm(self, item: Item, cause: str, src: Gpu | None) -> None:
+        # Fig. 10 Allocate case 2: an L-GPU j with S_iL + S_i < C, highest priority ...
+        best: Gpu | None = None
+        best_key = (0.0, 0)
+        for gpu in self._gpus_in((L,)):
+            if self._non_t_load(gpu) + item.size_bytes >= self.capacity_bytes:
+                continue
+            key = (self._priority(gpu), -gpu.seq)
+            if best is None or key > best_key:
+                best, best_key = gpu, key
+        if best is not None:
+            self._put(item, best, cause, src)
+            # ... and depart and re-allocate any T-request in j.
+            for other in [it for it in best.items.values() if it.cls == T]:
+                self._remove(other)
+                self._allocate_t(other, "evict-t", best, best)
+            return
+        # ... otherwise the most recently activated GPU of the request's class, or a new one.
+        target = self._mra_gpu((item.cls,))
+        if target is None or self._free(target) < item.size_bytes:
+            target = self._activate()
+        self._put(item, target, cause, src)
+
+    def _allocate_l(self, item: Item, cause: str, src: Gpu | None) -> None:
+        # Fig. 10 Allocate case 3: activate a new GPU j for the L-request ...
+        gpu = self._activate()
+        self._put(item, gpu, cause, src)
+        # ... move an S/M-request from an S/M-GPU j' to j if possible ...
+        pulled = self._pull_sm_into(gpu, "pull-sm")
+        if pulled is None:
+            return
+        moved_from, moved_cls = pulled
+        # ... then fulfil j' with an S/M-request from the most recently activated S/M-GPU.
+        self._refill_sm(moved_from, moved_cls, exclude=gpu)
+
+    def _pull_sm_into(self, gpu: Gpu, cause: str) -> tuple[Gpu, int] | None:
+        """Move the S/M-request that fits L-GPU `gpu` from the S/M-GPU of highest priority for it."""
+        room = self.capacity_bytes - self._non_t_load(gpu)
+        best: tuple[float, int, int] | None = None
+        choice: Item | None = None
+        for cand in self._gpus_in((S, M)):
+            if cand is gpu:
+                continue
+            fit: Item | None = None
+            for it in cand.items.values():
+                if it.cls in (S, M) and it.size_bytes < room and (fit is None or it.size_bytes > fit.size_bytes):
+                    fit = it
+            if fit is None:
+                continue
+            key = (self._priority_from(gpu, cand), -cand.seq, fit.size_bytes)
+            if best is None or key > best:
+                best, choice = key, fit
+        if choice is None:
+            return None
+        source = choice.gpu
+        assert source is not None
+        cls = choice.cls
+        self._move(choice, gpu, cause)
+        # T-requests cannot share an L-GPU with an S/M-request (Allocate case 2).
+        for other in [it for it in gpu.items.values() if it.cls == T]:
+            self._remove(other)
+            self._allocate_t(other, "evict-t", gpu, gpu)
+        return source, cls
+
+    def _refill_sm(self, target: Gpu, cls: int, exclude: Gpu | None) -> None:
+        """Move a request of class `cls` from the most recently activated GPU of that class into `target`."""
+        if not target.items:
+            return
+        source = self._mra_gpu((cls,), target)
+        if source is None or source is exclude or source.seq < target.seq:
+            return
+        free = self._free(target)
+        fit: Item | None = None
+        for it in source.items.values():
+            if it.cls == cls and it.size_bytes <= free and (fit is None or it.size_bytes > fit.size_bytes):
+                fit = it
+        if fit is not None:
+            self._move(fit, target, "refill-sm")
+
+    # ================================================================ Depart (Fig. 10)
+
+    def depart(self, item: Item, cause: str) -> Gpu:
+        """Remove `item` from its GPU j and repair j as Fig. 10 Depart says. Returns j."""
+        gpu = item.gpu
+        assert gpu is not None
+        category_before = gpu.category
+        latest = self._latest_gpu()
+        self._remove(item)
+        # Case 1: j is the most recently activated GPU: just remove.
+        if latest is None or gpu.seq >= latest.seq:
+            return gpu
+        cls = item.cls
+        if cls == T:
+            self._depart_t(gpu, category_before)
+        elif cls in (S, M):
+            self._depart_sm(gpu, cls, category_before)
+        elif cls == L:
+            # Case 4: depart and re-allocate all other requests in j.
+            self._evict_all(gpu, "depart-l")
+        return gpu
+
+    def _depart_t(self, gpu: Gpu, category_before: int) -> None:
+        if not gpu.items:
+            return  # (kvfleet) j is now empty and will be terminated: nothing to refill
+        if 4 * gpu.load_bytes >= 3 * self.capacity_bytes:
+            # (kvfleet) j is still at least 3/4 full: Theorem 1 property 3 holds without a move, and
+            # the refill exists to restore it; skipping it saves a migration and changes no property.
+            return
+        # Case 2: a T-GPU refills from the most recently activated T/M-GPU, any other from the latest T-GPU.
+        sources = (T, M) if category_before == T else (T,)
+        source = self._mra_gpu(sources, gpu)
+        if source is None or source.seq < gpu.seq:
+            return  # refilling from an older GPU would not drain the newest one
+        free = self._free(gpu)
+        fit: Item | None = None
+        for it in source.items.values():
+            if it.cls == T and it.size_bytes <= free and (fit is None or it.size_bytes > fit.size_bytes):
+                fit = it
+        if fit is not None:
+            self._move(fit, gpu, "refill-t")
+
+    def _depart_sm(self, gpu: Gpu, cls: int, category_before: int) -> None:
+        if category_before == L:
+            # Case 3, L-GPU: pull an S/M-request from the S/M-GPU j' of highest priority for j ...
+            pulled = self._pull_sm_into(gpu, "refill-l")
+            if pulled is not None:
+                # ... then fulfil j' from the most recently activated S/M-GPU.
+                self._refill_sm(pulled[0], pulled[1], exclude=gpu)
+            return
+        if not gpu.items:
+            return
+        # Case 3, S/M-GPU: move an S/M-request from the most recently activated S/M-GPU to j ...
+        self._refill_sm(gpu, cls, exclude=None)
+        # ... and re-allocate any T-request in j.
+        for other in [it for it in gpu.items.values() if it.cls == T]:
+            self._remove(other)
+            self._allocate_t(other, "depart-sm-t", gpu, gpu)
+
+    def _evict_all(self, gpu: Gpu, cause: str, keep: Item | None = None) -> None:
+        for other in [it for it in gpu.items.values() if it is not keep]:
+            self._remove(other)
+            if other.is_bundle:
+                self._reallocate_bundle(other, cause, gpu)
+            else:
+                self.allocate(other, cause, gpu)
+
+    def _reallocate_bundle(self, bundle: Item, cause: str, src: Gpu) -> None:
+        self._allocate_t(bundle, cause, src, None)
+
+    # ================================================================ Update (Fig. 10)
+
+    def update(self, item: Item, new_size: int) -> None:
+        gpu = item.gpu
+        assert gpu is not None
+        old_cls = item.cls
+        new_cls = int(size_class(new_size, self.capacity_bytes))
+        c = self.capacity_bytes
+        if new_cls == old_cls:
+            self._resize(item, new_size)
+            if gpu.load_bytes > c:
+                if new_cls == L:
+                    # Case 3, L -> L: overload after growth: depart and re-allocate all others in j.
+                    self._evict_all(gpu, "overload-l", keep=item)
+                else:
+                    # (kvfleet) overload within T/S/M: depart and re-allocate the grown request.
+                    self.depart(item, "overload")
+                    self.allocate(item, "overload", gpu)
+            return
+        if new_cls == L:
+            other_l = any(it.cls == L for it in gpu.items.values() if it is not item)
+            if other_l:
+                # Case 2, j is an L-GPU: depart i and re-allocate i.
+                self.depart(item, "update")
+                item.size_bytes = new_size
+                item.cls = new_cls
+                self.allocate(item, "update", gpu)
+                return
+            # Case 2, j is an M-GPU: i stays; on overload, depart and re-allocate all others in j.
+            self._resize(item, new_size, new_cls)
+            if gpu.load_bytes > c:
+                self._evict_all(gpu, "update-l", keep=item)
+            return
+        # Case 1, T/S -> S/M: depart i and re-allocate i.
+        self.depart(item, "update")
+        item.size_bytes = new_size
+        item.cls = new_cls
+        self.allocate(item, "update", gpu)
+
+    # ================================================================ multi-items (§VI-C)
+
+    def _push_underfilled(self, bundle: Item) -> None:
+        gpu = bundle.gpu
+        if gpu is not None and 4 * bundle.size_bytes < self.capacity_bytes:
+            heapq.heappush(self._underfilled, (gpu.seq, bundle.item_id))
+
+    def _allocate_tiny(self, request_id: str, size: int, src: Gpu | None, cause: str) -> None:
+        c = self.capacity_bytes
+        heap = self._underfilled
+        probes = 0
+        while heap and probes < self.cfg.tiny_probe_limit:
+            seq, item_id = heap[0]
+            bundle = self._bundles.get(item_id)
+            gpu = bundle.gpu if bundle is not None else None
+            if bundle is None or gpu is None or gpu.seq != seq or 4 * bundle.size_bytes >= c:
+                heapq.heappop(heap)
+                continue
+            if 4 * (bundle.size_bytes + size) <= c and self._free(gpu) >= size and gpu is not src:
+                bundle.members[request_id] = size
+                self.item_of[request_id] = bundle
+                gpu.num_requests += 1
+                self._resize(bundle, bundle.size_bytes + size)
+                if src is not None:
+                    self._op_moves += 1
+                self._record(request_id, size, src, gpu, cause)
+                return
+            heapq.heappop(heap)  # re-pushed when it shrinks again
+            probes += 1
+        bundle = self._new_item(T, {request_id: size}, True)
+        self._bundles[bundle.item_id] = bundle
+        self._allocate_t(bundle, cause, src, src)
+        self._push_underfilled(bundle)
+
+    def _place(self, item: Item, gpu: Gpu) -> None:
+        super()._place(item, gpu)
+        if item.is_bundle:
+            self._push_underfilled(item)
+
+    def _grow_tiny(self, bundle: Item, request_id: str, size_bytes: int) -> None:
+        old = bundle.members[request_id]
+        if size_bytes <= old:
+            return  # KV only grows (§VI-A)
+        gpu = bundle.gpu
+        assert gpu is not None
+        c = self.capacity_bytes
+        delta = size_bytes - old
+        if int(size_class(size_bytes, c)) == TINY:
+            if gpu.load_bytes + delta > c:
+                # (kvfleet) overload: the grown request leaves for a multi-item elsewhere.
+                self._leave_bundle(bundle, request_id)
+                self._allocate_tiny(request_id, size_bytes, gpu, "overload")
+            elif 4 * (bundle.size_bytes + delta) <= c:
+                bundle.members[request_id] = size_bytes
+                self._resize(bundle, bundle.size_bytes + delta)
+            else:
+                # (kvfleet) the multi-item would pass C/4: the request opens a new one on the same GPU.
+                # It cannot be alone in its multi-item here, since a tiny request is at most C/8.
+                self._leave_bundle(bundle, request_id)
+                fresh = self._new_item(T, {request_id: size_bytes}, True)
+                self._bundles[fresh.item_id] = fresh
+                self._place(fresh, gpu)
+            return
+        # TINY -> T or larger: the request becomes an item of its own, first as a T-request where it
+        # is, then Update treats it exactly as any T-request that grew.
+        if len(bundle.members) == 1:
+            single = bundle
+            single.is_bundle = False
+            del self._bundles[single.item_id]
+        else:
+            del bundle.members[request_id]
+            gpu.num_requests -= 1
+            self._resize(bundle, bundle.size_bytes - old)
+            self._push_underfilled(bundle)
+            single = self._new_item(T, {request_id: old}, False)
+            self._place(single, gpu)
+        single.members[request_id] = size_bytes
+        self.update(single, size_bytes)
+
+    def _leave_bundle(self, bundle: Item, request_id: str) -> None:
+        """Take a request out of its multi-item; an emptied multi-item departs (Fig. 10 Depart T)."""
+        size = bundle.members[request_id]
+        del self.item_of[request_id]
+        if len(bundle.members) == 1:
+            self.depart(bundle, "depart")
+            del bundle.members[request_id]
+            del self._bundles[bundle.item_id]
+            return
+        del bundle.members[request_id]
+        gpu = bundle.gpu
+        assert gpu is not None
+        gpu.num_requests -= 1
+        self._resize(bundle, bundle.size_bytes - size)
+        self._push_underfilled(bundle)
+
+    # ================================================================ checks used by tests
+
+    def category_of(self, gpu_id: str) -> int:
+        return self.gpus[gpu_id].category if gpu_id in self.gpus else NO_CATEGORY

@@ -1,0 +1,38 @@
+"""One entry point for every policy, and the pure form (snapshot, batch) -> (plan, snapshot).
+
+The operator names a policy in the LLMPool spec (`mell`, `best-fit`, `worst-fit`, `load-balance`);
+the simulator runs all four. `plan_epoch` is the function DESIGN.md asks for: no state survives the
+call, so the operator can rebuild the snapshot from worker reports after a restart.
+"""
+
+from __future__ import annotations
+
+from kvfleet.mell.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
+from kvfleet.mell.cluster import ClusterPolicy, ClusterSnapshot, SchedulerConfig
+from kvfleet.mell.mell import MellPolicy
+from kvfleet.mell.models import EventBatch, Plan
+
+POLICIES: dict[str, type[ClusterPolicy]] = {
+    "mell": MellPolicy,
+    "bf": BestFitPolicy,
+    "wf": WorstFitPolicy,
+    "lb": LoadBalancePolicy,
+}
+ALIASES = {"best-fit": "bf", "worst-fit": "wf", "load-balance": "lb"}
+
+
+def make_policy(name: str, config: SchedulerConfig) -> ClusterPolicy:
+    key = ALIASES.get(name, name)
+    if key not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, *ALIASES])}")
+    return POLICIES[key](config)
+
+
+def plan_epoch(
+    policy_name: str, config: SchedulerConfig, snapshot: ClusterSnapshot, batch: EventBatch
+) -> tuple[Plan, ClusterSnapshot]:
+    """Pure: the same (policy, config, snapshot, batch) always gives the same plan and next snapshot."""
+    policy = make_policy(policy_name, config)
+    policy.restore(snapshot)
+    plan = policy.schedule(batch)
+    return plan, policy.snapshot()

@@ -1,0 +1,197 @@
+"""`kvfleet simulate`: replay workloads under MELL and the baselines and say how many GPUs each needs.
+
+Without workload flags it runs the paper's evaluation (§VIII): both Azure traces and Poisson arrivals
+at lambda 0.5 / 0.8 / 1.1 with LMSYS/WildChat-like lengths scaled x10, on both setups (LLaMA-2-13B on
+A100-40GB, LLaMA-2-7B on RTX 4090-24GB), under MELL, BF, WF and LB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.mell.models import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
+from kvfleet.sim.report import Scenario, plot, table, to_csv
+from kvfleet.sim.simulator import RunResult, Setup, make_setup, simulate
+from kvfleet.sim.traces import TraceError, TraceRequest, poisson_workload, read_trace, slice_trace
+
+SETUPS = {
+    "13b-a100": (LLAMA2_13B, A100_40GB),
+    "7b-4090": (LLAMA2_7B, RTX4090_24GB),
+}
+AZURE_TRACES = ("AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv")
+PAPER_RATES = (0.5, 0.8, 1.1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    wl = parser.add_argument_group("workloads (default: both Azure traces and Poisson 0.5/0.8/1.1)")
+    wl.add_argument("--trace", action="append", type=Path, default=[], metavar="FILE",
+                    help="an Azure-format CSV, a CSV with timestamp/prompt/output columns, or JSONL "
+                         "with timestamp (ms), input_length, output_length; repeatable")
+    wl.add_argument("--azure", action="store_true", help="both Azure traces from --trace-dir")
+    wl.add_argument("--trace-dir", type=Path, default=None,
+                    help="where the Azure traces are (default: $KVFLEET_TRACES or ../shared/traces)")
+    wl.add_argument("--poisson", action="append", type=float, default=[], metavar="RATE",
+                    help="Poisson arrivals at RATE requests/s; repeatable")
+    wl.add_argument("--duration-s", type=float, default=3600.0, help="length of Poisson workloads (3600)")
+    wl.add_argument("--lengths", choices=("mixed", "lmsys", "wildchat"), default="mixed",
+                    help="length distribution of Poisson workloads (mixed)")
+    wl.add_argument("--length-scale", type=float, default=10.0,
+                    help="multiply Poisson lengths by this (10, as MELL §VIII-B)")
+    wl.add_argument("--trace-length-scale", type=float, default=1.0,
+                    help="multiply trace lengths by this (1: real lengths)")
+    wl.add_argument("--window", default=None, metavar="START:DURATION",
+                    help="replay only this window of each trace, in seconds")
+    wl.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads (0)")
+    parser.add_argument("--setup", action="append", choices=(*SETUPS, "all"), default=[],
+                        help="model on GPU; repeatable (default: all)")
+    parser.add_argument("--activation-reserve-gib", type=float, default=None,
+                        help="memory kept for activations (default: 10%% of GPU memory)")
+    parser.add_argument("--policies", default="mell,bf,wf,lb", help="comma-separated (mell,bf,wf,lb)")
+    parser.add_argument("--epoch-s", type=float, default=1.0, help="scheduling epoch (1.0 s)")
+    parser.add_argument("--no-refill-underfilled-t", action="store_true",
+                        help="MELL exactly as Fig. 10, without kvfleet's refill of under-filled T-GPUs")
+    out = parser.add_argument_group("output")
+    out.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the table as CSV ('-': stdout)")
+    out.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write Fig. 11/12/14/15-style PNGs")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _default_trace_dir() -> Path:
+    env = os.environ.get("KVFLEET_TRACES")
+    if env:
+        return Path(env)
+    for base in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        candidate = base / ".." / "shared" / "traces"
+        if candidate.is_dir():
+            return candidate
+    return Path("../shared/traces")
+
+
+def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]:
+    traces: list[Path] = list(args.trace)
+    rates: list[float] = list(args.poisson)
+    if args.azure or (not traces and not rates):
+        trace_dir = args.trace_dir or _default_trace_dir()
+        traces += [trace_dir / name for name in AZURE_TRACES]
+    if not args.trace and not args.poisson and not args.azure:
+        rates = list(PAPER_RATES)
+    window: tuple[float, float] | None = None
+    if args.window:
+        try:
+            start, dur = (float(x) for x in args.window.split(":"))
+        except ValueError:
+            raise TraceError(f"--window {args.window!r}: expected START:DURATION in seconds") from None
+        window = (start, dur)
+    out: list[tuple[str, list[TraceRequest]]] = []
+    for path in traces:
+        reqs = read_trace(path)
+        if window:
+            reqs = slice_trace(reqs, *window)
+            if not reqs:
+                raise TraceError(f"{path}: no requests in window {args.window}")
+        if args.trace_length_scale != 1.0:
+            k = args.trace_length_scale
+            reqs = [TraceRequest(r.request_id, r.arrival_s, max(1, round(r.prompt_tokens * k)),
+                                 max(1, round(r.output_tokens * k))) for r in reqs]
+        name = path.stem.replace("AzureLLMInferenceTrace_", "azure-")
+        out.append((name, reqs))
+    for rate in rates:
+        if rate <= 0:
+            raise TraceError(f"--poisson {rate}: the rate must be positive")
+        reqs = poisson_workload(rate, args.duration_s, args.lengths, args.length_scale, args.seed)
+        out.append((f"poisson-{rate:g}", reqs))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        workloads = _workloads(args)
+    except TraceError as err:
+        print(f"kvfleet simulate: error: {err}", file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in ("mell", "bf", "wf", "lb"):
+            print(f"kvfleet simulate: error: unknown policy {p!r} (mell, bf, wf, lb)", file=sys.stderr)
+            return 2
+    names = list(SETUPS) if not args.setup or "all" in args.setup else list(dict.fromkeys(args.setup))
+    reserve = None if args.activation_reserve_gib is None else int(args.activation_reserve_gib * GIB)
+    setups: list[Setup] = []
+    try:
+        for name in names:
+            model, gpu = SETUPS[name]
+            setups.append(make_setup(name, model, gpu, reserve))
+    except ValueError as err:
+        print(f"kvfleet simulate: error: {err}", file=sys.stderr)
+        return 2
+    if args.epoch_s <= 0:
+        print("kvfleet simulate: error: --epoch-s must be positive", file=sys.stderr)
+        return 2
+
+    bar: Any = None
+    if not args.no_progress:
+        try:
+            # Imported by name: tqdm ships no type stubs and the sim extra does not pull them in.
+            tqdm = importlib.import_module("tqdm").tqdm
+            total = sum(int(max((r.arrival_s for r in reqs), default=0.0) / args.epoch_s) + 1
+                        for _, reqs in workloads) * len(setups) * len(policies)
+            bar = tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True, leave=False)
+        except ImportError:
+            bar = None
+
+    scenarios: list[Scenario] = []
+    for setup in setups:
+        if not args.json:
+            cap = setup.capacity
+            print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
+                  f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
+                  f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
+        config = SchedulerConfig(capacity_bytes=setup.capacity_bytes,
+                                 refill_underfilled_t=not args.no_refill_underfilled_t)
+        for wname, reqs in workloads:
+            results: list[RunResult] = []
+            for pol in policies:
+                if bar is not None:
+                    bar.set_description(f"{setup.name} {wname} {pol}")
+                limit = int(max((r.arrival_s for r in reqs), default=0.0) / args.epoch_s) + 1
+                seen = [0]
+
+                def tick(epoch: int, _seen: list[int] = seen, _limit: int = limit) -> None:
+                    if bar is not None and _seen[0] < _limit:
+                        _seen[0] += 1
+                        bar.update(1)
+
+                result = simulate(reqs, setup, pol, args.epoch_s, config, tick)
+                if bar is not None and seen[0] < limit:
+                    bar.update(limit - seen[0])
+                results.append(result)
+            scenarios.append(Scenario(setup.name, wname, setup.capacity_bytes, tuple(results)))
+    if bar is not None:
+        bar.close()
+
+    if args.json:
+        payload: dict[str, object] = {"scenarios": [sc.to_json() for sc in scenarios]}
+        if len(scenarios) == 1:
+            payload.update(scenarios[0].to_json())
+        print(json.dumps(payload))
+    else:
+        print(table(scenarios))
+    if args.csv is not None:
+        text = to_csv(scenarios)
+        if str(args.csv) == "-":
+            sys.stdout.write(text)
+        else:
+            args.csv.write_text(text)
+    if args.plot is not None:
+        for path in plot(scenarios, args.plot):
+            if not args.json:
+                print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,169 @@
+"""Turning simulation results into the summary table, CSV, JSON and the paper-style figures.
+
+Figures follow MELL §VIII-C: GPUs needed per policy and workload (Fig. 11), migration frequency
+(Fig. 12), GPU memory utilization (Fig. 14), and GPUs in use over time (Fig. 15). matplotlib is
+imported only when plots are asked for.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet.sim.simulator import RunResult
+
+POLICY_LABELS = {"mell": "MELL", "bf": "BF", "wf": "WF", "lb": "LB"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One workload under one setup, run under every policy."""
+
+    setup: str
+    workload: str
+    capacity_bytes: int
+    results: tuple[RunResult, ...]
+
+    @property
+    def reference(self) -> RunResult:
+        """The run whose fluid lower bound is reported: MELL's if present (KV trajectories differ a
+        little between policies, as preemption and migration pauses change decode progress)."""
+        for r in self.results:
+            if r.policy == "mell":
+                return r
+        return self.results[0]
+
+    def to_json(self) -> dict[str, object]:
+        policies: dict[str, object] = {}
+        for r in self.results:
+            policies[r.policy] = {
+                "peak_gpus": r.peak_gpus,
+                "mean_gpus": round(r.mean_gpus, 4),
+                "utilization": round(r.utilization, 4),
+                "migrations_per_s": round(r.migrations_per_s, 4),
+                "migrated_bytes": r.migrated_bytes,
+                "preemptions_per_s": round(r.num_preemptions / r.duration_s, 4) if r.duration_s else 0.0,
+                "kv_transfers": r.num_kv_transfers,
+                "token_transfers": r.num_token_transfers,
+                "deferred_migrations": r.num_deferred,
+                "max_moves_per_operation": r.max_moves_per_operation,
+                "capacity_violations": r.num_capacity_violations,
+                "lower_bound_peak": r.lower_bound_peak,
+                "lower_bound_mean": round(r.lower_bound_mean, 4),
+            }
+        ref = self.reference
+        return {
+            "setup": self.setup,
+            "workload": self.workload,
+            "capacity_bytes": self.capacity_bytes,
+            "num_requests": ref.num_requests,
+            "duration_s": ref.duration_s,
+            "policies": policies,
+            "lower_bound_peak": ref.lower_bound_peak,
+            "lower_bound_mean": round(ref.lower_bound_mean, 4),
+        }
+
+
+HEADER = ("setup", "workload", "policy", "peak_gpus", "mean_gpus", "utilization", "migrations_per_s",
+          "preemptions_per_s", "migrated_gib", "lb_peak", "lb_mean")
+
+
+def rows(scenarios: Sequence[Scenario]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for sc in scenarios:
+        ref = sc.reference
+        for r in sc.results:
+            pre = r.num_preemptions / r.duration_s if r.duration_s else 0.0
+            out.append((sc.setup, sc.workload, POLICY_LABELS.get(r.policy, r.policy), str(r.peak_gpus),
+                        f"{r.mean_gpus:.2f}", f"{r.utilization:.1%}", f"{r.migrations_per_s:.3f}", f"{pre:.3f}",
+                        f"{r.migrated_bytes / 2**30:.1f}", str(ref.lower_bound_peak), f"{ref.lower_bound_mean:.2f}"))
+    return out
+
+
+def table(scenarios: Sequence[Scenario]) -> str:
+    body = rows(scenarios)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(HEADER)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in body:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    return "\n".join(lines)
+
+
+def to_csv(scenarios: Sequence[Scenario]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(HEADER)
+    for sc in scenarios:
+        ref = sc.reference
+        for r in sc.results:
+            pre = r.num_preemptions / r.duration_s if r.duration_s else 0.0
+            writer.writerow((sc.setup, sc.workload, r.policy, r.peak_gpus, f"{r.mean_gpus:.4f}",
+                             f"{r.utilization:.4f}", f"{r.migrations_per_s:.4f}", f"{pre:.4f}",
+                             f"{r.migrated_bytes / 2**30:.4f}", ref.lower_bound_peak, f"{ref.lower_bound_mean:.4f}"))
+    return buf.getvalue()
+
+
+def plot(scenarios: Sequence[Scenario], out_dir: Path) -> list[Path]:
+    """Write fig11_gpus.png, fig12_migrations.png, fig14_utilization.png and fig15_timeline_*.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    setups = list(dict.fromkeys(sc.setup for sc in scenarios))
+    policies = list(dict.fromkeys(r.policy for sc in scenarios for r in sc.results))
+
+    def bars(metric: str, ylabel: str, fname: str, value: Callable[[RunResult], float]) -> None:
+        fig, axes = plt.subplots(1, len(setups), figsize=(6 * len(setups), 4), squeeze=False)
+        for ax, setup in zip(axes[0], setups):
+            scs = [sc for sc in scenarios if sc.setup == setup]
+            width = 0.8 / max(1, len(policies))
+            for k, pol in enumerate(policies):
+                xs, ys = [], []
+                for i, sc in enumerate(scs):
+                    for r in sc.results:
+                        if r.policy == pol:
+                            xs.append(i + k * width)
+                            ys.append(value(r))
+                ax.bar(xs, ys, width, label=POLICY_LABELS.get(pol, pol))
+            if metric == "gpus":
+                for i, sc in enumerate(scs):
+                    ax.hlines(sc.reference.lower_bound_peak, i - width / 2, i + 0.8 - width / 2,
+                              colors="black", linestyles="dashed", label="fluid lower bound" if i == 0 else None)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scs))])
+            ax.set_xticklabels([sc.workload for sc in scs], rotation=20)
+            ax.set_ylabel(ylabel)
+            ax.set_title(setup)
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    bars("gpus", "peak GPUs needed", "fig11_gpus.png", lambda r: float(r.peak_gpus))
+    bars("migrations", "migrations per second", "fig12_migrations.png", lambda r: r.migrations_per_s)
+    bars("utilization", "GPU KV memory utilization", "fig14_utilization.png", lambda r: r.utilization)
+    for sc in scenarios:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r in sc.results:
+            ax.plot(r.times_s, r.gpus, label=POLICY_LABELS.get(r.policy, r.policy), linewidth=1)
+        ref = sc.reference
+        ax.plot(ref.times_s, ref.lower_bound, label="fluid lower bound", color="black", linestyle="dashed", linewidth=1)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("GPUs in use")
+        ax.set_title(f"{sc.setup}, {sc.workload}")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{sc.setup}_{sc.workload}")
+        path = out_dir / f"fig15_timeline_{safe}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

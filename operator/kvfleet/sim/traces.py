@@ -1,0 +1,205 @@
+"""Workloads for the simulator: real traces from files, and the paper's synthetic Poisson workloads.
+
+Readers accept the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`, wall
+clock timestamps), any CSV with timestamp / prompt / output columns, and JSONL with `timestamp`
+(milliseconds), `input_length`, `output_length`. A bad file raises TraceError naming file and line.
+
+The Poisson workloads follow MELL §VIII-B: arrivals at lambda 0.5 / 0.8 / 1.1 requests per second and
+conversation lengths like LMSYS-Chat-1M and WildChat, scaled up ten times. The datasets are not
+shipped; their published means (LMSYS-Chat-1M: 69.5 prompt / 214.5 response tokens; WildChat: 295.6
+/ 441.3) drive log-normal lengths, cut at LLaMA-2's 4096-token context before scaling.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+_TIME_COLS = ("timestamp", "time", "arrival", "arrival_time", "arrival_s")
+_PROMPT_COLS = ("contexttokens", "input_length", "prompt_tokens", "prompt", "input_tokens", "prompt_length")
+_OUTPUT_COLS = ("generatedtokens", "output_length", "output_tokens", "output", "completion_tokens", "response_length")
+
+
+def _parse_time(value: str, path: Path, line: int) -> tuple[float, bool]:
+    """Seconds, and whether the value was wall-clock (Azure) rather than a number."""
+    text = value.strip()
+    try:
+        return float(text), False
+    except ValueError:
+        pass
+    try:
+        # Azure writes 7 fractional digits; datetime takes at most 6.
+        if "." in text:
+            head, frac = text.split(".", 1)
+            text = f"{head}.{frac[:6]}"
+        return datetime.fromisoformat(text).timestamp(), True
+    except ValueError as err:
+        raise TraceError(f"{path}:{line}: cannot read timestamp {value!r}") from err
+
+
+def _parse_tokens(value: str, what: str, path: Path, line: int) -> int:
+    try:
+        number = float(value)
+    except ValueError as err:
+        raise TraceError(f"{path}:{line}: {what} {value!r} is not a number") from err
+    if number < 0 or not math.isfinite(number) or number != int(number):
+        raise TraceError(f"{path}:{line}: {what} {value!r} must be a whole number >= 0")
+    return int(number)
+
+
+def _finish(rows: list[tuple[float, int, int]], path: Path) -> list[TraceRequest]:
+    if not rows:
+        raise TraceError(f"{path}: no requests in the trace")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [
+        TraceRequest(f"r{i}", t - t0, max(1, prompt), max(1, output))
+        for i, (t, prompt, output) in enumerate(rows)
+    ]
+
+
+def read_csv(path: Path, time_unit_s: float | None = None) -> list[TraceRequest]:
+    """Azure CSV or any CSV with timestamp/prompt/output columns (numeric timestamps in seconds
+    unless `time_unit_s` says otherwise; wall-clock timestamps are accepted too)."""
+    try:
+        handle = path.open(newline="", encoding="utf-8")
+    except OSError as err:
+        raise TraceError(f"{path}: cannot open: {err.strerror}") from err
+    with handle:
+        reader = csv.reader(handle)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise TraceError(f"{path}: empty file") from None
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise TraceError(f"{path}:1: not a CSV file: {err}") from err
+        names = [h.strip().lower() for h in header]
+
+        def column(options: tuple[str, ...], what: str) -> int:
+            for option in options:
+                if option in names:
+                    return names.index(option)
+            raise TraceError(f"{path}:1: no {what} column (expected one of {', '.join(options)}; found {', '.join(header)})")
+
+        ti, pi, oi = column(_TIME_COLS, "timestamp"), column(_PROMPT_COLS, "prompt"), column(_OUTPUT_COLS, "output")
+        rows: list[tuple[float, int, int]] = []
+        try:
+            for line, record in enumerate(reader, start=2):
+                if not record or all(not f.strip() for f in record):
+                    continue
+                if len(record) <= max(ti, pi, oi):
+                    raise TraceError(f"{path}:{line}: expected {len(header)} fields, found {len(record)}")
+                t, wall = _parse_time(record[ti], path, line)
+                if not wall and time_unit_s is not None:
+                    t *= time_unit_s
+                rows.append((t, _parse_tokens(record[pi], "prompt", path, line),
+                             _parse_tokens(record[oi], "output", path, line)))
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise TraceError(f"{path}: not a readable CSV: {err}") from err
+    return _finish(rows, path)
+
+
+def read_jsonl(path: Path) -> list[TraceRequest]:
+    """JSONL: one object per line with `timestamp` (ms), `input_length`, `output_length`."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise TraceError(f"{path}: cannot open: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{path}: not UTF-8 text") from err
+    rows: list[tuple[float, int, int]] = []
+    for line, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TraceError(f"{path}:{line}: not JSON: {err.msg}") from err
+        if not isinstance(obj, dict):
+            raise TraceError(f"{path}:{line}: expected an object")
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in obj:
+                raise TraceError(f"{path}:{line}: missing field {key!r}")
+        ts = obj["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            raise TraceError(f"{path}:{line}: timestamp must be a number of milliseconds")
+        rows.append((float(ts) / 1000.0, _parse_tokens(str(obj["input_length"]), "input_length", path, line),
+                     _parse_tokens(str(obj["output_length"]), "output_length", path, line)))
+    return _finish(rows, path)
+
+
+def read_trace(path: Path) -> list[TraceRequest]:
+    if not path.exists():
+        raise TraceError(f"{path}: no such file")
+    if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
+        return read_jsonl(path)
+    return read_csv(path)
+
+
+# ---- synthetic workloads (§VIII-B) ----
+
+# (prompt mean, prompt sigma, output mean, output sigma) of log-normal token counts.
+LENGTH_PROFILES: dict[str, tuple[float, float, float, float]] = {
+    "lmsys": (69.5, 1.1, 214.5, 0.9),
+    "wildchat": (295.6, 1.2, 441.3, 0.8),
+}
+MAX_CONTEXT_TOKENS = 4096
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
+
+
+def poisson_workload(
+    rate_per_s: float,
+    duration_s: float,
+    lengths: str = "mixed",
+    scale: float = 10.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Poisson arrivals; lengths from `lmsys`, `wildchat` or `mixed` (each request picks one at random)."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate and duration must be positive")
+    profiles = list(LENGTH_PROFILES) if lengths == "mixed" else [lengths]
+    for name in profiles:
+        if name not in LENGTH_PROFILES:
+            raise ValueError(f"unknown length profile {lengths!r} (lmsys, wildchat, mixed)")
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t > duration_s:
+            break
+        pm, ps, om, osg = LENGTH_PROFILES[profiles[rng.randrange(len(profiles))]]
+        prompt = max(1, round(_lognormal(rng, pm, ps)))
+        output = max(1, round(_lognormal(rng, om, osg)))
+        prompt = min(prompt, MAX_CONTEXT_TOKENS - 1)
+        output = min(output, MAX_CONTEXT_TOKENS - prompt)
+        out.append(TraceRequest(f"r{len(out)}", t, round(prompt * scale), round(output * scale)))
+    return out
+
+
+def slice_trace(requests: Iterable[TraceRequest], start_s: float, duration_s: float) -> list[TraceRequest]:
+    """A window of a trace, re-based to start at 0 (tests cut small slices at run time)."""
+    picked = [r for r in requests if start_s <= r.arrival_s < start_s + duration_s]
+    return [TraceRequest(r.request_id, r.arrival_s - start_s, r.prompt_tokens, r.output_tokens) for r in picked]
