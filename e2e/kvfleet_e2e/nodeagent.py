@@ -1,0 +1,819 @@
+"""A "process kubelet": fake GPU nodes whose pods run as local processes.
+
+There is no container runtime on these machines, yet the operator's behaviour only counts when real
+pods are scheduled, become ready, exit, get deleted and garbage-collected. This agent registers N
+nodes with `nvidia.com/gpu` capacity and zone labels, keeps their leases fresh, and runs every pod the
+real scheduler binds to them whose image is one of the project's (e2e/images.yaml) as a process:
+the container's command, args and env, a service-account token from the TokenRequest API (handed to
+the process as a kubeconfig in $KUBECONFIG), and a loopback address of its own as the pod IP
+(127.0.1.x, so every pod can listen on its declared ports). Readiness and liveness probes, restart
+policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace period, then the final
+delete a kubelet makes) are reflected in the pod status. Pods with other images stay Pending with a
+Warning event that says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import contextlib
+import datetime as dt
+import http.client
+import logging
+import os
+import queue
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+from kvfleet_e2e.controlplane import die_with_parent, kubeconfig_text
+
+log = logging.getLogger("kvfleet.nodeagent")
+
+IMAGES_FILE = Path(__file__).resolve().parents[1] / "images.yaml"
+AGENT = "kvfleet-node-agent"
+TICK_S = 0.25
+MAX_BACKOFF_S = 20.0
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def image_name(image: str) -> str:
+    """`registry/kvfleet/worker:tag@sha` -> `kvfleet/worker` (the key of images.yaml)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
+    parts = name.split("/")
+    return "/".join(parts[-2:]) if len(parts) >= 2 else name
+
+
+def load_images(path: Path = IMAGES_FILE) -> dict[str, dict[str, list[str]]]:
+    data = yaml.safe_load(path.read_text())
+    return {name: {"entrypoint": list(v.get("entrypoint") or []), "cmd": list(v.get("cmd") or [])} for name, v in data.items()}
+
+
+def container_argv(container: dict[str, Any], images: dict[str, dict[str, list[str]]], env: dict[str, str]) -> list[str]:
+    """Docker/Kubernetes semantics: `command` replaces the entrypoint, `args` replace the cmd."""
+    spec = images[image_name(container["image"])]
+    command = container.get("command")
+    args = container.get("args")
+    if command:
+        argv = list(command) + list(args or [])
+    else:
+        argv = spec["entrypoint"] + (list(args) if args is not None else spec["cmd"])
+    argv = [expand_env_refs(a, env) for a in argv]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+_ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+
+
+def expand_env_refs(text: str, env: dict[str, str]) -> str:
+    """$(VAR) expansion of command and args as the kubelet does it ($$ escapes, unknown refs stay)."""
+
+    def repl(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _ENV_REF.sub(repl, text)
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+@dataclass
+class Probe:
+    """One readiness or liveness probe of a container, with its counters."""
+
+    spec: dict[str, Any]
+    successes: int = 0
+    failures: int = 0
+    next_at: float = 0.0
+    pending: concurrent.futures.Future[bool] | None = None
+
+    @property
+    def period_s(self) -> float:
+        return float(self.spec.get("periodSeconds", 10))
+
+
+@dataclass
+class ContainerRuntime:
+    name: str
+    spec: dict[str, Any]
+    popen: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    restart_count: int = 0
+    ready: bool = False
+    last_terminated: dict[str, Any] | None = None
+    terminated: dict[str, Any] | None = None
+    restart_at: float | None = None
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+    started_monotonic: float = 0.0
+
+
+@dataclass
+class PodRuntime:
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    ip: str
+    directory: Path
+    body: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    containers: dict[str, ContainerRuntime] = field(default_factory=dict)
+    start_time: str = ""
+    kill_deadline: float | None = None
+    last_status: dict[str, Any] | None = None
+    finished: bool = False
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        num_nodes: int,
+        gpus_per_node: int,
+        num_zones: int,
+        node_prefix: str,
+        work_dir: Path,
+        server: str,
+        ca_file: str,
+    ) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.coordination = client.CoordinationV1Api(api)
+        self.node_names = [f"{node_prefix}-{i}" for i in range(num_nodes)]
+        self.gpus_per_node = gpus_per_node
+        self.num_zones = max(1, num_zones)
+        self.work_dir = work_dir
+        self.server = server
+        self.ca_file = ca_file
+        self.images = load_images()
+        self.pods: dict[str, PodRuntime] = {}
+        self.refused: dict[str, str] = {}  # pod uid -> why it cannot run here (event already sent)
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+        self.stopping = threading.Event()
+        self._free_ips: list[int] = []
+        self._next_ip = 0
+
+    # ------------------------------------------------------------------------------------ nodes
+
+    def zone_of(self, index: int) -> str:
+        return f"zone-{index % self.num_zones}"
+
+    def register_nodes(self) -> None:
+        for index, name in enumerate(self.node_names):
+            labels = {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "topology.kubernetes.io/region": "local",
+                "topology.kubernetes.io/zone": self.zone_of(index),
+                "nvidia.com/gpu.present": "true",
+                "kvfleet.dev/node-agent": "true",
+            }
+            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+            try:
+                self.core.create_node(body)
+            except ApiException as err:
+                if err.status != 409:
+                    raise
+                self.core.patch_node(name, {"metadata": {"labels": labels}})
+            self.core.patch_node_status(name, {"status": self.node_status()})
+            # Admission taints new nodes not-ready; the node-lifecycle controller that would lift the
+            # taint once the node reports Ready is off (see controlplane.py), so the agent lifts it.
+            taints = self.core.read_node(name).spec.taints or []
+            kept = [t.to_dict() for t in taints if not t.key.startswith("node.kubernetes.io/")]
+            if len(kept) != len(taints):
+                self.core.patch_node(name, {"spec": {"taints": kept or None}})
+            self.renew_lease(name)
+        log.info("registered nodes %s with %d nvidia.com/gpu each", ", ".join(self.node_names), self.gpus_per_node)
+
+    def node_status(self) -> dict[str, Any]:
+        capacity = {"cpu": "16", "memory": "128Gi", "pods": "110", "ephemeral-storage": "100Gi", "nvidia.com/gpu": str(self.gpus_per_node)}
+        stamp = now_rfc3339()
+        conditions = [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": f"{AGENT} is posting ready status"},
+            {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory", "message": ""},
+            {"type": "DiskPressure", "status": "False", "reason": "KubeletHasNoDiskPressure", "message": ""},
+            {"type": "PIDPressure", "status": "False", "reason": "KubeletHasSufficientPID", "message": ""},
+        ]
+        for cond in conditions:
+            cond["lastHeartbeatTime"] = stamp
+            cond["lastTransitionTime"] = stamp
+        return {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": conditions,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": socket.gethostname()}],
+            "nodeInfo": {
+                "machineID": "kvfleet", "systemUUID": "kvfleet", "bootID": "kvfleet", "kernelVersion": os.uname().release,
+                "osImage": "kvfleet e2e", "containerRuntimeVersion": "process://1", "kubeletVersion": "v1.36.3",
+                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+            },
+        }
+
+    def renew_lease(self, name: str) -> None:
+        spec = {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+        body = {"metadata": {"name": name, "namespace": "kube-node-lease"}, "spec": spec}
+        try:
+            self.coordination.patch_namespaced_lease(name, "kube-node-lease", {"spec": spec})
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            with contextlib.suppress(ApiException):
+                self.coordination.create_namespaced_lease("kube-node-lease", body)
+
+    def heartbeat_loop(self) -> None:
+        last_status = time.monotonic()
+        while not self.stopping.wait(10):
+            try:
+                for name in self.node_names:
+                    self.renew_lease(name)
+                if time.monotonic() - last_status > 60:
+                    for name in self.node_names:
+                        self.core.patch_node_status(name, {"status": self.node_status()})
+                    last_status = time.monotonic()
+            except Exception:  # the API may be briefly away; the next beat retries
+                log.exception("heartbeat failed")
+
+    # ------------------------------------------------------------------------------------- watch
+
+    def watch_loop(self) -> None:
+        """List then watch all pods; push (type, pod dict) for pods bound to our nodes."""
+        resource_version = ""
+        while not self.stopping.is_set():
+            try:
+                if not resource_version:
+                    listing = self.core.list_pod_for_all_namespaces(_preload_content=False)
+                    data = yaml.safe_load(listing.data)
+                    resource_version = data["metadata"]["resourceVersion"]
+                    for item in data["items"]:
+                        self.events.put(("SYNC", item))
+                stream = watch.Watch().stream(
+                    self.core.list_pod_for_all_namespaces,
+                    resource_version=resource_version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                    _preload_content=False,
+                )
+                for event in stream:
+                    obj = event["raw_object"]
+                    resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self.events.put((event["type"], obj))
+                    if self.stopping.is_set():
+                        break
+            except ApiException as err:
+                if err.status == 410:
+                    resource_version = ""
+                else:
+                    log.warning("pod watch failed: %s", err)
+                    time.sleep(1)
+            except Exception as err:  # connection reset, API server restart
+                if self.stopping.is_set():
+                    return
+                log.warning("pod watch interrupted: %s", err)
+                resource_version = ""
+                time.sleep(1)
+
+    # ------------------------------------------------------------------------------------ pods
+
+    def allocate_ip(self) -> str:
+        index = self._free_ips.pop() if self._free_ips else self._next_ip
+        if index == self._next_ip:
+            self._next_ip += 1
+        return f"127.0.{1 + index // 250}.{index % 250 + 2}"
+
+    def release_ip(self, ip: str) -> None:
+        _, _, third, fourth = (int(p) for p in ip.split("."))
+        self._free_ips.append((third - 1) * 250 + fourth - 2)
+
+    def on_event(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        node = pod.get("spec", {}).get("nodeName")
+        if node not in self.node_names:
+            return
+        if kind == "DELETED":
+            runtime = self.pods.pop(uid, None)
+            self.refused.pop(uid, None)
+            if runtime:
+                self.kill_all(runtime, signal.SIGKILL)
+                self.release_ip(runtime.ip)
+            return
+        runtime = self.pods.get(uid)
+        if runtime is not None:
+            runtime.body = pod
+        if meta.get("deletionTimestamp"):
+            self.begin_delete(pod, runtime)
+            return
+        if runtime is not None or uid in self.refused:
+            return
+        phase = pod.get("status", {}).get("phase")
+        if phase in ("Succeeded", "Failed"):
+            return
+        why = self.why_not_runnable(pod)
+        if why:
+            self.refuse(pod, why)
+            return
+        self.start_pod(pod)
+
+    def why_not_runnable(self, pod: dict[str, Any]) -> str:
+        spec = pod["spec"]
+        if spec.get("initContainers"):
+            return "init containers are not supported by the e2e node agent"
+        for container in spec["containers"]:
+            if image_name(container["image"]) not in self.images:
+                known = ", ".join(sorted(self.images))
+                return (f"image {container['image']!r} of container {container['name']!r} is not one of kvfleet's images "
+                        f"({known}); the e2e node agent runs only those, as local processes")
+        return ""
+
+    def refuse(self, pod: dict[str, Any], why: str) -> None:
+        meta = pod["metadata"]
+        self.refused[meta["uid"]] = why
+        log.info("pod %s/%s cannot run here: %s", meta["namespace"], meta["name"], why)
+        self.emit_event(pod, "Warning", "ImageNotRunnable", why)
+        statuses = [
+            {"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 0, "started": False,
+             "state": {"waiting": {"reason": "ImageNotRunnable", "message": why}}}
+            for c in pod["spec"]["containers"]
+        ]
+        self.patch_status(meta["namespace"], meta["name"], {
+            "phase": "Pending",
+            "hostIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "False", "reason": "ContainersNotReady", "message": why,
+                            "lastTransitionTime": now_rfc3339()}],
+            "containerStatuses": statuses,
+        })
+
+    def pod_env(self, runtime: PodRuntime, container: dict[str, Any]) -> dict[str, str]:
+        """The environment of one container: the agent's PATH, the API server, the pod's env vars."""
+        pod = runtime.body
+        meta = pod["metadata"]
+        server_host, _, server_port = self.server.removeprefix("https://").partition(":")
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(runtime.directory),
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            "HOSTNAME": meta["name"],
+            "KUBERNETES_SERVICE_HOST": server_host,
+            "KUBERNETES_SERVICE_PORT": server_port,
+            "KVFLEET_POD_DIR": str(runtime.directory),
+            "KVFLEET_POD_IP": runtime.ip,
+        }
+        for name in ("KVFLEET_CACHE", "VIRTUAL_ENV", "TRITON_INTERPRET"):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        if runtime.env.get("KUBECONFIG"):
+            env["KUBECONFIG"] = runtime.env["KUBECONFIG"]
+        for item in container.get("envFrom") or []:
+            prefix = item.get("prefix", "")
+            if "secretRef" in item:
+                data = self.read_secret(meta["namespace"], item["secretRef"]["name"], optional=item["secretRef"].get("optional", False))
+            else:
+                data = self.read_configmap(meta["namespace"], item["configMapRef"]["name"], optional=item["configMapRef"].get("optional", False))
+            env.update({prefix + k: v for k, v in data.items()})
+        for var in container.get("env") or []:
+            env[var["name"]] = self.env_value(runtime, var, env)
+        return env
+
+    def env_value(self, runtime: PodRuntime, var: dict[str, Any], env: dict[str, str]) -> str:
+        if "valueFrom" not in var:
+            return expand_env_refs(var.get("value", ""), env)
+        source = var["valueFrom"]
+        pod = runtime.body
+        if "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            simple = {
+                "metadata.name": pod["metadata"]["name"],
+                "metadata.namespace": pod["metadata"]["namespace"],
+                "metadata.uid": pod["metadata"]["uid"],
+                "spec.nodeName": pod["spec"].get("nodeName", ""),
+                "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+                "status.podIP": runtime.ip,
+                "status.hostIP": "127.0.0.1",
+            }
+            if path in simple:
+                return simple[path]
+            match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+            if match:
+                return str((pod["metadata"].get(match.group(1)) or {}).get(match.group(2), ""))
+            raise ValueError(f"fieldRef {path} is not supported by the e2e node agent")
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            return self.read_secret(pod["metadata"]["namespace"], ref["name"], ref.get("optional", False)).get(ref["key"], "")
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            return self.read_configmap(pod["metadata"]["namespace"], ref["name"], ref.get("optional", False)).get(ref["key"], "")
+        raise ValueError(f"env source {sorted(source)} is not supported by the e2e node agent")
+
+    def read_secret(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as err:
+            if err.status == 404 and optional:
+                return {}
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+
+    def read_configmap(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
+        try:
+            return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
+        except ApiException as err:
+            if err.status == 404 and optional:
+                return {}
+            raise
+
+    def service_account_kubeconfig(self, runtime: PodRuntime) -> None:
+        """A bound token from the TokenRequest API, handed over as a kubeconfig (the process's in-cluster config)."""
+        spec = runtime.body["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return
+        sa = spec.get("serviceAccountName") or "default"
+        request = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 86400,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": runtime.name, "uid": runtime.uid},
+            },
+        }
+        token = self.core.create_namespaced_service_account_token(sa, runtime.namespace, request).status.token
+
+        path = runtime.directory / "kubeconfig"
+        path.write_text(kubeconfig_text(self.server, Path(self.ca_file), token=token, user=f"system:serviceaccount:{runtime.namespace}:{sa}",
+                                        namespace=runtime.namespace))
+        path.chmod(0o600)
+        (runtime.directory / "token").write_text(token)
+        (runtime.directory / "namespace").write_text(runtime.namespace)
+        runtime.env["KUBECONFIG"] = str(path)
+
+    def start_pod(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        directory = self.work_dir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        directory.mkdir(parents=True, exist_ok=True)
+        runtime = PodRuntime(meta["uid"], meta["namespace"], meta["name"], pod["spec"]["nodeName"], self.allocate_ip(), directory, pod)
+        runtime.start_time = now_rfc3339()
+        self.pods[runtime.uid] = runtime
+        try:
+            self.service_account_kubeconfig(runtime)
+            for spec in pod["spec"]["containers"]:
+                cont = ContainerRuntime(spec["name"], spec)
+                if spec.get("readinessProbe"):
+                    cont.readiness = Probe(spec["readinessProbe"])
+                if spec.get("livenessProbe"):
+                    cont.liveness = Probe(spec["livenessProbe"])
+                runtime.containers[cont.name] = cont
+                self.start_container(runtime, cont)
+        except Exception as err:
+            log.exception("pod %s/%s failed to start", runtime.namespace, runtime.name)
+            self.emit_event(pod, "Warning", "Failed", f"could not start: {err}")
+        self.sync_status(runtime)
+
+    def start_container(self, runtime: PodRuntime, cont: ContainerRuntime) -> None:
+        env = self.pod_env(runtime, cont.spec)
+        argv = container_argv(cont.spec, self.images, env)
+        workdir = cont.spec.get("workingDir") or str(runtime.directory)
+        log_file = open(runtime.directory / f"{cont.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        log_file.write(f"--- {now_rfc3339()} start {shlex.join(argv)}\n".encode())
+        log_file.flush()
+        try:
+            cont.popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=env, cwd=workdir, preexec_fn=die_with_parent)
+        finally:
+            log_file.close()
+        cont.started_at = now_rfc3339()
+        cont.started_monotonic = time.monotonic()
+        cont.terminated = None
+        cont.restart_at = None
+        cont.ready = cont.readiness is None
+        for probe in (cont.readiness, cont.liveness):
+            if probe:
+                probe.successes = probe.failures = 0
+                probe.next_at = time.monotonic() + float(probe.spec.get("initialDelaySeconds", 0))
+        self.emit_event(runtime.body, "Normal", "Started", f"Started container {cont.name} as process {cont.popen.pid}")
+        log.info("pod %s/%s container %s started: pid %d ip %s", runtime.namespace, runtime.name, cont.name, cont.popen.pid, runtime.ip)
+
+    # ------------------------------------------------------------------------------------ probes
+
+    def run_probe(self, runtime: PodRuntime, cont: ContainerRuntime, spec: dict[str, Any]) -> bool:
+        timeout_s = float(spec.get("timeoutSeconds", 1))
+        ports = {p.get("name"): p["containerPort"] for p in cont.spec.get("ports") or [] if p.get("name")}
+        if "httpGet" in spec:
+            get = spec["httpGet"]
+            port = ports.get(get["port"], get["port"])
+            host = get.get("host") or runtime.ip
+            conn_cls = http.client.HTTPSConnection if get.get("scheme") == "HTTPS" else http.client.HTTPConnection
+            conn = conn_cls(host, int(port), timeout=timeout_s)
+            try:
+                conn.request("GET", get.get("path", "/"))
+                return 200 <= conn.getresponse().status < 400
+            except OSError:
+                return False
+            finally:
+                conn.close()
+        if "tcpSocket" in spec:
+            port = ports.get(spec["tcpSocket"]["port"], spec["tcpSocket"]["port"])
+            try:
+                with socket.create_connection((runtime.ip, int(port)), timeout=timeout_s):
+                    return True
+            except OSError:
+                return False
+        if "exec" in spec:
+            env = self.pod_env(runtime, cont.spec)
+            argv = [expand_env_refs(a, env) for a in spec["exec"]["command"]]
+            if argv and argv[0] in ("python", "python3"):
+                argv[0] = sys.executable
+            try:
+                return subprocess.run(argv, env=env, cwd=str(runtime.directory), capture_output=True, timeout=timeout_s).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+        return True
+
+    def step_probe(self, runtime: PodRuntime, cont: ContainerRuntime, probe: Probe) -> bool | None:
+        """Advance one probe; returns the new verdict when a threshold is crossed, else None."""
+        now = time.monotonic()
+        if probe.pending is not None:
+            if not probe.pending.done():
+                return None
+            ok = probe.pending.result()
+            probe.pending = None
+            if ok:
+                probe.successes, probe.failures = probe.successes + 1, 0
+                if probe.successes >= int(probe.spec.get("successThreshold", 1)):
+                    return True
+            else:
+                probe.successes, probe.failures = 0, probe.failures + 1
+                if probe.failures >= int(probe.spec.get("failureThreshold", 3)):
+                    return False
+            return None
+        if now >= probe.next_at:
+            probe.next_at = now + probe.period_s
+            probe.pending = self.probes.submit(self.run_probe, runtime, cont, probe.spec)
+        return None
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def tick(self) -> None:
+        for runtime in list(self.pods.values()):
+            if runtime.kill_deadline is not None:
+                self.step_delete(runtime)
+                continue
+            if runtime.finished:
+                continue
+            policy = runtime.body["spec"].get("restartPolicy", "Always")
+            for cont in runtime.containers.values():
+                self.step_container(runtime, cont, policy)
+            if all(c.terminated is not None and c.restart_at is None for c in runtime.containers.values()) and runtime.containers:
+                runtime.finished = True
+            self.sync_status(runtime)
+
+    def step_container(self, runtime: PodRuntime, cont: ContainerRuntime, policy: str) -> None:
+        if cont.popen is None:
+            if cont.restart_at is not None and time.monotonic() >= cont.restart_at:
+                cont.restart_count += 1
+                self.start_container(runtime, cont)
+            return
+        code = cont.popen.poll()
+        if code is None:
+            if cont.readiness:
+                verdict = self.step_probe(runtime, cont, cont.readiness)
+                if verdict is not None and verdict != cont.ready:
+                    cont.ready = verdict
+                    if not verdict:
+                        self.emit_event(runtime.body, "Warning", "Unhealthy", f"Readiness probe of {cont.name} failed")
+            if cont.liveness and self.step_probe(runtime, cont, cont.liveness) is False:
+                self.emit_event(runtime.body, "Warning", "Unhealthy", f"Liveness probe of {cont.name} failed; restarting it")
+                self.kill_container(cont, signal.SIGTERM)
+            return
+        # The process exited: record it, then restart it or leave it terminated per restartPolicy.
+        reason = "Completed" if code == 0 else ("Error" if code > 0 else "Killed")
+        state = {"exitCode": code if code >= 0 else 128 - code, "reason": reason, "startedAt": cont.started_at,
+                 "finishedAt": now_rfc3339()}
+        if code < 0:
+            state["signal"] = -code
+        cont.popen = None
+        cont.ready = False
+        cont.last_terminated = state
+        restart = policy == "Always" or (policy == "OnFailure" and code != 0)
+        if restart:
+            ran_s = time.monotonic() - cont.started_monotonic
+            backoff_s = 0.0 if ran_s > 60 else min(MAX_BACKOFF_S, 0.5 * 2 ** min(cont.restart_count, 6))
+            cont.restart_at = time.monotonic() + backoff_s
+            cont.terminated = None
+            self.emit_event(runtime.body, "Warning" if code else "Normal", "BackOff" if code else "Restarting",
+                            f"container {cont.name} exited with {state['exitCode']}; restarting in {backoff_s:.1f}s")
+        else:
+            cont.terminated = state
+        log.info("pod %s/%s container %s exited %s", runtime.namespace, runtime.name, cont.name, code)
+
+    def kill_container(self, cont: ContainerRuntime, sig: int) -> None:
+        if cont.popen is not None and cont.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(cont.popen.pid, sig)
+
+    def kill_all(self, runtime: PodRuntime, sig: int) -> None:
+        for cont in runtime.containers.values():
+            self.kill_container(cont, sig)
+            if sig == signal.SIGKILL and cont.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    cont.popen.wait(5)
+
+    def begin_delete(self, pod: dict[str, Any], runtime: PodRuntime | None) -> None:
+        if runtime is None:
+            # Never started here (refused, finished before we saw it, or left over): nothing to stop.
+            self.final_delete(pod["metadata"])
+            return
+        if runtime.kill_deadline is not None:
+            return
+        grace_s = pod["metadata"].get("deletionGracePeriodSeconds")
+        if grace_s is None:
+            grace_s = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        runtime.kill_deadline = time.monotonic() + float(grace_s)
+        for cont in runtime.containers.values():
+            if cont.popen is not None:
+                self.emit_event(pod, "Normal", "Killing", f"Stopping container {cont.name} (grace period {grace_s}s)")
+        self.kill_all(runtime, signal.SIGTERM)
+        self.step_delete(runtime)
+
+    def step_delete(self, runtime: PodRuntime) -> None:
+        alive = [c for c in runtime.containers.values() if c.popen is not None and c.popen.poll() is None]
+        if alive and runtime.kill_deadline is not None and time.monotonic() < runtime.kill_deadline:
+            return
+        self.kill_all(runtime, signal.SIGKILL)
+        self.final_delete(runtime.body["metadata"])
+
+    def final_delete(self, meta: dict[str, Any]) -> None:
+        """The kubelet's last word: delete with grace 0, guarded by the UID."""
+        try:
+            self.core.delete_namespaced_pod(
+                meta["name"], meta["namespace"],
+                body=client.V1DeleteOptions(grace_period_seconds=0, preconditions=client.V1Preconditions(uid=meta["uid"])),
+            )
+        except ApiException as err:
+            if err.status not in (404, 409):
+                log.warning("final delete of %s/%s failed: %s", meta["namespace"], meta["name"], err)
+
+    # -------------------------------------------------------------------------------- status
+
+    def sync_status(self, runtime: PodRuntime) -> None:
+        statuses = []
+        for cont in runtime.containers.values():
+            if cont.popen is not None:
+                state: dict[str, Any] = {"running": {"startedAt": cont.started_at}}
+            elif cont.terminated is not None:
+                state = {"terminated": cont.terminated}
+            else:
+                state = {"waiting": {"reason": "CrashLoopBackOff" if cont.restart_count or cont.last_terminated else "ContainerCreating"}}
+            entry: dict[str, Any] = {
+                "name": cont.name, "image": cont.spec["image"], "imageID": f"kvfleet://{image_name(cont.spec['image'])}",
+                "containerID": f"process://{cont.popen.pid}" if cont.popen else "", "ready": cont.ready and cont.popen is not None,
+                "restartCount": cont.restart_count, "started": cont.popen is not None, "state": state,
+            }
+            if cont.last_terminated:
+                entry["lastState"] = {"terminated": cont.last_terminated}
+            statuses.append(entry)
+        all_ready = bool(statuses) and all(s["ready"] for s in statuses)
+        terminated = [c.terminated for c in runtime.containers.values()]
+        if runtime.finished:
+            phase = "Succeeded" if all(t and t["exitCode"] == 0 for t in terminated) else "Failed"
+        else:
+            phase = "Running" if any(c.popen is not None for c in runtime.containers.values()) else "Pending"
+        ready = "True" if all_ready and phase == "Running" else "False"
+        status = {
+            "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": runtime.ip,
+            "podIPs": [{"ip": runtime.ip}], "startTime": runtime.start_time, "containerStatuses": statuses,
+            "conditions": [
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "Ready", "status": ready},
+            ],
+        }
+        # Write only on change; transition timestamps are added to what is sent, not compared.
+        if status == runtime.last_status:
+            return
+        previous = {c["type"]: c["status"] for c in (runtime.last_status or {}).get("conditions", [])}
+        stamp = now_rfc3339()
+        sent = status | {"conditions": [
+            c | {"lastTransitionTime": stamp} if previous.get(c["type"]) != c["status"] else c for c in status["conditions"]
+        ]}
+        if self.patch_status(runtime.namespace, runtime.name, sent):
+            runtime.last_status = status
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
+        try:
+            self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+            return True
+        except ApiException as err:
+            if err.status != 404:
+                log.warning("status of %s/%s not written: %s", namespace, name, err.reason)
+            return False
+
+    def emit_event(self, pod: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        meta = pod["metadata"]
+        stamp = now_rfc3339()
+        body = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta["uid"]},
+            "reason": reason, "message": message[:1000], "type": type_, "count": 1,
+            "firstTimestamp": stamp, "lastTimestamp": stamp,
+            "source": {"component": AGENT, "host": pod["spec"].get("nodeName", "")},
+            "reportingComponent": AGENT, "reportingInstance": pod["spec"].get("nodeName", ""),
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as err:
+            log.debug("event not written: %s", err)
+
+    # ---------------------------------------------------------------------------------- main
+
+    def run(self) -> None:
+        self.register_nodes()
+        threads = [threading.Thread(target=t, daemon=True, name=t.__name__) for t in (self.watch_loop, self.heartbeat_loop)]
+        for thread in threads:
+            thread.start()
+        print("node agent ready", flush=True)
+        while not self.stopping.is_set():
+            try:
+                kind, pod = self.events.get(timeout=TICK_S)
+                self.on_event(kind, pod)
+                while True:
+                    kind, pod = self.events.get_nowait()
+                    self.on_event(kind, pod)
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("event handling failed")
+            try:
+                self.tick()
+            except Exception:
+                log.exception("tick failed")
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for runtime in self.pods.values():
+            self.kill_all(runtime, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for runtime in self.pods.values():
+            for cont in runtime.containers.values():
+                if cont.popen is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        cont.popen.wait(max(0.1, deadline - time.monotonic()))
+            self.kill_all(runtime, signal.SIGKILL)
+        self.probes.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--gpus-per-node", type=int, default=2)
+    parser.add_argument("--zones", type=int, default=2)
+    parser.add_argument("--node-prefix", default="gpu-node")
+    parser.add_argument("--work-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config.load_kube_config(args.kubeconfig)
+    api = client.ApiClient()
+    cfg = api.configuration
+    agent = NodeAgent(api, num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, num_zones=args.zones,
+                      node_prefix=args.node_prefix, work_dir=args.work_dir, server=cfg.host, ca_file=cfg.ssl_ca_cert)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        agent.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

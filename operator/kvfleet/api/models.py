@@ -1,0 +1,443 @@
+"""The custom resources `LLMPool` and `KVMigration` as pydantic models: the one source of crds/*.yaml.
+
+Everything the API server checks is declared here once: field types, bounds and defaults become the
+OpenAPI schema, and the cross-field rules become CEL (`x-kubernetes-validations`), so a bad manifest is
+refused by `kubectl apply` with a message naming the field instead of crashing the operator later.
+The operator parses the same objects with these models, and the model validators mirror the CEL
+rules, so both sides agree on what a valid spec is.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvfleet.api.quantity import parse_quantity, quantity_bytes
+
+GROUP = "kvfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# A pool's name prefixes its worker pods, router Deployment and Service ("<pool>-worker-<n>") and is
+# a label value, so it must be a DNS-1035 label with room left for the suffixes.
+MAX_POOL_NAME_LENGTH = 40
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def _check_quantity(value: str) -> str:
+    if parse_quantity(value) <= 0:
+        raise ValueError(f"{value!r} must be a positive quantity")
+    return value
+
+
+# Quantities are strings checked by CEL's isQuantity() on the server and parse_quantity() here.
+Quantity = Annotated[
+    str,
+    StringConstraints(max_length=32),
+    AfterValidator(_check_quantity),
+    Field(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                    "message": "must be a positive Kubernetes quantity such as 40Gi or 500M",
+                }
+            ]
+        }
+    ),
+]
+PodName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN)]
+ShortText = Annotated[str, StringConstraints(max_length=256)]
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors, values are immutable."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------------------- LLMPool
+
+
+class PersistentVolumeClaimSource(_Model):
+    """An existing PersistentVolumeClaim that holds the weights."""
+
+    claim_name: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN)]
+    read_only: bool = True
+
+
+class HostPathSource(_Model):
+    """A directory on the GPU node that holds the weights (pre-seeded nodes, local tests)."""
+
+    path: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/")]
+
+
+class ModelVolume(_Model):
+    """The volume mounted read-only at `model.path` in every worker. Exactly one source."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.persistentVolumeClaim) != has(self.hostPath)",
+                    "message": "set exactly one of persistentVolumeClaim or hostPath",
+                }
+            ]
+        }
+    )
+    persistent_volume_claim: PersistentVolumeClaimSource | None = None
+    host_path: HostPathSource | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelVolume:
+        if (self.persistent_volume_claim is None) == (self.host_path is None):
+            raise ValueError("set exactly one of persistentVolumeClaim or hostPath")
+        return self
+
+
+class ModelSpec(_Model):
+    """The model to serve: HF-format weights (config.json, *.safetensors, tokenizer) at a path.
+
+    Weights are never downloaded at run time; mount them with `volume` or bake them into the image.
+    """
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")] = (
+        Field(description="The model name clients send in the OpenAI `model` field.")
+    )
+    path: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/")] = Field(
+        description="Absolute directory inside the worker container holding the HF-format model."
+    )
+    volume: ModelVolume | None = Field(default=None, description="Volume mounted read-only at `path`.")
+
+
+class CapacitySpec(_Model):
+    """How much KV cache one worker holds (MELL's C).
+
+    Either given (`kvCapacityPerWorker`) or derived: GPU memory x GPUs per worker x (1 - activation
+    reserve fraction) - model weights. Workers report the capacity their engine really allocated;
+    this value is what MELL plans with before the first report.
+    """
+
+    gpu_memory: Quantity = Field(default="80Gi", description="Memory of one GPU.")
+    model_weights: Quantity | None = Field(
+        default=None, description="Bytes of weights each worker loads (needed when capacity is derived)."
+    )
+    activation_reserve_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="Fraction of GPU memory kept for activations and the runtime."
+    )
+    kv_capacity_per_worker: Quantity | None = Field(
+        default=None, description="KV-cache bytes per worker; when set, nothing is derived."
+    )
+
+
+class SchedulingSpec(_Model):
+    """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
+
+    policy: Literal["mell", "best-fit", "worst-fit", "load-balance"] = "mell"
+    epoch_seconds: float = Field(default=5.0, gt=0, le=3600, description="Seconds between scheduling epochs.")
+    workload_weight: float = Field(default=1.0, ge=0, description="Weight of GPU load in MELL's GPU priority.")
+    distance_weight: float = Field(
+        default=1.0, ge=0, description="Weight of distance (node, zone) in MELL's GPU priority."
+    )
+
+
+class WorkersSpec(_Model):
+    """Bounds on the number of worker pods (one GPU worker each)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.min <= self.max", "message": "min must be less than or equal to max", "fieldPath": ".min"}
+            ]
+        }
+    )
+    min: int = Field(default=1, ge=0, le=10000, description="Workers kept even when idle.")
+    max: int = Field(default=8, ge=1, le=10000, description="Workers never exceeded; above it, requests wait.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WorkersSpec:
+        if self.min > self.max:
+            raise ValueError("workers.min must be less than or equal to workers.max")
+        return self
+
+
+class MigrationSpec(_Model):
+    """How requests move between workers (MELL section V, adaptive hybrid migration)."""
+
+    mode: Literal["adaptive", "kv", "token"] = Field(
+        default="adaptive", description="adaptive chooses KV copy or token re-prefill per request."
+    )
+    communication_boundary_bytes_per_second: Quantity = Field(
+        default="10G", description="Bytes per second one link may carry for KV transfers."
+    )
+    computation_boundary_tokens_per_second: int = Field(
+        default=20000, gt=0, le=10**9, description="Tokens per second one worker may re-prefill for migrations."
+    )
+    timeout_seconds: int = Field(default=120, gt=0, le=86400, description="A migration not finished by then fails.")
+    ttl_seconds_after_finished: int = Field(
+        default=600, ge=0, le=7 * 86400, description="Finished KVMigration objects are deleted after this."
+    )
+
+
+class AutoscalingSpec(_Model):
+    """The handshake with the cluster autoscaler or Karpenter."""
+
+    scale_down_delay_seconds: int = Field(
+        default=60, ge=0, le=86400, description="An empty worker is kept this long before it is deleted."
+    )
+    headroom_workers: int = Field(
+        default=0, ge=0, le=1000, description="Low-priority placeholder pods that keep spare GPU nodes warm."
+    )
+
+
+class Toleration(_Model):
+    """A toleration copied onto every worker pod (same fields as core/v1 Toleration)."""
+
+    key: Annotated[str, StringConstraints(max_length=316)] | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: Annotated[str, StringConstraints(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Model):
+    """An extra environment variable for the worker container."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
+    value: Annotated[str, StringConstraints(max_length=32768)] = ""
+
+
+class ResourceSpec(_Model):
+    """Container resources beyond the GPUs, which the operator sets from `gpusPerWorker`."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+
+
+class WorkerTemplateSpec(_Model):
+    """Overrides applied to every worker pod the operator creates."""
+
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = "kvfleet/worker:0.1.0"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: ResourceSpec | None = None
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    priority_class_name: Annotated[str, StringConstraints(max_length=253, pattern=DNS_1123_SUBDOMAIN)] | None = None
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+
+
+class LLMPoolSpec(_Model):
+    """What model to serve, with which engine, on how many GPUs, scheduled how."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.replicas) || self.replicas <= self.workers.max",
+                    "message": "replicas must not exceed workers.max",
+                    "fieldPath": ".replicas",
+                },
+                {
+                    "rule": "has(self.capacity.kvCapacityPerWorker) || has(self.capacity.modelWeights)",
+                    "message": "set capacity.kvCapacityPerWorker, or capacity.modelWeights so it can be derived",
+                    "fieldPath": ".capacity",
+                },
+                {
+                    "rule": "!has(self.capacity.kvCapacityPerWorker) || "
+                    "quantity(self.capacity.kvCapacityPerWorker).asApproximateFloat() <= "
+                    "quantity(self.capacity.gpuMemory).asApproximateFloat() * double(self.gpusPerWorker)",
+                    "message": "capacity.kvCapacityPerWorker exceeds capacity.gpuMemory x gpusPerWorker",
+                    "fieldPath": ".capacity.kvCapacityPerWorker",
+                },
+                {
+                    "rule": "has(self.capacity.kvCapacityPerWorker) || !has(self.capacity.modelWeights) || "
+                    "quantity(self.capacity.gpuMemory).asApproximateFloat() * double(self.gpusPerWorker) * "
+                    "(1.0 - self.capacity.activationReserveFraction) > "
+                    "quantity(self.capacity.modelWeights).asApproximateFloat()",
+                    "message": "capacity.modelWeights leave no room for KV cache on gpusPerWorker x gpuMemory "
+                    "after the activation reserve",
+                    "fieldPath": ".capacity.modelWeights",
+                },
+            ]
+        }
+    )
+
+    model: ModelSpec
+    engine: Literal["vllm", "builtin"] = Field(default="vllm", description="The engine the workers run.")
+    gpus_per_worker: int = Field(default=1, ge=1, le=16, description="nvidia.com/gpu requested by each worker pod.")
+    capacity: CapacitySpec = Field(default_factory=CapacitySpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    workers: WorkersSpec = Field(default_factory=WorkersSpec)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=10000,
+        description="Floor on active workers set through the scale subresource (kubectl scale); MELL may use more.",
+    )
+    migration: MigrationSpec = Field(default_factory=MigrationSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LLMPoolSpec:
+        if self.replicas is not None and self.replicas > self.workers.max:
+            raise ValueError("replicas must not exceed workers.max")
+        self.kv_capacity_per_worker_bytes()  # raises when it cannot be derived
+        return self
+
+    def kv_capacity_per_worker_bytes(self) -> int:
+        """MELL's C for this pool, given or derived (see CapacitySpec)."""
+        cap = self.capacity
+        total_bytes = quantity_bytes(cap.gpu_memory) * self.gpus_per_worker
+        if cap.kv_capacity_per_worker is not None:
+            given_bytes = quantity_bytes(cap.kv_capacity_per_worker)
+            if given_bytes > total_bytes:
+                raise ValueError("capacity.kvCapacityPerWorker exceeds capacity.gpuMemory x gpusPerWorker")
+            return given_bytes
+        if cap.model_weights is None:
+            raise ValueError("set capacity.kvCapacityPerWorker, or capacity.modelWeights so it can be derived")
+        derived_bytes = int(total_bytes * (1 - cap.activation_reserve_fraction)) - quantity_bytes(cap.model_weights)
+        if derived_bytes <= 0:
+            raise ValueError("capacity.modelWeights leave no room for KV cache after the activation reserve")
+        return derived_bytes
+
+
+class Condition(_Model):
+    """A status condition, shaped like metav1.Condition."""
+
+    type: Annotated[str, StringConstraints(max_length=316)]
+    status: Literal["True", "False", "Unknown"]
+    reason: Annotated[str, StringConstraints(max_length=1024)] = ""
+    message: Annotated[str, StringConstraints(max_length=32768)] = ""
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = None
+
+
+class RouteEntry(_Model):
+    """Which worker takes the next new request of a MELL size class."""
+
+    size_class: Literal["L", "M", "S", "T"]
+    worker: Annotated[str, StringConstraints(max_length=253)]
+
+
+class LLMPoolStatus(_Model):
+    """What the operator observed and decided at its last epoch."""
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    workers: int = 0
+    ready_workers: int = 0
+    desired_workers: int = 0
+    gpus_in_use: int = 0
+    lower_bound_gpus: int = 0
+    kv_utilization_percent: int = Field(default=0, ge=0, le=100)
+    migrations_in_flight: int = 0
+    routing_table: list[RouteEntry] = Field(default_factory=list, max_length=4)
+    selector: Annotated[str, StringConstraints(max_length=1024)] = Field(
+        default="", description="Label selector of the pool's worker pods (for the scale subresource)."
+    )
+
+
+class LLMPool(_Model):
+    """A pool of GPU worker pods serving one model, packed by MELL."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.metadata.name.size() <= {MAX_POOL_NAME_LENGTH}",
+                    "message": f"metadata.name must be at most {MAX_POOL_NAME_LENGTH} characters "
+                    "(it prefixes worker pod and Service names)",
+                },
+                {
+                    "rule": f"self.metadata.name.matches('{DNS_1035_LABEL}')",
+                    "message": "metadata.name must be a DNS-1035 label: lower-case letters, digits and '-', "
+                    "starting with a letter",
+                },
+            ]
+        }
+    )
+    kind: ClassVar[str] = "LLMPool"
+    plural: ClassVar[str] = "llmpools"
+    short_names: ClassVar[tuple[str, ...]] = ("llmp",)
+
+    spec: LLMPoolSpec
+    status: LLMPoolStatus | None = None
+
+
+# ------------------------------------------------------------------------------------- KVMigration
+
+
+class KVMigrationSpec(_Model):
+    """One request moved from one worker to another, as planned by the operator. Immutable."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self == oldSelf", "message": "spec is immutable; create a new KVMigration"},
+                {
+                    "rule": "self.sourcePod != self.targetPod",
+                    "message": "targetPod must differ from sourcePod",
+                    "fieldPath": ".targetPod",
+                },
+            ]
+        }
+    )
+
+    pool: Annotated[str, StringConstraints(min_length=1, max_length=MAX_POOL_NAME_LENGTH, pattern=DNS_1035_LABEL)]
+    request_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    source_pod: PodName
+    target_pod: PodName
+    mode: Literal["kv", "token", "hybrid"] = Field(
+        description="kv copies the KV cache; token re-prefills; hybrid copies full blocks and re-prefills the tail."
+    )
+    expected_bytes: int | None = Field(default=None, ge=0, description="KV bytes the copy should move.")
+    expected_tokens: int | None = Field(default=None, ge=0, description="Tokens the destination holds after the move.")
+    reason: Literal["Allocate", "Depart", "Update", "Rebalance", "Drain", "Retry"] = Field(
+        description="The scheduler operation that planned the move (MELL Fig. 10, or the baseline's rebalance)."
+    )
+    epoch: int | None = Field(default=None, ge=0, description="The scheduling epoch that planned it.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> KVMigrationSpec:
+        if self.source_pod == self.target_pod:
+            raise ValueError("targetPod must differ from sourcePod")
+        return self
+
+
+class KVMigrationStatus(_Model):
+    """Progress of one migration, written by the source worker and the operator."""
+
+    phase: Literal["Pending", "Transferring", "Succeeded", "Failed"] = "Pending"
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    bytes_moved: int = Field(default=0, ge=0)
+    tokens_moved: int = Field(default=0, ge=0)
+    downtime_seconds: float | None = Field(default=None, ge=0, description="Time the request made no progress.")
+    downtime: Annotated[str, StringConstraints(max_length=32)] = Field(
+        default="", description="downtimeSeconds for people, e.g. 35ms."
+    )
+    attempts: int = Field(default=0, ge=0)
+    message: ShortText = ""
+
+
+class KVMigration(_Model):
+    """One live request migration, visible in `kubectl get kvmigrations`."""
+
+    kind: ClassVar[str] = "KVMigration"
+    plural: ClassVar[str] = "kvmigrations"
+    short_names: ClassVar[tuple[str, ...]] = ("kvmig",)
+
+    spec: KVMigrationSpec
+    status: KVMigrationStatus | None = None
+
+
+def parse_spec(model: type[_Model], body: dict[str, Any]) -> Any:
+    """Validate a custom object's `spec` from a Kubernetes body (camelCase) into the core model."""
+    return model.model_validate(body.get("spec") or {})
