@@ -66,8 +66,6 @@ def micro_attention_prefill_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq_id)
     q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
-    if q_tile_id * BLOCK_M >= q_len:
-        return
     kv_len = tl.load(kv_lens_ptr + seq_id)
     causal_offset = tl.load(causal_offsets_ptr + seq_id)
 
@@ -93,6 +91,9 @@ def micro_attention_prefill_kernel(
     # The last query row of the tile bounds what any row of it can see: skip the blocks past it.
     last_q = tl.minimum(q_tile_id * BLOCK_M + BLOCK_M, q_len) - 1
     kv_end = tl.minimum(kv_len, tl.maximum(last_q + causal_offset + 1, 0))
+    # The grid is sized for the longest prompt: a tile past this sequence's end loops over nothing
+    # and stores nothing (its q_mask is all false).
+    kv_end = tl.where(q_tile_id * BLOCK_M < q_len, kv_end, 0)
     bt_row = block_table_ptr + seq_id.to(tl.int64) * stride_bt_seq
     for kv0 in range(0, kv_end, BLOCK_N):
         kv_idx = kv0 + tl.arange(0, BLOCK_N)
