@@ -19,6 +19,7 @@ controlplane:
 	bash e2e/build-controlplane.sh
 
 lint: venv
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim
 

@@ -468,8 +468,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO)
     with ControlPlane.running() as plane:
         print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
     return 0
 
 
