@@ -21,7 +21,7 @@ controlplane:
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim
+	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim -p kvfleet.api
 
 crds: venv
 	$(VENV)/bin/kvfleet crds
