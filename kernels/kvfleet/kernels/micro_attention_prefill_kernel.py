@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+# A constexpr: jit code may read no other globals.
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
