@@ -59,6 +59,8 @@ class SchedulerConfig:
     tiny_probe_limit: int = 4
     # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU (mell.py).
     refill_underfilled_t: bool = True
+    # (kvfleet) share of C that MELL keeps free for growth when it places or pairs requests (mell.py).
+    growth_headroom_fraction: float = 0.0
     # Load balance (Llumnix-style baseline): migrate only while the pair's gap exceeds this share of C.
     lb_gap_fraction: float = 0.1
 
@@ -67,7 +69,7 @@ class Gpu:
     """A worker's scheduling state (internal and mutable; see GpuSnapshot for the frozen value)."""
 
     __slots__ = ("gpu_id", "index", "seq", "location", "load_bytes", "items", "class_counts", "num_requests",
-                 "category", "span_owner", "idle")
+                 "category", "span_owner", "idle", "t_bytes")
 
     def __init__(self, gpu_id: str, index: int, seq: int, location: Location) -> None:
         self.gpu_id = gpu_id
@@ -81,6 +83,7 @@ class Gpu:
         self.category = NO_CATEGORY
         self.span_owner: str | None = None  # request whose full KV chunk this GPU holds
         self.idle = False
+        self.t_bytes = 0  # bytes of T-items here (MELL pairs S/M with an L ignoring them)
 
 
 class Item:
@@ -130,6 +133,28 @@ class ClusterSnapshot:
     next_seq: int
 
 
+class SortedIndex:
+    """GPUs ordered by an integer key (free bytes, say), for "the best GPU that fits" in O(log n)."""
+
+    __slots__ = ("entries", "keys")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, int, str]] = []
+        self.keys: dict[str, tuple[int, int, str]] = {}
+
+    def set(self, gpu_id: str, key: tuple[int, int, str] | None) -> None:
+        old = self.keys.get(gpu_id)
+        if old == key:
+            return
+        if old is not None:
+            pos = bisect_left(self.entries, old)
+            del self.entries[pos]
+            del self.keys[gpu_id]
+        if key is not None:
+            insort(self.entries, key)
+            self.keys[gpu_id] = key
+
+
 class ClusterPolicy:
     """Base of all policies: applies batches, keeps loads and categories, records the plan."""
 
@@ -148,6 +173,7 @@ class ClusterPolicy:
         self._next_item_id = 0
         self._next_arrival = 0
         self._mra: list[list[tuple[int, str]]] = [[] for _ in range(6)]
+        self._by_cat: list[dict[str, Gpu]] = [{} for _ in range(6)]
         self._latest: list[tuple[int, str]] = []
         self._idle: list[Gpu] = []
         self._free_index: list[tuple[int, int, str]] = []
@@ -334,8 +360,11 @@ class ClusterPolicy:
                 cat = c
                 break
         if cat != gpu.category:
+            if gpu.category != NO_CATEGORY:
+                del self._by_cat[gpu.category][gpu.gpu_id]
             gpu.category = cat
             if cat != NO_CATEGORY:
+                self._by_cat[cat][gpu.gpu_id] = gpu
                 heap = self._mra[cat]
                 heapq.heappush(heap, (-gpu.seq, gpu.gpu_id))
                 if len(heap) > 4 * len(self.gpus) + 64:
@@ -442,7 +471,10 @@ class ClusterPolicy:
         return best
 
     def _gpus_in(self, categories: tuple[int, ...]) -> list[Gpu]:
-        return [g for g in self.gpus.values() if g.category in categories and not g.idle]
+        """GPUs of these categories, in the order they entered them (deterministic)."""
+        if len(categories) == 1:
+            return list(self._by_cat[categories[0]].values())
+        return [g for cat in categories for g in self._by_cat[cat].values()]
 
     def _priority(self, gpu: Gpu) -> float:
         """Priority of a GPU from its workload alone (MELL §VI-C, used for incoming requests)."""

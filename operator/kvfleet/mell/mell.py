@@ -18,8 +18,9 @@ choice made here is marked "(kvfleet)" and documented in docs/mell.md:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
-from kvfleet.mell.cluster import L, M, NO_CATEGORY, S, T, TINY, ClusterPolicy, Gpu, Item, SchedulerConfig
+from kvfleet.mell.cluster import L, M, NO_CATEGORY, S, T, TINY, ClusterPolicy, Gpu, Item, SchedulerConfig, SortedIndex
 from kvfleet.mell.models import size_class
 
 
@@ -31,6 +32,18 @@ class MellPolicy(ClusterPolicy):
         # Under-filled multi-items, oldest GPU first: (gpu seq, item id).
         self._underfilled: list[tuple[int, int]] = []
         self._bundles: dict[int, Item] = {}
+        # (kvfleet) space kept free for growth when placing (0 in the paper, whose sizes do not grow
+        # within a class): a pair packed to exactly C overloads on the next decoded tokens.
+        self._headroom = int(config.growth_headroom_fraction * config.capacity_bytes)
+        # Indexes for the priority searches of Fig. 10 (largest key first, see _best): L-GPUs by free
+        # bytes (Allocate T) and by room beside their L-request (Allocate S/M), S/M-GPUs by free bytes
+        # (pulling an S/M-request into an L-GPU). Searching stops once no later GPU can rank higher.
+        self._l_by_free = SortedIndex()
+        self._l_by_pair_room = SortedIndex()
+        self._sm_by_free = SortedIndex()
+        cfg = config
+        self._bounded = cfg.weight_free >= 0 and cfg.weight_requests >= 0
+        self._max_bonus = max(0.0, cfg.weight_same_node, cfg.weight_same_zone)
         # T-GPUs that fell under 3/4 full, oldest first (see _underfilled_t_gpu).
         self._t_low: list[tuple[int, str]] = []
 
@@ -80,22 +93,19 @@ class MellPolicy(ClusterPolicy):
 
     def _allocate_t(self, item: Item, cause: str, src: Gpu | None, exclude: Gpu | None) -> None:
         # Fig. 10 Allocate case 1: the L-GPU with the highest priority that fits ...
-        best: Gpu | None = None
-        best_key = (0.0, 0)
-        for gpu in self._gpus_in((L,)):
-            if gpu is exclude or self._free(gpu) < item.size_bytes:
-                continue
-            key = (self._priority(gpu), -gpu.seq)
-            if best is None or key > best_key:
-                best, best_key = gpu, key
+        need = item.size_bytes + self._headroom
+        best = self._best(self._l_by_free, lambda g: g is not exclude and self._free(g) >= need, need, None)
         if best is None and self.cfg.refill_underfilled_t:
             best = self._underfilled_t_gpu(item.size_bytes, exclude)
         if best is None:
             # ... otherwise the most recently activated T-GPU (a new GPU when that one is full).
             best = self._mra_gpu((T,), exclude)
-            if best is None or self._free(best) < item.size_bytes:
+            if best is None or self._room(best) < item.size_bytes:
                 best = self._activate()
         self._put(item, best, cause, src)
+
+    def _room(self, gpu: Gpu) -> int:
+        return self._free(gpu) - self._headroom
 
     def _underfilled_t_gpu(self, size: int, exclude: Gpu | None) -> Gpu | None:
         """(kvfleet, `refill_underfilled_t`) the oldest T-GPU under 3/4 full that fits the T-request.
@@ -114,7 +124,7 @@ class MellPolicy(ClusterPolicy):
             if gpu is None or gpu.idle or gpu.seq != seq or gpu.category != T or 4 * gpu.load_bytes >= 3 * c:
                 heapq.heappop(heap)
                 continue
-            if gpu is not exclude and self._free(gpu) >= size:
+            if gpu is not exclude and self._room(gpu) >= size:
                 latest = self._latest_gpu()
                 if latest is not None and gpu is not latest:
                     return gpu
@@ -123,23 +133,53 @@ class MellPolicy(ClusterPolicy):
         return None
 
     def _set_load(self, gpu: Gpu, new_load: int) -> None:
+        dropped = new_load < gpu.load_bytes
         super()._set_load(gpu, new_load)
-        if self.cfg.refill_underfilled_t and gpu.category == T and 4 * new_load < 3 * self.capacity_bytes:
+        if gpu.span_owner is not None:
+            self._reindex(gpu)
+        if (dropped and self.cfg.refill_underfilled_t and gpu.category == T
+                and 4 * new_load < 3 * self.capacity_bytes):
             heapq.heappush(self._t_low, (gpu.seq, gpu.gpu_id))
 
     def _non_t_load(self, gpu: Gpu) -> int:
-        return sum(self._load_on_primary(it) for it in gpu.items.values() if it.cls != T)
+        return gpu.load_bytes - gpu.t_bytes
+
+    def _best(
+        self,
+        index: SortedIndex,
+        accept: Callable[[Gpu], bool] | None,
+        min_key: int,
+        origin: Gpu | None,
+    ) -> Gpu | None:
+        """The accepted GPU of highest priority (from `origin` if given) among those whose index key
+        is at least `min_key`; ties go to the older GPU. Keys bound the free bytes from above, so
+        with non-negative weights the scan stops as soon as no later GPU can rank higher."""
+        cfg = self.cfg
+        c = self.capacity_bytes
+        best: Gpu | None = None
+        best_key = (0.0, 0)
+        bonus = self._max_bonus if origin is not None else 0.0
+        for key, _, gid in reversed(index.entries):
+            if key < min_key:
+                break
+            if best is not None and self._bounded:
+                bound = cfg.weight_free * key / c - cfg.weight_requests + bonus
+                if bound < best_key[0]:
+                    break
+            gpu = self.gpus[gid]
+            if accept is not None and not accept(gpu):
+                continue
+            prio = self._priority_from(origin, gpu) if origin is not None else self._priority(gpu)
+            cand = (prio, -gpu.seq)
+            if best is None or cand > best_key:
+                best, best_key = gpu, cand
+        return best
 
     def _allocate_sm(self, item: Item, cause: str, src: Gpu | None) -> None:
         # Fig. 10 Allocate case 2: an L-GPU j with S_iL + S_i < C, highest priority ...
-        best: Gpu | None = None
-        best_key = (0.0, 0)
-        for gpu in self._gpus_in((L,)):
-            if self._non_t_load(gpu) + item.size_bytes >= self.capacity_bytes:
-                continue
-            key = (self._priority(gpu), -gpu.seq)
-            if best is None or key > best_key:
-                best, best_key = gpu, key
+        # S_iL + S_i < C, T-requests aside (they are evicted): the pair room must exceed the size.
+        need = item.size_bytes + self._headroom + 1
+        best = self._best(self._l_by_pair_room, None, need, None)
         if best is not None:
             self._put(item, best, cause, src)
             # ... and depart and re-allocate any T-request in j.
@@ -149,7 +189,7 @@ class MellPolicy(ClusterPolicy):
             return
         # ... otherwise the most recently activated GPU of the request's class, or a new one.
         target = self._mra_gpu((item.cls,))
-        if target is None or self._free(target) < item.size_bytes:
+        if target is None or self._room(target) < item.size_bytes:
             target = self._activate()
         self._put(item, target, cause, src)
 
@@ -167,23 +207,21 @@ class MellPolicy(ClusterPolicy):
 
     def _pull_sm_into(self, gpu: Gpu, cause: str) -> tuple[Gpu, int] | None:
         """Move the S/M-request that fits L-GPU `gpu` from the S/M-GPU of highest priority for it."""
-        room = self.capacity_bytes - self._non_t_load(gpu)
-        best: tuple[float, int, int] | None = None
-        choice: Item | None = None
-        for cand in self._gpus_in((S, M)):
-            if cand is gpu:
-                continue
+        room = self.capacity_bytes - self._non_t_load(gpu) - self._headroom
+
+        def largest_fit(cand: Gpu) -> Item | None:
             fit: Item | None = None
             for it in cand.items.values():
                 if it.cls in (S, M) and it.size_bytes < room and (fit is None or it.size_bytes > fit.size_bytes):
                     fit = it
-            if fit is None:
-                continue
-            key = (self._priority_from(gpu, cand), -cand.seq, fit.size_bytes)
-            if best is None or key > best:
-                best, choice = key, fit
-        if choice is None:
+            return fit
+
+        source_gpu = self._best(self._sm_by_free, lambda g: g is not gpu and largest_fit(g) is not None,
+                                -self.capacity_bytes, gpu)
+        if source_gpu is None:
             return None
+        choice = largest_fit(source_gpu)
+        assert choice is not None
         source = choice.gpu
         assert source is not None
         cls = choice.cls
@@ -201,7 +239,7 @@ class MellPolicy(ClusterPolicy):
         source = self._mra_gpu((cls,), target)
         if source is None or source is exclude or source.seq < target.seq:
             return
-        free = self._free(target)
+        free = self._room(target)
         fit: Item | None = None
         for it in source.items.values():
             if it.cls == cls and it.size_bytes <= free and (fit is None or it.size_bytes > fit.size_bytes):
@@ -234,7 +272,7 @@ class MellPolicy(ClusterPolicy):
     def _depart_t(self, gpu: Gpu, category_before: int) -> None:
         if not gpu.items:
             return  # (kvfleet) j is now empty and will be terminated: nothing to refill
-        if 4 * gpu.load_bytes >= 3 * self.capacity_bytes:
+        if category_before == T and 4 * gpu.load_bytes >= 3 * self.capacity_bytes:
             # (kvfleet) j is still at least 3/4 full: Theorem 1 property 3 holds without a move, and
             # the refill exists to restore it; skipping it saves a migration and changes no property.
             return
@@ -243,7 +281,7 @@ class MellPolicy(ClusterPolicy):
         source = self._mra_gpu(sources, gpu)
         if source is None or source.seq < gpu.seq:
             return  # refilling from an older GPU would not drain the newest one
-        free = self._free(gpu)
+        free = self._room(gpu)
         fit: Item | None = None
         for it in source.items.values():
             if it.cls == T and it.size_bytes <= free and (fit is None or it.size_bytes > fit.size_bytes):
@@ -336,7 +374,7 @@ class MellPolicy(ClusterPolicy):
             if bundle is None or gpu is None or gpu.seq != seq or 4 * bundle.size_bytes >= c:
                 heapq.heappop(heap)
                 continue
-            if 4 * (bundle.size_bytes + size) <= c and self._free(gpu) >= size and gpu is not src:
+            if 4 * (bundle.size_bytes + size) <= c and self._room(gpu) >= size and gpu is not src:
                 bundle.members[request_id] = size
                 self.item_of[request_id] = bundle
                 gpu.num_requests += 1
@@ -352,9 +390,52 @@ class MellPolicy(ClusterPolicy):
         self._allocate_t(bundle, cause, src, src)
         self._push_underfilled(bundle)
 
+    # ---------------------------------------------------------------- indexes
+
+    def _reindex(self, gpu: Gpu) -> None:
+        cat = NO_CATEGORY if gpu.idle else gpu.category
+        gid = gpu.gpu_id
+        if cat != L and cat != S and cat != M:
+            if gid in self._l_by_free.keys or gid in self._sm_by_free.keys:
+                self._l_by_free.set(gid, None)
+                self._l_by_pair_room.set(gid, None)
+                self._sm_by_free.set(gid, None)
+            return
+        c = self.capacity_bytes
+        if cat == L:
+            self._l_by_free.set(gid, (c - gpu.load_bytes, gpu.seq, gid))
+            self._l_by_pair_room.set(gid, (c - gpu.load_bytes + gpu.t_bytes, gpu.seq, gid))
+        else:
+            self._l_by_free.set(gid, None)
+            self._l_by_pair_room.set(gid, None)
+        self._sm_by_free.set(gid, (c - gpu.load_bytes, gpu.seq, gid) if cat in (S, M) else None)
+
+    def _remove(self, item: Item) -> Gpu:
+        gpu = item.gpu
+        assert gpu is not None
+        if item.cls == T:
+            gpu.t_bytes -= item.size_bytes
+        super()._remove(item)
+        self._reindex(gpu)
+        return gpu
+
+    def _resize(self, item: Item, new_size: int, new_cls: int | None = None) -> None:
+        gpu = item.gpu
+        assert gpu is not None
+        if item.cls == T:
+            gpu.t_bytes -= item.size_bytes
+        super()._resize(item, new_size, new_cls)
+        if item.cls == T:
+            gpu.t_bytes += item.size_bytes
+        self._reindex(gpu)
+
     def _place(self, item: Item, gpu: Gpu) -> None:
+        if item.cls == T:
+            gpu.t_bytes += item.size_bytes
         super()._place(item, gpu)
+        self._reindex(gpu)
         if item.is_bundle:
+            self._bundles[item.item_id] = item  # also registers multi-items restored from a snapshot
             self._push_underfilled(item)
 
     def _grow_tiny(self, bundle: Item, request_id: str, size_bytes: int) -> None:

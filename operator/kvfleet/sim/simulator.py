@@ -142,6 +142,7 @@ def simulate(
     epoch_s: float = 1.0,
     config: SchedulerConfig | None = None,
     on_epoch: Callable[[int], None] | None = None,
+    lookahead_epochs: float = 1.0,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy."""
     if epoch_s <= 0:
@@ -152,7 +153,7 @@ def simulate(
     bpt = setup.model.kv_bytes_per_token
     block_bytes = BLOCK_TOKENS * bpt
     # Look-ahead: tokens a request can write in one epoch at the fastest step (batch 1, no KV).
-    lookahead_tokens = math.ceil(epoch_s / setup.step_s(1, 0))
+    lookahead_tokens = math.ceil(lookahead_epochs * epoch_s / setup.step_s(1, 0))
     boundaries = Boundaries(
         intra_node_link_bytes=int(setup.intra_node_bytes_per_s * epoch_s),
         inter_node_link_bytes=int(setup.inter_node_bytes_per_s * epoch_s),
