@@ -9,6 +9,7 @@ line per kernel configuration.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -86,6 +87,16 @@ def main(arch: int = 90) -> None:
             scale_reduce_kernel, f32 | {"indptr_ptr": "*i32" if varlen else "*fp32"},
             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_P=16, VARLEN=varlen), arch=arch,
         )), flush=True)
+    # The benchmark's page-streaming ceiling kernel runs only on a GPU: check it compiles too.
+    bench_path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("kvfleet_bench_kernels", bench_path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stream = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "sink_ptr": "*fp32"}
+    print(json.dumps(compile_kernel(bench._make_stream_kernel(triton), stream,
+                                    dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64), arch=arch)), flush=True)
     pair = {n: "*fp32" for n in ("o_a_ptr", "lse_a_ptr", "o_b_ptr", "lse_b_ptr", "out_ptr", "out_lse_ptr")}
     print(json.dumps(compile_kernel(scale_reduce_pair_kernel, pair, dict(HEAD_DIM=128, HEAD_DIM_PAD=128), arch=arch)),
           flush=True)

@@ -41,6 +41,27 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, MAX_NUM_SPLITS))
 
 
+def plan_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_num_tokens: int,
+    num_splits: int | None,
+    block_n: int,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for a launch; tokens_per_split is a multiple of block_n.
+
+    Split sizes come from the block table's width (max_num_tokens), an upper bound on every seq_len,
+    so a launch needs no device-to-host sync; splits past a short sequence's end return empty partials.
+    """
+    if num_splits is None:
+        num_sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_num_tokens, num_sms, block_n)
+    tokens_per_split = -(-max(1, max_num_tokens) // num_splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    return max(1, -(-max_num_tokens // tokens_per_split)), tokens_per_split
+
+
 def micro_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -51,6 +72,8 @@ def micro_attention_decode(
     scale: float | None = None,
     num_splits: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +84,8 @@ def micro_attention_decode(
     (physical block ids, in token order); seq_lens int32 [num_seqs] (tokens of each sequence in this
     part, 0 allowed). num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to
     head_dim ** -0.5. num_splits: split-KV count, None to choose from the shapes and the GPU.
+    block_n, num_warps, num_stages: tile size and Triton launch options (None: Triton's defaults),
+    exposed for bench/kernels.py to sweep.
 
     Returns (out fp32 [num_seqs, num_q_heads, head_dim], lse fp32 [num_seqs, num_q_heads], natural
     log); a sequence with no tokens here gets out 0 and lse -inf. `out=`/`out_lse=` are written in place.
@@ -91,15 +116,9 @@ def micro_attention_decode(
     if num_seqs == 0 or num_q_heads == 0:
         return out, out_lse
 
-    # Split sizes come from the block table's width, an upper bound on every seq_len, so the launch
-    # needs no device-to-host sync; splits past a short sequence's end return empty partials.
-    max_num_tokens = block_table.shape[1] * block_size
-    if num_splits is None:
-        num_sms = 4 if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_num_tokens, num_sms, block_n)
-    tokens_per_split = -(-max(1, max_num_tokens) // num_splits)
-    tokens_per_split = -(-tokens_per_split // block_n) * block_n
-    num_splits = max(1, -(-max_num_tokens // tokens_per_split))
+    num_splits, tokens_per_split = plan_splits(
+        num_seqs, num_kv_heads, block_table.shape[1] * block_size, num_splits, block_n, device
+    )
 
     if num_splits == 1:
         o_dst, lse_dst = out, out_lse
@@ -114,6 +133,11 @@ def micro_attention_decode(
     group_size = num_q_heads // num_kv_heads
     if scale is None:
         scale = head_dim**-0.5
+    launch_options = {}
+    if num_warps is not None:
+        launch_options["num_warps"] = num_warps
+    if num_stages is not None:
+        launch_options["num_stages"] = num_stages
     micro_attention_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -147,6 +171,7 @@ def micro_attention_decode(
         BLOCK_N=block_n,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        **launch_options,
     )
     if num_splits > 1:
         launch_scale_reduce(o_dst, lse_dst, out, out_lse)
