@@ -387,7 +387,7 @@ class NodeAgent:
             "KVFLEET_POD_DIR": str(runtime.directory),
             "KVFLEET_POD_IP": runtime.ip,
         }
-        for name in ("KVFLEET_CACHE", "VIRTUAL_ENV", "TRITON_INTERPRET"):
+        for name in ("KVFLEET_CACHE", "VIRTUAL_ENV", "PYTHONPATH", "TRITON_INTERPRET"):
             if name in os.environ:
                 env[name] = os.environ[name]
         if runtime.env.get("KUBECONFIG"):

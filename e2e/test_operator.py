@@ -1,0 +1,125 @@
+"""The operator on the real control plane: pools get worker pods, status, scale, capacity waits, cleanup.
+
+The operator runs as a local process with the admin kubeconfig; worker pods run the scripted worker
+(e2e/kvfleet_e2e/scripted_worker.py) through the node agent, so readiness and deletion are real.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvfleet_e2e.cluster import Cluster, wait_for
+from kvfleet_e2e.controlplane import Process, free_port, start_process, stop_process
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[Process]:
+    proc = start_process(
+        "operator",
+        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz"],
+        cluster.plane.work_dir / "logs",
+        env={"KUBECONFIG": str(cluster.kubeconfig)},
+    )
+    _running.append(proc)
+    yield proc
+    _running.remove(proc)
+    stop_process(proc)
+
+
+_running: list[Process] = []  # the operator of this module, checked on every status read
+
+
+def pool(name: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": {"name": "tiny", "path": "/models/tiny"},
+        "engine": "builtin",
+        "capacity": {"kvCapacityPerWorker": "1Gi"},
+        "workers": {"min": 2, "max": 3},
+        "scheduling": {"epochSeconds": 1},
+        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
+    }
+    body.update(spec)
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
+
+
+def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(obj))
+
+
+def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    for proc in _running:
+        assert proc.popen.poll() is None, f"the operator died:\n{proc.tail(40)}"
+    return dict((cluster.get_json("llmpool", name, "-n", namespace, check=False) or {}).get("status") or {})
+
+
+def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
+
+
+def worker_names(cluster: Cluster, namespace: str, pool_name: str) -> list[str]:
+    pods = cluster.get_json("pods", "-n", namespace, "-l", f"kvfleet.dev/pool={pool_name}")["items"]
+    return sorted(p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp"))
+
+
+def test_pool_gets_ready_workers_and_scales(cluster: Cluster, namespace: str, operator: Process) -> None:
+    apply(cluster, namespace, pool("alpha"))
+    ready = wait_for(lambda: (st := status(cluster, namespace, "alpha")) and st.get("readyWorkers") == 2
+                     and condition(st, "Ready").get("status") == "True" and st, "two ready workers", timeout_s=90)
+    assert ready["desiredWorkers"] == 2 and ready["workers"] == 2
+    assert condition(ready, "Progressing")["reason"] == "Stable"
+    assert worker_names(cluster, namespace, "alpha") == ["alpha-worker-0", "alpha-worker-1"]
+
+    # The worker got its identity, capacity and the pool token from the operator's pod spec.
+    pod = cluster.get_json("pod", "alpha-worker-0", "-n", namespace)
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "LLMPool"
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/identity", timeout=5) as resp:
+        identity = json.loads(resp.read())
+    assert identity == {"POD_NAME": "alpha-worker-0", "KVFLEET_POOL": "alpha", "KVFLEET_MODEL_NAME": "tiny",
+                        "KVFLEET_KV_CAPACITY_BYTES": str(2**30), "token_present": "True"}
+
+    # kubectl scale raises the floor; the newest worker gets the next index.
+    cluster.kubectl("scale", "llmpool", "alpha", "-n", namespace, "--replicas=3")
+    wait_for(lambda: status(cluster, namespace, "alpha").get("readyWorkers") == 3, "a third worker", timeout_s=60)
+    assert worker_names(cluster, namespace, "alpha")[-1] == "alpha-worker-2"
+    # Lowering it removes the most recently activated worker first.
+    cluster.kubectl("scale", "llmpool", "alpha", "-n", namespace, "--replicas=0")
+    wait_for(lambda: worker_names(cluster, namespace, "alpha") == ["alpha-worker-0", "alpha-worker-1"],
+             "scale-down to min", timeout_s=60)
+    printed = cluster.kubectl("get", "llmpool", "alpha", "-n", namespace).stdout.splitlines()[1].split()
+    assert printed[:6] == ["alpha", "tiny", "builtin", "mell", "2", "2"]
+
+
+def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, namespace: str, operator: Process) -> None:
+    apply(cluster, namespace, pool("huge", gpusPerWorker=8, workers={"min": 1, "max": 1}))
+    waiting = wait_for(lambda: condition(status(cluster, namespace, "huge"), "WaitingForCapacity").get("status") == "True"
+                       and condition(status(cluster, namespace, "huge"), "WaitingForCapacity"),
+                       "WaitingForCapacity", timeout_s=60)
+    assert waiting["reason"] == "WorkersUnschedulable"
+    assert "Insufficient nvidia.com/gpu" in waiting["message"]
+    assert condition(status(cluster, namespace, "huge"), "Ready")["status"] == "False"
+
+
+def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: Process) -> None:
+    apply(cluster, namespace, pool("gone", workers={"min": 1, "max": 2}))
+    wait_for(lambda: status(cluster, namespace, "gone").get("readyWorkers") == 1, "a ready worker", timeout_s=60)
+    cluster.kubectl("delete", "llmpool", "gone", "-n", namespace, "--wait=true", timeout_s=90)
+    for kind in ("pods", "secrets", "serviceaccounts", "roles", "rolebindings"):
+        wait_for(lambda kind=kind: not [o for o in cluster.get_json(kind, "-n", namespace, "-l", "kvfleet.dev/pool=gone")["items"]],
+                 f"{kind} of the pool to be garbage-collected", timeout_s=60)
+
+
+def test_operator_logs_no_errors(cluster: Cluster, operator: Process) -> None:
+    assert operator.popen.poll() is None, operator.tail()
+    # kopf logs its own retried requests (e.g. 429 while a fresh CRD's storage initialises) as ERROR.
+    errors = [line for line in operator.log_path.read_text().splitlines()
+              if (" ERROR " in line and "will retry" not in line) or "Traceback" in line]
+    assert not errors, "\n".join(errors[:20])
+
+

@@ -1,0 +1,175 @@
+"""The Kubernetes objects a pool owns, built as plain dicts from its spec: pure, so they are unit-tested.
+
+Handlers compare these desired objects with what the cluster has and write only the difference.
+Names are deterministic (`<pool>-worker-<index>`) so a restarted operator finds what it made instead of
+making it twice, and the index records activation order, which MELL's "most recently activated GPU"
+rule needs after a restart.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvfleet.api.models import API_VERSION, LLMPoolSpec
+
+POOL_LABEL = "kvfleet.dev/pool"
+INDEX_LABEL = "kvfleet.dev/worker-index"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvfleet-operator", "app.kubernetes.io/part-of": "kvfleet"}
+WORKER_PORT = 8000
+TOKEN_KEY = "token"
+_WORKER_NAME = re.compile(r"^(?P<pool>.+)-worker-(?P<index>\d+)$")
+
+
+def owner_reference(pool: dict[str, Any]) -> dict[str, Any]:
+    meta = pool["metadata"]
+    return {"apiVersion": API_VERSION, "kind": "LLMPool", "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def worker_selector(pool_name: str) -> str:
+    return f"{POOL_LABEL}={pool_name},{COMPONENT_LABEL}=worker"
+
+
+def worker_name(pool_name: str, index: int) -> str:
+    return f"{pool_name}-worker-{index}"
+
+
+def worker_index(pod_name: str) -> int | None:
+    match = _WORKER_NAME.match(pod_name)
+    return int(match.group("index")) if match else None
+
+
+def token_secret_name(pool_name: str) -> str:
+    return f"{pool_name}-token"
+
+
+def worker_account_name(pool_name: str) -> str:
+    return f"{pool_name}-worker"
+
+
+def _labels(pool_name: str, component: str) -> dict[str, str]:
+    return {**MANAGED_BY, POOL_LABEL: pool_name, COMPONENT_LABEL: component, "app.kubernetes.io/instance": pool_name}
+
+
+def token_secret(pool: dict[str, Any], token: str) -> dict[str, Any]:
+    """The per-pool token that guards the workers' internal endpoints (migration, DistAttention)."""
+    name = pool["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": token_secret_name(name), "labels": _labels(name, "token"), "ownerReferences": [owner_reference(pool)]},
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding of the workers: what they need in their namespace, no more.
+
+    Workers read and patch pods (their own load report lives on their pod) and execute KVMigrations
+    (read them, write their status). They never create or delete anything.
+    """
+    name = pool["metadata"]["name"]
+    account = worker_account_name(name)
+    meta = {"name": account, "labels": _labels(name, "worker"), "ownerReferences": [owner_reference(pool)]}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+                {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": pool["metadata"]["namespace"]}],
+        },
+    ]
+
+
+def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int) -> dict[str, Any]:
+    """One GPU worker: the engine plus the agent, configured through its environment."""
+    name = pool["metadata"]["name"]
+    template = spec.worker_template
+    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
+    if template.resources is not None:
+        resources["requests"].update(template.resources.requests)
+        resources["limits"].update(template.resources.limits)
+    # Extended resources must have request == limit; the pool's gpusPerWorker wins over any override.
+    resources["limits"]["nvidia.com/gpu"] = str(spec.gpus_per_worker)
+    resources["requests"]["nvidia.com/gpu"] = str(spec.gpus_per_worker)
+
+    def field_env(env_name: str, path: str) -> dict[str, Any]:
+        return {"name": env_name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        field_env("POD_NAME", "metadata.name"),
+        field_env("POD_NAMESPACE", "metadata.namespace"),
+        field_env("POD_IP", "status.podIP"),
+        {"name": "KVFLEET_POOL", "value": name},
+        {"name": "KVFLEET_ENGINE", "value": spec.engine},
+        {"name": "KVFLEET_MODEL_NAME", "value": spec.model.name},
+        {"name": "KVFLEET_MODEL_PATH", "value": spec.model.path},
+        {"name": "KVFLEET_KV_CAPACITY_BYTES", "value": str(spec.kv_capacity_per_worker_bytes())},
+        {"name": "KVFLEET_PORT", "value": str(WORKER_PORT)},
+        {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
+    ]
+    env += [{"name": var.name, "value": var.value} for var in template.env]
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": WORKER_PORT}],
+        "resources": {k: v for k, v in resources.items() if v},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6,
+                          "initialDelaySeconds": 30},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "serviceAccountName": worker_account_name(name),
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+    }
+    if spec.model.volume is not None:
+        volume = spec.model.volume
+        source: dict[str, Any]
+        if volume.persistent_volume_claim is not None:
+            source = {"persistentVolumeClaim": {"claimName": volume.persistent_volume_claim.claim_name, "readOnly": True}}
+        else:
+            assert volume.host_path is not None  # the model validator guarantees exactly one source
+            source = {"hostPath": {"path": volume.host_path.path, "type": "Directory"}}
+        pod_spec["volumes"] = [{"name": "model", **source}]
+        container["volumeMounts"] = [{"name": "model", "mountPath": spec.model.path, "readOnly": True}]
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in template.tolerations]
+    if template.priority_class_name:
+        pod_spec["priorityClassName"] = template.priority_class_name
+    labels = _labels(name, "worker") | {INDEX_LABEL: str(index)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": worker_name(name, index),
+            "labels": labels,
+            # An empty worker may be evicted; the agent flips these while it holds live KV cache.
+            "annotations": {
+                "cluster-autoscaler.kubernetes.io/safe-to-evict": "true",
+                "karpenter.sh/do-not-disrupt": "false",
+            },
+            "ownerReferences": [owner_reference(pool)],
+        },
+        "spec": pod_spec,
+    }
