@@ -85,7 +85,7 @@ def main(arch: int = 90) -> None:
     for varlen in (False, True):
         print(json.dumps(compile_kernel(
             scale_reduce_kernel, f32 | {"indptr_ptr": "*i32" if varlen else "*fp32"},
-            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_P=16, VARLEN=varlen), arch=arch,
+            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_P=64, VARLEN=varlen), arch=arch,
         )), flush=True)
     # The benchmark's page-streaming ceiling kernel runs only on a GPU: check it compiles too.
     bench_path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels.py")

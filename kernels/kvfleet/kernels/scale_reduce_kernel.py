@@ -70,32 +70,34 @@ def scale_reduce_kernel(
     dim_offs = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dim_offs < HEAD_DIM
 
-    # Pass 1: the global max. Pass 2 needs it before weighting anything, so that every weight is
-    # <= 1 and the sum cannot overflow whatever the LSE magnitudes.
-    m_vec = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for p0 in range(part_start, part_end, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        lse = tl.load(lse_base + parts.to(tl.int64) * stride_lse_part, mask=parts < part_end, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, _clean_lse(lse))
-    m = tl.max(m_vec, axis=0)
-    # All parts empty: weigh against 0 instead of -inf so exp never sees -inf - -inf.
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    w_sum_vec = tl.zeros([BLOCK_P], dtype=tl.float32)
+    # One pass with a running max (the online softmax applied to partials): every weight is <= 1, so
+    # the sums cannot overflow whatever the LSE magnitudes, and the LSE and output loads of a chunk
+    # are issued together. With the launcher's BLOCK_P every split-KV merge is a single iteration:
+    # the merge is latency-bound, and one round trip to memory is what it costs.
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    w_sum = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     for p0 in range(part_start, part_end, BLOCK_P):
         parts = p0 + tl.arange(0, BLOCK_P)
         part_mask = parts < part_end
-        lse = tl.load(lse_base + parts.to(tl.int64) * stride_lse_part, mask=part_mask, other=float("-inf"))
-        w = tl.exp(_clean_lse(lse) - m_safe)
+        lse = _clean_lse(
+            tl.load(lse_base + parts.to(tl.int64) * stride_lse_part, mask=part_mask, other=float("-inf"))
+        )
         o = tl.load(
             o_base + parts.to(tl.int64)[:, None] * stride_o_part + dim_offs[None, :],
             mask=part_mask[:, None] & dim_mask[None, :],
             other=0.0,
         )
-        acc += tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0), axis=0)
-        w_sum_vec += w
-    w_sum = tl.sum(w_sum_vec, axis=0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        # While every part so far is empty, weigh against 0 so exp never sees -inf - -inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        w = tl.exp(lse - m_use)
+        # An empty part's output may be garbage (NaN from a failed peer): never multiply it in.
+        acc = acc * alpha + tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0), axis=0)
+        w_sum = w_sum * alpha + tl.sum(w, axis=0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
 
     nonempty = w_sum > 0.0
     out = acc / tl.where(nonempty, w_sum, 1.0)

@@ -24,8 +24,9 @@ _F32 = (torch.float32,)
 
 
 def _block_p(num_parts: int) -> int:
-    # Enough parts per iteration that a typical merge (<= 16 parts or splits) is one load.
-    return max(2, min(16, next_power_of_2(num_parts)))
+    # All parts in one iteration up to 64 (the decode launcher's most splits): 64 x 128 fp32 is 64
+    # registers a thread at 4 warps. More parts loop in chunks of 64.
+    return max(2, min(64, next_power_of_2(num_parts)))
 
 
 def scale_reduce(
