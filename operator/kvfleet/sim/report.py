@@ -45,6 +45,7 @@ class Scenario:
                 "utilization": round(r.utilization, 4),
                 "migrations_per_s": round(r.migrations_per_s, 4),
                 "migrated_bytes": r.migrated_bytes,
+                "item_moves_per_s": round(r.num_item_moves / r.duration_s, 4) if r.duration_s else 0.0,
                 "preemptions_per_s": round(r.num_preemptions / r.duration_s, 4) if r.duration_s else 0.0,
                 "kv_transfers": r.num_kv_transfers,
                 "token_transfers": r.num_token_transfers,

@@ -101,6 +101,7 @@ class RunResult:
     num_requests: int = 0
     num_spanning: int = 0
     max_moves_per_operation: int = 0
+    num_item_moves: int = 0  # moves of placed items (a multi-item is one), the unit of Theorem 3
     num_moves_cancelled: int = 0
     capacity_bytes: int = 0
 
@@ -277,6 +278,7 @@ def simulate(
         result.num_spanning = max(result.num_spanning, len(plan.spans))
         result.max_moves_per_operation = max(result.max_moves_per_operation, *plan.moves_per_operation, 0)
         result.num_moves_cancelled += plan.num_moves_cancelled
+        result.num_item_moves += sum(plan.moves_per_operation)
         if on_epoch is not None:
             on_epoch(epoch)
     return result

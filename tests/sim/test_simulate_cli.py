@@ -1,0 +1,74 @@
+"""`kvfleet simulate` end to end on small slices of the Azure traces, cut at run time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfleet.cli import main
+
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+CONV = TRACES / "AzureLLMInferenceTrace_conv.csv"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "azure_conv_600_120_13b.json"
+KEYS = {"peak_gpus", "mean_gpus", "utilization", "migrations_per_s", "migrated_bytes"}
+
+
+def simulate_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:
+    code = main(["simulate", "--trace", str(CONV), "--window", "600:120", "--setup", "13b-a100",
+                 "--json", "--no-progress", *extra])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one JSON object on one line
+    payload = json.loads(out)
+    assert isinstance(payload, dict)
+    return payload
+
+
+def test_json_has_every_policy_and_the_lower_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    payload = simulate_json(capsys)
+    policies = payload["policies"]
+    assert isinstance(policies, dict) and set(policies) == {"mell", "bf", "wf", "lb"}
+    for stats in policies.values():
+        assert KEYS <= set(stats)
+        assert stats["capacity_violations"] == 0
+        assert stats["max_moves_per_operation"] <= 10 or stats is policies["lb"]
+    assert isinstance(payload["lower_bound_peak"], int) and isinstance(payload["lower_bound_mean"], float)
+    assert policies["bf"]["migrations_per_s"] == 0 and policies["wf"]["migrations_per_s"] == 0
+
+
+def test_golden_slice_is_reproduced_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    """The simulator and the policies are deterministic: this slice's numbers are pinned. When a
+    deliberate change moves them, regenerate the file with the command in its "command" field."""
+    payload = simulate_json(capsys)
+    golden = json.loads(GOLDEN.read_text())
+    assert payload["policies"] == golden["policies"]
+    assert payload["lower_bound_peak"] == golden["lower_bound_peak"]
+
+
+def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv_path = tmp_path / "out.csv"
+    code = main(["simulate", "--trace", str(CONV), "--window", "600:60", "--setup", "7b-4090",
+                 "--policies", "mell,lb", "--no-progress", "--csv", str(csv_path), "--plot", str(tmp_path / "png")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "MELL" in out and "LB" in out and "peak_gpus" in out
+    assert csv_path.read_text().splitlines()[0].startswith("setup,workload,policy,peak_gpus")
+    pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert pngs[:3] == ["fig11_gpus.png", "fig12_migrations.png", "fig14_utilization.png"]
+    assert any(p.startswith("fig15_timeline") for p in pngs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "/nonexistent.csv"], "no such file"),
+        (["--policies", "mell,random"], "unknown policy"),
+        (["--poisson", "-1"], "rate must be positive"),
+        (["--trace", str(CONV), "--window", "abc"], "START:DURATION"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert main(["simulate", "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""Trace readers: the Azure CSV, generic CSV, JSONL, the synthetic Poisson workloads, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfleet.sim.traces import TraceError, poisson_workload, read_trace, slice_trace
+
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+
+
+def test_reads_the_azure_conversation_trace() -> None:
+    reqs = read_trace(TRACES / "AzureLLMInferenceTrace_conv.csv")
+    assert len(reqs) == 19_366
+    assert reqs[0].arrival_s == 0.0 and (reqs[0].prompt_tokens, reqs[0].output_tokens) == (374, 44)
+    assert reqs[1].arrival_s == pytest.approx(4.3145790, abs=1e-5)  # 18:15:50.9951690 - 18:15:46.6805900
+    assert 3400 < reqs[-1].arrival_s < 3600  # 58 minutes
+    window = slice_trace(reqs, 60.0, 30.0)
+    assert window and all(0 <= r.arrival_s < 30 for r in window)
+
+
+def test_reads_jsonl_in_milliseconds(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 2500, "input_length": 10, "output_length": 3},
+            {"timestamp": 1000, "input_length": 7, "output_length": 9}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = read_trace(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.0, 7, 9), (1.5, 10, 3)]
+
+
+def test_reads_a_generic_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("timestamp,prompt_tokens,output_tokens\n0.5,100,20\n2,50,5\n")
+    reqs = read_trace(path)
+    assert [(r.arrival_s, r.prompt_tokens) for r in reqs] == [(0.0, 100), (1.5, 50)]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("a.csv", "", "empty file"),
+        ("b.csv", "when,prompt,output\n1,2,3\n", "no timestamp column"),
+        ("c.csv", "timestamp,prompt,output\n1,lots,3\n", "c.csv:2: prompt 'lots' is not a number"),
+        ("d.csv", "timestamp,prompt,output\nyesterday,1,3\n", "cannot read timestamp"),
+        ("e.csv", "timestamp,prompt,output\n1,2\n", "e.csv:2: expected 3 fields"),
+        ("f.csv", "timestamp,prompt,output\n", "no requests"),
+        ("g.jsonl", '{"timestamp": 1, "input_length": 2}\n', "g.jsonl:1: missing field 'output_length'"),
+        ("h.jsonl", "{not json\n", "h.jsonl:1: not JSON"),
+        ("i.jsonl", '{"timestamp": "soon", "input_length": 2, "output_length": 1}\n', "timestamp must be a number"),
+        ("j.jsonl", '{"timestamp": 1, "input_length": -2, "output_length": 1}\n', "whole number >= 0"),
+    ],
+)
+def test_bad_files_are_refused_with_file_and_line(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_trace(path)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TraceError, match="no such file"):
+        read_trace(Path("/nonexistent/trace.csv"))
+
+
+def test_poisson_workload_is_seeded_and_scaled() -> None:
+    a = poisson_workload(1.1, 600, seed=3)
+    assert a == poisson_workload(1.1, 600, seed=3)
+    assert a != poisson_workload(1.1, 600, seed=4)
+    assert 500 < len(a) < 820  # about 660 arrivals
+    assert all(r.prompt_tokens + r.output_tokens <= 40_960 for r in a)  # 4096-token context x10
+    lmsys = poisson_workload(2.0, 2000, lengths="lmsys", scale=1.0, seed=1)
+    mean_out = sum(r.output_tokens for r in lmsys) / len(lmsys)
+    assert 150 < mean_out < 280  # LMSYS-Chat-1M: 214.5
+    with pytest.raises(ValueError):
+        poisson_workload(1.0, 10, lengths="reddit")
