@@ -1,0 +1,59 @@
+"""The KV-load report a worker writes on its own Pod, and the operator reads every epoch.
+
+The report lives in one annotation of the worker's Pod (`kvfleet.dev/kv-load`) because the pod is
+the object whose lifetime it describes: it vanishes with the pod, needs no extra RBAC beyond
+patching pods, and a restarted operator finds every worker's load by listing pods. Workers write it
+when a request arrives, finishes or changes MELL size class, coalesced to at most one write per
+epoch, never per token (docs/load-reports.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic.alias_generators import to_camel
+
+ANNOTATION = "kvfleet.dev/kv-load"
+# Annotations share 256 KiB per object; this keeps one report well inside it (~80 bytes a request).
+MAX_REQUESTS_PER_REPORT = 2048
+
+SizeClassName = Literal["X", "L", "M", "S", "T", "tiny"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class RequestLoad(_Model):
+    """One running request's KV footprint on this worker."""
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    kv_bytes: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    size_class: SizeClassName
+
+
+class KVLoadReport(_Model):
+    """A worker's KV cache at one moment: capacity, use, and the requests holding it."""
+
+    capacity_bytes: int = Field(gt=0)
+    used_bytes: int = Field(ge=0)
+    requests: list[RequestLoad] = Field(default_factory=list, max_length=MAX_REQUESTS_PER_REPORT)
+    # Increases with every write, so a reader can tell a new report from a re-read of an old one.
+    sequence: int = Field(ge=0)
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.model_dump(by_alias=True), separators=(",", ":"))
+
+    @classmethod
+    def from_annotations(cls, annotations: dict[str, str] | None) -> KVLoadReport | None:
+        """The report on a pod, or None when it has none yet or it does not parse (then it is ignored)."""
+        text = (annotations or {}).get(ANNOTATION)
+        if not text:
+            return None
+        try:
+            return cls.model_validate_json(text)
+        except ValueError:
+            return None

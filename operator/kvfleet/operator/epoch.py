@@ -1,0 +1,187 @@
+"""One MELL epoch of a pool: worker reports in, a placement plan and the moves to reach it out.
+
+This is the adapter between what the cluster says (each worker pod's KV-load report, the
+KVMigrations in flight) and the pure scheduler `kvfleet.mell`. It is level-triggered: the policy
+holds where every request *should* be, the reports say where it *is*, and every difference that is
+not already being moved becomes a migration order. A failed or lost migration therefore comes back
+by itself next epoch (as a retry); nothing depends on remembering what was ordered.
+
+Workers and GPUs: the policy names GPUs `gpu-<n>`; a worker pod carries the GPU it serves in the
+label `kvfleet.dev/gpu-id`, written when the pod is created or when an idle pod kept by the pool's
+floor is bound to a newly activated GPU. After an operator restart the policy is rebuilt from the
+pods: their GPU labels, their reports and their creation order (MELL's "most recently activated").
+No I/O and no clock here; time comes in as an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
+from kvfleet.mell.cluster import ClusterSnapshot, GpuSnapshot, ItemSnapshot
+from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location, SizeClass, size_class
+
+# Reasons of KVMigration (the CRD's enum) for each cause the scheduler records.
+_REASONS = {"allocate": "Allocate", "depart": "Depart", "update": "Update", "rebalance": "Rebalance", "preempt": "Rebalance"}
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the operator observed about one live worker pod."""
+
+    pod_name: str
+    gpu_id: str | None  # None: an idle pod kept only by the pool's floor
+    created_order: int  # position in pod creation order (MELL's activation order after a restart)
+    node_name: str
+    zone: str
+    ready: bool
+    report: KVLoadReport | None
+
+
+@dataclass(frozen=True)
+class MoveOrder:
+    """One KVMigration to create."""
+
+    request_id: str
+    source_pod: str
+    target_pod: str
+    size_bytes: int
+    tokens: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class EpochOutcome:
+    moves: tuple[MoveOrder, ...]
+    # GPUs the policy needs that no pod serves yet (create a pod, or bind an idle floor pod).
+    unserved_gpu_ids: tuple[str, ...]
+    # Pods whose GPU the policy terminated and that hold nothing: unbind (or delete) them.
+    released_pods: tuple[str, ...]
+    # Moves that wait for their target pod to become ready.
+    num_deferred_moves: int
+    num_events: int
+    used_bytes: int
+    lower_bound_gpus: int
+    active_gpus: int
+
+
+def gpu_index(gpu_id: str) -> int:
+    return int(gpu_id.rsplit("-", 1)[-1])
+
+
+class PoolScheduler:
+    """The scheduling state of one pool, kept in memory between epochs and rebuildable from pods."""
+
+    def __init__(self, policy_name: str, config: SchedulerConfig) -> None:
+        self.policy_name = policy_name
+        self.config = config
+        self.policy: ClusterPolicy = make_policy(policy_name, config)
+        self.sizes: dict[str, int] = {}
+
+    @classmethod
+    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
+        """The state a restarted operator starts from: requests where the reports put them."""
+        self = cls(policy_name, config)
+        bound = sorted((w for w in workers if w.gpu_id is not None), key=lambda w: w.created_order)
+        gpus = tuple(GpuSnapshot(w.gpu_id, gpu_index(w.gpu_id), seq, Location(w.node_name, w.zone))
+                     for seq, w in enumerate(bound) if w.gpu_id is not None)
+        items: list[ItemSnapshot] = []
+        capacity = config.capacity_bytes
+        for worker in bound:
+            assert worker.gpu_id is not None
+            requests = sorted(worker.report.requests, key=lambda r: r.id) if worker.report else []
+            bundle: list[tuple[str, int]] = []
+            for req in requests:
+                if req.id in self.sizes:
+                    continue  # reported twice mid-migration: the first (older) pod keeps it
+                self.sizes[req.id] = req.kv_bytes
+                if req.kv_bytes > capacity:
+                    continue  # DistAttention spans are not rebuilt from reports yet; see the issue note
+                if size_class(req.kv_bytes, capacity) == SizeClass.TINY:
+                    # Tiny requests travel in multi-items of at most C/4 (MELL §VI-C).
+                    if 4 * (sum(b for _, b in bundle) + req.kv_bytes) > capacity and bundle:
+                        items.append(ItemSnapshot(tuple(bundle), True, worker.gpu_id))
+                        bundle = []
+                    bundle.append((req.id, req.kv_bytes))
+                else:
+                    items.append(ItemSnapshot(((req.id, req.kv_bytes),), False, worker.gpu_id))
+            if bundle:
+                items.append(ItemSnapshot(tuple(bundle), True, worker.gpu_id))
+        next_index = max((gpu_index(g.gpu_id) for g in gpus), default=-1) + 1
+        self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
+        self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
+        return self
+
+    def epoch(self, workers: Iterable[WorkerView], in_flight: Mapping[str, str], now_s: float) -> EpochOutcome:
+        """Feed the changes since the last epoch to the policy and order the moves to match it.
+
+        `in_flight` maps request ids with an unfinished KVMigration to its target pod: those requests
+        are neither finished nor moved again until their migration ends.
+        """
+        workers = list(workers)
+        actual: dict[str, tuple[WorkerView, int, int]] = {}
+        for worker in sorted(workers, key=lambda w: w.created_order):
+            for req in worker.report.requests if worker.report else []:
+                # Mid-migration both pods may report a request: the migration's target wins.
+                if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
+                    actual[req.id] = (worker, req.kv_bytes, req.tokens)
+        events: list[Event] = []
+        for rid in list(self.sizes):
+            if rid not in actual and rid not in in_flight:
+                events.append(Finish(rid))
+                del self.sizes[rid]
+        for rid, (_, size_bytes, _) in actual.items():
+            known = self.sizes.get(rid)
+            if known is None:
+                events.append(Arrive(rid, size_bytes))
+                self.sizes[rid] = size_bytes
+            elif size_bytes > known:  # KV only grows (MELL §VI-A); a smaller report is stale
+                events.append(Grow(rid, size_bytes))
+                self.sizes[rid] = size_bytes
+        plan = self.policy.schedule(EventBatch(now_s, tuple(events)))
+        causes = {m.request_id: m.cause for m in plan.migrations}
+        placed_now = {p.request_id for p in plan.placements}
+
+        pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
+        moves: list[MoveOrder] = []
+        deferred = 0
+        for rid, (worker, size_bytes, tokens) in actual.items():
+            if rid in in_flight or rid not in self.policy.item_of:
+                continue
+            want = self.policy.gpu_of(rid)
+            if want == worker.gpu_id:
+                continue
+            target = pod_of_gpu.get(want)
+            if target is None or not target.ready:
+                deferred += 1
+                continue
+            if rid in causes:
+                reason = _REASONS.get(causes[rid], "Update")
+            elif rid in placed_now:
+                reason = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
+            else:
+                reason = "Retry"  # an earlier move failed or was lost
+            moves.append(MoveOrder(rid, worker.pod_name, target.pod_name, size_bytes, tokens, reason))
+
+        live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}
+        holding = {w.pod_name for w in workers if w.report and w.report.requests}
+        targets = set(in_flight.values())
+        released = tuple(sorted(
+            w.pod_name for w in workers
+            if w.gpu_id is not None and w.gpu_id not in live_gpus and w.pod_name not in holding and w.pod_name not in targets
+        ))
+        unserved = tuple(sorted((g for g in live_gpus if g not in pod_of_gpu), key=gpu_index))
+        used = sum(self.sizes.values())
+        return EpochOutcome(
+            moves=tuple(moves),
+            unserved_gpu_ids=unserved,
+            released_pods=released,
+            num_deferred_moves=deferred,
+            num_events=len(events),
+            used_bytes=used,
+            lower_bound_gpus=math.ceil(used / self.config.capacity_bytes),
+            active_gpus=len(live_gpus),
+        )

@@ -1,0 +1,79 @@
+"""The operator's epoch adapter: reports become MELL events, differences become migration orders."""
+
+from __future__ import annotations
+
+from kvfleet.api.reports import KVLoadReport, RequestLoad
+from kvfleet.mell import SchedulerConfig
+from kvfleet.operator.epoch import PoolScheduler, WorkerView
+
+C = 1200  # bytes of KV per worker; the classes: L > 600, M > 400, S > 300, T > 150
+
+
+def report(*requests: tuple[str, int]) -> KVLoadReport:
+    reqs = [RequestLoad(id=rid, kv_bytes=size, tokens=size // 10, size_class="T") for rid, size in requests]
+    return KVLoadReport(capacity_bytes=C, used_bytes=sum(s for _, s in requests), requests=reqs, sequence=1)
+
+
+def worker(index: int, *requests: tuple[str, int], gpu: bool = True, ready: bool = True) -> WorkerView:
+    return WorkerView(f"p-worker-{index}", f"gpu-{index}" if gpu else None, index, "node-0", "zone-0", ready, report(*requests))
+
+
+def scheduler() -> PoolScheduler:
+    return PoolScheduler("mell", SchedulerConfig(capacity_bytes=C))
+
+
+def test_first_arrival_activates_a_gpu_that_no_pod_serves_yet() -> None:
+    sched = scheduler()
+    # The router put r1 on an unbound floor pod: MELL activates gpu-0, which no pod serves yet.
+    out = sched.epoch([worker(0, ("r1", 700), gpu=False)], {}, now_s=1.0)
+    assert out.unserved_gpu_ids == ("gpu-0",)
+    assert out.num_deferred_moves == 1 and out.moves == ()
+    assert (out.used_bytes, out.lower_bound_gpus, out.active_gpus, out.num_events) == (700, 1, 1, 1)
+
+
+def test_report_matching_the_plan_needs_no_move() -> None:
+    sched = scheduler()
+    sched.epoch([worker(0, ("r1", 700), gpu=False)], {}, now_s=1.0)
+    out = sched.epoch([worker(0, ("r1", 700))], {}, now_s=2.0)
+    assert out.moves == () and out.unserved_gpu_ids == () and out.num_events == 0
+
+
+def test_misplaced_arrival_is_moved_where_allocate_puts_it() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+                                  [worker(0, ("big", 700)), worker(1, ("other", 700))])
+    # Two L-requests fill two GPUs; a T-request the router put on worker 1 belongs, by MELL's Allocate T
+    # (the L-GPU of highest priority; ties go to the older GPU), on worker 0.
+    out = sched.epoch([worker(0, ("big", 700)), worker(1, ("other", 700), ("t", 200))], {}, now_s=1.0)
+    assert [(m.request_id, m.source_pod, m.target_pod, m.size_bytes, m.reason) for m in out.moves] == [
+        ("t", "p-worker-1", "p-worker-0", 200, "Allocate")]
+
+
+def test_in_flight_requests_are_neither_finished_nor_moved_again() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 700)), worker(1, ("b", 200))])
+    # b is being moved to worker 0 and neither pod reports it this epoch.
+    out = sched.epoch([worker(0, ("a", 700)), worker(1)], {"b": "p-worker-0"}, now_s=1.0)
+    assert "b" in sched.sizes and out.num_events == 0 and out.moves == ()
+
+
+def test_finished_requests_release_their_empty_worker() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 700)), worker(1, ("b", 700))])
+    out = sched.epoch([worker(0, ("a", 700)), worker(1)], {}, now_s=1.0)
+    assert out.released_pods == ("p-worker-1",)
+    assert out.active_gpus == 1 and out.lower_bound_gpus == 1
+
+
+def test_growth_is_an_update_and_stale_smaller_reports_are_ignored() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 200))])
+    assert sched.epoch([worker(0, ("a", 180))], {}, now_s=1.0).num_events == 0
+    assert sched.epoch([worker(0, ("a", 350))], {}, now_s=2.0).num_events == 1
+    assert sched.sizes["a"] == 350
+
+
+def test_rebuild_bundles_tiny_requests_and_keeps_activation_order() -> None:
+    workers = [worker(3, ("x", 100), ("y", 100), ("z", 100)), worker(1, ("l", 700))]
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), workers)
+    snap = sched.policy.snapshot()
+    assert [g.gpu_id for g in snap.gpus] == ["gpu-1", "gpu-3"]  # creation order, not list order
+    bundles = sorted(tuple(r for r, _ in i.members) for i in snap.items if i.is_bundle)
+    assert bundles == [("x", "y", "z")]  # 300 <= C/4
+    assert snap.next_gpu_index == 4
