@@ -236,3 +236,11 @@ def test_unknown_requests_are_refused() -> None:
     step(pol, Arrive("a", 10))
     with pytest.raises(ValueError, match="arrived twice"):
         step(pol, Arrive("a", 10))
+
+
+def test_t_on_sm_gpus_option_uses_the_newest_m_gpu_room() -> None:
+    pol = build({"gpu-0": {"m1": 100}}, t_on_sm_gpus=True)
+    plan = step(pol, Arrive("t", 50))  # no L- or T-GPU: the M-GPU's spare room takes one T
+    assert plan.placements[0].gpu_id == "gpu-0" and plan.activate_gpu_ids == ()
+    plan = step(pol, Arrive("u", 50))  # only one T per S/M-GPU: a T-GPU is started
+    assert plan.activate_gpu_ids == ("gpu-1",)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from kvfleet.mell.cluster import X, ClusterPolicy, Gpu, Item
+from kvfleet.mell.cluster import ClusterPolicy, Gpu, Item, X
 from kvfleet.mell.models import size_class
 
 

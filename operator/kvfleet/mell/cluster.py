@@ -59,6 +59,8 @@ class SchedulerConfig:
     tiny_probe_limit: int = 4
     # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU (mell.py).
     refill_underfilled_t: bool = True
+    # (kvfleet) one T-request may use the spare room of the newest S/M-GPU (mell.py).
+    t_on_sm_gpus: bool = False
     # (kvfleet) share of C that MELL keeps free for growth when it places or pairs requests (mell.py).
     growth_headroom_fraction: float = 0.0
     # Load balance (Llumnix-style baseline): migrate only while the pair's gap exceeds this share of C.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from kvfleet.mell.cluster import L, M, NO_CATEGORY, S, T, TINY, ClusterPolicy, Gpu, Item, SchedulerConfig, SortedIndex
+from kvfleet.mell.cluster import NO_CATEGORY, TINY, ClusterPolicy, Gpu, Item, L, M, S, SchedulerConfig, SortedIndex, T
 from kvfleet.mell.models import size_class
 
 
@@ -97,6 +97,14 @@ class MellPolicy(ClusterPolicy):
         best = self._best(self._l_by_free, lambda g: g is not exclude and self._free(g) >= need, need, None)
         if best is None and self.cfg.refill_underfilled_t:
             best = self._underfilled_t_gpu(item.size_bytes, exclude)
+        if best is None and self.cfg.t_on_sm_gpus:
+            # (kvfleet) the newest S/M-GPU's spare room takes one T-request (Theorem 1 property 1
+            # allows "two M-requests, possibly one T-request") before a T-GPU is grown or started.
+            for cat in (M, S):
+                cand = self._mra_gpu((cat,), exclude)
+                if cand is not None and cand.t_bytes == 0 and self._room(cand) >= item.size_bytes:
+                    best = cand
+                    break
         if best is None:
             # ... otherwise the most recently activated T-GPU (a new GPU when that one is full).
             best = self._mra_gpu((T,), exclude)
