@@ -42,6 +42,7 @@ def pool(name: str, **spec: Any) -> dict[str, Any]:
         "capacity": {"kvCapacityPerWorker": "1Gi"},
         "workers": {"min": 2, "max": 3},
         "scheduling": {"epochSeconds": 1},
+        "autoscaling": {"scaleDownDelaySeconds": 1},
         "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
     }
     body.update(spec)
@@ -104,6 +105,50 @@ def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, nam
     assert waiting["reason"] == "WorkersUnschedulable"
     assert "Insufficient nvidia.com/gpu" in waiting["message"]
     assert condition(status(cluster, namespace, "huge"), "Ready")["status"] == "False"
+
+
+def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str]]:
+    """Each live worker's requests, from the reports on the pods."""
+    pods = cluster.get_json("pods", "-n", namespace, "-l", f"kvfleet.dev/pool={pool_name}")["items"]
+    out = {}
+    for pod in pods:
+        report = json.loads((pod["metadata"].get("annotations") or {}).get("kvfleet.dev/kv-load") or '{"requests": []}')
+        out[pod["metadata"]["name"]] = sorted(r["id"] for r in report["requests"])
+    return out
+
+
+def test_mell_packs_load_with_migrations_then_drains_workers(cluster: Cluster, namespace: str, operator: Process) -> None:
+    # C = 1,000,000 bytes. Three L-requests cannot share a GPU; the two T-requests fit beside them.
+    apply(cluster, namespace, pool("packed", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 4},
+                                   migration={"mode": "kv"}))
+    wait_for(lambda: status(cluster, namespace, "packed").get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    first = cluster.get_json("pod", "packed-worker-0", "-n", namespace)
+    # A careless router sends everything to one worker; MELL must spread it with migrations.
+    for rid, size in [("l1", 600_000), ("l2", 600_000), ("l3", 600_000), ("t1", 200_000), ("t2", 200_000)]:
+        post(first, "/script/requests", {"id": rid, "kvBytes": size, "durationS": 25})
+    packed = wait_for(lambda: (st := status(cluster, namespace, "packed")).get("gpusInUse") == 3
+                      and st.get("readyWorkers") == 3 and st.get("migrationsInFlight") == 0
+                      and sorted(sum(held(cluster, namespace, "packed").values(), [])) == ["l1", "l2", "l3", "t1", "t2"]
+                      and all(len([r for r in rs if r.startswith("l")]) == 1 for rs in held(cluster, namespace, "packed").values())
+                      and st, "three packed workers", timeout_s=60)
+    assert packed["lowerBoundGpus"] == 3
+    migs = cluster.get_json("kvmigrations", "-n", namespace)["items"]
+    assert len(migs) >= 2 and all(m["status"]["phase"] == "Succeeded" for m in migs), migs
+    assert {m["spec"]["sourcePod"] for m in migs} == {"packed-worker-0"}
+    table = cluster.kubectl("get", "kvmigrations", "-n", namespace).stdout
+    assert "Succeeded" in table and "packed-worker-0" in table
+    # The requests finish; empty workers are released and deleted down to the floor, never one holding KV.
+    wait_for(lambda: len(held(cluster, namespace, "packed")) == 1 and status(cluster, namespace, "packed").get("gpusInUse") == 0,
+             "the pool to drain to its floor", timeout_s=90)
+    for log in cluster.plane.work_dir.glob("agent/pods/*packed-worker-*/worker.log"):
+        assert "LOST" not in log.read_text(), log.read_text()[-2000:]
 
 
 def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: Process) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
-from kvfleet.operator import reconcile, resources
+from kvfleet.operator import pods, reconcile, resources
 
 POOL: dict[str, Any] = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 4}}
+FIGURES = reconcile.SchedulingFigures(gpus_in_use=2, lower_bound_gpus=1, used_bytes=2**30, migrations_in_flight=1)
 
 
 def spec(**overrides: Any) -> LLMPoolSpec:
@@ -29,31 +30,61 @@ def pod(index: int, phase: str = "Running", ready: bool = True, deleting: bool =
     return {"metadata": meta, "status": {"phase": phase, "conditions": conditions, "containerStatuses": statuses}}
 
 
-def test_desired_is_min_raised_by_replicas_capped_by_max() -> None:
-    assert reconcile.desired_workers(spec()) == 2
-    assert reconcile.desired_workers(spec(replicas=3)) == 3
-    assert reconcile.desired_workers(spec(replicas=1)) == 2
-    assert reconcile.desired_workers(spec(replicas=4, workers={"min": 0, "max": 4})) == 4
+def test_floor_is_min_raised_by_replicas_capped_by_max() -> None:
+    assert reconcile.floor_workers(spec()) == 2
+    assert reconcile.floor_workers(spec(replicas=3)) == 3
+    assert reconcile.floor_workers(spec(replicas=1)) == 2
+    assert reconcile.floor_workers(spec(replicas=4, workers={"min": 0, "max": 4})) == 4
 
 
-def test_scale_up_uses_indexes_above_every_existing_pod() -> None:
-    pods = [pod(0), pod(3, deleting=True)]
-    assert reconcile.plan_workers(pods, 3) == reconcile.WorkerChanges((4, 5), ())
-    assert reconcile.plan_workers([], 2) == reconcile.WorkerChanges((0, 1), ())
+def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool = True, requests: int = 0,
+         idle_since: float | None = None, labels: dict[str, str] | None = None,
+         annotations: dict[str, str] | None = None) -> pods.PodInfo:
+    return pods.PodInfo(f"p-worker-{index}", index, gpu, ready, live, requests * 100 * 2**20, requests, idle_since,
+                        labels or ({resources.GPU_LABEL: gpu} if gpu else {}), annotations or {})
 
 
-def test_scale_down_removes_most_recently_activated_first() -> None:
-    pods = [pod(0), pod(1), pod(5), pod(2)]
-    assert reconcile.plan_workers(pods, 2) == reconcile.WorkerChanges((), ("p-worker-5", "p-worker-2"))
+def plan(infos: list[pods.PodInfo], *, unserved: tuple[str, ...] = (), released: tuple[str, ...] = (),
+         targets: tuple[str, ...] = (), floor: int = 1, max_workers: int = 4, now_s: float = 100.0) -> pods.PodActions:
+    return pods.plan_pods(infos, unserved_gpu_ids=unserved, released_pods=released, migration_targets=targets,
+                          floor=floor, max_workers=max_workers, scale_down_delay_s=30, now_s=now_s)
 
 
-def test_finished_workers_are_replaced_and_removed() -> None:
-    pods = [pod(0), pod(1, phase="Failed")]
-    assert reconcile.plan_workers(pods, 2) == reconcile.WorkerChanges((2,), ("p-worker-1",))
+def test_a_new_gpu_binds_a_warm_floor_pod_before_creating_one() -> None:
+    actions = plan([info(0), info(1, "gpu-0", requests=1)], unserved=("gpu-1", "gpu-2"))
+    assert actions.create == ((2, "gpu-2"),)
+    assert actions.metadata["p-worker-0"][0] == {resources.GPU_LABEL: "gpu-1"}
 
 
-def test_steady_state_changes_nothing() -> None:
-    assert reconcile.plan_workers([pod(0), pod(1)], 2) == reconcile.WorkerChanges((), ())
+def test_gpus_beyond_max_wait_and_the_floor_is_filled() -> None:
+    actions = plan([info(0, "gpu-0", requests=1)], unserved=("gpu-1", "gpu-2"), max_workers=2)
+    assert actions.create == ((1, "gpu-1"),) and actions.waiting_for_max == ("gpu-2",)
+    assert plan([], floor=2).create == ((0, None), (1, None))
+
+
+def test_released_pods_idle_out_then_go_newest_first_down_to_the_floor() -> None:
+    fresh = plan([info(0, "gpu-0", requests=1), info(1, "gpu-1"), info(2, "gpu-2")], released=("p-worker-1", "p-worker-2"))
+    assert fresh.delete == ()
+    labels, annotations = fresh.metadata["p-worker-2"]
+    assert labels == {resources.GPU_LABEL: None} and annotations[resources.IDLE_SINCE_ANNOTATION] == "100.000"
+    later = plan([info(0, "gpu-0", requests=1), info(1, idle_since=60.0), info(2, idle_since=80.0)], floor=2, now_s=110.0)
+    assert later.delete == ("p-worker-2",)  # worker-1 stays: the floor is 2
+
+
+def test_a_pod_holding_requests_or_awaiting_a_migration_is_never_deleted() -> None:
+    infos = [info(0, "gpu-0", requests=1), info(1, requests=2, idle_since=0.0), info(2, idle_since=0.0)]
+    assert plan(infos, floor=0, targets=("p-worker-2",)).delete == ()
+    holding = plan(infos, floor=0).metadata["p-worker-1"][1]
+    assert holding[pods.SAFE_TO_EVICT] == "false" and holding[pods.DO_NOT_DISRUPT] == "true"
+    assert holding[pods.DELETION_COST] == "200"
+
+
+def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:
+    done = info(1, "gpu-1", live=False)
+    assert plan([info(0, "gpu-0", requests=1), done]).delete == ("p-worker-1",)
+    settled = info(0, "gpu-0", requests=1, annotations={pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true",
+                                                        pods.DELETION_COST: "100"})
+    assert plan([settled]).metadata == {}
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -61,18 +92,26 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def test_status_when_all_ready() -> None:
-    status = reconcile.pool_status(POOL, spec(), [pod(0), pod(1)], "T1")
+    status = reconcile.pool_status(POOL, spec(), [pod(0), pod(1)], FIGURES, "T1")
     assert conditions(status) == {"Ready": ("True", "WorkersReady"), "Progressing": ("False", "Stable"),
                                   "Degraded": ("False", "AsExpected"), "WaitingForCapacity": ("False", "CapacityAvailable")}
     assert (status["workers"], status["readyWorkers"], status["desiredWorkers"]) == (2, 2, 2)
     assert status["selector"] == "kvfleet.dev/pool=p,app.kubernetes.io/component=worker"
     assert status["observedGeneration"] == 4
+    assert (status["gpusInUse"], status["lowerBoundGpus"], status["kvUtilizationPercent"], status["migrationsInFlight"]) == (2, 1, 50, 1)
+
+
+def test_status_says_when_workers_max_holds_gpus_back() -> None:
+    figures = reconcile.SchedulingFigures(gpus_in_use=4, waiting_for_max=2)
+    cond = {c["type"]: c for c in reconcile.pool_status(POOL, spec(), [pod(0), pod(1)], figures, "T")["conditions"]}
+    assert (cond["WaitingForCapacity"]["status"], cond["WaitingForCapacity"]["reason"]) == ("True", "MaxWorkersReached")
+    assert cond["WaitingForCapacity"]["message"] == "2 more GPU(s) needed but workers.max=4 is reached"
 
 
 def test_status_waiting_for_capacity_carries_the_scheduler_reason() -> None:
     pending = pod(1, phase="Pending", ready=False, scheduled={
         "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."})
-    status = reconcile.pool_status(POOL, spec(), [pod(0), pending], "T1")
+    status = reconcile.pool_status(POOL, spec(), [pod(0), pending], FIGURES, "T1")
     cond = {c["type"]: c for c in status["conditions"]}
     assert cond["WaitingForCapacity"]["status"] == "True"
     assert cond["WaitingForCapacity"]["message"] == "1 worker pod(s) pending: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
@@ -81,11 +120,12 @@ def test_status_waiting_for_capacity_carries_the_scheduler_reason() -> None:
 
 
 def test_status_degraded_on_crash_loop_and_transition_times_kept() -> None:
-    first = reconcile.pool_status(POOL, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], "T1")
+    first = reconcile.pool_status(POOL, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES, "T1")
     assert conditions(first)["Degraded"] == ("True", "WorkersCrashing")
-    again = reconcile.pool_status({**POOL, "status": first}, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], "T2")
+    again = reconcile.pool_status({**POOL, "status": first}, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES,
+                                  "T2")
     assert all(c["lastTransitionTime"] == "T1" for c in again["conditions"])
-    healed = reconcile.pool_status({**POOL, "status": again}, spec(), [pod(0), pod(1)], "T3")
+    healed = reconcile.pool_status({**POOL, "status": again}, spec(), [pod(0), pod(1)], FIGURES, "T3")
     times = {c["type"]: c["lastTransitionTime"] for c in healed["conditions"]}
     assert times == {"Ready": "T3", "Progressing": "T3", "Degraded": "T3", "WaitingForCapacity": "T1"}
 

@@ -1,4 +1,4 @@
-"""kopf handlers: one daemon per LLMPool that reconciles it every epoch, poked early by changes.
+"""kopf handlers: one daemon per LLMPool that runs its MELL epochs, poked early by changes.
 
 Level-triggered: every pass reads the pool and its pods, computes what should exist with
 `kvfleet.operator.reconcile`, writes only the difference, and writes status only when it changed.
@@ -14,6 +14,8 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -22,7 +24,10 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from kvfleet.api.models import GROUP, VERSION, LLMPoolSpec
-from kvfleet.operator import reconcile, resources
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.mell import SchedulerConfig
+from kvfleet.operator import epoch, migrations, pods, reconcile, resources
+from kvfleet.operator.epoch import PoolScheduler
 
 FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
@@ -107,6 +112,50 @@ class Kube:
             if err.status != 404:
                 raise
 
+    def node_zones(self) -> dict[str, str]:
+        """Node name -> zone label, for MELL's distance term and the migration planner's links."""
+        zone_label = "topology.kubernetes.io/zone"
+        return {n.metadata.name: (n.metadata.labels or {}).get(zone_label, "") for n in self.core.list_node().items}
+
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
+                           annotations: Mapping[str, str | None]) -> None:
+        body: dict[str, Any] = {"metadata": {}}
+        if labels:
+            body["metadata"]["labels"] = dict(labels)
+        if annotations:
+            body["metadata"]["annotations"] = dict(annotations)
+        try:
+            self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        listing = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations",
+                                                            label_selector=f"{resources.POOL_LABEL}={pool_name}")
+        return list(listing.get("items", []))
+
+    def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
+        try:
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", body,
+                                                        field_manager=FIELD_MANAGER)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "kvmigrations", name,
+                                                          {"status": status}, field_manager=FIELD_MANAGER)
+
+    def delete_migration(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, field_manager=FIELD_MANAGER
@@ -123,11 +172,29 @@ def kube() -> Kube:
     return _kube
 
 
+@dataclass
+class PoolState:
+    """What the operator keeps in memory for a pool: the scheduler, rebuildable from the cluster."""
+
+    uid: str
+    key: tuple[str, int]  # (policy, capacity): a change rebuilds the scheduler
+    scheduler: PoolScheduler
+    epoch: int = 0
+
+
+_states: dict[tuple[str, str], PoolState] = {}
+
+
+def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
+    return SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
+
+
 def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> float:
-    """One level-triggered pass over a pool. Returns the seconds until the next pass (its epoch)."""
+    """One level-triggered pass over a pool (one MELL epoch). Returns the seconds until the next pass."""
     api = kube()
     pool = api.get_pool(namespace, name)
     if pool is None or pool["metadata"].get("deletionTimestamp"):
+        _states.pop((namespace, name), None)
         return RETRY_S
     try:
         spec = LLMPoolSpec.model_validate(pool.get("spec") or {})
@@ -148,26 +215,88 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         if not api.exists(namespace, obj["kind"], obj["metadata"]["name"]):
             api.create(namespace, obj)
 
-    pods = api.worker_pods(namespace, name)
-    changes = reconcile.plan_workers(pods, reconcile.desired_workers(spec))
-    for index in changes.create_indexes:
-        if api.create(namespace, resources.worker_pod(pool, spec, index)):
-            logger.info("created worker %s", resources.worker_name(name, index))
-    for pod_name in changes.delete_names:
+    now_s = time.time()
+    raw_pods = api.worker_pods(namespace, name)
+    infos = [info for p in raw_pods if (info := pods.pod_info(p)) is not None]
+    zones = api.node_zones()
+    node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
+    workers = [
+        epoch.WorkerView(i.name, i.gpu_id, i.index, node_of_pod[i.name], zones.get(node_of_pod[i.name], ""), i.ready,
+                         KVLoadReport.from_annotations(i.annotations))
+        for i in infos if i.live
+    ]
+
+    reported_on: dict[str, list[str]] = {}
+    for worker in workers:
+        for req in worker.report.requests if worker.report else []:
+            reported_on.setdefault(req.id, []).append(worker.pod_name)
+    view = migrations.view(api.list_migrations(namespace, name), spec, now_s, reported_on)
+    for mig_name in view.timed_out:
+        api.patch_migration_status(namespace, mig_name, {
+            "phase": "Failed", "completionTime": now_rfc3339(),
+            "message": f"not finished within migration.timeoutSeconds={spec.migration.timeout_seconds}"})
+        kopf.warn(pool, reason="MigrationTimedOut", message=f"{mig_name} timed out; the scheduler will retry it")
+    for mig_name in view.expired:
+        api.delete_migration(namespace, mig_name)
+
+    key = (spec.scheduling.policy, spec.kv_capacity_per_worker_bytes())
+    state = _states.get((namespace, name))
+    if state is None or state.uid != pool["metadata"]["uid"] or state.key != key:
+        state = PoolState(pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], scheduler_config(spec), workers))
+        _states[(namespace, name)] = state
+        logger.info("scheduler state rebuilt from %d workers", len(workers))
+    outcome = state.scheduler.epoch(workers, view.in_flight, now_s)
+    state.epoch += 1
+
+    chosen, num_deferred = migrations.choose_modes(spec, outcome.moves, node_of_pod, spec.scheduling.epoch_seconds)
+    targets = set(view.in_flight.values())
+    for order, mode in chosen:
+        attempt = view.attempts.get(order.request_id, 0) + 1
+        if api.create_migration(namespace, migrations.migration_body(pool, order, mode, attempt, state.epoch)):
+            targets.add(order.target_pod)
+            kopf.info(pool, reason="MigrationPlanned",
+                      message=f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
+
+    actions = pods.plan_pods(
+        infos,
+        unserved_gpu_ids=outcome.unserved_gpu_ids,
+        released_pods=outcome.released_pods,
+        migration_targets=targets,
+        floor=reconcile.floor_workers(spec),
+        max_workers=spec.workers.max,
+        scale_down_delay_s=spec.autoscaling.scale_down_delay_seconds,
+        now_s=now_s,
+    )
+    for index, gpu_id in actions.create:
+        if api.create(namespace, resources.worker_pod(pool, spec, index, gpu_id)):
+            logger.info("created worker %s for %s", resources.worker_name(name, index), gpu_id or "the floor")
+    for pod_name in actions.delete:
         api.delete_pod(namespace, pod_name)
         logger.info("deleted worker %s", pod_name)
-    if changes.create_indexes:
-        kopf.info(pool, reason="ScaleUp", message=f"created {len(changes.create_indexes)} worker pod(s)")
-    if changes.delete_names:
-        kopf.info(pool, reason="ScaleDown", message=f"deleted worker pod(s) {', '.join(changes.delete_names)}")
-        pods = api.worker_pods(namespace, name)
-    elif changes.create_indexes:
-        pods = api.worker_pods(namespace, name)
+    for pod_name, (label_changes, annotation_changes) in actions.metadata.items():
+        api.patch_pod_metadata(namespace, pod_name, label_changes, annotation_changes)
+    if actions.create:
+        kopf.info(pool, reason="ScaleUp", message=f"created {len(actions.create)} worker pod(s)")
+    if actions.delete:
+        kopf.info(pool, reason="ScaleDown", message=f"deleted worker pod(s) {', '.join(actions.delete)}")
+    if actions.create or actions.delete:
+        raw_pods = api.worker_pods(namespace, name)
 
-    status = reconcile.pool_status(pool, spec, pods, now_rfc3339())
+    figures = reconcile.SchedulingFigures(
+        gpus_in_use=outcome.active_gpus,
+        lower_bound_gpus=outcome.lower_bound_gpus,
+        used_bytes=outcome.used_bytes,
+        migrations_in_flight=len(view.in_flight) + len(chosen),
+        waiting_for_max=len(actions.waiting_for_max),
+    )
+    status = reconcile.pool_status(pool, spec, raw_pods, figures, now_rfc3339())
     current = pool.get("status") or {}
-    if any(current.get(key) != value for key, value in status.items()):
+    if any(current.get(k) != v for k, v in status.items()):
         api.patch_status(namespace, name, status)
+    if outcome.num_events or chosen or actions.create or actions.delete:
+        logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets), "
+                    "%d GPUs in use, lower bound %d", state.epoch, outcome.num_events, len(chosen), num_deferred,
+                    outcome.num_deferred_moves, outcome.active_gpus, outcome.lower_bound_gpus)
     return spec.scheduling.epoch_seconds
 
 
@@ -204,6 +333,20 @@ def pool_changed(namespace: str, name: str, **_: Any) -> None:
     _poke_event(namespace, name).set()
 
 
+_pod_lifecycle: dict[str, tuple[str, bool, bool]] = {}
+
+
 @kopf.on.event("", "v1", "pods", labels={resources.POOL_LABEL: kopf.PRESENT, resources.COMPONENT_LABEL: "worker"})
-def worker_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _poke_event(namespace, labels[resources.POOL_LABEL]).set()
+def worker_changed(type: str | None, body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
+    """Wake the pool when a worker's lifecycle changes (ready, gone), not on every load report:
+    reports are read once per epoch, so waking on them would run MELL once per report."""
+    uid = body["metadata"]["uid"]
+    if type == "DELETED":
+        _pod_lifecycle.pop(uid, None)
+        _poke_event(namespace, labels[resources.POOL_LABEL]).set()
+        return
+    pod = dict(body)
+    state = (str(pod.get("status", {}).get("phase")), reconcile.is_ready(pod), bool(body["metadata"].get("deletionTimestamp")))
+    if _pod_lifecycle.get(uid) != state:
+        _pod_lifecycle[uid] = state
+        _poke_event(namespace, labels[resources.POOL_LABEL]).set()

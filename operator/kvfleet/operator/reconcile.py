@@ -10,17 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
-from kvfleet.operator.resources import worker_index, worker_selector
+from kvfleet.operator.resources import worker_selector
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "WaitingForCapacity")
-
-
-@dataclass(frozen=True)
-class WorkerChanges:
-    """What to do with worker pods: create these indexes, delete these pod names."""
-
-    create_indexes: tuple[int, ...]
-    delete_names: tuple[str, ...]
 
 
 def is_live(pod: dict[str, Any]) -> bool:
@@ -47,40 +39,36 @@ def unschedulable_reason(pod: dict[str, Any]) -> str:
     return ""
 
 
-def desired_workers(spec: LLMPoolSpec) -> int:
-    """The floor the pool asks for: workers.min, raised by `kubectl scale` (spec.replicas), capped by max."""
+def floor_workers(spec: LLMPoolSpec) -> int:
+    """Workers kept even when idle: workers.min, raised by `kubectl scale` (spec.replicas), capped by max."""
     return min(spec.workers.max, max(spec.workers.min, spec.replicas or 0))
 
 
-def plan_workers(pods: list[dict[str, Any]], desired: int) -> WorkerChanges:
-    """Create or delete workers so `desired` live ones exist; finished pods are replaced.
+@dataclass(frozen=True)
+class SchedulingFigures:
+    """What the last epoch decided, for the status."""
 
-    New workers get indexes above every existing one, so index order is activation order. Scale-down
-    removes the most recently activated workers first (MELL terminates from the back of that order).
-    """
-    indexed = [(worker_index(p["metadata"]["name"]), p) for p in pods]
-    known = [(i, p) for i, p in indexed if i is not None]
-    live = sorted((i, p["metadata"]["name"]) for i, p in known if is_live(p))
-    finished = tuple(p["metadata"]["name"] for _, p in known
-                     if not p["metadata"].get("deletionTimestamp") and p.get("status", {}).get("phase") in ("Succeeded", "Failed"))
-    next_index = max((i for i, _ in known), default=-1) + 1
-    if len(live) < desired:
-        return WorkerChanges(tuple(range(next_index, next_index + desired - len(live))), finished)
-    excess = [name for _, name in live[desired:]]
-    return WorkerChanges((), finished + tuple(reversed(excess)))
+    gpus_in_use: int = 0
+    lower_bound_gpus: int = 0
+    used_bytes: int = 0
+    migrations_in_flight: int = 0
+    waiting_for_max: int = 0
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], now: str) -> dict[str, Any]:
+def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], figures: SchedulingFigures,
+                now: str) -> dict[str, Any]:
     """The status subresource: counts, conditions with reasons, the selector for `/scale`."""
     name = pool["metadata"]["name"]
     live = [p for p in pods if is_live(p)]
     ready = [p for p in live if is_ready(p)]
-    desired = desired_workers(spec)
+    desired = min(spec.workers.max, max(floor_workers(spec), figures.gpus_in_use))
     pending = [(p["metadata"]["name"], reason) for p in live if (reason := unschedulable_reason(p))]
+    if figures.waiting_for_max:
+        pending.append(("", f"{figures.waiting_for_max} more GPU(s) needed but workers.max={spec.workers.max} is reached"))
     crashing = sorted(
         p["metadata"]["name"]
         for p in pods
@@ -98,8 +86,9 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
                    f"{len(live)} workers, {desired} desired, {len(ready)} ready"),
         _condition("Degraded", bool(crashing), "WorkersCrashing" if crashing else "AsExpected",
                    f"crashing or failed: {', '.join(crashing)}" if crashing else "no worker is failing"),
-        _condition("WaitingForCapacity", bool(pending), "WorkersUnschedulable" if pending else "CapacityAvailable",
-                   f"{len(pending)} worker pod(s) pending: {pending[0][1]}" if pending else "every worker pod is scheduled"),
+        _condition("WaitingForCapacity", bool(pending),
+                   ("MaxWorkersReached" if figures.waiting_for_max else "WorkersUnschedulable") if pending else "CapacityAvailable",
+                   _waiting_message(pending) if pending else "every worker pod is scheduled"),
     ]
     previous = {c.get("type"): c for c in (pool.get("status") or {}).get("conditions") or []}
     generation = pool["metadata"].get("generation")
@@ -107,11 +96,24 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         before = previous.get(cond["type"], {})
         cond["lastTransitionTime"] = before.get("lastTransitionTime", now) if before.get("status") == cond["status"] else now
         cond["observedGeneration"] = generation
+    capacity_bytes = spec.kv_capacity_per_worker_bytes()
+    active_bytes = figures.gpus_in_use * capacity_bytes
     return {
         "observedGeneration": generation,
         "conditions": conditions,
         "workers": len(live),
         "readyWorkers": len(ready),
         "desiredWorkers": desired,
+        "gpusInUse": figures.gpus_in_use,
+        "lowerBoundGpus": figures.lower_bound_gpus,
+        "kvUtilizationPercent": min(100, round(100 * figures.used_bytes / active_bytes)) if active_bytes else 0,
+        "migrationsInFlight": figures.migrations_in_flight,
         "selector": worker_selector(name),
     }
+
+
+def _waiting_message(pending: list[tuple[str, str]]) -> str:
+    unschedulable = [reason for pod, reason in pending if pod]
+    if not unschedulable:
+        return pending[0][1]
+    return f"{len(unschedulable)} worker pod(s) pending: {unschedulable[0]}"

@@ -15,6 +15,8 @@ from kvfleet.api.models import API_VERSION, LLMPoolSpec
 
 POOL_LABEL = "kvfleet.dev/pool"
 INDEX_LABEL = "kvfleet.dev/worker-index"
+GPU_LABEL = "kvfleet.dev/gpu-id"
+IDLE_SINCE_ANNOTATION = "kvfleet.dev/idle-since"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvfleet-operator", "app.kubernetes.io/part-of": "kvfleet"}
 WORKER_PORT = 8000
@@ -96,8 +98,11 @@ def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int) -> dict[str, Any]:
-    """One GPU worker: the engine plus the agent, configured through its environment."""
+def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str | None = None) -> dict[str, Any]:
+    """One GPU worker: the engine plus the agent, configured through its environment.
+
+    `gpu_id` binds it to the scheduler GPU it is created for; a floor pod starts unbound.
+    """
     name = pool["metadata"]["name"]
     template = spec.worker_template
     resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
@@ -158,13 +163,15 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int) -> dict[str,
     if template.priority_class_name:
         pod_spec["priorityClassName"] = template.priority_class_name
     labels = _labels(name, "worker") | {INDEX_LABEL: str(index)}
+    if gpu_id is not None:
+        labels[GPU_LABEL] = gpu_id
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": worker_name(name, index),
             "labels": labels,
-            # An empty worker may be evicted; the agent flips these while it holds live KV cache.
+            # A new worker is empty and may be evicted; the operator flips these while it holds KV cache.
             "annotations": {
                 "cluster-autoscaler.kubernetes.io/safe-to-evict": "true",
                 "karpenter.sh/do-not-disrupt": "false",

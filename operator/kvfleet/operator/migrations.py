@@ -1,0 +1,133 @@
+"""KVMigration objects of a pool: which are in flight, which timed out or expired, and new ones to make.
+
+Pure over the listed objects and the time, so the lifecycle rules are unit-tested: a migration not
+finished within `migration.timeoutSeconds` is marked Failed by the operator (the scheduler then
+orders it again as a retry, never losing the request); finished ones are deleted after
+`migration.ttlSecondsAfterFinished`. Names are deterministic per request and attempt, so a restarted
+operator that plans the same move again gets a conflict instead of a duplicate.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.api.models import API_VERSION, LLMPoolSpec
+from kvfleet.api.quantity import quantity_bytes
+from kvfleet.mell.migration import Boundaries, plan_migrations
+from kvfleet.mell.models import Location, Migration
+from kvfleet.operator.epoch import MoveOrder
+from kvfleet.operator.resources import MANAGED_BY, POOL_LABEL, owner_reference
+
+FINISHED = ("Succeeded", "Failed")
+REQUEST_LABEL = "kvfleet.dev/request-hash"
+
+
+def parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def phase(obj: dict[str, Any]) -> str:
+    return str((obj.get("status") or {}).get("phase") or "Pending")
+
+
+def request_hash(request_id: str) -> str:
+    return hashlib.sha256(request_id.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class MigrationView:
+    in_flight: dict[str, str]  # request id -> target pod
+    timed_out: tuple[str, ...]  # names to mark Failed
+    expired: tuple[str, ...]  # names to delete
+    attempts: dict[str, int]  # request id -> objects already made for it
+
+
+def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
+         reported_on: Mapping[str, Iterable[str]] | None = None) -> MigrationView:
+    """Sort the pool's migrations by what the scheduler must do about them.
+
+    A migration that succeeded counts as in flight until the target's report shows the request (or
+    a settling window passes): reports lag the handover by up to one report interval, and reading the
+    source's stale report as the truth would order the same move again.
+    """
+    reported_on = reported_on or {}
+    settle_s = max(10.0, 3 * spec.scheduling.epoch_seconds)
+    in_flight: dict[str, str] = {}
+    timed_out: list[str] = []
+    expired: list[str] = []
+    attempts: dict[str, int] = {}
+    for obj in objects:
+        name = obj["metadata"]["name"]
+        request_id = obj["spec"]["requestId"]
+        attempts[request_id] = attempts.get(request_id, 0) + 1
+        status = obj.get("status") or {}
+        if phase(obj) in FINISHED:
+            finished_s = parse_time(status.get("completionTime")) or parse_time(obj["metadata"].get("creationTimestamp")) or now_s
+            if now_s - finished_s >= spec.migration.ttl_seconds_after_finished:
+                expired.append(name)
+            elif (phase(obj) == "Succeeded" and now_s - finished_s < settle_s
+                  and obj["spec"]["targetPod"] not in reported_on.get(request_id, ())):
+                in_flight[request_id] = obj["spec"]["targetPod"]
+            continue
+        created_s = parse_time(obj["metadata"].get("creationTimestamp")) or now_s
+        if now_s - created_s >= spec.migration.timeout_seconds:
+            timed_out.append(name)
+            continue
+        in_flight[request_id] = obj["spec"]["targetPod"]
+    return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts)
+
+
+def migration_name(pool_name: str, request_id: str, attempt: int) -> str:
+    return f"{pool_name}-{request_hash(request_id)}-{attempt}"
+
+
+def migration_body(pool: dict[str, Any], order: MoveOrder, mode: str, attempt: int, epoch: int) -> dict[str, Any]:
+    name = pool["metadata"]["name"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "KVMigration",
+        "metadata": {
+            "name": migration_name(name, order.request_id, attempt),
+            "labels": {**MANAGED_BY, POOL_LABEL: name, REQUEST_LABEL: request_hash(order.request_id)},
+            "ownerReferences": [owner_reference(pool)],
+        },
+        "spec": {
+            "pool": name,
+            "requestId": order.request_id,
+            "sourcePod": order.source_pod,
+            "targetPod": order.target_pod,
+            "mode": mode,
+            "expectedBytes": order.size_bytes,
+            "expectedTokens": order.tokens,
+            "reason": order.reason if attempt == 1 else "Retry",
+            "epoch": epoch,
+        },
+    }
+
+
+def choose_modes(spec: LLMPoolSpec, orders: Sequence[MoveOrder], node_of_pod: Mapping[str, str],
+                 epoch_s: float) -> tuple[list[tuple[MoveOrder, str]], int]:
+    """Each order with its mode, and how many are deferred to the next epoch.
+
+    A pool with a fixed mode uses it for every move. `adaptive` runs MELL's §V global two-bin packing
+    (kvfleet.mell.migration) with the pool's boundaries scaled to one epoch: a move that fits neither
+    its link's bytes nor its target's prefill tokens waits, and the scheduler orders it again.
+    """
+    if spec.migration.mode != "adaptive":
+        return [(order, spec.migration.mode) for order in orders], 0
+    link_bytes = int(quantity_bytes(spec.migration.communication_boundary_bytes_per_second) * epoch_s)
+    boundaries = Boundaries(intra_node_link_bytes=link_bytes, inter_node_link_bytes=link_bytes,
+                            instance_prefill_tokens=int(spec.migration.computation_boundary_tokens_per_second * epoch_s))
+    per_token = [o.size_bytes // o.tokens for o in orders if o.tokens > 0]
+    kv_bytes_per_token = max(1, max(per_token, default=1))
+    by_request = {o.request_id: o for o in orders}
+    moves = [Migration(o.request_id, o.source_pod, o.target_pod, o.size_bytes, o.reason) for o in orders]
+    schedule = plan_migrations(moves, lambda pod: Location(node_of_pod.get(pod, pod), ""), kv_bytes_per_token, boundaries)
+    chosen = [(by_request[c.migration.request_id], c.mode.value) for c in (*schedule.kv, *schedule.token)]
+    return chosen, len(schedule.deferred)

@@ -1,0 +1,143 @@
+"""Which worker pods to create, bind, release or delete after an epoch, and what their metadata says.
+
+Pure decisions over the observed pods and the epoch's outcome (kvfleet.operator.epoch). A worker pod
+is either bound to a scheduler GPU (label `kvfleet.dev/gpu-id`) or unbound: kept warm by the pool's
+floor (workers.min, `kubectl scale`) or waiting out the scale-down delay. A pod is deleted only when
+it holds no request and no migration is heading to it, so a worker holding live KV is never deleted;
+the autoscaler annotations say the same to the cluster autoscaler and Karpenter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.operator.reconcile import is_live, is_ready
+from kvfleet.operator.resources import GPU_LABEL, IDLE_SINCE_ANNOTATION, worker_index
+
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    name: str
+    index: int
+    gpu_id: str | None
+    ready: bool
+    live: bool
+    used_bytes: int
+    num_requests: int
+    idle_since_s: float | None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+def pod_info(pod: dict[str, Any]) -> PodInfo | None:
+    """The operator's view of one worker pod (None for a pod that is not one of the pool's workers)."""
+    meta = pod["metadata"]
+    index = worker_index(meta["name"])
+    if index is None:
+        return None
+    annotations = dict(meta.get("annotations") or {})
+    report = KVLoadReport.from_annotations(annotations)
+    idle = annotations.get(IDLE_SINCE_ANNOTATION)
+    try:
+        idle_since_s = float(idle) if idle else None
+    except ValueError:
+        idle_since_s = None
+    return PodInfo(
+        name=meta["name"],
+        index=index,
+        gpu_id=(meta.get("labels") or {}).get(GPU_LABEL),
+        ready=is_ready(pod),
+        live=is_live(pod),
+        used_bytes=report.used_bytes if report else 0,
+        num_requests=len(report.requests) if report else 0,
+        idle_since_s=idle_since_s,
+        labels=dict(meta.get("labels") or {}),
+        annotations=annotations,
+    )
+
+
+@dataclass(frozen=True)
+class PodActions:
+    create: tuple[tuple[int, str | None], ...]  # (pod index, GPU to bind or None for a floor pod)
+    delete: tuple[str, ...]
+    # pod name -> label/annotation values to set (None removes); only pods whose metadata changes
+    metadata: Mapping[str, tuple[Mapping[str, str | None], Mapping[str, str | None]]]
+    waiting_for_max: tuple[str, ...]  # GPUs MELL wants that workers.max does not allow
+
+
+def plan_pods(
+    pods: Iterable[PodInfo],
+    *,
+    unserved_gpu_ids: Iterable[str],
+    released_pods: Iterable[str],
+    migration_targets: Iterable[str],
+    floor: int,
+    max_workers: int,
+    scale_down_delay_s: float,
+    now_s: float,
+) -> PodActions:
+    pods = sorted(pods, key=lambda p: p.index)
+    live = [p for p in pods if p.live]
+    released = set(released_pods)
+    targets = set(migration_targets)
+    gpu_of = {p.name: (None if p.name in released else p.gpu_id) for p in live}
+    next_index = max((p.index for p in pods), default=-1) + 1
+
+    # Newly needed GPUs: a warm unbound pod first (ready ones, oldest first), else a new pod.
+    candidates = sorted((p for p in live if gpu_of[p.name] is None), key=lambda p: (not p.ready, p.index))
+    create: list[tuple[int, str | None]] = []
+    waiting: list[str] = []
+    num_live = len(live)
+    for gpu_id in unserved_gpu_ids:
+        if candidates:
+            gpu_of[candidates.pop(0).name] = gpu_id
+        elif num_live < max_workers:
+            create.append((next_index, gpu_id))
+            next_index += 1
+            num_live += 1
+        else:
+            waiting.append(gpu_id)
+    while num_live < min(floor, max_workers):
+        create.append((next_index, None))
+        next_index += 1
+        num_live += 1
+
+    # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
+    delete = [p.name for p in pods if not p.live]
+    idle_since = {p.name: p.idle_since_s for p in live}
+    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets]
+    for pod in removable:
+        if num_live <= floor:
+            break
+        since = pod.idle_since_s
+        if since is not None and now_s - since >= scale_down_delay_s:
+            delete.append(pod.name)
+            num_live -= 1
+
+    metadata: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {}
+    for pod in live:
+        if pod.name in delete:
+            continue
+        holding = pod.num_requests > 0
+        idle = gpu_of[pod.name] is None and not holding
+        labels = {GPU_LABEL: gpu_of[pod.name]}
+        annotations = {
+            SAFE_TO_EVICT: "false" if holding else "true",
+            DO_NOT_DISRUPT: "true" if holding else "false",
+            # The replica set or autoscaler removing a pod should pick the emptiest one (MiB held).
+            DELETION_COST: str(min(pod.used_bytes >> 20, 2**31 - 1)),
+            IDLE_SINCE_ANNOTATION: (f"{idle_since[pod.name]:.3f}" if idle_since[pod.name] is not None else f"{now_s:.3f}")
+            if idle else None,
+        }
+        label_diff = {k: v for k, v in labels.items() if pod.labels.get(k) != v}
+        annotation_diff = {k: v for k, v in annotations.items() if pod.annotations.get(k) != v}
+        if label_diff or annotation_diff:
+            metadata[pod.name] = (label_diff, annotation_diff)
+    return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
