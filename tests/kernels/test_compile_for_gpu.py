@@ -21,6 +21,6 @@ def test_all_kernels_compile_for_sm90(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     compiled = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(compiled) == 16, result.stdout
+    assert len(compiled) == 11, result.stdout
     # Shared memory must fit an H100 SM (228 KB, 227 KB usable per block).
     assert max(c["shared_bytes"] for c in compiled) <= 227 * 1024

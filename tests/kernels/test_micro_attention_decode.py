@@ -200,6 +200,25 @@ def test_validation_errors(device: torch.device) -> None:
         micro_attention_decode(q.tolist(), k, v, bt, lens)  # type: ignore[arg-type]
 
 
+def test_lengths_past_the_block_table(device: torch.device) -> None:
+    q, k, v, bt, lens = _inputs(torch.float32, 4, [20, 3])  # block table: 2 blocks = 32 tokens a row
+    too_long = torch.tensor([40, 3], dtype=torch.int32)
+    # Unchecked, the tokens past the table are ignored, never read out of bounds.
+    out, lse = micro_attention_decode(*to(device, q, k, v, bt, too_long), num_splits=2, block_n=16)
+    ref_out, ref_lse = micro_attention_decode_reference(q, k, v, bt, torch.tensor([32, 3], dtype=torch.int32))
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)
+    with pytest.raises(ValueError, match="exceeds the block table's 2 blocks x 16 tokens = 32: 40"):
+        micro_attention_decode(*to(device, q, k, v, bt, too_long), check_bounds=True)
+    bad_table = bt.clone()
+    bad_table[1, 0] = k.shape[0]
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        micro_attention_decode(*to(device, q, k, v, bad_table, lens), check_bounds=True)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        micro_attention_decode(*to(device, q, k, v, bt, torch.tensor([-1, 3], dtype=torch.int32)), check_bounds=True)
+    micro_attention_decode(*to(device, q, k, v, bt, lens), check_bounds=True)
+
+
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, bt, lens = _inputs(torch.float32, 1, [3])

@@ -115,6 +115,10 @@ def test_validation_errors(device: torch.device) -> None:
         micro_attention_prefill(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, bt, kv_lens, qsl)
     with pytest.raises(ValueError, match="out must have shape"):
         micro_attention_prefill(q, k, v, bt, kv_lens, qsl, out=torch.empty(1, 1, 1, device=device))
+    with pytest.raises(ValueError, match="query_start_loc must start at 0"):
+        micro_attention_prefill(q, k, v, bt, kv_lens, qsl + 1, check_bounds=True)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        micro_attention_prefill(q, k, v, bt, kv_lens * 10, qsl, check_bounds=True)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         micro_attention_prefill(q, k, v, bt, kv_lens, qsl, block_m=8)
 

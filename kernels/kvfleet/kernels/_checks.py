@@ -70,5 +70,20 @@ def check_out(
     return out
 
 
+def check_block_table(block_table: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """Host-side bounds check (a device sync): lengths fit the table, used block ids exist."""
+    table, lens_host = block_table.cpu().long(), lens.cpu().long()
+    if bool((lens_host < 0).any()):
+        raise ValueError(f"lengths must be >= 0, got {lens_host.tolist()[:8]}")
+    capacity = table.shape[1] * block_size
+    if bool((lens_host > capacity).any()):
+        raise ValueError(f"a length exceeds the block table's {table.shape[1]} blocks x {block_size} tokens "
+                         f"= {capacity}: {lens_host.max().item()}")
+    used = torch.arange(table.shape[1])[None, :] < (lens_host[:, None] + block_size - 1) // block_size
+    ids = table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got {int(ids.min())}..{int(ids.max())}")
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -52,6 +52,7 @@ def micro_attention_decode_kernel(
     stride_lse_head,
     stride_lse_split,
     num_tokens_per_split,  # a multiple of BLOCK_N
+    max_num_tokens,  # block table width x BLOCK_SIZE: no sequence reads past its block table row
     HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block (a page)
@@ -65,7 +66,7 @@ def micro_attention_decode_kernel(
     kv_head_id = tl.program_id(1)
     split_id = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq_id)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq_id), max_num_tokens)
     tok_start = split_id * num_tokens_per_split
     tok_end = tl.minimum(tok_start + num_tokens_per_split, seq_len)
 

@@ -12,6 +12,7 @@ import torch
 
 from kvfleet.kernels._checks import (
     ATTENTION_DTYPES,
+    check_block_table,
     check_device,
     check_out,
     check_shape,
@@ -76,6 +77,7 @@ def micro_attention_decode(
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    check_bounds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over the KV blocks this part holds.
 
@@ -89,6 +91,10 @@ def micro_attention_decode(
 
     Returns (out fp32 [num_seqs, num_q_heads, head_dim], lse fp32 [num_seqs, num_q_heads], natural
     log); a sequence with no tokens here gets out 0 and lse -inf. `out=`/`out_lse=` are written in place.
+
+    Tokens past a row of the block table (seq_len > max_num_blocks * block_size) are ignored rather
+    than read out of bounds. check_bounds=True also checks seq_lens and the block ids on the host
+    (a device sync: for tests and debugging, not for the decode loop).
     """
     check_tensor("q", q, ndim=3, dtypes=ATTENTION_DTYPES)
     check_device("q", q)
@@ -113,6 +119,8 @@ def micro_attention_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = check_out("out", out, (num_seqs, num_q_heads, head_dim), device)
     out_lse = check_out("out_lse", out_lse, (num_seqs, num_q_heads), device)
+    if check_bounds:
+        check_block_table(block_table, seq_lens, block_size, num_blocks)
     if num_seqs == 0 or num_q_heads == 0:
         return out, out_lse
 
@@ -163,6 +171,7 @@ def micro_attention_decode(
         lse_dst.stride(1),
         lse_split_stride,
         tokens_per_split,
+        block_table.shape[1] * block_size,
         HEAD_DIM=head_dim,
         GROUP_SIZE=group_size,
         BLOCK_SIZE=block_size,

@@ -38,6 +38,7 @@ def micro_attention_prefill_kernel(
     out_ptr,  # fp32 [total_q_tokens, num_q_heads, head_dim]
     lse_ptr,  # fp32 [total_q_tokens, num_q_heads]
     scale_log2,
+    max_num_kv_tokens,  # block table width x BLOCK_SIZE: no sequence reads past its block table row
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -67,7 +68,7 @@ def micro_attention_prefill_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq_id)
     q_len = tl.load(query_start_loc_ptr + seq_id + 1) - q_start
-    kv_len = tl.load(kv_lens_ptr + seq_id)
+    kv_len = tl.minimum(tl.load(kv_lens_ptr + seq_id), max_num_kv_tokens)
     causal_offset = tl.load(causal_offsets_ptr + seq_id)
 
     q_idx = q_tile_id * BLOCK_M + tl.arange(0, BLOCK_M)  # position among this sequence's new tokens

@@ -11,6 +11,7 @@ import torch
 
 from kvfleet.kernels._checks import (
     ATTENTION_DTYPES,
+    check_block_table,
     check_device,
     check_out,
     check_shape,
@@ -36,6 +37,7 @@ def micro_attention_prefill(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    check_bounds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of new tokens over the KV blocks this part holds.
 
@@ -48,6 +50,8 @@ def micro_attention_prefill(
     device sync) when not given.
 
     Returns (out fp32 [total_q_tokens, num_q_heads, head_dim], lse fp32 [total_q_tokens, num_q_heads]).
+    KV tokens past a row of the block table are ignored rather than read out of bounds;
+    check_bounds=True checks kv_lens, block ids and query_start_loc on the host (a device sync).
     """
     check_tensor("q", q, ndim=3, dtypes=ATTENTION_DTYPES)
     check_device("q", q)
@@ -67,6 +71,11 @@ def micro_attention_prefill(
     check_shape("kv_lens", kv_lens, (num_seqs,))
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if check_bounds:
+        check_block_table(block_table, kv_lens, block_size, num_blocks)
+        starts = query_start_loc.cpu()
+        if int(starts[0]) != 0 or bool((starts[1:] < starts[:-1]).any()) or int(starts[-1]) != total_q:
+            raise ValueError(f"query_start_loc must start at 0, never decrease and end at {total_q} (rows of q)")
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     if causal_offsets is None:
         causal_offsets = (kv_lens - q_lens).to(torch.int32)
@@ -105,6 +114,7 @@ def micro_attention_prefill(
         out,
         out_lse,
         float(scale) * 1.4426950408889634,  # log2(e)
+        block_table.shape[1] * block_size,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
