@@ -59,6 +59,9 @@ class SchedulerConfig:
     tiny_probe_limit: int = 4
     # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU (mell.py).
     refill_underfilled_t: bool = True
+    # (kvfleet) Depart T refills only from a newest GPU at most this full, one it can drain (mell.py);
+    # 1.0 is Fig. 10 as written.
+    refill_source_max_fill: float = 0.5
     # (kvfleet) one T-request may use the spare room of the newest S/M-GPU (mell.py).
     t_on_sm_gpus: bool = False
     # (kvfleet) share of C that MELL keeps free for growth when it places or pairs requests (mell.py).

@@ -12,7 +12,12 @@ choice made here is marked "(kvfleet)" and documented in docs/mell.md:
 * Allocate S/M "to the most recently activated S/M-GPU": the GPU of the request's own class, so that
   M-GPUs hold M-requests and S-GPUs S-requests (Theorem 1, properties 1 and 2).
 * A T-request departing from a GPU that it leaves empty triggers no refill (the GPU is terminated),
-  nor from a GPU still at least 3/4 full (Theorem 1 property 3 already holds there).
+  nor from a T-GPU still at least 3/4 full (Theorem 1 property 3 already holds there).
+
+Refinements, each a SchedulerConfig switch (docs/mell.md gives their measured effect):
+`refill_underfilled_t` (T-requests go to the oldest T-GPU under 3/4 full first),
+`refill_source_max_fill` (Depart T refills only from a newest GPU that the refill can drain),
+`growth_headroom_fraction` (room kept for growth, 0 by default), `t_on_sm_gpus` (off).
 """
 
 from __future__ import annotations
@@ -289,10 +294,17 @@ class MellPolicy(ClusterPolicy):
         source = self._mra_gpu(sources, gpu)
         if source is None or source.seq < gpu.seq:
             return  # refilling from an older GPU would not drain the newest one
+        if source.load_bytes > self.cfg.refill_source_max_fill * self.capacity_bytes:
+            # (kvfleet) the refill is there to drain the newest GPU; one more than half full (by
+            # default) is not about to empty, so the move would cost a migration now for no GPU soon.
+            return
         free = self._room(gpu)
         fit: Item | None = None
         for it in source.items.values():
-            if it.cls == T and it.size_bytes <= free and (fit is None or it.size_bytes > fit.size_bytes):
+            if it.cls != T or it.size_bytes > free:
+                continue
+            # Fewest requests first (a multi-item moves all of its requests), then the largest.
+            if fit is None or (len(it.members), -it.size_bytes) < (len(fit.members), -fit.size_bytes):
                 fit = it
         if fit is not None:
             self._move(fit, gpu, "refill-t")

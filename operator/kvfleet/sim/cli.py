@@ -55,8 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory kept for activations (default: 10%% of GPU memory)")
     parser.add_argument("--policies", default="mell,bf,wf,lb", help="comma-separated (mell,bf,wf,lb)")
     parser.add_argument("--epoch-s", type=float, default=1.0, help="scheduling epoch (1.0 s)")
-    parser.add_argument("--no-refill-underfilled-t", action="store_true",
-                        help="MELL exactly as Fig. 10, without kvfleet's refill of under-filled T-GPUs")
+    parser.add_argument("--paper-strict", action="store_true",
+                        help="MELL exactly as Fig. 10, without kvfleet's refinements (docs/mell.md)")
+    parser.add_argument("--headroom", type=float, default=0.0,
+                        help="share of C MELL keeps free for growth when placing (0, as the paper)")
     out = parser.add_argument_group("output")
     out.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the table as CSV ('-': stdout)")
     out.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write Fig. 11/12/14/15-style PNGs")
@@ -154,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
                   f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
                   f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
-        config = SchedulerConfig(capacity_bytes=setup.capacity_bytes,
-                                 refill_underfilled_t=not args.no_refill_underfilled_t)
+        if args.paper_strict:
+            config = SchedulerConfig(capacity_bytes=setup.capacity_bytes, refill_underfilled_t=False,
+                                     refill_source_max_fill=1.0, growth_headroom_fraction=args.headroom)
+        else:
+            config = SchedulerConfig(capacity_bytes=setup.capacity_bytes, growth_headroom_fraction=args.headroom)
         for wname, reqs in workloads:
             results: list[RunResult] = []
             for pol in policies:
