@@ -7,7 +7,10 @@ The operator runs as a local process with the admin kubeconfig; worker pods run 
 from __future__ import annotations
 
 import json
+import random
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -18,21 +21,48 @@ from kvfleet_e2e.cluster import Cluster, wait_for
 from kvfleet_e2e.controlplane import Process, free_port, start_process, stop_process
 
 
+class OperatorHandle:
+    """The operator process of this module; the restart test kills and replaces it."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.lock = threading.Lock()
+        self.killed = False
+        self.proc = self.start()
+
+    def start(self) -> Process:
+        return start_process(
+            "operator",
+            [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz"],
+            self.cluster.plane.work_dir / "logs",
+            env={"KUBECONFIG": str(self.cluster.kubeconfig)},
+        )
+
+    def kill(self) -> None:
+        """SIGKILL from any thread; the next check() on the main thread starts a new operator (a child
+        started from another thread would die with that thread: PR_SET_PDEATHSIG is per thread)."""
+        with self.lock:
+            self.proc.popen.kill()
+            self.proc.popen.wait(10)
+            self.killed = True
+
+    def check(self) -> None:
+        with self.lock:
+            if self.killed:
+                self.proc, self.killed = self.start(), False
+            assert self.proc.popen.poll() is None, f"the operator died:\n{self.proc.tail(40)}"
+
+
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[Process]:
-    proc = start_process(
-        "operator",
-        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz"],
-        cluster.plane.work_dir / "logs",
-        env={"KUBECONFIG": str(cluster.kubeconfig)},
-    )
-    _running.append(proc)
-    yield proc
-    _running.remove(proc)
-    stop_process(proc)
+def operator(cluster: Cluster) -> Iterator[OperatorHandle]:
+    handle = OperatorHandle(cluster)
+    _running.append(handle)
+    yield handle
+    _running.remove(handle)
+    stop_process(handle.proc)
 
 
-_running: list[Process] = []  # the operator of this module, checked on every status read
+_running: list[OperatorHandle] = []  # the operator of this module, checked on every status read
 
 
 def pool(name: str, **spec: Any) -> dict[str, Any]:
@@ -54,8 +84,8 @@ def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
 
 
 def status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    for proc in _running:
-        assert proc.popen.poll() is None, f"the operator died:\n{proc.tail(40)}"
+    for handle in _running:
+        handle.check()
     return dict((cluster.get_json("llmpool", name, "-n", namespace, check=False) or {}).get("status") or {})
 
 
@@ -68,7 +98,7 @@ def worker_names(cluster: Cluster, namespace: str, pool_name: str) -> list[str]:
     return sorted(p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp"))
 
 
-def test_pool_gets_ready_workers_and_scales(cluster: Cluster, namespace: str, operator: Process) -> None:
+def test_pool_gets_ready_workers_and_scales(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
     apply(cluster, namespace, pool("alpha"))
     ready = wait_for(lambda: (st := status(cluster, namespace, "alpha")) and st.get("readyWorkers") == 2
                      and condition(st, "Ready").get("status") == "True" and st, "two ready workers", timeout_s=90)
@@ -97,7 +127,7 @@ def test_pool_gets_ready_workers_and_scales(cluster: Cluster, namespace: str, op
     assert printed[:6] == ["alpha", "tiny", "builtin", "mell", "2", "2"]
 
 
-def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, namespace: str, operator: Process) -> None:
+def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
     apply(cluster, namespace, pool("huge", gpusPerWorker=8, workers={"min": 1, "max": 1}))
     waiting = wait_for(lambda: condition(status(cluster, namespace, "huge"), "WaitingForCapacity").get("status") == "True"
                        and condition(status(cluster, namespace, "huge"), "WaitingForCapacity"),
@@ -124,34 +154,83 @@ def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str
     return out
 
 
-def test_mell_packs_load_with_migrations_then_drains_workers(cluster: Cluster, namespace: str, operator: Process) -> None:
+REQUESTS = [("l1", 600_000), ("l2", 600_000), ("l3", 600_000), ("t1", 200_000), ("t2", 200_000)]
+
+
+def run_packing_scenario(cluster: Cluster, namespace: str, name: str, duration_s: float = 25) -> None:
+    """Load one worker with five requests; MELL spreads them over three, then drains back to one."""
     # C = 1,000,000 bytes. Three L-requests cannot share a GPU; the two T-requests fit beside them.
-    apply(cluster, namespace, pool("packed", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 4},
+    apply(cluster, namespace, pool(name, capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 4},
                                    migration={"mode": "kv"}))
-    wait_for(lambda: status(cluster, namespace, "packed").get("readyWorkers") == 1, "the floor worker", timeout_s=60)
-    first = cluster.get_json("pod", "packed-worker-0", "-n", namespace)
+    wait_for(lambda: status(cluster, namespace, name).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    first = cluster.get_json("pod", f"{name}-worker-0", "-n", namespace)
     # A careless router sends everything to one worker; MELL must spread it with migrations.
-    for rid, size in [("l1", 600_000), ("l2", 600_000), ("l3", 600_000), ("t1", 200_000), ("t2", 200_000)]:
-        post(first, "/script/requests", {"id": rid, "kvBytes": size, "durationS": 25})
-    packed = wait_for(lambda: (st := status(cluster, namespace, "packed")).get("gpusInUse") == 3
+    for rid, size in REQUESTS:
+        post(first, "/script/requests", {"id": rid, "kvBytes": size, "durationS": duration_s})
+    packed = wait_for(lambda: (st := status(cluster, namespace, name)).get("gpusInUse") == 3
                       and st.get("readyWorkers") == 3 and st.get("migrationsInFlight") == 0
-                      and sorted(sum(held(cluster, namespace, "packed").values(), [])) == ["l1", "l2", "l3", "t1", "t2"]
-                      and all(len([r for r in rs if r.startswith("l")]) == 1 for rs in held(cluster, namespace, "packed").values())
-                      and st, "three packed workers", timeout_s=60)
+                      and sorted(sum(held(cluster, namespace, name).values(), [])) == sorted(r for r, _ in REQUESTS)
+                      and all(len([r for r in rs if r.startswith("l")]) == 1 for rs in held(cluster, namespace, name).values())
+                      and st, "three packed workers", timeout_s=90)
     assert packed["lowerBoundGpus"] == 3
+    # The requests finish; empty workers are released and deleted down to the floor.
+    wait_for(lambda: len(held(cluster, namespace, name)) == 1 and status(cluster, namespace, name).get("gpusInUse") == 0,
+             "the pool to drain to its floor", timeout_s=90)
+
+
+def worker_logs(cluster: Cluster, namespace: str, name: str) -> str:
+    return "".join(log.read_text() for log in cluster.plane.work_dir.glob(f"agent/pods/{namespace}_{name}-worker-*/worker.log"))
+
+
+def assert_nothing_lost(cluster: Cluster, namespace: str, name: str) -> None:
+    logs = worker_logs(cluster, namespace, name)
+    # No worker was deleted while it held a request, and every request ran to its end somewhere.
+    assert "LOST" not in logs, logs[-3000:]
+    finished = {line.split("request ", 1)[1].split()[0] for line in logs.splitlines() if "finished" in line and "request " in line}
+    assert finished == {r for r, _ in REQUESTS}, logs[-3000:]
+
+
+def test_mell_packs_load_with_migrations_then_drains_workers(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
+    run_packing_scenario(cluster, namespace, "packed")
     migs = cluster.get_json("kvmigrations", "-n", namespace)["items"]
     assert len(migs) >= 2 and all(m["status"]["phase"] == "Succeeded" for m in migs), migs
     assert {m["spec"]["sourcePod"] for m in migs} == {"packed-worker-0"}
     table = cluster.kubectl("get", "kvmigrations", "-n", namespace).stdout
     assert "Succeeded" in table and "packed-worker-0" in table
-    # The requests finish; empty workers are released and deleted down to the floor, never one holding KV.
-    wait_for(lambda: len(held(cluster, namespace, "packed")) == 1 and status(cluster, namespace, "packed").get("gpusInUse") == 0,
-             "the pool to drain to its floor", timeout_s=90)
-    for log in cluster.plane.work_dir.glob("agent/pods/*packed-worker-*/worker.log"):
-        assert "LOST" not in log.read_text(), log.read_text()[-2000:]
+    assert_nothing_lost(cluster, namespace, "packed")
 
 
-def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: Process) -> None:
+def test_operator_killed_ten_times_ends_in_the_same_state(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
+    rng = random.Random(7)
+    stop = threading.Event()
+    kills: list[float] = []
+
+    def chaos() -> None:
+        while len(kills) < 10 and not stop.wait(rng.uniform(1.0, 4.0)):
+            operator.kill()
+            kills.append(time.monotonic())
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    thread.start()
+    try:
+        run_packing_scenario(cluster, namespace, "chaos", duration_s=35)
+        while thread.is_alive():
+            operator.check()
+            time.sleep(0.2)
+    finally:
+        stop.set()
+    assert len(kills) == 10
+    pods = cluster.get_json("pods", "-n", namespace, "-l", "kvfleet.dev/pool=chaos")["items"]
+    assert [p["metadata"]["name"] for p in pods] and len(pods) == 1
+    migs = cluster.get_json("kvmigrations", "-n", namespace)["items"]
+    assert all(m["status"]["phase"] in ("Succeeded", "Failed") for m in migs), "orphaned migrations"
+    # Each planned move exists once per attempt: no duplicate objects for the same move.
+    moves = [(m["spec"]["requestId"], m["spec"]["sourcePod"], m["spec"]["targetPod"]) for m in migs if m["status"]["phase"] == "Succeeded"]
+    assert len(moves) == len(set(moves)), moves
+    assert_nothing_lost(cluster, namespace, "chaos")
+
+
+def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
     apply(cluster, namespace, pool("gone", workers={"min": 1, "max": 2}))
     wait_for(lambda: status(cluster, namespace, "gone").get("readyWorkers") == 1, "a ready worker", timeout_s=60)
     cluster.kubectl("delete", "llmpool", "gone", "-n", namespace, "--wait=true", timeout_s=90)
@@ -160,10 +239,10 @@ def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, 
                  f"{kind} of the pool to be garbage-collected", timeout_s=60)
 
 
-def test_operator_logs_no_errors(cluster: Cluster, operator: Process) -> None:
-    assert operator.popen.poll() is None, operator.tail()
+def test_operator_logs_no_errors(cluster: Cluster, operator: OperatorHandle) -> None:
+    operator.check()
     # kopf logs its own retried requests (e.g. 429 while a fresh CRD's storage initialises) as ERROR.
-    errors = [line for line in operator.log_path.read_text().splitlines()
+    errors = [line for line in operator.proc.log_path.read_text().splitlines()
               if (" ERROR " in line and "will retry" not in line) or "Traceback" in line]
     assert not errors, "\n".join(errors[:20])
 
