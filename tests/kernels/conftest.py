@@ -17,10 +17,28 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 ON_GPU = os.environ.get("KVFLEET_KERNELS_ON_GPU", "0") == "1"
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402  (after the interpreter switch)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The kernels are defined (collected) by now, in interpreter mode. Other test folders run in the
+    # same session and start subprocesses (workers, engines): do not hand them TRITON_INTERPRET.
+    # The kernel tests get it back through the fixture below.
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Triton also reads the switch while running an interpreted kernel, not only when defining it.
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,7 +7,6 @@ argument is wrong and why, in words a caller can act on.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -16,8 +15,13 @@ ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1); read per call, never at import."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels run on the CPU in numpy: triton.jit picks the interpreter when a kernel
+    is defined (TRITON_INTERPRET=1 at import), so ask a kernel, not the environment of the moment."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kvfleet.kernels.scale_reduce_kernel import scale_reduce_pair_kernel
+
+    return isinstance(scale_reduce_pair_kernel, InterpretedFunction)
 
 
 def check_tensor(
