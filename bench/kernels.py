@@ -166,7 +166,8 @@ class Bench:
         print(f"device: {name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
               f"L2 {l2_bytes / 2**20:.0f} MiB, capability {props.major}.{props.minor}, driver {driver}")
         copy = self.copy_tb_s(2 << 30 if not self.args.quick else 1 << 30)
-        print(f"HBM: datasheet {peak if peak else '?'} TB/s, device-to-device copy {copy:.2f} TB/s (read+write)")
+        print(f"HBM: datasheet {peak if peak else '?'} TB/s, device-to-device copy {copy:.2f} TB/s (read+write); "
+              f"timing: {'CUDA-graph replays' if self.args.timing == 'graph' else 'CUDA events, L2 cleared'}")
         return name, peak, copy, l2_bytes
 
     def copy_tb_s(self, num_bytes: int) -> float:
@@ -194,7 +195,9 @@ class Bench:
         q = torch.randn(batch, num_q_heads, head_dim, dtype=self.dtype, device=self.device)
         out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         out_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=self.device)
-        block_n = launch.get("block_n", 16 if self.cpu else 64)
+        # The decode call, the split plan and the streaming kernel must use the same tile size.
+        launch = {"block_n": 16 if self.cpu else 64, **launch}
+        block_n = launch["block_n"]
         num_splits, tokens_per_split = self.plan_splits(
             batch, num_kv_heads, blocks_per_seq * BLOCK_SIZE, None, block_n, self.device
         )

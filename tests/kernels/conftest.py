@@ -42,7 +42,13 @@ def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = os.path.dirname(__file__)
     if ON_GPU and torch.cuda.is_available():
+        return
+    if ON_GPU:
+        for item in items:
+            if item.path.is_relative_to(here):
+                item.add_marker(pytest.mark.skip(reason="KVFLEET_KERNELS_ON_GPU=1 but no CUDA device"))
         return
     reason = (
         "needs CUDA (no GPU here)"
@@ -50,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else "compiled kernels need KVFLEET_KERNELS_ON_GPU=1 (this run uses the interpreter)"
     )
     for item in items:
-        if "gpu" in item.keywords and item.path.is_relative_to(os.path.dirname(__file__)):
+        if "gpu" in item.keywords and item.path.is_relative_to(here):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 

@@ -11,7 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.skipif(
+    os.environ.get("KVFLEET_KERNELS_ON_GPU", "0") == "1",
+    reason="on a GPU the other tests compile and run the kernels for real (and the ahead-of-time API "
+    "used here follows the pinned triton 3.7, not the GPU image's)",
+)
 def test_all_kernels_compile_for_sm90(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
