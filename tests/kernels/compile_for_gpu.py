@@ -81,7 +81,7 @@ def main(arch: int = 90) -> None:
         print(json.dumps(compile_kernel(
             micro_attention_prefill_kernel,
             ptrs,
-            dict(HEAD_DIM=128, GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM_PAD=128, BLOCK_M=64, BLOCK_N=64,
+            dict(HEAD_DIM=128, GROUP_SIZE=4, BLOCK_SIZE=16, HEAD_DIM_PAD=128, BLOCK_M=32 if upcast else 64, BLOCK_N=64,
                  UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32"),
             arch=arch,
         )), flush=True)

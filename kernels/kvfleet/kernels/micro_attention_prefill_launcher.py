@@ -92,9 +92,10 @@ def micro_attention_prefill(
         return out, out_lse
 
     upcast = interpreting() or q.dtype == torch.float32
-    # Small tiles under the interpreter keep the numpy work per program low; 64x64 on a GPU.
+    # Small tiles under the interpreter keep the numpy work per program low. On a GPU 64x64, or
+    # 32x64 for fp32, whose tiles take twice the shared memory.
     if block_m is None:
-        block_m = 16 if interpreting() else 64
+        block_m = 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
     if block_n is None:
         block_n = 32 if interpreting() else 64
     for name, value in (("block_m", block_m), ("block_n", block_n)):
