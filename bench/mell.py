@@ -12,8 +12,8 @@ Two measurements, both on one core (the core is single-threaded Python):
    1% of the requests finishing, 1% arriving and 10% reporting growth is timed.
 
 The loaded state is moved out of the cyclic garbage collector's reach with gc.freeze() before timing
-(for both policies): millions of long-lived objects are not garbage, and a long-running operator does
-the same after it builds its state.
+(for both policies): millions of long-lived objects are not garbage, and a long-running operator can
+do the same after it builds its state.
 
 Sizes are KV bytes of LLaMA-2-13B on A100-40GB; 99% of requests are under C/80 (chat turns), the rest
 T/S/M/L, so that a GPU holds about 100 requests. Prints the machine first; the last line is one JSON
@@ -106,7 +106,7 @@ def ops_per_s(name: str, c: int, num_live: int, batch: int, num_epochs: int, see
     t = load(policy, work, num_live, 10_000, 0.0)
     epochs = [work.epoch(batch // 4, batch // 4, batch // 2) for _ in range(num_epochs)]
     gc.collect()
-    gc.freeze()  # the long-lived state is not garbage; the operator freezes it the same way
+    gc.freeze()  # the long-lived state is not garbage; a long-running operator can do the same
     start = time.perf_counter()
     for events in epochs:
         policy.schedule(EventBatch(t, tuple(events)))
