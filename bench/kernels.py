@@ -151,7 +151,7 @@ class Bench:
         if self.cpu:
             print("device: CPU through the Triton interpreter (--cpu-smoke): the numbers mean nothing")
             # A tiny "L2" so the smoke rows reach the headline figures and exercise that code too.
-            return "cpu-smoke", 0.01, self.copy_tb_s(64 << 20), 1024
+            return "cpu-smoke", 0.01, self.measure_copy_tb_s(64 << 20), 1024
         props = torch.cuda.get_device_properties(self.device)
         name = torch.cuda.get_device_name(self.device)
         l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
@@ -161,22 +161,22 @@ class Bench:
                                     capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
         except (OSError, subprocess.SubprocessError, IndexError):
             pass
-        peak = self.args.peak_tb_s or next((tb for key, tb in DATASHEET_TB_S if key in name), None)
+        peak_tb_s = self.args.peak_tb_s or next((tb for key, tb in DATASHEET_TB_S if key in name), None)
         print(f"device: {name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
               f"L2 {l2_bytes / 2**20:.0f} MiB, capability {props.major}.{props.minor}, driver {driver}")
-        copy = self.copy_tb_s(2 << 30 if not self.args.quick else 1 << 30)
-        print(f"HBM: datasheet {peak if peak else '?'} TB/s, device-to-device copy {copy:.2f} TB/s (read+write); "
+        copy_tb_s = self.measure_copy_tb_s(2 << 30 if not self.args.quick else 1 << 30)
+        print(f"HBM: datasheet {peak_tb_s if peak_tb_s else '?'} TB/s, device-to-device copy {copy_tb_s:.2f} TB/s (read+write); "
               f"timing: {'CUDA-graph replays' if self.args.timing == 'graph' else 'CUDA events, L2 cleared'}")
-        return name, peak, copy, l2_bytes
+        return name, peak_tb_s, copy_tb_s, l2_bytes
 
-    def copy_tb_s(self, num_bytes: int) -> float:
+    def measure_copy_tb_s(self, num_bytes: int) -> float:
         src = self.torch.empty(num_bytes, dtype=self.torch.uint8, device=self.device).fill_(1)
         dst = self.torch.empty_like(src)
         t = self.time_s(lambda: dst.copy_(src))
         return 2 * num_bytes / t / 1e12
 
     # -- one row -------------------------------------------------------------------------------------
-    def row(self, heads: tuple[int, int, int], context: int, batch: int, peak: float | None, copy: float,
+    def row(self, heads: tuple[int, int, int], context: int, batch: int, peak_tb_s: float | None, copy_tb_s: float,
             l2_bytes: int, **launch: Any) -> dict[str, Any] | None:
         torch = self.torch
         num_q_heads, num_kv_heads, head_dim = heads
@@ -201,21 +201,21 @@ class Bench:
             batch, num_kv_heads, blocks_per_seq * BLOCK_SIZE, None, block_n, self.device
         )
 
-        t_decode = self.time_s(lambda: self.decode(q, k_cache, v_cache, block_table, seq_lens, out=out,
+        decode_s = self.time_s(lambda: self.decode(q, k_cache, v_cache, block_table, seq_lens, out=out,
                                                    out_lse=out_lse, **launch))
         # The merges on their own: the split-KV merge inside the call, and merging 2 parts' partials.
-        t_split_merge = 0.0
+        split_merge_s = 0.0
         if num_splits > 1:
             o_split = torch.randn(batch, num_q_heads, num_splits, head_dim, device=self.device)
             lse_split = torch.randn(batch, num_q_heads, num_splits, device=self.device)
-            t_split_merge = self.time_s(lambda: self.launch_scale_reduce(o_split, lse_split, out, out_lse))
+            split_merge_s = self.time_s(lambda: self.launch_scale_reduce(o_split, lse_split, out, out_lse))
         o_parts = torch.randn(2, batch, num_q_heads, head_dim, device=self.device)
         lse_parts = torch.randn(2, batch, num_q_heads, device=self.device)
-        t_part_merge = self.time_s(lambda: self.scale_reduce(o_parts, lse_parts, out=out, out_lse=out_lse))
+        part_merge_s = self.time_s(lambda: self.scale_reduce(o_parts, lse_parts, out=out, out_lse=out_lse))
 
         sink = torch.empty(batch * num_kv_heads * num_splits * head_dim, dtype=torch.float32, device=self.device)
         grid = (batch, num_kv_heads, num_splits)
-        t_stream = self.time_s(lambda: self.stream_kernel[grid](
+        stream_s = self.time_s(lambda: self.stream_kernel[grid](
             k_cache, v_cache, block_table, seq_lens, sink, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.stride(0), tokens_per_split, num_kv_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n))
@@ -226,7 +226,7 @@ class Bench:
         v_contig = torch.empty_like(k_contig).normal_()
         q4 = q.view(batch, num_q_heads, 1, head_dim)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        t_sdpa = self.time_s(lambda: sdpa(q4, k_contig, v_contig, enable_gqa=num_q_heads != num_kv_heads))
+        sdpa_s = self.time_s(lambda: sdpa(q4, k_contig, v_contig, enable_gqa=num_q_heads != num_kv_heads))
         del k_contig, v_contig
         if not self.cpu:
             torch.cuda.empty_cache()
@@ -235,7 +235,7 @@ class Bench:
         partial_bytes = 2 * batch * num_q_heads * num_splits * (head_dim + 1) * 4 if num_splits > 1 else 0
         io_bytes = batch * num_q_heads * (head_dim * elem + (head_dim + 1) * 4)
         total_bytes = kv_bytes + table_bytes + partial_bytes + io_bytes
-        achieved_tb_s = total_bytes / t_decode / 1e12
+        achieved_tb_s = total_bytes / decode_s / 1e12
         return {
             "heads": f"{num_q_heads}/{num_kv_heads}/{head_dim}",
             "context": context,
@@ -243,20 +243,20 @@ class Bench:
             "num_splits": num_splits,
             "kv_mib": sig(kv_bytes / 2**20),
             "l2_resident": kv_bytes < 4 * l2_bytes,
-            "decode_us": sig(t_decode * 1e6),
+            "decode_us": sig(decode_s * 1e6),
             "achieved_tb_s": sig(achieved_tb_s),
-            "fraction_of_peak": sig(achieved_tb_s / peak) if peak else None,
-            "fraction_of_copy": sig(achieved_tb_s / copy),
-            "stream_fraction_of_peak": sig((kv_bytes + table_bytes) / t_stream / 1e12 / peak) if peak else None,
-            "decode_over_stream": sig(t_stream / t_decode),
-            "merge_share": sig((t_split_merge + t_part_merge) / (t_decode + t_part_merge)),
-            "sdpa_us": sig(t_sdpa * 1e6),
-            "speedup_vs_sdpa": sig(t_sdpa / t_decode),
+            "fraction_of_peak": sig(achieved_tb_s / peak_tb_s) if peak_tb_s else None,
+            "fraction_of_copy": sig(achieved_tb_s / copy_tb_s),
+            "stream_fraction_of_peak": sig((kv_bytes + table_bytes) / stream_s / 1e12 / peak_tb_s) if peak_tb_s else None,
+            "decode_over_stream": sig(stream_s / decode_s),
+            "merge_share": sig((split_merge_s + part_merge_s) / (decode_s + part_merge_s)),
+            "sdpa_us": sig(sdpa_s * 1e6),
+            "speedup_vs_sdpa": sig(sdpa_s / decode_s),
         }
 
     # -- the whole run -------------------------------------------------------------------------------
     def run(self) -> int:
-        name, peak, copy, l2_bytes = self.describe()
+        name, peak_tb_s, copy_tb_s, l2_bytes = self.describe()
         if self.cpu:
             # 600 tokens: two splits (see plan_splits), so the split merge runs too.
             shapes, contexts, batches = [(4, 2, 32), (4, 1, 32)], [64, 600], [2]
@@ -273,7 +273,7 @@ class Bench:
         for heads in shapes:
             for context in contexts:
                 for batch in batches:
-                    r = self.row(heads, context, batch, peak, copy, l2_bytes)
+                    r = self.row(heads, context, batch, peak_tb_s, copy_tb_s, l2_bytes)
                     if r is None:
                         print(f"{heads} context {context} batch {batch}: skipped, KV > {self.args.max_kv_gib} GiB")
                         continue
@@ -281,7 +281,7 @@ class Bench:
                     note = "  (L2-resident: not in the headline)" if r["l2_resident"] else ""
                     print(" ".join(f"{str(r[h]):>14}" for h in header) + note, flush=True)
         if self.args.sweep and not self.cpu:
-            self.sweep(peak, copy, l2_bytes)
+            self.sweep(peak_tb_s, copy_tb_s, l2_bytes)
 
         def by_context(key: str, agg: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
             result = {}
@@ -293,8 +293,8 @@ class Bench:
 
         summary: dict[str, Any] = {
             "device": name,
-            "datasheet_peak_tb_s": peak,
-            "copy_tb_s": sig(copy),
+            "datasheet_peak_tb_s": peak_tb_s,
+            "copy_tb_s": sig(copy_tb_s),
             "hbm_fraction_of_peak": by_context("fraction_of_peak"),
             "hbm_fraction_of_peak_min": by_context("fraction_of_peak", min),
             "hbm_fraction_of_copy": by_context("fraction_of_copy"),
@@ -311,7 +311,7 @@ class Bench:
             "triton": self.triton.__version__,
         }
         long_rows = [r for r in rows if r["context"] >= LONG_CONTEXT and not r["l2_resident"]]
-        if long_rows and peak:
+        if long_rows and peak_tb_s:
             summary["targets"] = {
                 "hbm_fraction_ge_0.8_at_16k_plus": min(r["fraction_of_peak"] for r in long_rows) >= 0.8,
                 "merge_share_le_0.05_at_16k_plus": max(r["merge_share"] for r in long_rows) <= 0.05,
@@ -320,12 +320,12 @@ class Bench:
         print(json.dumps(summary))
         return 0
 
-    def sweep(self, peak: float | None, copy: float, l2_bytes: int) -> None:
+    def sweep(self, peak_tb_s: float | None, copy_tb_s: float, l2_bytes: int) -> None:
         print("sweep at 32/8/128, context 16K, batch 8 (block_n, num_warps, num_stages):")
         for block_n in (32, 64, 128):
             for num_warps in (4, 8):
                 for num_stages in (2, 3, 4):
-                    r = self.row((32, 8, 128), 16384, 8, peak, copy, l2_bytes,
+                    r = self.row((32, 8, 128), 16384, 8, peak_tb_s, copy_tb_s, l2_bytes,
                                  block_n=block_n, num_warps=num_warps, num_stages=num_stages)
                     if r:
                         print(f"  {block_n:4d} {num_warps} {num_stages}: {r['achieved_tb_s']} TB/s, "
