@@ -473,7 +473,14 @@ class MellPolicy(ClusterPolicy):
                 self._allocate_tiny(request_id, size_bytes, gpu, "overload")
             elif 4 * (bundle.size_bytes + delta) <= c:
                 bundle.members[request_id] = size_bytes
-                self._resize(bundle, bundle.size_bytes + delta)
+                if gpu.category == T:
+                    # Fast path of _resize for the commonest event (a chat turn's KV grows on a
+                    # T-GPU): T-GPUs are in no index and a growing load drops no GPU under 3/4.
+                    bundle.size_bytes += delta
+                    gpu.t_bytes += delta
+                    gpu.load_bytes += delta
+                else:
+                    self._resize(bundle, bundle.size_bytes + delta)
             else:
                 # (kvfleet) the multi-item would pass C/4: the request opens a new one on the same GPU.
                 # It cannot be alone in its multi-item here, since a tiny request is at most C/8.
