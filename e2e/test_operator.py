@@ -16,9 +16,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_e2e.cluster import Cluster, wait_for
 from kvfleet_e2e.controlplane import Process, free_port, start_process, stop_process
+
+
+def start_operator(cluster: Cluster, name: str, metrics_port: int) -> Process:
+    # A short lease so a killed leader is replaced within seconds.
+    return start_process(
+        name,
+        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz",
+         "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}", "--lease-duration=2"],
+        cluster.plane.work_dir / "logs",
+        env={"KUBECONFIG": str(cluster.kubeconfig)},
+    )
 
 
 class OperatorHandle:
@@ -30,13 +42,9 @@ class OperatorHandle:
         self.killed = False
         self.proc = self.start()
 
-    def start(self) -> Process:
-        return start_process(
-            "operator",
-            [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz"],
-            self.cluster.plane.work_dir / "logs",
-            env={"KUBECONFIG": str(self.cluster.kubeconfig)},
-        )
+    def start(self, name: str = "operator") -> Process:
+        self.metrics_port = free_port()
+        return start_operator(self.cluster, name, self.metrics_port)
 
     def kill(self) -> None:
         """SIGKILL from any thread; the next check() on the main thread starts a new operator (a child
@@ -123,8 +131,8 @@ def test_pool_gets_ready_workers_and_scales(cluster: Cluster, namespace: str, op
     cluster.kubectl("scale", "llmpool", "alpha", "-n", namespace, "--replicas=0")
     wait_for(lambda: worker_names(cluster, namespace, "alpha") == ["alpha-worker-0", "alpha-worker-1"],
              "scale-down to min", timeout_s=60)
-    printed = cluster.kubectl("get", "llmpool", "alpha", "-n", namespace).stdout.splitlines()[1].split()
-    assert printed[:6] == ["alpha", "tiny", "builtin", "mell", "2", "2"]
+    wait_for(lambda: cluster.kubectl("get", "llmpool", "alpha", "-n", namespace).stdout.splitlines()[1].split()[:6]
+             == ["alpha", "tiny", "builtin", "mell", "2", "2"], "kubectl get to show 2 desired, 2 ready", timeout_s=30)
 
 
 def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
@@ -146,6 +154,8 @@ def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]
 
 def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str]]:
     """Each live worker's requests, from the reports on the pods."""
+    for handle in _running:
+        handle.check()
     pods = cluster.get_json("pods", "-n", namespace, "-l", f"kvfleet.dev/pool={pool_name}")["items"]
     out = {}
     for pod in pods:
@@ -157,7 +167,7 @@ def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str
 REQUESTS = [("l1", 600_000), ("l2", 600_000), ("l3", 600_000), ("t1", 200_000), ("t2", 200_000)]
 
 
-def run_packing_scenario(cluster: Cluster, namespace: str, name: str, duration_s: float = 25) -> None:
+def run_packing_scenario(cluster: Cluster, namespace: str, name: str, duration_s: float = 25) -> list[dict[str, Any]]:
     """Load one worker with five requests; MELL spreads them over three, then drains back to one."""
     # C = 1,000,000 bytes. Three L-requests cannot share a GPU; the two T-requests fit beside them.
     apply(cluster, namespace, pool(name, capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 4},
@@ -173,9 +183,14 @@ def run_packing_scenario(cluster: Cluster, namespace: str, name: str, duration_s
                       and all(len([r for r in rs if r.startswith("l")]) == 1 for rs in held(cluster, namespace, name).values())
                       and st, "three packed workers", timeout_s=90)
     assert packed["lowerBoundGpus"] == 3
+    migrations_when_packed = cluster.get_json("kvmigrations", "-n", namespace)["items"]
+    # The routing table sends the next L-request to a new GPU's warm pod or nowhere yet, a T-request to a packed worker.
+    routes = {r["sizeClass"]: r["worker"] for r in packed.get("routingTable", [])}
+    assert routes.get("T", "").startswith(f"{name}-worker-"), packed
     # The requests finish; empty workers are released and deleted down to the floor.
     wait_for(lambda: len(held(cluster, namespace, name)) == 1 and status(cluster, namespace, name).get("gpusInUse") == 0,
              "the pool to drain to its floor", timeout_s=90)
+    return list(migrations_when_packed)
 
 
 def worker_logs(cluster: Cluster, namespace: str, name: str) -> str:
@@ -191,13 +206,34 @@ def assert_nothing_lost(cluster: Cluster, namespace: str, name: str) -> None:
 
 
 def test_mell_packs_load_with_migrations_then_drains_workers(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
-    run_packing_scenario(cluster, namespace, "packed")
+    packing = run_packing_scenario(cluster, namespace, "packed")
+    # Spreading the load: every move out of the overloaded worker, first attempt, succeeded.
+    assert len(packing) >= 2 and all(m["status"]["phase"] == "Succeeded" for m in packing), json.dumps(packing)
+    assert {m["spec"]["sourcePod"] for m in packing} == {"packed-worker-0"}
+    assert {m["spec"]["reason"] for m in packing} <= {"Allocate", "Update", "Depart"}
+    # Draining: a move may race a request that finishes at the same moment; it then fails cleanly.
     migs = cluster.get_json("kvmigrations", "-n", namespace)["items"]
-    assert len(migs) >= 2 and all(m["status"]["phase"] == "Succeeded" for m in migs), migs
-    assert {m["spec"]["sourcePod"] for m in migs} == {"packed-worker-0"}
+    for mig in migs:
+        assert mig["status"]["phase"] == "Succeeded" or "no longer on the source" in mig["status"]["message"], mig
     table = cluster.kubectl("get", "kvmigrations", "-n", namespace).stdout
     assert "Succeeded" in table and "packed-worker-0" in table
     assert_nothing_lost(cluster, namespace, "packed")
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    pool_labels = {"namespace": namespace, "pool": "packed"}
+    succeeded = sum(m["status"]["phase"] == "Succeeded" for m in migs)
+    assert sample(text, "kvfleet_migrations_total", **pool_labels, mode="kv", result="Succeeded") == succeeded
+    assert sample(text, "kvfleet_pool_gpus_lower_bound", **pool_labels) == 0
+    assert sample(text, "kvfleet_epoch_duration_seconds_count", **pool_labels) > 10
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample in an exposition text."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return float(found.value)
+    raise AssertionError(f"no sample {name}{labels}")
 
 
 def test_operator_killed_ten_times_ends_in_the_same_state(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
@@ -213,7 +249,7 @@ def test_operator_killed_ten_times_ends_in_the_same_state(cluster: Cluster, name
     thread = threading.Thread(target=chaos, daemon=True)
     thread.start()
     try:
-        run_packing_scenario(cluster, namespace, "chaos", duration_s=35)
+        run_packing_scenario(cluster, namespace, "chaos", duration_s=45)
         while thread.is_alive():
             operator.check()
             time.sleep(0.2)
@@ -228,6 +264,33 @@ def test_operator_killed_ten_times_ends_in_the_same_state(cluster: Cluster, name
     moves = [(m["spec"]["requestId"], m["spec"]["sourcePod"], m["spec"]["targetPod"]) for m in migs if m["status"]["phase"] == "Succeeded"]
     assert len(moves) == len(set(moves)), moves
     assert_nothing_lost(cluster, namespace, "chaos")
+
+
+def test_a_standby_replica_never_acts_until_the_leader_is_gone(cluster: Cluster, namespace: str,
+                                                               operator: OperatorHandle) -> None:
+    standby = start_operator(cluster, "operator-standby", free_port())
+    try:
+        wait_for(lambda: "waiting to lead" in standby.log_path.read_text(), "the standby to wait", timeout_s=30)
+        apply(cluster, namespace, pool("led", workers={"min": 1, "max": 2}))
+        wait_for(lambda: status(cluster, namespace, "led").get("readyWorkers") == 1, "the leader to act", timeout_s=60)
+        assert "became the leader" not in standby.log_path.read_text()
+        assert "created worker" not in standby.log_path.read_text()
+        # The leader dies; the standby takes over once the lease expires and acts on a change.
+        with operator.lock:
+            operator.proc.popen.kill()
+            operator.proc.popen.wait(10)
+            _running.remove(operator)
+        wait_for(lambda: "became the leader" in standby.log_path.read_text(), "the standby to lead", timeout_s=30)
+        cluster.kubectl("scale", "llmpool", "led", "-n", namespace, "--replicas=2")
+        wait_for(lambda: status(cluster, namespace, "led").get("readyWorkers") == 2, "the new leader to act", timeout_s=60)
+        assert "created worker led-worker-1" in standby.log_path.read_text()
+    finally:
+        stop_process(standby)
+        with operator.lock:
+            operator.killed = True
+        if operator not in _running:
+            _running.append(operator)
+        operator.check()
 
 
 def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:

@@ -77,3 +77,21 @@ def test_rebuild_bundles_tiny_requests_and_keeps_activation_order() -> None:
     bundles = sorted(tuple(r for r, _ in i.members) for i in snap.items if i.is_bundle)
     assert bundles == [("x", "y", "z")]  # 300 <= C/4
     assert snap.next_gpu_index == 4
+
+
+def test_routes_preview_allocate_without_changing_the_state() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("big", 700)), worker(1, ("m", 450))])
+    before = sched.policy.snapshot()
+    routes = sched.routes()
+    assert sched.policy.snapshot() == before
+    # A T-request joins an L-GPU (Allocate T); an L-request needs a GPU of its own, a new one.
+    assert routes["T"] == "gpu-0" and routes["L"] == "gpu-2"
+    assert set(routes) == {"L", "M", "S", "T"}
+
+
+def test_rebuild_leaves_an_overfilled_workers_excess_to_be_allocated_afresh() -> None:
+    # The router put three L-requests on one worker; a restarted operator must still spread them.
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 700), ("b", 700), ("c", 700))])
+    assert sched.sizes == {"a": 700}
+    out = sched.epoch([worker(0, ("a", 700), ("b", 700), ("c", 700))], {}, now_s=1.0)
+    assert out.num_events == 2 and out.unserved_gpu_ids == ("gpu-1", "gpu-2") and out.num_deferred_moves == 2

@@ -37,10 +37,10 @@ def test_floor_is_min_raised_by_replicas_capped_by_max() -> None:
     assert reconcile.floor_workers(spec(replicas=4, workers={"min": 0, "max": 4})) == 4
 
 
-def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool = True, requests: int = 0,
+def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool = True, deleting: bool = False, requests: int = 0,
          idle_since: float | None = None, labels: dict[str, str] | None = None,
          annotations: dict[str, str] | None = None) -> pods.PodInfo:
-    return pods.PodInfo(f"p-worker-{index}", index, gpu, ready, live, requests * 100 * 2**20, requests, idle_since,
+    return pods.PodInfo(f"p-worker-{index}", index, gpu, ready, live, deleting, requests * 100 * 2**20, requests, idle_since,
                         labels or ({resources.GPU_LABEL: gpu} if gpu else {}), annotations or {})
 
 
@@ -82,6 +82,8 @@ def test_a_pod_holding_requests_or_awaiting_a_migration_is_never_deleted() -> No
 def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:
     done = info(1, "gpu-1", live=False)
     assert plan([info(0, "gpu-0", requests=1), done]).delete == ("p-worker-1",)
+    # A pod already terminating is not deleted again every epoch.
+    assert plan([info(0, "gpu-0", requests=1), info(1, "gpu-1", live=False, deleting=True)]).delete == ()
     settled = info(0, "gpu-0", requests=1, annotations={pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true",
                                                         pods.DELETION_COST: "100"})
     assert plan([settled]).metadata == {}

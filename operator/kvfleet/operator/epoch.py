@@ -80,6 +80,9 @@ class PoolScheduler:
         self.config = config
         self.policy: ClusterPolicy = make_policy(policy_name, config)
         self.sizes: dict[str, int] = {}
+        # Why a request is out of place, from the epoch that decided it, kept until it is in place:
+        # a move that waits for its target pod still says which operation caused it.
+        self.causes: dict[str, str] = {}
 
     @classmethod
     def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
@@ -90,13 +93,21 @@ class PoolScheduler:
                      for seq, w in enumerate(bound) if w.gpu_id is not None)
         items: list[ItemSnapshot] = []
         capacity = config.capacity_bytes
+        seen: set[str] = set()
         for worker in bound:
             assert worker.gpu_id is not None
             requests = sorted(worker.report.requests, key=lambda r: r.id) if worker.report else []
             bundle: list[tuple[str, int]] = []
+            load_bytes = 0
             for req in requests:
-                if req.id in self.sizes:
+                if req.id in seen:
                     continue  # reported twice mid-migration: the first (older) pod keeps it
+                seen.add(req.id)
+                if load_bytes + req.kv_bytes > capacity:
+                    # Over capacity (the router overfilled it, or moves were still due): the excess is
+                    # left out, so the first epoch allocates it afresh and orders the moves.
+                    continue
+                load_bytes += req.kv_bytes
                 self.sizes[req.id] = req.kv_bytes
                 if req.kv_bytes > capacity:
                     continue  # DistAttention spans are not rebuilt from reports yet; see the issue note
@@ -114,6 +125,25 @@ class PoolScheduler:
         self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
         self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
         return self
+
+    def routes(self) -> dict[str, str]:
+        """Which GPU MELL's Allocate would give the next request of each size class (the routing table).
+
+        Previewed on a copy of the state with one request of a representative size per class (the
+        middle of the class's range), so the router can place new requests where MELL would and the
+        next epoch orders no move for them.
+        """
+        capacity = self.config.capacity_bytes
+        middles = {"L": capacity * 3 // 4, "M": capacity * 5 // 12, "S": capacity * 7 // 24, "T": capacity * 3 // 16}
+        snapshot = self.policy.snapshot()
+        routes: dict[str, str] = {}
+        for name, size_bytes in middles.items():
+            preview = make_policy(self.policy_name, self.config)
+            preview.restore(snapshot)
+            probe_id = f"\0route-{name}"
+            preview.schedule(EventBatch(0.0, (Arrive(probe_id, size_bytes),)))
+            routes[name] = preview.gpu_of(probe_id)
+        return routes
 
     def epoch(self, workers: Iterable[WorkerView], in_flight: Mapping[str, str], now_s: float) -> EpochOutcome:
         """Feed the changes since the last epoch to the policy and order the moves to match it.
@@ -133,6 +163,7 @@ class PoolScheduler:
             if rid not in actual and rid not in in_flight:
                 events.append(Finish(rid))
                 del self.sizes[rid]
+                self.causes.pop(rid, None)
         for rid, (_, size_bytes, _) in actual.items():
             known = self.sizes.get(rid)
             if known is None:
@@ -153,17 +184,18 @@ class PoolScheduler:
                 continue
             want = self.policy.gpu_of(rid)
             if want == worker.gpu_id:
+                self.causes.pop(rid, None)
                 continue
+            if rid in causes:
+                self.causes[rid] = _REASONS.get(causes[rid], "Update")
+            elif rid in placed_now:
+                self.causes[rid] = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
             target = pod_of_gpu.get(want)
             if target is None or not target.ready:
                 deferred += 1
                 continue
-            if rid in causes:
-                reason = _REASONS.get(causes[rid], "Update")
-            elif rid in placed_now:
-                reason = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
-            else:
-                reason = "Retry"  # an earlier move failed or was lost
+            # Without a recorded cause, an earlier move of this request failed or was lost.
+            reason = self.causes.get(rid, "Retry")
             moves.append(MoveOrder(rid, worker.pod_name, target.pod_name, size_bytes, tokens, reason))
 
         live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}

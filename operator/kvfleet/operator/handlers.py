@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from kvfleet.api.models import GROUP, VERSION, LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell import SchedulerConfig
-from kvfleet.operator import epoch, migrations, pods, reconcile, resources
+from kvfleet.operator import epoch, metrics, migrations, pods, reconcile, resources
 from kvfleet.operator.epoch import PoolScheduler
 
 FIELD_MANAGER = "kvfleet-operator"
@@ -48,9 +48,13 @@ def now_rfc3339() -> str:
 
 
 class Kube:
-    """The few API calls the operator makes, each tolerant of the races a restart or a peer causes."""
+    """The few API calls the operator makes, each tolerant of the races a restart or a peer causes.
+
+    Writes are counted per thread (each pool's daemon is one thread), so an epoch can report its own.
+    """
 
     def __init__(self) -> None:
+        self._local = threading.local()
         try:
             config.load_incluster_config()
         except config.ConfigException:
@@ -58,6 +62,18 @@ class Kube:
         self.core = client.CoreV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
         self.custom = client.CustomObjectsApi()
+
+    def writes(self) -> dict[str, int]:
+        """This thread's write counts by kind since the last call (and resets them)."""
+        counts: dict[str, int] = getattr(self._local, "writes", {})
+        self._local.writes = {}
+        return counts
+
+    def record_write(self, kind: str) -> None:
+        counts = getattr(self._local, "writes", None)
+        if counts is None:
+            counts = self._local.writes = {}
+        counts[kind] = counts.get(kind, 0) + 1
 
     def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -83,6 +99,7 @@ class Kube:
             "RoleBinding": self.rbac.create_namespaced_role_binding,
         }[kind]
         try:
+            self.record_write(f"create_{kind.lower()}")
             create(namespace, obj, field_manager=FIELD_MANAGER)
             return True
         except ApiException as err:
@@ -106,6 +123,7 @@ class Kube:
             raise
 
     def delete_pod(self, namespace: str, name: str) -> None:
+        self.record_write("delete_pod")
         try:
             self.core.delete_namespaced_pod(name, namespace)
         except ApiException as err:
@@ -124,6 +142,7 @@ class Kube:
             body["metadata"]["labels"] = dict(labels)
         if annotations:
             body["metadata"]["annotations"] = dict(annotations)
+        self.record_write("patch_pod")
         try:
             self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER)
         except ApiException as err:
@@ -136,6 +155,7 @@ class Kube:
         return list(listing.get("items", []))
 
     def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
+        self.record_write("create_kvmigration")
         try:
             self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", body,
                                                         field_manager=FIELD_MANAGER)
@@ -146,10 +166,12 @@ class Kube:
             raise
 
     def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.record_write("patch_kvmigration_status")
         self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "kvmigrations", name,
                                                           {"status": status}, field_manager=FIELD_MANAGER)
 
     def delete_migration(self, namespace: str, name: str) -> None:
+        self.record_write("delete_kvmigration")
         try:
             self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name)
         except ApiException as err:
@@ -157,6 +179,7 @@ class Kube:
                 raise
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.record_write("patch_llmpool_status")
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, field_manager=FIELD_MANAGER
         )
@@ -180,6 +203,9 @@ class PoolState:
     key: tuple[str, int]  # (policy, capacity): a change rebuilds the scheduler
     scheduler: PoolScheduler
     epoch: int = 0
+    routes: dict[str, str] | None = None
+    counted_migrations: set[str] = field(default_factory=set)
+    last_writes: dict[str, int] = field(default_factory=dict)
 
 
 _states: dict[tuple[str, str], PoolState] = {}
@@ -189,9 +215,17 @@ def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
     return SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
 
 
-def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> float:
+def _event(api: Kube, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    """A Kubernetes Event on the pool (posted by kopf), counted as a write of the epoch."""
+    api.record_write("event")
+    (kopf.warn if warning else kopf.info)(pool, reason=reason, message=message)
+
+
+def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any],
+                   api: Kube | None = None) -> float:
     """One level-triggered pass over a pool (one MELL epoch). Returns the seconds until the next pass."""
-    api = kube()
+    api = api or kube()
+    started_s = time.monotonic()
     pool = api.get_pool(namespace, name)
     if pool is None or pool["metadata"].get("deletionTimestamp"):
         _states.pop((namespace, name), None)
@@ -235,7 +269,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         api.patch_migration_status(namespace, mig_name, {
             "phase": "Failed", "completionTime": now_rfc3339(),
             "message": f"not finished within migration.timeoutSeconds={spec.migration.timeout_seconds}"})
-        kopf.warn(pool, reason="MigrationTimedOut", message=f"{mig_name} timed out; the scheduler will retry it")
+        _event(api, pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
     for mig_name in view.expired:
         api.delete_migration(namespace, mig_name)
 
@@ -247,6 +281,9 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         logger.info("scheduler state rebuilt from %d workers", len(workers))
     outcome = state.scheduler.epoch(workers, view.in_flight, now_s)
     state.epoch += 1
+    if outcome.num_events or outcome.moves or state.routes is None:
+        state.routes = state.scheduler.routes()
+    count_finished_migrations(state, namespace, name, view.finished)
 
     chosen, num_deferred = migrations.choose_modes(spec, outcome.moves, node_of_pod, spec.scheduling.epoch_seconds)
     targets = set(view.in_flight.values())
@@ -254,8 +291,8 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         attempt = view.attempts.get(order.request_id, 0) + 1
         if api.create_migration(namespace, migrations.migration_body(pool, order, mode, attempt, state.epoch)):
             targets.add(order.target_pod)
-            kopf.info(pool, reason="MigrationPlanned",
-                      message=f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
+            metrics.MIGRATIONS_PLANNED.labels(namespace, name, mode, order.reason).inc()
+            _event(api, pool, "MigrationPlanned", f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
 
     actions = pods.plan_pods(
         infos,
@@ -276,9 +313,9 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
     for pod_name, (label_changes, annotation_changes) in actions.metadata.items():
         api.patch_pod_metadata(namespace, pod_name, label_changes, annotation_changes)
     if actions.create:
-        kopf.info(pool, reason="ScaleUp", message=f"created {len(actions.create)} worker pod(s)")
+        _event(api, pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
     if actions.delete:
-        kopf.info(pool, reason="ScaleDown", message=f"deleted worker pod(s) {', '.join(actions.delete)}")
+        _event(api, pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
     if actions.create or actions.delete:
         raw_pods = api.worker_pods(namespace, name)
 
@@ -290,6 +327,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         waiting_for_max=len(actions.waiting_for_max),
     )
     status = reconcile.pool_status(pool, spec, raw_pods, figures, now_rfc3339())
+    status["routingTable"] = routing_table(state.routes or {}, workers, actions)
     current = pool.get("status") or {}
     if any(current.get(k) != v for k, v in status.items()):
         api.patch_status(namespace, name, status)
@@ -297,7 +335,53 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets), "
                     "%d GPUs in use, lower bound %d", state.epoch, outcome.num_events, len(chosen), num_deferred,
                     outcome.num_deferred_moves, outcome.active_gpus, outcome.lower_bound_gpus)
+    labels = (namespace, name)
+    metrics.GPUS_DESIRED.labels(*labels).set(status["desiredWorkers"])
+    metrics.GPUS_ACTIVE.labels(*labels).set(outcome.active_gpus)
+    metrics.GPUS_LOWER_BOUND.labels(*labels).set(outcome.lower_bound_gpus)
+    metrics.WORKERS_READY.labels(*labels).set(status["readyWorkers"])
+    metrics.KV_USED.labels(*labels).set(outcome.used_bytes)
+    metrics.KV_UTILIZATION.labels(*labels).set(status["kvUtilizationPercent"] / 100)
+    metrics.MIGRATIONS_IN_FLIGHT.labels(*labels).set(figures.migrations_in_flight)
+    metrics.EPOCH_SECONDS.labels(*labels).observe(time.monotonic() - started_s)
+    state.last_writes = api.writes()
+    for kind, count in state.last_writes.items():
+        metrics.API_WRITES.labels(*labels, kind).inc(count)
     return spec.scheduling.epoch_seconds
+
+
+def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:
+    """Count each finished KVMigration once (by name) in the migration counters."""
+    for mig_name, obj in finished.items():
+        if mig_name in state.counted_migrations:
+            continue
+        mode = obj["spec"].get("mode", "")
+        result = migrations.phase(obj)
+        metrics.MIGRATIONS_FINISHED.labels(namespace, name, mode, result).inc()
+        if result == "Succeeded":
+            metrics.MIGRATION_BYTES.labels(namespace, name, mode).inc((obj.get("status") or {}).get("bytesMoved", 0))
+    state.counted_migrations = set(finished)
+
+
+def routing_table(routes: Mapping[str, str], workers: list[epoch.WorkerView], actions: pods.PodActions) -> list[dict[str, str]]:
+    """Size class -> the worker pod that should take the next such request (for the router).
+
+    A class routed to a GPU no pod serves yet goes to the warm unbound pod that will be bound to it,
+    or is left out (the router then falls back to its own choice and MELL moves the request).
+    """
+    pod_of_gpu = {w.gpu_id: w.pod_name for w in workers if w.gpu_id is not None}
+    for pod_name, (labels, _) in actions.metadata.items():
+        gpu = labels.get(resources.GPU_LABEL)
+        if gpu:
+            pod_of_gpu[gpu] = pod_name
+    spare = [w.pod_name for w in workers if w.gpu_id is None and w.ready and w.pod_name not in pod_of_gpu.values()]
+    table = []
+    for size_class in ("L", "M", "S", "T"):
+        gpu_id = routes.get(size_class)
+        pod_name = pod_of_gpu.get(gpu_id or "") or (spare[0] if spare else None)
+        if pod_name:
+            table.append({"sizeClass": size_class, "worker": pod_name})
+    return table
 
 
 @kopf.on.startup()

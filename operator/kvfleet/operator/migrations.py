@@ -46,6 +46,7 @@ class MigrationView:
     timed_out: tuple[str, ...]  # names to mark Failed
     expired: tuple[str, ...]  # names to delete
     attempts: dict[str, int]  # request id -> objects already made for it
+    finished: dict[str, dict[str, Any]]  # name -> object, for Succeeded and Failed ones
 
 
 def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
@@ -62,12 +63,14 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     timed_out: list[str] = []
     expired: list[str] = []
     attempts: dict[str, int] = {}
+    finished: dict[str, dict[str, Any]] = {}
     for obj in objects:
         name = obj["metadata"]["name"]
         request_id = obj["spec"]["requestId"]
         attempts[request_id] = attempts.get(request_id, 0) + 1
         status = obj.get("status") or {}
         if phase(obj) in FINISHED:
+            finished[name] = obj
             finished_s = parse_time(status.get("completionTime")) or parse_time(obj["metadata"].get("creationTimestamp")) or now_s
             if now_s - finished_s >= spec.migration.ttl_seconds_after_finished:
                 expired.append(name)
@@ -80,7 +83,7 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
             timed_out.append(name)
             continue
         in_flight[request_id] = obj["spec"]["targetPod"]
-    return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts)
+    return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished)
 
 
 def migration_name(pool_name: str, request_id: str, attempt: int) -> str:

@@ -29,6 +29,7 @@ class PodInfo:
     gpu_id: str | None
     ready: bool
     live: bool
+    deleting: bool
     used_bytes: int
     num_requests: int
     idle_since_s: float | None
@@ -55,6 +56,7 @@ def pod_info(pod: dict[str, Any]) -> PodInfo | None:
         gpu_id=(meta.get("labels") or {}).get(GPU_LABEL),
         ready=is_ready(pod),
         live=is_live(pod),
+        deleting=bool(meta.get("deletionTimestamp")),
         used_bytes=report.used_bytes if report else 0,
         num_requests=len(report.requests) if report else 0,
         idle_since_s=idle_since_s,
@@ -110,7 +112,7 @@ def plan_pods(
         num_live += 1
 
     # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
-    delete = [p.name for p in pods if not p.live]
+    delete = [p.name for p in pods if not p.live and not p.deleting]
     idle_since = {p.name: p.idle_since_s for p in live}
     removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets]
     for pod in removable:

@@ -178,7 +178,7 @@ def simulate(
         start, now = now, epoch * epoch_s
         events: list[Event] = []
         # 1. decode for one epoch on every GPU, at the speed its batch allows
-        for gpu_id, rids in on_gpu.items():
+        for rids in on_gpu.values():
             if not rids:
                 continue
             members = [live[r] for r in rids]

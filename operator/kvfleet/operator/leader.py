@@ -1,0 +1,117 @@
+"""Leader election on a coordination.k8s.io Lease, so that two operator replicas never both act.
+
+kopf's peering is not leader election: replicas of equal priority all pause (FIELD-NOTES, kopf).
+This is the client-go pattern instead: a replica acts only while it holds the Lease, renews it every
+third of its duration, and exits the moment it cannot prove it still holds it, so a replica that
+was partitioned away stops before another one takes over. Waiting replicas take over once the Lease
+has not been renewed for its whole duration.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _micro(ts: dt.datetime) -> str:
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(self, namespace: str, name: str = "kvfleet-operator", lease_duration_s: float = 15.0,
+                 identity: str | None = None) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.lease_duration_s = lease_duration_s
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}"
+        self.api = client.CoordinationV1Api()
+
+    def _try_acquire_or_renew(self) -> bool:
+        now = _now()
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.lease_duration_s)),
+                "renewTime": _micro(now)}
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            body = {"metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": spec | {"acquireTime": _micro(now), "leaseTransitions": 0}}
+            try:
+                self.api.create_namespaced_lease(self.namespace, body)
+                return True
+            except ApiException as create_err:
+                if create_err.status == 409:
+                    return False
+                raise
+        held_by = lease.spec.holder_identity
+        renewed = lease.spec.renew_time
+        duration_s = lease.spec.lease_duration_seconds or self.lease_duration_s
+        expired = renewed is None or (now - renewed).total_seconds() > duration_s
+        if held_by != self.identity and not expired:
+            return False
+        if held_by != self.identity:
+            spec["acquireTime"] = _micro(now)
+            spec["leaseTransitions"] = (lease.spec.lease_transitions or 0) + 1
+        lease.spec = client.V1LeaseSpec(**{
+            "holder_identity": spec["holderIdentity"], "lease_duration_seconds": spec["leaseDurationSeconds"],
+            "renew_time": now, "acquire_time": now if "acquireTime" in spec else lease.spec.acquire_time,
+            "lease_transitions": spec.get("leaseTransitions", lease.spec.lease_transitions)})
+        try:
+            # A replace guarded by resourceVersion: of two replicas racing for an expired lease, one wins.
+            self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    def acquire(self, stopping: threading.Event | None = None) -> None:
+        """Block until this replica holds the Lease."""
+        log.info("waiting to lead as %s (lease %s/%s)", self.identity, self.namespace, self.name)
+        while not (stopping and stopping.is_set()):
+            try:
+                if self._try_acquire_or_renew():
+                    log.info("became the leader as %s", self.identity)
+                    return
+            except ApiException as err:
+                log.warning("lease not acquired: %s %s", err.status, err.reason)
+            time.sleep(self.lease_duration_s / 5)
+
+    def keep(self, on_lost: Callable[[], None]) -> threading.Thread:
+        """Renew in the background; call `on_lost` when renewal has not succeeded for a whole lease."""
+
+        def loop() -> None:
+            last_ok = time.monotonic()
+            while True:
+                time.sleep(self.lease_duration_s / 3)
+                try:
+                    if self._try_acquire_or_renew():
+                        last_ok = time.monotonic()
+                        continue
+                    log.error("another replica holds the lease: stepping down")
+                except Exception as err:  # the API server may be briefly away
+                    log.warning("lease renewal failed: %s", err)
+                    if time.monotonic() - last_ok < self.lease_duration_s * 2 / 3:
+                        continue
+                    log.error("lease not renewed for %.0fs: stepping down", time.monotonic() - last_ok)
+                on_lost()
+                return
+
+        thread = threading.Thread(target=loop, name="lease", daemon=True)
+        thread.start()
+        return thread
