@@ -219,7 +219,7 @@ class Bench:
             k_cache, v_cache, block_table, seq_lens, sink, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.stride(0), tokens_per_split, num_kv_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n))
-        del k_cache, v_cache
+        k_cache = v_cache = None  # free the paged cache before the contiguous one is allocated
 
         # SDPA on a contiguous [batch, kv_heads, context, dim] cache, one query token per sequence.
         k_contig = torch.empty(batch, num_kv_heads, context, head_dim, dtype=self.dtype, device=self.device).normal_()
@@ -227,7 +227,7 @@ class Bench:
         q4 = q.view(batch, num_q_heads, 1, head_dim)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         sdpa_s = self.time_s(lambda: sdpa(q4, k_contig, v_contig, enable_gqa=num_q_heads != num_kv_heads))
-        del k_contig, v_contig
+        k_contig = v_contig = None
         if not self.cpu:
             torch.cuda.empty_cache()
 

@@ -85,9 +85,9 @@ def test_prompt_spread_over_parts_merges_to_causal_attention(dtype: torch.dtype,
     for i, (total, q_len) in enumerate(zip(totals, q_lens)):
         rows = slice(int(query_start_loc[i]), int(query_start_loc[i + 1]))
         visible = torch.arange(total)[None, :] <= torch.arange(q_len)[:, None] + (total - q_len)
-        o, l = attention_with_lse(q[rows].double(), keys[i].double(), values[i].double(), HEAD_DIM**-0.5, visible)
+        o, seq_lse = attention_with_lse(q[rows].double(), keys[i].double(), values[i].double(), HEAD_DIM**-0.5, visible)
         ref_out.append(o)
-        ref_lse.append(l)
+        ref_lse.append(seq_lse)
     assert_close(out, torch.cat(ref_out), dtype)
     assert_close(lse, torch.cat(ref_lse), dtype)
 

@@ -11,13 +11,13 @@ revisit, so the count is not bounded by a constant there; it is measured, not as
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Plan, SchedulerConfig, make_policy, plan_epoch
-from kvfleet.mell.cluster import L, M, S, T, ClusterPolicy, ClusterSnapshot
+from kvfleet.mell.cluster import ClusterPolicy, ClusterSnapshot, L, M, S, T
 from kvfleet.mell.mell import MellPolicy
 
 C = 240
@@ -172,7 +172,7 @@ def optimum(items: list[int]) -> int:
     n = len(items)
     fits = [sum(items[i] for i in range(n) if mask >> i & 1) <= C for mask in range(1 << n)]
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(mask: int) -> int:
         if mask == 0:
             return 0

@@ -38,6 +38,6 @@ def micro_attention_prefill_reference(
         v = gather_pages(v_cache.cpu(), block_table[seq_id].cpu(), kv_len).to(compute_dtype)
         q_idx = torch.arange(q1 - q0)[:, None]
         kv_idx = torch.arange(kv_len)[None, :]
-        o, l = attention_with_lse(q[q0:q1].cpu().to(compute_dtype), k, v, scale, mask=kv_idx <= q_idx + offset)
-        out[q0:q1], lse[q0:q1] = o, l
+        o, part_lse = attention_with_lse(q[q0:q1].cpu().to(compute_dtype), k, v, scale, mask=kv_idx <= q_idx + offset)
+        out[q0:q1], lse[q0:q1] = o, part_lse
     return out, lse

@@ -12,6 +12,7 @@ evicted and re-dispatched with re-prefill. Those are reported as preemptions, no
 
 from __future__ import annotations
 
+import abc
 from bisect import bisect_left
 
 from kvfleet.mell.cluster import ClusterPolicy, Gpu, Item, X
@@ -21,8 +22,9 @@ from kvfleet.mell.models import size_class
 class _NoMigrationPolicy(ClusterPolicy):
     uses_free_index = True
 
+    @abc.abstractmethod
     def choose(self, size_bytes: int, exclude: Gpu | None) -> Gpu | None:
-        raise NotImplementedError
+        """The GPU that takes an item of this size (None: activate a new one)."""
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
         cls = int(size_class(size_bytes, self.capacity_bytes))

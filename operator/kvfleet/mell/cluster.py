@@ -15,6 +15,7 @@ iteration is over insertion-ordered dicts. `snapshot()` / `from_snapshot()` give
 
 from __future__ import annotations
 
+import abc
 import heapq
 from bisect import bisect_left, insort
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class SortedIndex:
             self.keys[gpu_id] = key
 
 
-class ClusterPolicy:
+class ClusterPolicy(abc.ABC):
     """Base of all policies: applies batches, keeps loads and categories, records the plan."""
 
     name = "base"
@@ -289,14 +290,17 @@ class ClusterPolicy:
 
     # ------------------------------------------------------------------ hooks for policies
 
+    @abc.abstractmethod
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
-        raise NotImplementedError
+        """Place a new request (Allocate)."""
 
+    @abc.abstractmethod
     def on_finish(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Remove a finished request (Depart)."""
 
+    @abc.abstractmethod
     def on_grow(self, request_id: str, size_bytes: int) -> None:
-        raise NotImplementedError
+        """Account a request's growth (Update)."""
 
     def after_batch(self) -> None:
         """Called after all allocates (the load-balance baseline migrates here)."""
