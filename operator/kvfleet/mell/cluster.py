@@ -302,7 +302,7 @@ class ClusterPolicy(abc.ABC):
     def on_grow(self, request_id: str, size_bytes: int) -> None:
         """Account a request's growth (Update)."""
 
-    def after_batch(self) -> None:
+    def after_batch(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Called after all allocates (the load-balance baseline migrates here)."""
 
     # ------------------------------------------------------------------ primitives
