@@ -293,6 +293,33 @@ def test_a_standby_replica_never_acts_until_the_leader_is_gone(cluster: Cluster,
         operator.check()
 
 
+def gpus_held_elsewhere(cluster: Cluster, namespace: str) -> int:
+    pods = cluster.get_json("pods", "-A", "--field-selector", "status.phase!=Succeeded,status.phase!=Failed")["items"]
+    return sum(int((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0))
+               for p in pods if p["metadata"]["namespace"] != namespace and p["spec"].get("nodeName")
+               for c in p["spec"]["containers"])
+
+
+def test_headroom_placeholders_are_preempted_by_workers(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
+    # The test needs the whole cluster: 3 nodes x 2 GPUs, one worker or placeholder per node.
+    wait_for(lambda: gpus_held_elsewhere(cluster, namespace) == 0, "other tests' GPU pods to go", timeout_s=90)
+    apply(cluster, namespace, pool("warm", gpusPerWorker=2, workers={"min": 1, "max": 3},
+                                   autoscaling={"scaleDownDelaySeconds": 1, "headroomWorkers": 1}))
+
+    def headroom_pods() -> list[dict[str, Any]]:
+        return cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=headroom")["items"]
+
+    wait_for(lambda: [p for p in headroom_pods() if p["spec"].get("nodeName")], "a scheduled placeholder", timeout_s=60)
+    assert cluster.get_json("priorityclass", "kvfleet-headroom")["value"] == -10
+    cluster.kubectl("scale", "llmpool", "warm", "-n", namespace, "--replicas=3")
+    # Two workers fit beside the placeholder only if it makes room: the scheduler preempts it.
+    wait_for(lambda: status(cluster, namespace, "warm").get("readyWorkers") == 3, "three workers", timeout_s=90)
+    pending = wait_for(lambda: [p for p in headroom_pods() if not p["spec"].get("nodeName")
+                                and any(c.get("reason") == "Unschedulable" for c in p.get("status", {}).get("conditions", []))],
+                       "the recreated placeholder to wait for a new node", timeout_s=60)
+    assert len(pending) == 1
+
+
 def test_deleting_a_pool_removes_what_it_owns(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
     apply(cluster, namespace, pool("gone", workers={"min": 1, "max": 2}))
     wait_for(lambda: status(cluster, namespace, "gone").get("readyWorkers") == 1, "a ready worker", timeout_s=60)

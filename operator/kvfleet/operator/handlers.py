@@ -62,6 +62,8 @@ class Kube:
         self.core = client.CoreV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
         self.custom = client.CustomObjectsApi()
+        self.apps = client.AppsV1Api()
+        self.scheduling = client.SchedulingV1Api()
 
     def writes(self) -> dict[str, int]:
         """This thread's write counts by kind since the last call (and resets them)."""
@@ -97,6 +99,8 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Deployment": self.apps.create_namespaced_deployment,
+            "PriorityClass": lambda _namespace, body, **kw: self.scheduling.create_priority_class(body, **kw),
         }[kind]
         try:
             self.record_write(f"create_{kind.lower()}")
@@ -113,6 +117,7 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "PriorityClass": lambda name, _namespace: self.scheduling.read_priority_class(name),
         }[kind]
         try:
             read(name, namespace)
@@ -121,6 +126,27 @@ class Kube:
             if err.status == 404:
                 return False
             raise
+
+    def deployment_replicas(self, namespace: str, name: str) -> int | None:
+        """The replicas of a Deployment, or None when it does not exist."""
+        try:
+            return int(self.apps.read_namespaced_deployment(name, namespace).spec.replicas or 0)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        self.record_write("patch_deployment")
+        self.apps.patch_namespaced_deployment(name, namespace, {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER)
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        self.record_write("delete_deployment")
+        try:
+            self.apps.delete_namespaced_deployment(name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
 
     def delete_pod(self, namespace: str, name: str) -> None:
         self.record_write("delete_pod")
@@ -178,6 +204,11 @@ class Kube:
             if err.status != 404:
                 raise
 
+    def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+        """A Kubernetes Event on the pool (posted by kopf), counted as a write of the epoch."""
+        self.record_write("event")
+        (kopf.warn if warning else kopf.info)(pool, reason=reason, message=message)
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.record_write("patch_llmpool_status")
         self.custom.patch_namespaced_custom_object_status(
@@ -215,12 +246,6 @@ def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
     return SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
 
 
-def _event(api: Kube, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
-    """A Kubernetes Event on the pool (posted by kopf), counted as a write of the epoch."""
-    api.record_write("event")
-    (kopf.warn if warning else kopf.info)(pool, reason=reason, message=message)
-
-
 def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any],
                    api: Kube | None = None) -> float:
     """One level-triggered pass over a pool (one MELL epoch). Returns the seconds until the next pass."""
@@ -249,6 +274,8 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         if not api.exists(namespace, obj["kind"], obj["metadata"]["name"]):
             api.create(namespace, obj)
 
+    reconcile_headroom(api, namespace, pool, spec)
+
     now_s = time.time()
     raw_pods = api.worker_pods(namespace, name)
     infos = [info for p in raw_pods if (info := pods.pod_info(p)) is not None]
@@ -269,7 +296,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         api.patch_migration_status(namespace, mig_name, {
             "phase": "Failed", "completionTime": now_rfc3339(),
             "message": f"not finished within migration.timeoutSeconds={spec.migration.timeout_seconds}"})
-        _event(api, pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
+        api.post_event(pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
     for mig_name in view.expired:
         api.delete_migration(namespace, mig_name)
 
@@ -292,7 +319,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         if api.create_migration(namespace, migrations.migration_body(pool, order, mode, attempt, state.epoch)):
             targets.add(order.target_pod)
             metrics.MIGRATIONS_PLANNED.labels(namespace, name, mode, order.reason).inc()
-            _event(api, pool, "MigrationPlanned", f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
+            api.post_event(pool, "MigrationPlanned", f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
 
     actions = pods.plan_pods(
         infos,
@@ -313,9 +340,9 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
     for pod_name, (label_changes, annotation_changes) in actions.metadata.items():
         api.patch_pod_metadata(namespace, pod_name, label_changes, annotation_changes)
     if actions.create:
-        _event(api, pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
+        api.post_event(pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
     if actions.delete:
-        _event(api, pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
+        api.post_event(pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
     if actions.create or actions.delete:
         raw_pods = api.worker_pods(namespace, name)
 
@@ -348,6 +375,21 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
     for kind, count in state.last_writes.items():
         metrics.API_WRITES.labels(*labels, kind).inc(count)
     return spec.scheduling.epoch_seconds
+
+
+def reconcile_headroom(api: Kube, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> None:
+    """Keep `autoscaling.headroomWorkers` placeholder pods (see resources.headroom_deployment)."""
+    name = resources.headroom_name(pool["metadata"]["name"])
+    want = spec.autoscaling.headroom_workers
+    have = api.deployment_replicas(namespace, name)
+    if want and have is None:
+        if not api.exists(namespace, "PriorityClass", resources.HEADROOM_PRIORITY_CLASS):
+            api.create(namespace, resources.headroom_priority_class())
+        api.create(namespace, resources.headroom_deployment(pool, spec))
+    elif want and have != want:
+        api.scale_deployment(namespace, name, want)
+    elif not want and have is not None:
+        api.delete_deployment(namespace, name)
 
 
 def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:

@@ -180,3 +180,58 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         },
         "spec": pod_spec,
     }
+
+
+HEADROOM_PRIORITY_CLASS = "kvfleet-headroom"
+# Below the default priority (0) of worker pods, so the scheduler preempts a placeholder for a worker.
+HEADROOM_PRIORITY = -10
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+
+
+def headroom_priority_class() -> dict[str, Any]:
+    return {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": HEADROOM_PRIORITY_CLASS, "labels": dict(MANAGED_BY)},
+        "value": HEADROOM_PRIORITY,
+        "globalDefault": False,
+        "preemptionPolicy": "Never",
+        "description": "kvfleet GPU headroom placeholders: preempted by any worker, never preempt anything",
+    }
+
+
+def headroom_name(pool_name: str) -> str:
+    return f"{pool_name}-headroom"
+
+
+def headroom_deployment(pool: dict[str, Any], spec: LLMPoolSpec) -> dict[str, Any]:
+    """Placeholder pods that hold `headroomWorkers` workers' worth of GPUs (the overprovisioning pattern).
+
+    When a worker needs their GPUs the scheduler preempts them; the Deployment recreates them, they
+    stay Pending, and the cluster autoscaler or Karpenter adds a GPU node before MELL needs the next one.
+    """
+    name = pool["metadata"]["name"]
+    labels = _labels(name, "headroom")
+    template = spec.worker_template
+    gpus = str(spec.gpus_per_worker)
+    pod_spec: dict[str, Any] = {
+        "priorityClassName": HEADROOM_PRIORITY_CLASS,
+        "terminationGracePeriodSeconds": 0,
+        "automountServiceAccountToken": False,
+        "containers": [{"name": "placeholder", "image": PAUSE_IMAGE,
+                        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}}],
+    }
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in template.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": headroom_name(name), "labels": labels, "ownerReferences": [owner_reference(pool)]},
+        "spec": {
+            "replicas": spec.autoscaling.headroom_workers,
+            "selector": {"matchLabels": {POOL_LABEL: name, COMPONENT_LABEL: "headroom"}},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
