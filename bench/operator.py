@@ -218,8 +218,11 @@ def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
     workers = ScriptedWorkers(api, seed)
     handlers.reconcile_pool("bench", "bench", logger, api=api)  # type: ignore[arg-type]
     # Fill to about num_workers GPUs (each request averages ~0.27 C; MELL packs about 3 per GPU).
-    workers.add(int(num_workers * 2.8))
-    for _ in range(40):  # settle: scale up, move, until the pool is stable
+    # Filled in steps, as a router following the routing table would, then left to settle.
+    target = int(num_workers * 2.8)
+    for step in range(40):
+        if step < 20:
+            workers.add(target // 20)
         workers.report()
         handlers.reconcile_pool("bench", "bench", logger, api=api)  # type: ignore[arg-type]
         workers.execute_migrations()
