@@ -6,6 +6,8 @@ The operator runs as a local process with the admin kubeconfig; worker pods run 
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
 import random
 import sys
@@ -13,9 +15,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_e2e.cluster import Cluster, wait_for
@@ -291,6 +296,59 @@ def test_a_standby_replica_never_acts_until_the_leader_is_gone(cluster: Cluster,
         if operator not in _running:
             _running.append(operator)
         operator.check()
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llmpool.yaml"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+BYTES_PER_TOKEN = 819_200  # LLaMA-2-13B in fp16, the example pool's model
+DECODE_TOKENS_PER_S = 50
+
+
+def test_example_pool_serves_an_azure_trace_slice(cluster: Cluster, namespace: str, operator: OperatorHandle) -> None:
+    """examples/llmpool.yaml with the scripted worker, fed 30 s of the Azure conversation trace in real time."""
+    example = yaml.safe_load(EXAMPLE.read_text())
+    spec = example["spec"]
+    spec["model"].pop("volume")  # no volume provisioner in the local cluster; the scripted worker reads no weights
+    spec["workerTemplate"]["image"] = "kvfleet/scripted-worker:dev"
+    spec["scheduling"]["epochSeconds"] = 1
+    spec["autoscaling"]["scaleDownDelaySeconds"] = 2
+    name = example["metadata"]["name"]
+    apply(cluster, namespace, example)
+    wait_for(lambda: status(cluster, namespace, name).get("readyWorkers") == 1, "the example's first worker", timeout_s=60)
+
+    with TRACE.open() as handle:
+        rows = list(itertools.islice(csv.DictReader(handle), 400))
+    start = datetime.fromisoformat(rows[0]["TIMESTAMP"][:26])
+    arrivals = [((datetime.fromisoformat(r["TIMESTAMP"][:26]) - start).total_seconds(), r) for r in rows]
+    arrivals = [(t, r) for t, r in arrivals if t < 30]
+    capacity_bytes = 10 * 2**30
+    began = time.monotonic()
+    peak_gpus, routes, routes_read = 0, {}, 0.0
+    for index, (at_s, row) in enumerate(arrivals):
+        time.sleep(max(0.0, at_s - (time.monotonic() - began)))
+        if time.monotonic() - routes_read > 1:  # what a router following MELL's routing table would do
+            st = status(cluster, namespace, name)
+            routes = {r["sizeClass"]: r["worker"] for r in st.get("routingTable", [])}
+            peak_gpus, routes_read = max(peak_gpus, st.get("gpusInUse", 0)), time.monotonic()
+        size = int(row["ContextTokens"]) * BYTES_PER_TOKEN
+        cls = "L" if 2 * size > capacity_bytes else "M" if 3 * size > capacity_bytes else "S" if 4 * size > capacity_bytes else "T"
+        target = routes.get(cls, f"{name}-worker-0")
+        pod = cluster.get_json("pod", target, "-n", namespace, check=False)
+        if not pod or not pod["status"].get("podIP"):
+            pod = cluster.get_json("pod", f"{name}-worker-0", "-n", namespace)
+        post(pod, "/script/requests", {"id": f"conv-{index}", "kvBytes": size,
+                                       "growBytesPerS": DECODE_TOKENS_PER_S * BYTES_PER_TOKEN,
+                                       "durationS": int(row["GeneratedTokens"]) / DECODE_TOKENS_PER_S})
+    sent = len(arrivals)
+    wait_for(lambda: status(cluster, namespace, name).get("gpusInUse") == 0 and len(held(cluster, namespace, name)) == 1,
+             "the pool to drain after the slice", timeout_s=120)
+    logs = worker_logs(cluster, namespace, name)
+    finished = {line.split("request ", 1)[1].split()[0] for line in logs.splitlines() if line.endswith("finished")}
+    assert "LOST" not in logs
+    assert len(finished) == sent, f"{sent - len(finished)} of {sent} requests never finished"
+    assert peak_gpus >= 2, "the slice should need more than one 10 GiB worker"
+    migs = cluster.get_json("kvmigrations", "-n", namespace)["items"]
+    assert all(m["status"]["phase"] == "Succeeded" or "no longer on the source" in m["status"]["message"] for m in migs)
 
 
 def gpus_held_elsewhere(cluster: Cluster, namespace: str) -> int:
