@@ -10,7 +10,6 @@ import csv
 import itertools
 import json
 import random
-import sys
 import threading
 import time
 import urllib.request
@@ -23,19 +22,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet_e2e.cluster import Cluster, wait_for
-from kvfleet_e2e.controlplane import Process, free_port, start_process, stop_process
-
-
-def start_operator(cluster: Cluster, name: str, metrics_port: int) -> Process:
-    # A short lease so a killed leader is replaced within seconds.
-    return start_process(
-        name,
-        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz",
-         "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}", "--lease-duration=2"],
-        cluster.plane.work_dir / "logs",
-        env={"KUBECONFIG": str(cluster.kubeconfig)},
-    )
+from kvfleet.api.reports import size_class_name
+from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
+from kvfleet_e2e.controlplane import Process, free_port, stop_process
 
 
 class OperatorHandle:
@@ -331,11 +320,14 @@ def test_example_pool_serves_an_azure_trace_slice(cluster: Cluster, namespace: s
             routes = {r["sizeClass"]: r["worker"] for r in st.get("routingTable", [])}
             peak_gpus, routes_read = max(peak_gpus, st.get("gpusInUse", 0)), time.monotonic()
         size = int(row["ContextTokens"]) * BYTES_PER_TOKEN
-        cls = "L" if 2 * size > capacity_bytes else "M" if 3 * size > capacity_bytes else "S" if 4 * size > capacity_bytes else "T"
-        target = routes.get(cls, f"{name}-worker-0")
+        cls = size_class_name(size, capacity_bytes)
+        target = routes.get("T" if cls == "tiny" else cls, f"{name}-worker-0")
         pod = cluster.get_json("pod", target, "-n", namespace, check=False)
-        if not pod or not pod["status"].get("podIP"):
-            pod = cluster.get_json("pod", f"{name}-worker-0", "-n", namespace)
+        ready = pod and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+        if not ready:  # a router sends only to Ready workers: any of them when the table has none
+            pods = cluster.get_json("pods", "-n", namespace, "-l", f"kvfleet.dev/pool={name}")["items"]
+            pod = next(p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                              for c in p["status"].get("conditions", [])))
         post(pod, "/script/requests", {"id": f"conv-{index}", "kvBytes": size,
                                        "growBytesPerS": DECODE_TOKENS_PER_S * BYTES_PER_TOKEN,
                                        "durationS": int(row["GeneratedTokens"]) / DECODE_TOKENS_PER_S})

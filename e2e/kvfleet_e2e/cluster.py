@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvfleet_e2e.controlplane import REPO_ROOT, ControlPlane, Process, start_process, stop_process
+from kvfleet_e2e.controlplane import REPO_ROOT, ControlPlane, Process, free_port, start_process, stop_process
 
 CRDS_DIR = REPO_ROOT / "crds"
 T = TypeVar("T")
@@ -98,6 +98,20 @@ class Cluster:
     def stop(self) -> None:
         stop_process(self.agent)
         self.plane.stop()
+
+
+def start_operator(cluster: Cluster, name: str = "operator", metrics_port: int | None = None,
+                   lease_duration_s: float = 2.0) -> Process:
+    """The operator as a local process with the admin kubeconfig; a short lease so a killed leader is
+    replaced within seconds."""
+    return start_process(
+        name,
+        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz",
+         "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port or free_port()}",
+         f"--lease-duration={lease_duration_s}"],
+        cluster.plane.work_dir / "logs",
+        env={"KUBECONFIG": str(cluster.kubeconfig)},
+    )
 
 
 @contextlib.contextmanager

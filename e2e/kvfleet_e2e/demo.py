@@ -19,8 +19,8 @@ import time
 import urllib.request
 from typing import Any
 
-from kvfleet_e2e.cluster import Cluster, local_cluster, wait_for
-from kvfleet_e2e.controlplane import REPO_ROOT, free_port, start_process, stop_process
+from kvfleet_e2e.cluster import Cluster, local_cluster, start_operator, wait_for
+from kvfleet_e2e.controlplane import REPO_ROOT, stop_process
 
 DEMO_POOL = {
     "apiVersion": "kvfleet.dev/v1alpha1",
@@ -96,13 +96,7 @@ def live_table(cluster: Cluster, seconds: float, until: Any = None) -> None:
 
 def run_mell_story(cluster: Cluster) -> None:
     print("\n--- the operator packs a burst of requests with MELL ---", flush=True)
-    operator = start_process(
-        "operator",
-        [sys.executable, "-m", "kvfleet.operator", f"--liveness=http://127.0.0.1:{free_port()}/healthz",
-         "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}", "--lease-duration=5"],
-        cluster.plane.work_dir / "logs",
-        env={"KUBECONFIG": str(cluster.kubeconfig)},
-    )
+    operator = start_operator(cluster, lease_duration_s=5)
     try:
         cluster.kubectl("apply", "-f", "-", input_text=json.dumps(DEMO_POOL))
         wait_for(lambda: (cluster.get_json("llmpool", "demo").get("status") or {}).get("readyWorkers") == 1,

@@ -31,11 +31,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from kvfleet.api.models import GROUP, VERSION
-from kvfleet.api.reports import KVLoadReport, RequestLoad
-from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.api.reports import KVLoadReport, RequestLoad, size_class_name
 
 log = logging.getLogger("scripted-worker")
-CLASS_NAMES = {SizeClass.X: "X", SizeClass.L: "L", SizeClass.M: "M", SizeClass.S: "S", SizeClass.T: "T", SizeClass.TINY: "tiny"}
 BYTES_PER_TOKEN = 1024
 
 
@@ -95,7 +93,7 @@ class Worker:
         with self.lock:
             loads = [
                 RequestLoad(id=r.request_id, kv_bytes=int(r.kv_bytes), tokens=int(r.kv_bytes) // BYTES_PER_TOKEN,
-                            size_class=CLASS_NAMES[size_class(int(r.kv_bytes), self.capacity_bytes)])  # type: ignore[arg-type]
+                            size_class=size_class_name(int(r.kv_bytes), self.capacity_bytes))
                 for r in sorted(self.requests.values(), key=lambda r: r.request_id)
             ]
         return KVLoadReport(capacity_bytes=self.capacity_bytes, used_bytes=sum(r.kv_bytes for r in loads), requests=loads,

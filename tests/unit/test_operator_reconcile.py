@@ -45,9 +45,10 @@ def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool =
 
 
 def plan(infos: list[pods.PodInfo], *, unserved: tuple[str, ...] = (), released: tuple[str, ...] = (),
-         targets: tuple[str, ...] = (), floor: int = 1, max_workers: int = 4, now_s: float = 100.0) -> pods.PodActions:
+         targets: tuple[str, ...] = (), routed: tuple[str, ...] = (), floor: int = 1, max_workers: int = 4,
+         now_s: float = 100.0) -> pods.PodActions:
     return pods.plan_pods(infos, unserved_gpu_ids=unserved, released_pods=released, migration_targets=targets,
-                          floor=floor, max_workers=max_workers, scale_down_delay_s=30, now_s=now_s)
+                          routed=routed, floor=floor, max_workers=max_workers, scale_down_delay_s=30, now_s=now_s)
 
 
 def test_a_new_gpu_binds_a_warm_floor_pod_before_creating_one() -> None:
@@ -74,6 +75,10 @@ def test_released_pods_idle_out_then_go_newest_first_down_to_the_floor() -> None
 def test_a_pod_holding_requests_or_awaiting_a_migration_is_never_deleted() -> None:
     infos = [info(0, "gpu-0", requests=1), info(1, requests=2, idle_since=0.0), info(2, idle_since=0.0)]
     assert plan(infos, floor=0, targets=("p-worker-2",)).delete == ()
+    # A pod in the routing table is not idle: its idle clock restarts when it leaves the table.
+    idle_routed = info(2, idle_since=0.0, annotations={resources.IDLE_SINCE_ANNOTATION: "0.000"})
+    routed = plan([*infos[:2], idle_routed], floor=0, routed=("p-worker-2",))
+    assert routed.delete == () and routed.metadata["p-worker-2"][1][resources.IDLE_SINCE_ANNOTATION] is None
     holding = plan(infos, floor=0).metadata["p-worker-1"][1]
     assert holding[pods.SAFE_TO_EVICT] == "false" and holding[pods.DO_NOT_DISRUPT] == "true"
     assert holding[pods.DELETION_COST] == "200"

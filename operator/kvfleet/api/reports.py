@@ -15,11 +15,22 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
+from kvfleet.mell.models import SizeClass, size_class
+
 ANNOTATION = "kvfleet.dev/kv-load"
 # Annotations share 256 KiB per object; this keeps one report well inside it (~80 bytes a request).
 MAX_REQUESTS_PER_REPORT = 2048
 
 SizeClassName = Literal["X", "L", "M", "S", "T", "tiny"]
+
+
+_CLASS_NAMES: dict[SizeClass, SizeClassName] = {
+    SizeClass.X: "X", SizeClass.L: "L", SizeClass.M: "M", SizeClass.S: "S", SizeClass.T: "T", SizeClass.TINY: "tiny"}
+
+
+def size_class_name(kv_bytes: int, capacity_bytes: int) -> SizeClassName:
+    """The MELL size class a worker reports for a request of this size (MELL §VI-C)."""
+    return _CLASS_NAMES[size_class(kv_bytes, capacity_bytes)]
 
 
 class _Model(BaseModel):

@@ -321,11 +321,13 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
             metrics.MIGRATIONS_PLANNED.labels(namespace, name, mode, order.reason).inc()
             api.post_event(pool, "MigrationPlanned", f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
 
+    table = routing_table(state.routes or {}, workers)
     actions = pods.plan_pods(
         infos,
         unserved_gpu_ids=outcome.unserved_gpu_ids,
         released_pods=outcome.released_pods,
         migration_targets=targets,
+        routed={entry["worker"] for entry in table},
         floor=reconcile.floor_workers(spec),
         max_workers=spec.workers.max,
         scale_down_delay_s=spec.autoscaling.scale_down_delay_seconds,
@@ -354,7 +356,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         waiting_for_max=len(actions.waiting_for_max),
     )
     status = reconcile.pool_status(pool, spec, raw_pods, figures, now_rfc3339())
-    status["routingTable"] = routing_table(state.routes or {}, workers, actions)
+    status["routingTable"] = table
     current = pool.get("status") or {}
     if any(current.get(k) != v for k, v in status.items()):
         api.patch_status(namespace, name, status)
@@ -405,22 +407,19 @@ def count_finished_migrations(state: PoolState, namespace: str, name: str, finis
     state.counted_migrations = set(finished)
 
 
-def routing_table(routes: Mapping[str, str], workers: list[epoch.WorkerView], actions: pods.PodActions) -> list[dict[str, str]]:
-    """Size class -> the worker pod that should take the next such request (for the router).
+def routing_table(routes: Mapping[str, str], workers: list[epoch.WorkerView]) -> list[dict[str, str]]:
+    """Size class -> the Ready worker pod that should take the next such request (for the router).
 
-    A class routed to a GPU no pod serves yet goes to the warm unbound pod that will be bound to it,
-    or is left out (the router then falls back to its own choice and MELL moves the request).
+    A class routed to a GPU no pod serves yet goes to the oldest warm unbound pod (the next one MELL's
+    new GPU would bind), or is left out: the router then picks a worker itself and MELL moves the request.
     """
-    pod_of_gpu = {w.gpu_id: w.pod_name for w in workers if w.gpu_id is not None}
-    for pod_name, (labels, _) in actions.metadata.items():
-        gpu = labels.get(resources.GPU_LABEL)
-        if gpu:
-            pod_of_gpu[gpu] = pod_name
-    spare = [w.pod_name for w in workers if w.gpu_id is None and w.ready and w.pod_name not in pod_of_gpu.values()]
+    pod_of_gpu = {w.gpu_id: w.pod_name for w in workers if w.gpu_id is not None and w.ready}
+    spare = sorted((w for w in workers if w.gpu_id is None and w.ready), key=lambda w: w.created_order)
+    spare_names = [w.pod_name for w in spare]
     table = []
     for size_class in ("L", "M", "S", "T"):
         gpu_id = routes.get(size_class)
-        pod_name = pod_of_gpu.get(gpu_id or "") or (spare[0] if spare else None)
+        pod_name = pod_of_gpu.get(gpu_id or "") or (spare_names[0] if spare_names else None)
         if pod_name:
             table.append({"sizeClass": size_class, "worker": pod_name})
     return table

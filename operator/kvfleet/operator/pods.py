@@ -80,6 +80,7 @@ def plan_pods(
     unserved_gpu_ids: Iterable[str],
     released_pods: Iterable[str],
     migration_targets: Iterable[str],
+    routed: Iterable[str] = (),
     floor: int,
     max_workers: int,
     scale_down_delay_s: float,
@@ -88,7 +89,11 @@ def plan_pods(
     pods = sorted(pods, key=lambda p: p.index)
     live = [p for p in pods if p.live]
     released = set(released_pods)
+    # A pod in the routing table may get a request at any moment: it counts as busy, and its idle
+    # clock starts only when it leaves the table, so a router's table is never older than the
+    # scale-down delay when the pod goes.
     targets = set(migration_targets)
+    routed_pods = set(routed)
     gpu_of = {p.name: (None if p.name in released else p.gpu_id) for p in live}
     next_index = max((p.index for p in pods), default=-1) + 1
 
@@ -114,7 +119,8 @@ def plan_pods(
     # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
     delete = [p.name for p in pods if not p.live and not p.deleting]
     idle_since = {p.name: p.idle_since_s for p in live}
-    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets]
+    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets
+                 and p.name not in routed_pods]
     for pod in removable:
         if num_live <= floor:
             break
@@ -128,7 +134,7 @@ def plan_pods(
         if pod.name in delete:
             continue
         holding = pod.num_requests > 0
-        idle = gpu_of[pod.name] is None and not holding
+        idle = gpu_of[pod.name] is None and not holding and pod.name not in routed_pods
         labels = {GPU_LABEL: gpu_of[pod.name]}
         annotations = {
             SAFE_TO_EVICT: "false" if holding else "true",

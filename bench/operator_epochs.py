@@ -10,34 +10,27 @@ Baseline, measured in the same run: a level-triggered reconcile that rewrote eve
 the pool status each epoch would make `workers + 1` writes; the ratio printed is writes / that.
 The API server's latency is not part of the CPU time (no network here); the e2e tests cover the
 real API. Last line: one JSON object with `writes_per_epoch` and `epoch_cpu_ms` keyed by pool size.
+
+(Not `bench/operator.py`: a script of that name shadows the standard library's `operator` module for
+every script in this folder, since a script's folder comes first on sys.path.)
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import copy
+import json
+import logging
+import platform
+import random
+import statistics
+import time
+from typing import Any
 
-# This file's name shadows the standard library's `operator` for anything imported after it when it
-# runs as a script (its folder comes first on sys.path): take the folder off before importing more.
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad  # noqa: E402
-from kvfleet.mell.models import SizeClass, size_class  # noqa: E402
-from kvfleet.operator import handlers  # noqa: E402
+from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad, size_class_name
+from kvfleet.operator import handlers
 
 CAPACITY_BYTES = 1_000_000
-CLASS_NAMES = {SizeClass.X: "X", SizeClass.L: "L", SizeClass.M: "M", SizeClass.S: "S", SizeClass.T: "T", SizeClass.TINY: "tiny"}
 
 
 class MemoryApi:
@@ -149,8 +142,8 @@ class ScriptedWorkers:
 
     def place(self, size_bytes: int) -> str:
         table = {r["sizeClass"]: r["worker"] for r in (self.api.pool.get("status") or {}).get("routingTable", [])}
-        cls = size_class(size_bytes, CAPACITY_BYTES)
-        wanted = table.get({SizeClass.L: "L", SizeClass.M: "M", SizeClass.S: "S"}.get(cls, "T"))
+        cls = size_class_name(size_bytes, CAPACITY_BYTES)
+        wanted = table.get(cls if cls in ("L", "M", "S") else "T")
         if wanted in self.api.pods:
             return wanted
         return self.rng.choice(sorted(self.api.pods))
@@ -192,7 +185,7 @@ class ScriptedWorkers:
         for name, pod in self.api.pods.items():
             reqs = self.requests.get(name, {})
             loads = [RequestLoad(id=rid, kv_bytes=size, tokens=size // 1000,
-                                 size_class=CLASS_NAMES[size_class(size, CAPACITY_BYTES)])  # type: ignore[arg-type]
+                                 size_class=size_class_name(size, CAPACITY_BYTES))
                      for rid, size in sorted(reqs.items())]
             text = KVLoadReport(capacity_bytes=CAPACITY_BYTES, used_bytes=sum(reqs.values()), requests=loads,
                                 sequence=0).to_annotation()
