@@ -190,7 +190,7 @@ class AutoscalingSpec(_Model):
         default=60, ge=0, le=86400, description="An empty worker is kept this long before it is deleted."
     )
     headroom_workers: int = Field(
-        default=0, ge=0, le=1000, description="Low-priority placeholder pods that keep spare GPU nodes warm."
+        default=0, ge=0, le=1000, description="Low-priority headroom pods that keep spare GPU nodes warm."
     )
 
 

@@ -380,7 +380,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
 
 
 def reconcile_headroom(api: Kube, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> None:
-    """Keep `autoscaling.headroomWorkers` placeholder pods (see resources.headroom_deployment)."""
+    """Keep `autoscaling.headroomWorkers` headroom pods (see resources.headroom_deployment)."""
     name = resources.headroom_name(pool["metadata"]["name"])
     want = spec.autoscaling.headroom_workers
     have = api.deployment_replicas(namespace, name)

@@ -183,7 +183,7 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
 
 
 HEADROOM_PRIORITY_CLASS = "kvfleet-headroom"
-# Below the default priority (0) of worker pods, so the scheduler preempts a placeholder for a worker.
+# Below the default priority (0) of worker pods, so the scheduler preempts a headroom pod for a worker.
 HEADROOM_PRIORITY = -10
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 
@@ -196,7 +196,7 @@ def headroom_priority_class() -> dict[str, Any]:
         "value": HEADROOM_PRIORITY,
         "globalDefault": False,
         "preemptionPolicy": "Never",
-        "description": "kvfleet GPU headroom placeholders: preempted by any worker, never preempt anything",
+        "description": "kvfleet GPU headroom pods: preempted by any worker, never preempt anything",
     }
 
 
@@ -205,7 +205,7 @@ def headroom_name(pool_name: str) -> str:
 
 
 def headroom_deployment(pool: dict[str, Any], spec: LLMPoolSpec) -> dict[str, Any]:
-    """Placeholder pods that hold `headroomWorkers` workers' worth of GPUs (the overprovisioning pattern).
+    """Headroom pods that hold `headroomWorkers` workers' worth of GPUs (the overprovisioning pattern).
 
     When a worker needs their GPUs the scheduler preempts them; the Deployment recreates them, they
     stay Pending, and the cluster autoscaler or Karpenter adds a GPU node before MELL needs the next one.
@@ -218,7 +218,7 @@ def headroom_deployment(pool: dict[str, Any], spec: LLMPoolSpec) -> dict[str, An
         "priorityClassName": HEADROOM_PRIORITY_CLASS,
         "terminationGracePeriodSeconds": 0,
         "automountServiceAccountToken": False,
-        "containers": [{"name": "placeholder", "image": PAUSE_IMAGE,
+        "containers": [{"name": "headroom", "image": PAUSE_IMAGE,
                         "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}}],
     }
     if template.node_selector:
