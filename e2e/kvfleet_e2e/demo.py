@@ -108,18 +108,21 @@ def run_mell_story(cluster: Cluster) -> None:
             size = int(1_000_000 * rng.choice([0.15, 0.2, 0.3, 0.4, 0.6, 0.7]))
             send(cluster, "demo-worker-0", {"id": f"req-{index}", "kvBytes": size, "durationS": 20 + index})
         print("sent 12 requests (4.8 MB of KV in all) to demo-worker-0", flush=True)
-        live_table(cluster, 45, until=lambda: (cluster.get_json("llmpool", "demo")["status"].get("gpusInUse") == 0))
-        live_table(cluster, 20, until=lambda: (cluster.get_json("llmpool", "demo")["status"].get("workers") == 1))
+
+        def pool_status() -> dict[str, Any]:
+            return dict(cluster.get_json("llmpool", "demo").get("status") or {})
+
+        wait_for(lambda: pool_status().get("gpusInUse", 0) > 0, "the operator to see the requests", timeout_s=30)
+        live_table(cluster, 90, until=lambda: (st := pool_status()).get("gpusInUse") == 0 and st.get("workers") == 1)
         migs = cluster.get_json("kvmigrations")["items"]
         phases = [(m.get("status") or {}).get("phase", "Pending") for m in migs]
         failures = sorted({(m.get("status") or {}).get("message", "") for m in migs if (m.get("status") or {}).get("phase") == "Failed"})
         logs = "".join(p.read_text() for p in cluster.plane.work_dir.glob("agent/pods/default_demo-worker-*/worker.log"))
         finished = {line.split("request ", 1)[1].split()[0] for line in logs.splitlines() if line.endswith("finished")}
         print(f"\nmigrations: {len(migs)}: {phases.count('Succeeded')} succeeded, {phases.count('Failed')} failed"
-              + (f" ({'; '.join(failures)}; each request stayed on its source and was moved again if still needed)"
-                 if failures else ""))
+              + (f" (why: {'; '.join(failures)}; a failed move leaves the request on its source)" if failures else ""))
         print(f"requests finished: {len(finished)} of 12; requests dropped by a deleted worker: {logs.count('LOST ')}")
-        print(f"workers now: {cluster.get_json('llmpool', 'demo')['status'].get('workers')} (the floor)", flush=True)
+        print(f"workers now: {pool_status().get('workers')} (the pool's floor is 1)", flush=True)
     finally:
         stop_process(operator)
 
