@@ -74,6 +74,27 @@ def check_out(
     return out
 
 
+def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   attention_dtypes: Sequence[torch.dtype]) -> tuple[int, int, int, int]:
+    """The checks every paged-attention launcher makes on q, the caches and the block table.
+
+    Returns (num_blocks, block_size, num_kv_heads, head_dim).
+    """
+    check_tensor("q", q, ndim=3, dtypes=attention_dtypes)
+    check_device("q", q)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    num_blocks, block_size, num_kv_heads, k_head_dim = k_cache.shape
+    if k_head_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {k_head_dim} differs from q head_dim {head_dim}")
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
 def check_block_table(block_table: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
     """Host-side bounds check (a device sync): lengths fit the table, used block ids exist."""
     table, lens_host = block_table.cpu().long(), lens.cpu().long()

@@ -13,8 +13,8 @@ import torch
 from kvfleet.kernels._checks import (
     ATTENTION_DTYPES,
     check_block_table,
-    check_device,
     check_out,
+    check_paged_kv,
     check_shape,
     check_tensor,
     interpreting,
@@ -96,19 +96,9 @@ def micro_attention_decode(
     than read out of bounds. check_bounds=True also checks seq_lens and the block ids on the host
     (a device sync: for tests and debugging, not for the decode loop).
     """
-    check_tensor("q", q, ndim=3, dtypes=ATTENTION_DTYPES)
-    check_device("q", q)
+    num_blocks, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES)
     num_seqs, num_q_heads, head_dim = q.shape
     device = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    num_blocks, block_size, num_kv_heads, k_head_dim = k_cache.shape
-    if k_head_dim != head_dim:
-        raise ValueError(f"k_cache head_dim {k_head_dim} differs from q head_dim {head_dim}")
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences in q")
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)

@@ -12,8 +12,8 @@ import torch
 from kvfleet.kernels._checks import (
     ATTENTION_DTYPES,
     check_block_table,
-    check_device,
     check_out,
+    check_paged_kv,
     check_shape,
     check_tensor,
     interpreting,
@@ -53,19 +53,9 @@ def micro_attention_prefill(
     KV tokens past a row of the block table are ignored rather than read out of bounds;
     check_bounds=True checks kv_lens, block ids and query_start_loc on the host (a device sync).
     """
-    check_tensor("q", q, ndim=3, dtypes=ATTENTION_DTYPES)
-    check_device("q", q)
+    num_blocks, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES)
     total_q, num_q_heads, head_dim = q.shape
     device = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    num_blocks, block_size, num_kv_heads, k_head_dim = k_cache.shape
-    if k_head_dim != head_dim:
-        raise ValueError(f"k_cache head_dim {k_head_dim} differs from q head_dim {head_dim}")
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
     num_seqs = block_table.shape[0]
     check_tensor("kv_lens", kv_lens, ndim=1, dtypes=(torch.int32,), device=device)
     check_shape("kv_lens", kv_lens, (num_seqs,))
