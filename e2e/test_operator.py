@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.api.reports import size_class_name
 from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
+from kvfleet_e2e.cluster import scripted_pool as pool
 from kvfleet_e2e.controlplane import Process, free_port, stop_process
 
 
@@ -65,20 +66,6 @@ def operator(cluster: Cluster) -> Iterator[OperatorHandle]:
 
 
 _running: list[OperatorHandle] = []  # the operator of this module, checked on every status read
-
-
-def pool(name: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": {"name": "tiny", "path": "/models/tiny"},
-        "engine": "builtin",
-        "capacity": {"kvCapacityPerWorker": "1Gi"},
-        "workers": {"min": 2, "max": 3},
-        "scheduling": {"epochSeconds": 1},
-        "autoscaling": {"scaleDownDelaySeconds": 1},
-        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
-    }
-    body.update(spec)
-    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
 
 
 def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:

@@ -100,6 +100,21 @@ class Cluster:
         self.plane.stop()
 
 
+def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
+    """An LLMPool whose workers are the scripted stand-in (kvfleet_e2e.scripted_worker); `spec` overrides."""
+    body: dict[str, Any] = {
+        "model": {"name": "tiny", "path": "/models/tiny"},
+        "engine": "builtin",
+        "capacity": {"kvCapacityPerWorker": "1Gi"},
+        "workers": {"min": 2, "max": 3},
+        "scheduling": {"epochSeconds": 1},
+        "autoscaling": {"scaleDownDelaySeconds": 1},
+        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
+    }
+    body.update(spec)
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
+
+
 def start_operator(cluster: Cluster, name: str = "operator", metrics_port: int | None = None,
                    lease_duration_s: float = 2.0) -> Process:
     """The operator as a local process with the admin kubeconfig; a short lease so a killed leader is

@@ -19,23 +19,12 @@ import time
 import urllib.request
 from typing import Any
 
-from kvfleet_e2e.cluster import Cluster, local_cluster, start_operator, wait_for
+from kvfleet_e2e.cluster import Cluster, local_cluster, scripted_pool, start_operator, wait_for
 from kvfleet_e2e.controlplane import REPO_ROOT, stop_process
 
-DEMO_POOL = {
-    "apiVersion": "kvfleet.dev/v1alpha1",
-    "kind": "LLMPool",
-    "metadata": {"name": "demo"},
-    "spec": {
-        "model": {"name": "tiny", "path": "/models/tiny"},
-        "engine": "builtin",
-        "capacity": {"kvCapacityPerWorker": "1M"},
-        "workers": {"min": 1, "max": 5},
-        "scheduling": {"epochSeconds": 1},
-        "autoscaling": {"scaleDownDelaySeconds": 2},
-        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
-    },
-}
+# C = 1 MB of KV per worker, so a dozen requests of every size class need several workers.
+DEMO_POOL = scripted_pool("demo", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 5},
+                          autoscaling={"scaleDownDelaySeconds": 2})
 
 
 def show(cluster_kubectl: object, title: str, *args: str) -> None:
