@@ -10,7 +10,7 @@ rules, so both sides agree on what a valid spec is.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
@@ -437,7 +437,3 @@ class KVMigration(_Model):
     spec: KVMigrationSpec
     status: KVMigrationStatus | None = None
 
-
-def parse_spec(model: type[_Model], body: dict[str, Any]) -> Any:
-    """Validate a custom object's `spec` from a Kubernetes body (camelCase) into the core model."""
-    return model.model_validate(body.get("spec") or {})

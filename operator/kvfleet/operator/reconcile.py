@@ -12,8 +12,6 @@ from typing import Any
 from kvfleet.api.models import LLMPoolSpec
 from kvfleet.operator.resources import worker_selector
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "WaitingForCapacity")
-
 
 def is_live(pod: dict[str, Any]) -> bool:
     """A pod that counts as a worker: not being deleted and not finished."""
