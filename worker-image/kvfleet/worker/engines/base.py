@@ -1,0 +1,147 @@
+"""The one contract every engine keeps, so the agent, the router and migration never ask which.
+
+An engine takes token ids in and gives token ids out; the agent owns text (tokenizer, stop strings,
+the OpenAI format). Engines account the KV cache of every request they hold, in tokens and in bytes
+of the blocks really allocated to it, because MELL packs pods by those bytes (docs/worker.md).
+Everything here is asyncio: `generate` is an async iterator of per-step outputs, one per engine
+step in which the request produced tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """An engine refused a request; the message is meant for the client."""
+
+
+class RequestTooLong(EngineError):
+    """The prompt plus max_tokens does not fit the model's context (or the engine's whole KV cache)."""
+
+
+class DuplicateRequest(EngineError):
+    """A request id already running on this engine."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a worker knows when it starts its engine (the pod's environment, see resources.py)."""
+
+    model_path: Path
+    # Bytes of KV cache the engine allocates; None lets the engine choose (tests, the bench).
+    kv_capacity_bytes: int | None = None
+    # Longest prompt + output, in tokens; None means the model's own max_position_embeddings.
+    max_model_len: int | None = None
+    # Most requests decoded in one step.
+    max_num_seqs: int = 64
+    # torch dtype name of weights and KV cache: "float32" on the CPU keeps logits comparable to
+    # transformers; GPUs use "bfloat16" or "float16".
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible per request."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    # Finishing tokens besides the model's EOS (which ends a request unless ignore_eos).
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request produced in one engine step: new tokens, and whether it is done."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    # Tokens whose KV the request holds after this step (prompt + generated so far).
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestKV:
+    """One request's KV footprint: tokens cached and bytes of the blocks allocated to it."""
+
+    request_id: str
+    tokens: int
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about a started engine that the agent reports and the scheduler sizes with."""
+
+    engine: str
+    model_path: str
+    max_model_len: int
+    block_size_tokens: int
+    # 2 x layers x kv_heads x head_dim x dtype bytes: one token's K and V over all layers.
+    kv_bytes_per_token: int
+    kv_capacity_bytes: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A running LLM engine. All methods are called from one asyncio event loop."""
+
+    async def start(self) -> EngineInfo:
+        """Load the model and allocate the KV cache; returns what was really allocated."""
+        ...
+
+    async def stop(self) -> None:
+        """Abort what runs, free memory, stop background work. Idempotent."""
+        ...
+
+    @property
+    def info(self) -> EngineInfo:
+        """The started engine's facts (raises RuntimeError before start)."""
+        ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Queue a request and stream its outputs; the last one has finished=True.
+
+        Raises RequestTooLong or DuplicateRequest (before yielding anything) for requests it cannot
+        take. Leaving the iterator early (the client went away) aborts the request and frees its KV.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        ...
+
+    def kv_usage(self) -> list[RequestKV]:
+        """Every request holding KV now (running or preempted-but-cached), sorted by id."""
+        ...
+
+    def num_waiting(self) -> int:
+        """Requests queued but not yet holding KV (waiting for blocks or a batch slot)."""
+        ...
+
+
+def kv_blocks_bytes(num_tokens: int, block_size_tokens: int, kv_bytes_per_token: int) -> int:
+    """Bytes of the paged blocks that hold num_tokens: whole blocks, as a paged cache allocates."""
+    blocks = -(-num_tokens // block_size_tokens)
+    return blocks * block_size_tokens * kv_bytes_per_token
