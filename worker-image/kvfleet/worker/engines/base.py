@@ -73,6 +73,8 @@ class StepOutput:
     """What one request produced in one engine step: new tokens, and whether it is done."""
 
     request_id: str
+    # The token that finished a request (EOS or a stop token) is included, as vLLM does; the agent
+    # leaves it out of the text.
     new_token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: FinishReason | None = None
