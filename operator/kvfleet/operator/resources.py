@@ -126,6 +126,8 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         {"name": "KVFLEET_MODEL_PATH", "value": spec.model.path},
         {"name": "KVFLEET_KV_CAPACITY_BYTES", "value": str(spec.kv_capacity_per_worker_bytes())},
         {"name": "KVFLEET_PORT", "value": str(WORKER_PORT)},
+        # Workers coalesce their KV-load reports to at most one write per scheduling epoch.
+        {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
         {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
     ]
     env += [{"name": var.name, "value": var.value} for var in template.env]

@@ -6,7 +6,6 @@ engine never imports vllm (and the reverse).
 
 from __future__ import annotations
 
-
 from kvfleet.worker.engines.base import Engine, EngineConfig
 
 ENGINE_NAMES = ("builtin", "vllm")

@@ -1,0 +1,48 @@
+"""Fixtures for the worker tests: the tiny local model, and engines shared per session (worker_testing.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The tests share worker_testing.py; with --import-mode=importlib this folder is not on sys.path.
+sys.path.insert(0, os.path.dirname(__file__))
+
+from worker_testing import EngineLoop, StartedEngine, start_engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvfleet.worker.model.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine_loop() -> Iterator[EngineLoop]:
+    loop = EngineLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def started_engines(engine_loop: EngineLoop) -> Iterator[dict[str, StartedEngine]]:
+    engines: dict[str, StartedEngine] = {}
+    yield engines
+    for started in engines.values():
+        engine_loop.run(started.engine.stop())
+
+
+@pytest.fixture(scope="session", params=["builtin", "vllm"])
+def any_engine(request: pytest.FixtureRequest, tiny_model_dir: Path, engine_loop: EngineLoop,
+               started_engines: dict[str, StartedEngine]) -> StartedEngine:
+    return start_engine(request.param, tiny_model_dir, started_engines, engine_loop)
+
+
+@pytest.fixture(scope="session")
+def builtin_engine(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict[str, StartedEngine]) -> StartedEngine:
+    return start_engine("builtin", tiny_model_dir, started_engines, engine_loop)

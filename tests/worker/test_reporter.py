@@ -1,0 +1,95 @@
+"""The KV-load reporter writes when MELL needs to hear, at most once an interval, never per token."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvfleet.api.reports import MAX_REQUESTS_PER_REPORT, KVLoadReport
+from kvfleet.worker.engines.base import RequestKV
+from kvfleet.worker.reporter import LoadReporter, build_report
+
+CAPACITY = 1_000_000  # classes: L > 500,000; M > 333,333; S > 250,000; T > 125,000; tiny below
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make(usage: list[RequestKV], fail: list[bool] | None = None) -> tuple[LoadReporter, list[KVLoadReport], Clock]:
+    written: list[KVLoadReport] = []
+    clock = Clock()
+
+    async def write(annotation: str) -> None:
+        if fail and fail.pop(0):
+            raise ConnectionError("API server away")
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    return LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock), written, clock
+
+
+def check(reporter: LoadReporter) -> bool:
+    return asyncio.run(reporter.maybe_write())
+
+
+def test_writes_on_arrival_finish_and_class_change_only() -> None:
+    usage: list[RequestKV] = []
+    reporter, written, clock = make(usage)
+    assert check(reporter)  # the first report says "empty"
+    assert written[-1].requests == [] and written[-1].capacity_bytes == CAPACITY and written[-1].sequence == 1
+
+    clock.now_s = 10
+    usage.append(RequestKV("a", tokens=10, kv_bytes=20_000))
+    assert check(reporter)  # arrival
+    assert [(r.id, r.kv_bytes, r.tokens, r.size_class) for r in written[-1].requests] == [("a", 20_000, 10, "tiny")]
+
+    clock.now_s = 20
+    usage[0] = RequestKV("a", tokens=60, kv_bytes=120_000)
+    assert not check(reporter), "growth within a size class is not worth a write"
+    usage[0] = RequestKV("a", tokens=70, kv_bytes=140_000)
+    assert check(reporter), "tiny -> T is a class change"
+    assert written[-1].requests[0].size_class == "T" and written[-1].used_bytes == 140_000
+
+    clock.now_s = 30
+    usage.clear()
+    assert check(reporter)  # finish
+    assert written[-1].requests == [] and written[-1].used_bytes == 0
+    assert [w.sequence for w in written] == [1, 2, 3, 4]
+
+
+def test_at_most_one_write_per_interval_and_nothing_lost() -> None:
+    usage: list[RequestKV] = []
+    reporter, written, clock = make(usage)
+    assert check(reporter)
+    clock.now_s = 1
+    usage.append(RequestKV("a", 1, 2048))
+    assert not check(reporter), "within the interval: coalesced"
+    clock.now_s = 3
+    usage.append(RequestKV("b", 1, 2048))
+    assert not check(reporter)
+    clock.now_s = 5
+    assert check(reporter)
+    assert [r.id for r in written[-1].requests] == ["a", "b"], "the coalesced write carries both arrivals"
+    assert reporter.writes == 2
+
+
+def test_a_failed_write_is_retried_with_the_same_content() -> None:
+    usage = [RequestKV("a", 1, 2048)]
+    reporter, written, _ = make(usage, fail=[True, False])
+    assert not check(reporter)
+    assert reporter.failures == 1 and written == []
+    assert check(reporter)
+    assert [r.id for r in written[0].requests] == ["a"] and written[0].sequence == 1
+
+
+def test_a_huge_report_lists_the_largest_requests_and_counts_all_bytes() -> None:
+    usage = [RequestKV(f"r{i:05d}", i, 1000 + i) for i in range(MAX_REQUESTS_PER_REPORT + 10)]
+    report = build_report(usage, CAPACITY, sequence=1)
+    assert len(report.requests) == MAX_REQUESTS_PER_REPORT
+    assert report.used_bytes == sum(r.kv_bytes for r in usage)
+    assert {r.id for r in report.requests} == {r.request_id for r in usage[10:]}
+    assert [r.id for r in report.requests] == sorted(r.id for r in report.requests)
+    assert len(report.to_annotation()) < 256 * 1024

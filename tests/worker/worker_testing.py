@@ -1,0 +1,74 @@
+"""Shared by the worker tests: the tiny model's test sizes, a long-lived event loop, engine start-up.
+
+Engines are expensive to start (vLLM takes ~25 s on these machines), so each engine kind is started
+once per session and shared; tests drive it from a background event loop through `EngineLoop.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from kvfleet.worker.engines import EngineConfig, load_engine
+from kvfleet.worker.engines.base import Engine, EngineInfo
+
+T = TypeVar("T")
+
+# 2 KV heads x 64 dims x 2 layers x K,V x 4 bytes = 2 KiB a token: 16 MiB holds 8,192 tokens.
+TEST_KV_CAPACITY_BYTES = 16 * 1024 * 1024
+TEST_MAX_MODEL_LEN = 512
+
+
+class EngineLoop:
+    """An asyncio loop in a thread, so session-scoped engines outlive any one test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def skip_without_vllm() -> None:
+    """Skips a vLLM test where vLLM is not installed, unless the run requires it (`make test` does)."""
+    if not vllm_available():
+        if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+            pytest.fail("KVFLEET_REQUIRE_VLLM=1 but vllm is not installed (run: bash scripts/install-vllm.sh .venv)")
+        pytest.skip("vllm is not installed (bash scripts/install-vllm.sh .venv); KVFLEET_REQUIRE_VLLM=1 makes this a failure")
+
+
+class StartedEngine:
+    def __init__(self, name: str, engine: Engine, info: EngineInfo, loop: EngineLoop) -> None:
+        self.name = name
+        self.engine = engine
+        self.info = info
+        self.loop = loop
+
+
+def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], loop: EngineLoop) -> StartedEngine:
+    """The session's engine of this kind, started on first use."""
+    if name == "vllm":
+        skip_without_vllm()
+    if name not in engines:
+        engine = load_engine(name, EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
+                                                max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16, dtype="float32"))
+        info = loop.run(engine.start(), timeout_s=300)
+        engines[name] = StartedEngine(name, engine, info, loop)
+    return engines[name]

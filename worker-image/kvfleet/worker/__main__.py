@@ -1,0 +1,81 @@
+"""`python -m kvfleet.worker`: the worker pod's entrypoint (the `kvfleet/worker` image).
+
+Configured by the environment the operator puts in the pod (operator/kvfleet/operator/resources.py);
+every variable has a flag of the same meaning so the worker also runs by hand:
+
+    python -m kvfleet.worker --engine builtin --model-path /models/tiny --model-name tiny --port 8000
+
+Without POD_NAME (not in a pod) it serves but writes no KV-load report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", default=env("KVFLEET_ENGINE", "builtin"), choices=("builtin", "vllm"))
+    parser.add_argument("--model-path", type=Path, default=env("KVFLEET_MODEL_PATH"),
+                        help="HF-format model directory (config.json, *.safetensors, tokenizer)")
+    parser.add_argument("--model-name", default=env("KVFLEET_MODEL_NAME"),
+                        help="the name clients put in `model` (default: the directory's name)")
+    parser.add_argument("--host", default=env("POD_IP", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(env("KVFLEET_PORT", "8000")))
+    parser.add_argument("--kv-capacity-bytes", type=int,
+                        default=int(env("KVFLEET_KV_CAPACITY_BYTES")) if env("KVFLEET_KV_CAPACITY_BYTES") else None)
+    parser.add_argument("--max-model-len", type=int,
+                        default=int(env("KVFLEET_MAX_MODEL_LEN")) if env("KVFLEET_MAX_MODEL_LEN") else None)
+    parser.add_argument("--max-num-seqs", type=int, default=int(env("KVFLEET_MAX_NUM_SEQS", "64")))
+    parser.add_argument("--dtype", default=env("KVFLEET_DTYPE"),
+                        help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")
+    parser.add_argument("--report-interval-s", type=float, default=float(env("KVFLEET_REPORT_INTERVAL_S", "5")))
+    parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    if args.model_path is None:
+        parser.error("no model: set KVFLEET_MODEL_PATH or --model-path")
+    if not (args.model_path / "config.json").is_file():
+        parser.error(f"{args.model_path} holds no config.json: point --model-path at an HF-format model directory")
+    if args.kv_capacity_bytes is not None and args.kv_capacity_bytes <= 0:
+        parser.error("--kv-capacity-bytes must be positive")
+    args.model_name = args.model_name or args.model_path.name
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here so `--help` and argument errors are instant (torch and transformers are not).
+    import torch
+    from aiohttp import web
+
+    from kvfleet.worker.agent import Agent, AgentConfig
+    from kvfleet.worker.engines import EngineConfig, load_engine
+    from kvfleet.worker.reporter import pod_annotation_writer
+    from kvfleet.worker.text import Tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    engine = load_engine(args.engine, EngineConfig(
+        model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, dtype=dtype, device=device))
+    pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
+    writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
+    if writer is None:
+        logging.getLogger("kvfleet.worker").info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
+    agent = Agent(AgentConfig(model_name=args.model_name, pool_token=os.environ.get("KVFLEET_POOL_TOKEN") or None,
+                              report_interval_s=args.report_interval_s),
+                  engine, Tokenizer(args.model_path), writer)
+    web.run_app(agent.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30)
+    return 0
+
+
+# vLLM's engine starts processes that import this module again: only the real entrypoint may run it.
+if __name__ == "__main__":
+    sys.exit(main())

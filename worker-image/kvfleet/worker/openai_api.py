@@ -1,0 +1,142 @@
+"""The OpenAI-compatible request and response shapes the worker (and later the router) speak.
+
+Clients are OpenAI SDKs and tools built on them, so requests are validated against the subset of
+the OpenAI API that kvfleet implements, and everything else is refused with a 4xx in OpenAI's error
+format that names the field: a silently ignored parameter (say `n: 3` or `logprobs`) would give a
+client something other than what it asked for. Parameters that change nothing when left at their
+neutral value (penalties of 0, `n: 1`) are accepted at that value only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+# Longest request body the worker reads; prompts beyond the model's context are refused anyway.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_STOP_STRINGS = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+    stop: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    seed: int | None = None
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    user: str | None = None
+    # kvfleet extensions (vLLM spells them the same way).
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if value == "":
+            raise ValueError("a stop sequence must not be empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions: one prompt, as text or as token ids."""
+
+    prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    echo: Literal[False] = False
+    logprobs: None = None
+    suffix: None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts other than text are refused (no multimodal models here)."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: Literal[False] = False
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class APIError(Exception):
+    """A client error with everything the OpenAI error body needs."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def validation_error(err: ValidationError) -> APIError:
+    """The first problem pydantic found, with the field path OpenAI clients show."""
+    first = err.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = f"unknown field {param!r}"
+    elif first["type"] == "missing":
+        message = f"missing required field {param!r}"
+    elif first["type"] in ("literal_error",) and param:
+        message = f"{param}: {first['msg']} (kvfleet does not implement other values)"
+    else:
+        message = f"{param}: {message}" if param else message
+    return APIError(400, message, param=param, code=first["type"])
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

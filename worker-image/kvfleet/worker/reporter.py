@@ -1,0 +1,114 @@
+"""Writes the worker's KV-load report to its own Pod, the one place the operator reads load from.
+
+The format is `kvfleet.api.reports.KVLoadReport` in the annotation `kvfleet.dev/kv-load`
+(docs/worker.md). MELL only needs to hear about a request when it arrives, finishes, or changes size
+class, so the reporter compares the set of (request, size class) pairs with what it last wrote and
+writes only when that changed, at most once per scheduling epoch, never per token. A failed write is
+retried on the next tick; a report is always a whole snapshot, so nothing is lost by coalescing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad, size_class_name
+from kvfleet.worker.engines.base import RequestKV
+
+log = logging.getLogger(__name__)
+
+WriteReport = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ReportKey:
+    """What decides whether a new report is worth a write: the requests and their size classes."""
+
+    classes: tuple[tuple[str, str], ...]
+
+
+def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int) -> KVLoadReport:
+    """A report of these requests. Beyond the size limit only the largest are listed (the rest are
+    rare and tiny at that count); used_bytes always counts every request."""
+    listed = usage
+    if len(usage) > MAX_REQUESTS_PER_REPORT:
+        listed = sorted(usage, key=lambda r: (-r.kv_bytes, r.request_id))[:MAX_REQUESTS_PER_REPORT]
+        listed.sort(key=lambda r: r.request_id)
+    loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens,
+                         size_class=size_class_name(r.kv_bytes, capacity_bytes)) for r in listed]
+    return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
+                        sequence=sequence)
+
+
+def report_key(report: KVLoadReport) -> ReportKey:
+    return ReportKey(tuple((r.id, r.size_class) for r in report.requests))
+
+
+class LoadReporter:
+    """Ticks every `tick_s`; writes a report when the key changed and the last write is an interval old."""
+
+    def __init__(self, usage: Callable[[], list[RequestKV]], capacity_bytes: int, write: WriteReport, *,
+                 interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self._usage = usage
+        self._capacity_bytes = capacity_bytes
+        self._write = write
+        self.interval_s = interval_s
+        self._tick_s = tick_s
+        self._clock = clock
+        self._last_key: ReportKey | None = None
+        self._last_write_s = float("-inf")
+        self.sequence = 0
+        self.writes = 0
+        self.failures = 0
+        self._wake = asyncio.Event()
+
+    def nudge(self) -> None:
+        """Check now rather than at the next tick (a request arrived or finished)."""
+        self._wake.set()
+
+    async def maybe_write(self) -> bool:
+        """One check; True when a report was written."""
+        report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1)
+        key = report_key(report)
+        if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
+            return False
+        try:
+            await self._write(report.to_annotation())
+        except Exception as err:  # the API server may be briefly away; the next tick retries
+            self.failures += 1
+            log.warning("KV-load report not written (will retry): %s", err)
+            return False
+        self.sequence = report.sequence
+        self._last_key = key
+        self._last_write_s = self._clock()
+        self.writes += 1
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await self.maybe_write()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._tick_s)
+            except TimeoutError:
+                pass
+
+
+def pod_annotation_writer(pod_name: str, namespace: str) -> WriteReport:
+    """Patches the report annotation on the worker's own Pod with its ServiceAccount's credentials."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()  # the e2e node agent hands pods a kubeconfig with their bound token
+    core = client.CoreV1Api()
+
+    async def write(annotation: str) -> None:
+        body = {"metadata": {"annotations": {ANNOTATION: annotation}}}
+        await asyncio.to_thread(core.patch_namespaced_pod, pod_name, namespace, body, _request_timeout=10)
+
+    return write
