@@ -1,0 +1,357 @@
+"""The builtin engine's model: a Llama-family forward in plain torch over a paged KV cache.
+
+The builtin engine exists so that kvfleet can serve, account and migrate KV caches without vLLM
+(tests, the demo, machines where vLLM does not install), and so that migration can read and write
+KV blocks directly. It therefore owns its forward pass instead of borrowing transformers' model
+classes, whose KV cache is contiguous per request: this module loads HF-format weights
+(config.json + *.safetensors, sharded or not) and runs RMSNorm, RoPE (default, linear and llama3
+scaling), grouped-query attention and the SwiGLU MLP on any torch device and dtype.
+
+One `forward` call serves a whole engine step: the new tokens of every sequence (a prompt, a
+re-prefilled tail or one decode token) go through the linear layers as one flat batch; attention
+reads each sequence's context from the paged cache through its block table. Decode sequences
+(one new token each) are attended in one padded batch; prefill sequences one at a time, since
+padding prompts of different lengths to a common square would waste more than it saves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet.worker.engines.base import EngineError
+
+# Model types whose checkpoints use Llama's tensor names and block structure.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}: expected one of {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters, from either config spelling (transformers 4 or 5)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the forward needs from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def read_model_spec(model_path: Path) -> ModelSpec:
+    """Parse config.json (and generation_config.json's EOS ids, which chat models often extend)."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except OSError as err:
+        raise EngineError(f"no model at {model_path}: {err}") from err
+    model_type = str(config.get("model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(f"the builtin engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type!r}")
+    num_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    # transformers 5 nests rope settings in rope_parameters; 4 has rope_theta and rope_scaling.
+    rope_config = dict(config.get("rope_scaling") or {})
+    rope_config.update(config.get("rope_parameters") or {})
+    rope_type = str(rope_config.get("rope_type", rope_config.get("type", "default")))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise EngineError(f"the builtin engine does not implement rope_type {rope_type!r}")
+    rope = RopeSpec(
+        theta=float(rope_config.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        factor=float(rope_config.get("factor", 1.0)),
+        low_freq_factor=float(rope_config.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope_config.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rope_config.get("original_max_position_embeddings", 8192)),
+    )
+    eos = list(_eos_ids(config.get("eos_token_id")))
+    generation_path = model_path / "generation_config.json"
+    if generation_path.exists():
+        for token_id in _eos_ids(json.loads(generation_path.read_text()).get("eos_token_id")):
+            if token_id not in eos:
+                eos.append(token_id)
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def _read_safetensors(model_path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index_path = model_path / "model.safetensors.index.json"
+    if index_path.exists():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_path.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors in {model_path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(model_path / name, device="cpu"))
+    return tensors
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies exactly as transformers computes them (float32), scaling included."""
+    rope, dim = spec.rope, spec.head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    # q, k and v stacked into one matrix (and gate with up): one matmul instead of three.
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SeqBatchEntry:
+    """One sequence's part of a forward: tokens new to the cache and where they go.
+
+    `block_table` lists the sequence's blocks in order and must already cover
+    start_position + len(token_ids) tokens.
+    """
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+
+
+class PagedKVCache:
+    """One tensor of blocks per layer, K and V together: [2, num_blocks, block_size, kv_heads, head_dim].
+
+    Allocation (which blocks belong to whom) is the engine's business; this is only the storage.
+    """
+
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size_tokens = block_size_tokens
+        self.layers = [
+            torch.zeros((2, num_blocks, block_size_tokens, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.layers[0].shape[2:])
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' K and V for all layers: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+        return torch.stack([layer.index_select(1, index) for layer in self.layers])
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+        for layer, layer_data in zip(self.layers, data.to(device=self.layers[0].device, dtype=self.layers[0].dtype)):
+            layer.index_copy_(1, index, layer_data)
+
+
+class LlamaForward:
+    """Weights on a device and the forward over a paged cache; no state between calls but the cache."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 max_positions: int) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                tensor = tensors[name]
+            except KeyError:
+                raise EngineError(f"the checkpoint has no tensor {name!r}") from None
+            return tensor.to(device=device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = self.embed if spec.tie_word_embeddings and "lm_head.weight" not in tensors else take("lm_head.weight")
+        self.final_norm = take("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}"
+            bias_names = [f"{p}.self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+            qkv_bias = torch.cat([take(n) for n in bias_names]) if all(n in tensors for n in bias_names) else None
+            self.layers.append(LayerWeights(
+                input_norm=take(f"{p}.input_layernorm.weight"),
+                qkv=torch.cat([take(f"{p}.self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
+                qkv_bias=qkv_bias,
+                o=take(f"{p}.self_attn.o_proj.weight"),
+                post_norm=take(f"{p}.post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(f"{p}.mlp.gate_proj.weight"), take(f"{p}.mlp.up_proj.weight")]),
+                down=take(f"{p}.mlp.down_proj.weight"),
+            ))
+        # cos/sin per position in float32, as transformers computes them, cast to the model dtype at use.
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(spec)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = emb.cos().to(device)
+        self.rope_sin = emb.sin().to(device)
+
+    @classmethod
+    def load(cls, model_path: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForward:
+        spec = read_model_spec(model_path)
+        return cls(spec, _read_safetensors(model_path), dtype, device, max_positions)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # In float32 whatever the model dtype, as transformers' LlamaRMSNorm does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqBatchEntry], cache: PagedKVCache, *, all_logits: bool = False) -> torch.Tensor:
+        """Write the new tokens' K and V into the cache and return float32 logits.
+
+        One row per sequence (its last new token), or with all_logits one row per new token, in
+        order. Sequences with several new tokens attend causally to their whole cached context.
+        """
+        spec = self.spec
+        device = self.device
+        bs = cache.block_size_tokens
+        lengths = [len(s.token_ids) for s in seqs]
+        if min(lengths) < 1:
+            raise ValueError("every sequence needs at least one new token")
+        flat_ids = [t for s in seqs for t in s.token_ids]
+        flat_positions = [s.start_position + i for s in seqs for i in range(len(s.token_ids))]
+        slots = [s.block_table[p // bs] * bs + p % bs
+                 for s in seqs for p in range(s.start_position, s.start_position + len(s.token_ids))]
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
+        positions = torch.tensor(flat_positions, dtype=torch.long, device=device)
+        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        cos = self.rope_cos[positions].to(self.dtype)[:, None, :]
+        sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        context_lengths = [s.start_position + n for s, n in zip(seqs, lengths)]
+
+        decode = [i for i, n in enumerate(lengths) if n == 1]
+        prefill = [i for i, n in enumerate(lengths) if n > 1]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        decode_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, device=device)
+        if decode:
+            max_blocks = max(-(-context_lengths[i] // bs) for i in decode)
+            # Padding entries point at block 0; the mask hides them.
+            padded_tables = [list(seqs[i].block_table[:max_blocks]) for i in decode]
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded_tables], dtype=torch.long, device=device)
+            decode_lengths = torch.tensor([context_lengths[i] for i in decode], dtype=torch.long, device=device)
+            decode_mask = (torch.arange(max_blocks * bs, device=device)[None, :] < decode_lengths[:, None])[:, None, None, :]
+
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        x = self.embed[ids]
+        for layer, kv in zip(self.layers, cache.layers):
+            normed = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            q = qkv[:, : h * d].view(-1, h, d)
+            k = qkv[:, h * d: (h + kvh) * d].view(-1, kvh, d)
+            v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            kv[0].view(-1, kvh, d).index_copy_(0, slot_index, k)
+            kv[1].view(-1, kvh, d).index_copy_(0, slot_index, v)
+            attn = torch.empty_like(q)
+            if decode:
+                # [B, kv_heads, context, head_dim] gathered through the block tables.
+                keys = kv[0][tables].flatten(1, 2).transpose(1, 2)
+                values = kv[1][tables].flatten(1, 2).transpose(1, 2)
+                out = F.scaled_dot_product_attention(q[decode_rows][:, :, None, :], keys, values,
+                                                     attn_mask=decode_mask, enable_gqa=True)
+                attn[decode_rows] = out[:, :, 0, :]
+            for i in prefill:
+                start, n, context = seqs[i].start_position, lengths[i], context_lengths[i]
+                table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
+                keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                query_positions = torch.arange(start, start + n, device=device)
+                mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
+                rows = slice(offsets[i], offsets[i] + n)
+                out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                                     attn_mask=mask[None, None], enable_gqa=True)
+                attn[rows] = out[0].transpose(0, 1)
+            x = x + F.linear(attn.reshape(-1, h * d), layer.o)
+            normed = self._rms_norm(x, layer.post_norm)
+            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        if not all_logits:
+            x = x[torch.tensor([offsets[i + 1] - 1 for i in range(len(seqs))], dtype=torch.long, device=device)]
+        x = self._rms_norm(x, self.final_norm)
+        return F.linear(x, self.lm_head).float()
