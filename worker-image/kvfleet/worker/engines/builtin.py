@@ -255,6 +255,9 @@ class BuiltinEngine:
         self._admissions = 0
         self._rng = random.Random(config.seed)
         self._eos_ids: frozenset[int] = frozenset()
+        # Counters for metrics and benchmarks: how much recompute preemption and re-prefill cost.
+        self.num_preemptions = 0
+        self.num_prefilled_tokens = 0
 
     # -- the Engine contract -------------------------------------------------------------------
 
@@ -560,11 +563,10 @@ class BuiltinEngine:
                 if step is not None:
                     try:
                         tokens = await self._in_executor(functools.partial(self._execute, step))
+                        self._process(step, tokens)
                     except Exception as err:  # a failed step fails its requests, not the engine
                         logger.exception("builtin engine step failed")
                         self._fail(step, EngineError(f"engine step failed: {err}"))
-                    else:
-                        self._process(step, tokens)
             if step is None:
                 await self._wake_event.wait()
             else:
@@ -588,6 +590,7 @@ class BuiltinEngine:
             self._admissions += 1
             admitted.append(req)
             budget_tokens -= num_new_tokens
+            self.num_prefilled_tokens += num_new_tokens
         self._running.extend(admitted)
         if not self._running:
             return None
@@ -637,6 +640,7 @@ class BuiltinEngine:
 
     def _preempt(self, req: _Request) -> None:
         logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)
+        self.num_preemptions += 1
         self._running.remove(req)
         self._free(req.blocks)
         req.blocks, req.num_cached, req.state = [], 0, _State.WAITING
@@ -644,7 +648,7 @@ class BuiltinEngine:
 
     def _fail(self, step: _Step, error: EngineError) -> None:
         for req in step.requests:
-            if req.state is _State.RUNNING:
-                self._running.remove(req)
+            if req.state in (_State.RUNNING, _State.WAITING):  # (waiting: preempted in the failed step)
+                (self._running if req.state is _State.RUNNING else self._waiting).remove(req)
                 req.queue.put_nowait(error)
                 self._finish(req)
