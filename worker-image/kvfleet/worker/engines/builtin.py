@@ -45,15 +45,20 @@ Migration API (source S, destination D; all on the engines' event loops):
   and writes them. Stages must be contiguous; a stage may re-send the last (partial) block.
 - `suspend(request_id) -> SuspendedRequest`: at a step boundary, stops scheduling the request and
   keeps its KV. Its generate() stream ends without a finished output (the request did not finish:
-  its continuation is the stream `resume` returns). Waiting requests can be suspended too.
+  its continuation is the stream `resume` returns). Waiting requests can be suspended too; one that
+  holds no KV (queued, or preempted) can only move in token mode (export_kv raises MigrationError).
 - `resume(request_id, prompt_token_ids, output_token_ids, params) -> AsyncIterator[StepOutput]`:
   continues the request; the stream yields only tokens after output_token_ids. With KV imported for
   request_id it re-prefills only the tokens the KV does not cover (KV mode: the last token; hybrid
   mode: the tail after the last block sent); without, all of prompt + output (token mode). On the
   engine where the request is suspended it continues from its own KV (rollback of a failed
-  migration). Raises like generate(), before yielding anything.
+  migration). Raises like generate(), before yielding anything. It takes no KV argument: what
+  import_kv staged under request_id is the KV, so a resume cannot pair tokens with another's blocks.
 - `release(request_id)`: frees a suspended request's KV on S, or KV imported on D for a migration
   that will not be resumed. Unknown ids are ignored.
+
+Refusals by the migration calls raise MigrationError (an EngineError). `num_preemptions` and
+`num_prefilled_tokens` count what recompute cost, for metrics and to check what a resume re-prefilled.
 
 A generate() stream that is never iterated does not register an early exit: its request runs to
 completion (or until abort) and frees its KV then.
