@@ -4,7 +4,7 @@ The report lives in one annotation of the worker's Pod (`kvfleet.dev/kv-load`) b
 the object whose lifetime it describes: it vanishes with the pod, needs no extra RBAC beyond
 patching pods, and a restarted operator finds every worker's load by listing pods. Workers write it
 when a request arrives, finishes or changes MELL size class, coalesced to at most one write per
-epoch, never per token (docs/load-reports.md).
+epoch, never per token (docs/worker.md, docs/operator.md).
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m kvfleet.worker", description=__doc__.splitlines()[0])
@@ -28,10 +33,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the name clients put in `model` (default: the directory's name)")
     parser.add_argument("--host", default=env("POD_IP", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(env("KVFLEET_PORT", "8000")))
-    parser.add_argument("--kv-capacity-bytes", type=int,
-                        default=int(env("KVFLEET_KV_CAPACITY_BYTES")) if env("KVFLEET_KV_CAPACITY_BYTES") else None)
-    parser.add_argument("--max-model-len", type=int,
-                        default=int(env("KVFLEET_MAX_MODEL_LEN")) if env("KVFLEET_MAX_MODEL_LEN") else None)
+    parser.add_argument("--kv-capacity-bytes", type=int, default=_env_int("KVFLEET_KV_CAPACITY_BYTES"))
+    parser.add_argument("--max-model-len", type=int, default=_env_int("KVFLEET_MAX_MODEL_LEN"))
     parser.add_argument("--max-num-seqs", type=int, default=int(env("KVFLEET_MAX_NUM_SEQS", "64")))
     parser.add_argument("--dtype", default=env("KVFLEET_DTYPE"),
                         help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")

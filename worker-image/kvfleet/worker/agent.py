@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,7 +340,7 @@ class Agent:
 
     # --------------------------------------------------------------------------------- generation
 
-    async def _deltas(self, job: _Job) -> AsyncIterator[tuple[str, str | None, int]]:
+    async def _deltas(self, job: _Job) -> AsyncGenerator[tuple[str, str | None, int], None]:
         """(text delta, finish reason or None, tokens in this step) until the request ends.
 
         Stop strings end the request here: the engine's stream is closed, which aborts it there.
@@ -422,7 +422,7 @@ class Agent:
         return response
 
 
-async def _checked(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+async def _checked(stream: AsyncIterator[StepOutput]) -> AsyncGenerator[StepOutput, None]:
     """The engine's stream with its refusals turned into client errors."""
     try:
         async for out in stream:

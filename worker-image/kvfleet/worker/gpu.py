@@ -27,7 +27,7 @@ class GPUProbe:
     def __init__(self) -> None:
         self._nvml = None
         try:
-            import pynvml
+            import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no types
 
             pynvml.nvmlInit()
             self._nvml = pynvml

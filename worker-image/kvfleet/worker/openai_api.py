@@ -32,12 +32,19 @@ class _Request(BaseModel):
     stream_options: dict[str, bool] | None = None
     stop: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = None
     seed: int | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
     # kvfleet extensions (vLLM spells them the same way).
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _neutral(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("only 0 is supported (kvfleet does not implement penalties)")
+        return value
 
     @field_validator("stop")
     @classmethod

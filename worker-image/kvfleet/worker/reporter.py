@@ -102,9 +102,9 @@ def pod_annotation_writer(pod_name: str, namespace: str) -> WriteReport:
     from kubernetes import client, config
 
     try:
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        config.load_kube_config()  # the e2e node agent hands pods a kubeconfig with their bound token
+        config.load_kube_config()  # type: ignore[no-untyped-call]  # the e2e node agent hands pods a kubeconfig with their bound token
     core = client.CoreV1Api()
 
     async def write(annotation: str) -> None:
