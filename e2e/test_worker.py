@@ -1,0 +1,121 @@
+"""The real worker on the real control plane: a pool's worker Pod, run by the node agent from the
+`kvfleet/worker` image's entrypoint, loads the tiny model with the builtin engine, serves OpenAI
+completions on its pod IP, and keeps its KV-load report on its Pod current as requests come and go,
+written with its own ServiceAccount."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.operator.resources import TOKEN_KEY
+from kvfleet.worker.model.tiny import make_tiny
+from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
+from kvfleet_e2e.controlplane import Process, stop_process
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[Process]:
+    proc = start_operator(cluster, "operator-worker-e2e")
+    yield proc
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def pool(name: str, model_dir: Path) -> dict[str, Any]:
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": {
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "engine": "builtin",
+        "capacity": {"kvCapacityPerWorker": "16Mi"},
+        "workers": {"min": 1, "max": 1},
+        "scheduling": {"epochSeconds": 1},
+        "workerTemplate": {"image": "kvfleet/worker:dev"},
+    }}
+
+
+def call(pod: dict[str, Any], path: str, body: dict[str, Any] | None = None, **headers: str) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json", **headers},
+                                     method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def report(cluster: Cluster, namespace: str, pod_name: str) -> KVLoadReport | None:
+    pod = cluster.get_json("pod", pod_name, "-n", namespace)
+    return KVLoadReport.from_annotations(pod["metadata"].get("annotations"))
+
+
+def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str, operator: Process,
+                                                model_dir: Path) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool("real", model_dir)))
+
+    def ready_pod() -> dict[str, Any] | None:
+        assert operator.popen.poll() is None, operator.tail(40)
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "kvfleet.dev/pool=real")["items"]
+        for pod in pods:
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
+                return dict(pod)
+        return None
+
+    pod = wait_for(ready_pod, "a Ready worker pod", timeout_s=180, interval_s=0.5)
+    name = pod["metadata"]["name"]
+    logs = cluster.pod_dir(namespace, name)
+
+    # The first report: an empty worker with the capacity its engine really allocated (whole blocks of 16Mi).
+    first = wait_for(lambda: report(cluster, namespace, name), f"the first report on {name}", timeout_s=30)
+    assert first.requests == [] and first.used_bytes == 0
+    assert 16 * 2**20 - 16 * 2048 < first.capacity_bytes <= 16 * 2**20
+
+    status, body = call(pod, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5,
+                                                 "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 5
+
+    # A long request shows up in the report while it runs, and leaves it when it ends.
+    results: list[tuple[int, Any]] = []
+    long_request = threading.Thread(target=lambda: results.append(call(
+        pod, "/v1/completions", {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 400, "temperature": 0,
+                                 "ignore_eos": True}, **{"X-Request-Id": "long-1"})))
+    long_request.start()
+    during = wait_for(lambda: (r := report(cluster, namespace, name)) and any(q.id == "long-1" for q in r.requests) and r,
+                      "long-1 in the report", timeout_s=60, interval_s=0.1)
+    entry = next(q for q in during.requests if q.id == "long-1")
+    assert entry.kv_bytes > 0 and entry.tokens > 0 and during.used_bytes >= entry.kv_bytes
+    assert during.sequence > first.sequence
+    long_request.join(180)
+    assert results and results[0][0] == 200, results
+    after = wait_for(lambda: (r := report(cluster, namespace, name)) and r.requests == [] and r.sequence > during.sequence
+                     and r, "long-1 gone from the report", timeout_s=30)
+    assert after.used_bytes == 0
+    # 400 decode steps were written as a handful of reports, not one per token.
+    assert after.sequence - first.sequence < 20
+
+    # The pool's own components get in with the pool token, nobody else does.
+    assert call(pod, "/internal/requests")[0] == 401
+    secret = cluster.get_json("secret", "real-token", "-n", namespace)
+    token = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
+    status, body = call(pod, "/internal/requests", Authorization=f"Bearer {token}")
+    assert status == 200 and body["capacityBytes"] == first.capacity_bytes
+    # Bad input is a 4xx, and the worker is still serving afterwards.
+    status, body = call(pod, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1})
+    assert status == 400 and "max_tokens" in body["error"]["message"]
+    assert call(pod, "/healthz")[0] == 200
+    assert "Traceback" not in (logs / "worker.log").read_text()
