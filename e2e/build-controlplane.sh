@@ -14,6 +14,10 @@
 # Rebuilt only when e2e/versions.env changes. A finished build is also kept in a machine-wide cache
 # ($KVFLEET_MACHINE_CACHE, default ~/.cache/kvfleet) so a fresh clone on the same machine, as CI
 # makes, links it in a second instead of spending ten minutes compiling.
+#
+# helm (for the chart's e2e) is built here too, from helm.sh/helm/v3 at $HELM_VERSION, into a stamp
+# of its own ($KVFLEET_CACHE/bin/helm-<version>/helm, symlink $KVFLEET_CACHE/bin/helm-current), so
+# changing HELM_VERSION rebuilds only helm and changing Kubernetes never rebuilds helm.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -24,8 +28,52 @@ stamp=k8s-${KUBERNETES_VERSION}-etcd-${ETCD_VERSION}
 out=$cache/bin/$stamp
 bins=(etcd kube-apiserver kube-scheduler kube-controller-manager kubectl)
 
+machine_root=${KVFLEET_MACHINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet}
+# Never let a newer `go` line in a dependency silently fetch another toolchain mid-build.
+export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
+
+# helm: `go install helm.sh/helm/v3/cmd/helm@vX` works as is (helm's module has no replace lines).
+# The ldflags are those of helm's own Makefile: its version, and the Kubernetes version it assumes
+# for `helm template` and `helm lint` (derived from its client-go, as the Makefile does), without
+# which charts are rendered against Kubernetes 1.20.
+helm_stamp=helm-$HELM_VERSION
+helm_out=$cache/bin/$helm_stamp
+helm_machine=$machine_root/bin/$helm_stamp
+build_helm() {
+  mkdir -p "$helm_out"
+  if [ ! -x "$helm_out/helm" ] && [ -x "$helm_machine/helm" ]; then
+    ln -f "$helm_machine/helm" "$helm_out/helm" 2>/dev/null || cp "$helm_machine/helm" "$helm_out/helm"
+  fi
+  if [ ! -x "$helm_out/helm" ]; then
+    local mod=$cache/build/$helm_stamp
+    mkdir -p "$mod"
+    echo "[build] helm $HELM_VERSION"
+    local gomod client_go k8s_minor ld
+    gomod=$(cd "$mod" && GOFLAGS= go mod download -json "helm.sh/helm/v3@$HELM_VERSION" |
+      python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("GoMod") or sys.exit(d.get("Error", "no go.mod")))')
+    client_go=$(awk '$1=="k8s.io/client-go"{print $2; exit}' "$gomod")
+    [ -n "$client_go" ] || { echo "no k8s.io/client-go requirement in $gomod" >&2; exit 1; }
+    k8s_minor=$(echo "$client_go" | cut -d. -f2)
+    ld="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata="
+    ld+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+    for pkg in pkg/lint/rules pkg/chartutil; do
+      ld+=" -X helm.sh/helm/v3/$pkg.k8sVersionMajor=1 -X helm.sh/helm/v3/$pkg.k8sVersionMinor=$k8s_minor"
+    done
+    (cd "$mod" && GOFLAGS= GOBIN="$mod/bin" go install -trimpath -ldflags "$ld" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION")
+    mv "$mod/bin/helm" "$helm_out/helm"
+    if [ "$helm_machine" != "$helm_out" ]; then
+      mkdir -p "$helm_machine"
+      ln -f "$helm_out/helm" "$helm_machine/helm" 2>/dev/null || cp "$helm_out/helm" "$helm_machine/helm"
+    fi
+    "$helm_out/helm" version --short
+  fi
+  ln -sfn "$helm_stamp" "$cache/bin/helm-current"
+  echo "helm $HELM_VERSION in $helm_out"
+}
+build_helm
+
 have_all() { for b in "${bins[@]}"; do [ -x "$out/$b" ] || return 1; done; }
-machine_cache=${KVFLEET_MACHINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet}/bin/$stamp
+machine_cache=$machine_root/bin/$stamp
 mkdir -p "$out"
 if ! have_all && [ -d "$machine_cache" ]; then
   for b in "${bins[@]}"; do
@@ -38,8 +86,6 @@ if have_all; then
   exit 0
 fi
 export GOFLAGS=-mod=mod
-# Never let a newer `go` line in a dependency silently fetch another toolchain mid-build.
-export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
 
 minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
 staging_version=v0.${KUBERNETES_VERSION#v1.}
