@@ -133,6 +133,8 @@ class Agent:
     async def drain(self) -> None:
         """Stop taking requests, let running ones finish (bounded), then stop the engine."""
         self._draining = True
+        log.info("shutting down: no new requests; waiting up to %.0f s for %d running", self.config.drain_timeout_s,
+                 len(self._active))
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
         while self._active and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
