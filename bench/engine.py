@@ -1,9 +1,10 @@
 """Decode throughput of the builtin engine against vLLM, and KV-load report writes under steady load.
 
 Both engines serve the same tiny local model (`kvfleet model make-tiny`, float32) with the same
-prompts, greedy, in one run: first one request at a time, then a batch of concurrent ones. The ratio
-printed is builtin tokens/s over vLLM tokens/s on the batch (the figure a serving pod lives by). On a
-GPU machine both run on the GPU; here, on the CPU.
+prompts, greedy, in one run: both loaded side by side, then measured in alternating rounds (one
+request, then a batch of concurrent ones; median of the rounds), so load from elsewhere on a shared
+machine slows both alike. The ratio printed is builtin tokens/s over vLLM tokens/s on the batch (the
+figure a serving pod lives by). On a GPU machine both run on the GPU; here, on the CPU.
 
 Report writes: the worker's LoadReporter runs against the builtin engine while a steady Poisson
 stream of requests arrives and finishes; it writes only on arrivals, finishes and size-class
@@ -20,10 +21,10 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine, SamplingParams
@@ -50,22 +51,40 @@ async def decode(engine: Engine, batch: list[list[int]], max_tokens: int, tag: s
     return sum(counts), time.perf_counter() - start
 
 
-async def throughput(name: str, model: Path, batch: list[list[int]], max_tokens: int, device: str) -> dict[str, float]:
-    engine = load_engine(name, EngineConfig(model_path=model, kv_capacity_bytes=KV_CAPACITY_BYTES, max_model_len=1024,
-                                            max_num_seqs=len(batch), dtype="float32", device=device))
-    t0 = time.perf_counter()
-    await engine.start()
-    load_s = time.perf_counter() - t0
+async def throughput(names: list[str], model: Path, batch: list[list[int]], max_tokens: int, device: str,
+                     repeat: int) -> dict[str, dict[str, float]]:
+    """Both engines loaded side by side and measured in alternation, `repeat` rounds, median kept:
+    a burst of load from elsewhere on the machine then slows both, not only the one it hits."""
+    engines = {}
+    load_s = {}
+    for name in names:
+        engines[name] = load_engine(name, EngineConfig(model_path=model, kv_capacity_bytes=KV_CAPACITY_BYTES,
+                                                       max_model_len=1024, max_num_seqs=len(batch), dtype="float32",
+                                                       device=device))
+        t0 = time.perf_counter()
+        await engines[name].start()
+        load_s[name] = time.perf_counter() - t0
+    single: dict[str, list[float]] = {name: [] for name in names}
+    batched: dict[str, list[float]] = {name: [] for name in names}
     try:
-        await decode(engine, batch[:2], 4, f"{name}-warm")  # first-call costs (allocations, compilation)
-        single_tokens, single_s = await decode(engine, batch[:1], max_tokens, f"{name}-one")
-        tokens, seconds = await decode(engine, batch, max_tokens, f"{name}-batch")
+        for name, engine in engines.items():
+            await decode(engine, batch[:2], 4, f"{name}-warm")  # first-call costs (allocations, compilation)
+        for r in range(repeat):
+            for name, engine in engines.items():
+                tokens, seconds = await decode(engine, batch[:1], max_tokens, f"{name}-one-{r}")
+                single[name].append(tokens / seconds)
+                tokens, seconds = await decode(engine, batch, max_tokens, f"{name}-batch-{r}")
+                batched[name].append(tokens / seconds)
     finally:
-        await engine.stop()
-    result = {"load_s": load_s, "single_tokens_per_s": single_tokens / single_s, "batch_tokens_per_s": tokens / seconds}
-    print(f"{name:8s} load {load_s:6.1f} s   1 request {result['single_tokens_per_s']:8.1f} tok/s   "
-          f"{len(batch)} requests {result['batch_tokens_per_s']:8.1f} tok/s", flush=True)
-    return result
+        for engine in engines.values():
+            await engine.stop()
+    results = {}
+    for name in names:
+        results[name] = {"load_s": load_s[name], "single_tokens_per_s": statistics.median(single[name]),
+                         "batch_tokens_per_s": statistics.median(batched[name])}
+        print(f"{name:8s} load {load_s[name]:6.1f} s   1 request {results[name]['single_tokens_per_s']:8.1f} tok/s   "
+              f"{len(batch)} requests {results[name]['batch_tokens_per_s']:8.1f} tok/s   (median of {repeat})", flush=True)
+    return results
 
 
 async def report_writes(model: Path, duration_s: float, rate_per_s: float, interval_s: float, device: str) -> dict[str, float]:
@@ -125,10 +144,11 @@ def main() -> int:
     parser.add_argument("--report-interval", type=float, default=1.0, help="reporter interval (the pool's epoch), s")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the tiny model is built (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="small sizes (tests this script)")
+    parser.add_argument("--repeat", type=int, default=3, help="alternating rounds per engine (median kept)")
     parser.add_argument("--no-vllm", action="store_true", help="the builtin engine only (no ratio)")
     args = parser.parse_args()
     if args.quick:
-        args.batch, args.max_tokens, args.report_seconds = 4, 8, 3.0
+        args.batch, args.max_tokens, args.report_seconds, args.repeat = 4, 8, 3.0, 1
 
     import torch  # after argparse, so --help is instant
 
@@ -139,14 +159,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny(args.model_dir or Path(tmp) / "tiny")
         batch = prompts(args.batch, seed=1)
-        builtin = asyncio.run(throughput("builtin", model, batch, args.max_tokens, device))
-        vllm: dict[str, Any] | None = None
+        names = ["builtin"]
         if args.no_vllm:
-            print("vllm   skipped (--no-vllm): no ratio", flush=True)
+            print("vllm     skipped (--no-vllm): no ratio", flush=True)
         elif vllm_installed():
-            vllm = asyncio.run(throughput("vllm", model, batch, args.max_tokens, device))
+            names.append("vllm")
         else:
-            print("vllm   not installed (bash scripts/install-vllm.sh .venv): no ratio", flush=True)
+            print("vllm     not installed (bash scripts/install-vllm.sh .venv): no ratio", flush=True)
+        measured = asyncio.run(throughput(names, model, batch, args.max_tokens, device, args.repeat))
+        builtin, vllm = measured["builtin"], measured.get("vllm")
         reports = asyncio.run(report_writes(model, args.report_seconds, args.report_rate, args.report_interval, device))
     ratio = builtin["batch_tokens_per_s"] / vllm["batch_tokens_per_s"] if vllm else None
     if ratio is not None:
