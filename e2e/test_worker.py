@@ -6,7 +6,9 @@ written with its own ServiceAccount."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
@@ -35,10 +37,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def pool(name: str, model_dir: Path) -> dict[str, Any]:
+def pool(name: str, model_dir: Path, engine: str) -> dict[str, Any]:
     return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": {
         "model": {"name": "tiny", "path": str(model_dir)},
-        "engine": "builtin",
+        "engine": engine,
         "capacity": {"kvCapacityPerWorker": "16Mi"},
         "workers": {"min": 1, "max": 1},
         "scheduling": {"epochSeconds": 1},
@@ -63,9 +65,14 @@ def report(cluster: Cluster, namespace: str, pod_name: str) -> KVLoadReport | No
     return KVLoadReport.from_annotations(pod["metadata"].get("annotations"))
 
 
-def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str, operator: Process,
-                                                model_dir: Path) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool("real", model_dir)))
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str, operator: Process, model_dir: Path,
+                                                engine: str) -> None:
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+            pytest.fail("KVFLEET_REQUIRE_VLLM=1 but vllm is not installed (bash scripts/install-vllm.sh .venv)")
+        pytest.skip("vllm is not installed (bash scripts/install-vllm.sh .venv)")
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool("real", model_dir, engine)))
 
     def ready_pod() -> dict[str, Any] | None:
         assert operator.popen.poll() is None, operator.tail(40)
@@ -89,10 +96,11 @@ def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 5
 
-    # A long request shows up in the report while it runs, and leaves it when it ends.
+    # A long request shows up in the report while it runs, and leaves it when it ends. It lasts a few
+    # report intervals (the pool's 1 s epoch) on either engine, so a write falls inside it.
     results: list[tuple[int, Any]] = []
     long_request = threading.Thread(target=lambda: results.append(call(
-        pod, "/v1/completions", {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 400, "temperature": 0,
+        pod, "/v1/completions", {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 1500, "temperature": 0,
                                  "ignore_eos": True}, **{"X-Request-Id": "long-1"})))
     long_request.start()
     during = wait_for(lambda: (r := report(cluster, namespace, name)) and any(q.id == "long-1" for q in r.requests) and r,
@@ -105,7 +113,7 @@ def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str
     after = wait_for(lambda: (r := report(cluster, namespace, name)) and r.requests == [] and r.sequence > during.sequence
                      and r, "long-1 gone from the report", timeout_s=30)
     assert after.used_bytes == 0
-    # 400 decode steps were written as a handful of reports, not one per token.
+    # 1,500 decode steps were written as a handful of reports, not one per token.
     assert after.sequence - first.sequence < 20
 
     # The pool's own components get in with the pool token, nobody else does.
