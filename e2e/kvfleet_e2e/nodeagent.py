@@ -6,7 +6,8 @@ nodes with `nvidia.com/gpu` capacity and zone labels, keeps their leases fresh, 
 real scheduler binds to them whose image is one of the project's (e2e/images.yaml) as a process:
 the container's command, args and env, a service-account token from the TokenRequest API (handed to
 the process as a kubeconfig in $KUBECONFIG), and a loopback address of its own as the pod IP
-(127.0.1.x, so every pod can listen on its declared ports). Readiness and liveness probes, restart
+(127.B.x.y, so every pod can listen on its declared ports; B is drawn per agent so that clusters
+running side by side on one machine, as parallel test runs do, do not hand out the same address). Readiness and liveness probes, restart
 policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace period, then the final
 delete a kubelet makes) are reflected in the pod status. Pods with other images stay Pending with a
 Warning event that says why.
@@ -23,6 +24,7 @@ import http.client
 import logging
 import os
 import queue
+import random
 import re
 import shlex
 import signal
@@ -178,6 +180,8 @@ class NodeAgent:
         self.stopping = threading.Event()
         self._free_ips: list[int] = []
         self._next_ip = 0
+        # The second octet of this agent's pod IPs: 1..254, never 0 (127.0.0.1 is the host).
+        self._ip_octet = random.SystemRandom().randint(1, 254)
 
     # ------------------------------------------------------------------------------------ nodes
 
@@ -306,7 +310,7 @@ class NodeAgent:
         index = self._free_ips.pop() if self._free_ips else self._next_ip
         if index == self._next_ip:
             self._next_ip += 1
-        return f"127.0.{1 + index // 250}.{index % 250 + 2}"
+        return f"127.{self._ip_octet}.{1 + index // 250}.{index % 250 + 2}"
 
     def release_ip(self, ip: str) -> None:
         _, _, third, fourth = (int(p) for p in ip.split("."))
