@@ -254,10 +254,12 @@ def test_install_runs_the_operator_under_the_charts_service_account_and_reconcil
                       if p["spec"].get("priority") == resources.HEADROOM_PRIORITY], "a headroom pod", timeout_s=30)
 
     # The metrics endpoint the chart's Service points at serves the pool's figures.
-    ip = pod["status"]["podIP"]
-    with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    assert f'kvfleet_pool_workers_ready{{namespace="{POOLS_NS}",pool="{name}"}} 1.0' in text
+    def metrics() -> str:
+        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:9090/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    sample = f'kvfleet_pool_workers_ready{{namespace="{POOLS_NS}",pool="{name}"}} 1.0'
+    wait_for(lambda: sample in metrics(), f"{sample} on the operator's /metrics", timeout_s=15)
     service = cluster.get_json("service", f"{FULLNAME}-metrics", "-n", RELEASE_NS)
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
 
@@ -284,12 +286,33 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(installed: Installed) -
     wait_for(lambda: pool_status(cluster, name).get("readyWorkers") == 2, "a second worker from the new operator", timeout_s=90)
 
 
+def namespace_is_going(cluster: Cluster, namespace: str) -> bool:
+    ns = cluster.get_json("namespace", namespace, check=False)
+    return ns is None or ns.get("status", {}).get("phase") == "Terminating"
+
+
+def refusals(cluster: Cluster, log: str) -> list[str]:
+    """Log lines where the API server refused the operator, less those that are not RBAC's: a
+    namespace being deleted refuses new objects with 403 too (NamespaceLifecycle admission). While
+    cluster-wide, the operator also serves other test modules' pools, whose namespaces are going;
+    its RBAC is the same in every namespace then, so a real denial would show on our pool as well."""
+    found = []
+    for line in log.splitlines():
+        if not REFUSALS.search(line) or "because it is being terminated" in line:
+            continue
+        pool = re.search(r"reconcile of ([a-z0-9-]+)/\S+ failed", line)
+        if pool and pool[1] != POOLS_NS and namespace_is_going(cluster, pool[1]):
+            continue
+        found.append(line)
+    return found
+
+
 def test_the_operator_was_never_refused(installed: Installed) -> None:
     assert len(installed.operator_pods) == 2, "the install and upgrade tests did not run"
     for name in installed.operator_pods:
         log = (installed.cluster.pod_dir(RELEASE_NS, name) / "operator.log").read_text(errors="replace")
         assert "became the leader" in log, log[-3000:]
-        refused = [line for line in log.splitlines() if REFUSALS.search(line)]
+        refused = refusals(installed.cluster, log)
         assert not refused, f"{name} was refused by the API server:\n" + "\n".join(refused[:20])
         assert "Traceback" not in log, log[-3000:]
 
