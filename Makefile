@@ -34,6 +34,7 @@ lint: venv
 
 crds: venv
 	$(VENV)/bin/kvfleet crds
+	cp crds/*.yaml charts/kvfleet/crds/
 
 unit: venv
 	$(PY) -m pytest tests
