@@ -42,8 +42,8 @@ class Worker:
         status, raw = self.request("POST", path, body, headers)
         return status, json.loads(raw)
 
-    def stream(self, path: str, body: dict[str, Any]) -> list[Any]:
-        status, raw = self.request("POST", path, {**body, "stream": True})
+    def stream(self, path: str, body: dict[str, Any], **headers: str) -> list[Any]:
+        status, raw = self.request("POST", path, {**body, "stream": True}, headers)
         assert status == 200, raw
         events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
         assert events[-1] == b"[DONE]"
@@ -116,6 +116,23 @@ def test_chat_whole_and_streamed_agree(worker: Worker) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_token_stream_mode_carries_every_token_id_in_order(worker: Worker, tiny_model_dir: Path) -> None:
+    """What the router resumes a request from: the prompt's ids, then each step's ids with its index."""
+    _, whole = worker.post("/v1/completions", completion(max_tokens=12))
+    chunks = worker.stream("/v1/completions", completion(max_tokens=12), **{"X-Kvfleet-Stream": "tokens"})
+    tokenizer = Tokenizer(tiny_model_dir)
+    assert chunks[0]["kvfleet"]["prompt_token_ids"] == tokenizer.encode("The quick brown fox")
+    ids: list[int] = []
+    for c in chunks:
+        assert c["kvfleet"]["index"] == len(ids)
+        ids += c["kvfleet"]["token_ids"]
+    assert len(ids) == 12
+    assert tokenizer.decode(ids) == whole["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    plain = worker.stream("/v1/completions", completion(max_tokens=12))
+    assert all("kvfleet" not in c for c in plain)
 
 
 def test_stop_string_cuts_the_text(worker: Worker) -> None:

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 # Request ids travel in KV-load reports and KVMigration names: keep them short and plain.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 REQUEST_ID_HEADER = "X-Request-Id"
+# `X-Kvfleet-Stream: tokens` (the router sends it): every streamed chunk also carries the token ids
+# it covers, `"kvfleet": {"index": tokens before it, "token_ids": [...]}`, and the first one the prompt's
+# ids, so the router can resume a request elsewhere from exactly what the client has seen.
+TOKEN_STREAM_HEADER = "X-Kvfleet-Stream"
 
 
 @dataclass(frozen=True)
@@ -342,8 +346,8 @@ class Agent:
 
     # --------------------------------------------------------------------------------- generation
 
-    async def _deltas(self, job: _Job) -> AsyncGenerator[tuple[str, str | None, int], None]:
-        """(text delta, finish reason or None, tokens in this step) until the request ends.
+    async def _deltas(self, job: _Job) -> AsyncGenerator[tuple[str, str | None, tuple[int, ...]], None]:
+        """(text delta, finish reason or None, token ids of this step) until the request ends.
 
         Stop strings end the request here: the engine's stream is closed, which aborts it there.
         """
@@ -361,13 +365,13 @@ class Agent:
                 text = stops.feed(detok.add(out.new_token_ids))
                 if stops.stopped:
                     finish = "stop"
-                    yield text, finish, len(out.new_token_ids)
+                    yield text, finish, out.new_token_ids
                     break
                 if out.finished:
                     finish = out.finish_reason or "stop"
-                    yield text + stops.feed(detok.flush()) + stops.finish(), finish, len(out.new_token_ids)
+                    yield text + stops.feed(detok.flush()) + stops.finish(), finish, out.new_token_ids
                     break
-                yield text, None, len(out.new_token_ids)
+                yield text, None, out.new_token_ids
             self.metrics.requests.labels(finish or "abort").inc()
         finally:
             self._active.discard(job.request_id)
@@ -378,9 +382,9 @@ class Agent:
         parts: list[str] = []
         finish = "abort"
         tokens = 0
-        async for text, reason, n in self._deltas(job):
+        async for text, reason, ids in self._deltas(job):
             parts.append(text)
-            tokens += n
+            tokens += len(ids)
             if reason is not None:
                 finish = reason
         return "".join(parts), finish, tokens
@@ -388,11 +392,12 @@ class Agent:
     async def _stream(self, request: web.Request, job: _Job, chunks: Callable[[str, str | None], list[dict[str, Any]]],
                       include_usage: bool, first: dict[str, Any]) -> web.StreamResponse:
         # Errors the engine raises before its first output still become a plain 4xx, not a broken stream.
+        with_tokens = request.headers.get(TOKEN_STREAM_HEADER, "").lower() == "tokens"
         deltas = self._deltas(job)
         try:
             head = await anext(deltas)
         except StopAsyncIteration:
-            head = ("", "abort", 0)
+            head = ("", "abort", ())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         tokens = 0
@@ -400,18 +405,24 @@ class Agent:
         async def send(payload: dict[str, Any]) -> None:
             await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
+        async def send_step(text: str, reason: str | None, ids: tuple[int, ...]) -> None:
+            nonlocal tokens
+            if with_tokens:
+                for c in chunks(text, reason):
+                    await send({**c, "kvfleet": {"index": tokens, "token_ids": list(ids)}})
+            elif text or reason is not None:
+                for c in chunks(text, reason):
+                    await send(c)
+            tokens += len(ids)
+
         try:
+            if with_tokens:
+                first = {**first, "kvfleet": {"index": 0, "token_ids": [], "prompt_token_ids": job.prompt_token_ids}}
             await send(first)
-            text, reason, n = head
-            tokens += n
-            for c in chunks(text, reason):
-                await send(c)
-            if reason is None:
-                async for text, reason, n in deltas:
-                    tokens += n
-                    if text or reason is not None:
-                        for c in chunks(text, reason):
-                            await send(c)
+            await send_step(*head)
+            if head[1] is None:
+                async for text, reason, ids in deltas:
+                    await send_step(text, reason, ids)
             if include_usage:
                 await send({"id": job.request_id, "object": first["object"], "created": first["created"],
                             "model": first["model"], "choices": [], "usage": usage(len(job.prompt_token_ids), tokens)})
