@@ -30,7 +30,7 @@ controlplane:
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim -p kvfleet.api -p kvfleet.worker
+	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim -p kvfleet.api -p kvfleet.worker -p kvfleet.router
 
 crds: venv
 	$(VENV)/bin/kvfleet crds

@@ -1,0 +1,232 @@
+"""Where a new request goes: MELL's Allocate rule (MELL §VI-C, Fig. 10) on the router's view of the pool.
+
+The operator runs MELL once per epoch and publishes, per size class, the worker that Allocate would
+give the next request (`status.routingTable`). Between epochs the router keeps placing requests, and
+the table can go stale: its worker may have filled up with requests the router sent since, or gone.
+So the router checks the route against its own live view (the workers' KV-load reports plus the
+requests it placed itself and the reports do not show yet) and, when the route does not fit, applies
+the same Allocate rule itself on that view. Placing where MELL would means the next epoch orders no
+migration for the request. Pure: no I/O, no clock, so it is tested with exact small cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvfleet.mell.models import SizeClass, size_class
+
+# Report and routing-table spellings of the size classes (kvfleet.api.reports, RouteEntry).
+_CLASS_OF_NAME = {"tiny": SizeClass.TINY, "T": SizeClass.T, "S": SizeClass.S, "M": SizeClass.M, "L": SizeClass.L,
+                  "X": SizeClass.X}
+# Rough bytes of UTF-8 text per token of a BPE tokenizer, for prompts the router sees as text (it has
+# no tokenizer: the model's files live with the workers). The first streamed chunk gives the exact count.
+TEXT_BYTES_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class ReportedRequest:
+    request_id: str
+    kv_bytes: int
+    size_class: SizeClass
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker pod as the router sees it (from the Kubernetes API, never per request)."""
+
+    pod_name: str
+    address: str  # "ip:port" of the agent
+    ready: bool
+    # Higher is more recently activated: the worker index the operator names pods by (activation order).
+    activation_order: int
+    capacity_bytes: int | None  # from its KV-load report; None before its first report
+    reported: tuple[ReportedRequest, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    workers: tuple[WorkerState, ...]
+    # Size class name (L, M, S, T) -> worker pod, the operator's routing table.
+    routes: Mapping[str, str]
+    # False until the view has read the cluster once: the router is not ready before.
+    synced: bool = True
+
+    def ready_workers(self) -> list[WorkerState]:
+        return [w for w in self.workers if w.ready and w.address]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A request the router placed and has not seen end: what it will hold at most, and where."""
+
+    request_id: str
+    pod_name: str
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    pod_name: str
+    address: str
+    # How it was chosen: "route", "allocate:<step>" or "least-loaded" (logged, and counted in metrics).
+    rule: str
+
+
+@dataclass(frozen=True)
+class NoPlacement:
+    reason: str  # "no-ready-worker" or "no-capacity"
+    message: str
+
+
+def class_name(kv_bytes: int, capacity_bytes: int) -> str:
+    """The routing-table class of a request of this size: tiny ones travel as T multi-items (§VI-C),
+    and one larger than C (DistAttention's case) needs a whole GPU, like an L-request."""
+    cls = size_class(kv_bytes, capacity_bytes)
+    if cls == SizeClass.TINY:
+        return "T"
+    if cls == SizeClass.X:
+        return "L"
+    return cls.name
+
+
+def request_kv_bytes(prompt_tokens: int, max_tokens: int | None, kv_bytes_per_token: int, max_model_len: int | None) -> int:
+    """The most KV the request will hold: prompt plus its whole output budget.
+
+    MELL sizes a request by its current KV and moves it when it grows into another class (Update);
+    the router knows the budget up front, so placing by the final size avoids those moves.
+    """
+    output = max_tokens
+    if max_model_len is not None:
+        room = max(0, max_model_len - prompt_tokens)
+        output = room if output is None else min(output, room)
+    return (prompt_tokens + (output or 0)) * kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class _Load:
+    worker: WorkerState
+    capacity_bytes: int
+    committed_bytes: int
+    num_requests: int
+    category: SizeClass | None  # the largest class it holds (MELL's GPU category); None when empty
+    largest_bytes: int  # the size of that largest request (the L-request of an L-GPU)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.committed_bytes
+
+    def fits(self, kv_bytes: int) -> bool:
+        # A request larger than C takes a whole (empty) worker; DistAttention spreads the rest.
+        return self.committed_bytes + min(kv_bytes, self.capacity_bytes) <= self.capacity_bytes
+
+
+def _loads(snapshot: PoolSnapshot, reservations: Sequence[Reservation], default_capacity_bytes: int,
+           exclude: frozenset[str]) -> list[_Load]:
+    by_pod: dict[str, dict[str, int]] = {}
+    for r in reservations:
+        by_pod.setdefault(r.pod_name, {})[r.request_id] = r.kv_bytes
+    loads = []
+    for w in snapshot.ready_workers():
+        if w.pod_name in exclude:
+            continue
+        capacity = w.capacity_bytes or default_capacity_bytes
+        mine = by_pod.get(w.pod_name, {})
+        # A request the report shows and the router placed counts once, at the larger of the two:
+        # the report has its KV so far, the reservation what it will grow to.
+        sizes = {r.request_id: max(r.kv_bytes, mine.get(r.request_id, 0)) for r in w.reported}
+        for request_id, kv_bytes in mine.items():
+            sizes.setdefault(request_id, kv_bytes)
+        classes = [size_class(b, capacity) for b in sizes.values()]
+        category = max(classes, default=None)
+        largest = max(sizes.values(), default=0)
+        loads.append(_Load(w, capacity, sum(sizes.values()), len(sizes), category, largest))
+    return loads
+
+
+def _priority(load: _Load) -> tuple[int, int, str]:
+    """MELL's priority of a GPU for incoming requests: workload only (fewer requests, more free memory
+    first, §VI-C); the name breaks ties so the choice is deterministic."""
+    return (load.num_requests, -load.free_bytes, load.worker.pod_name)
+
+
+def _latest(loads: list[_Load]) -> _Load | None:
+    return max(loads, key=lambda load: (load.worker.activation_order, load.worker.pod_name), default=None)
+
+
+def allocate(loads: list[_Load], kv_bytes: int) -> tuple[_Load, str] | None:
+    """MELL §VI-C, Fig. 10, J.Allocate(i), restricted to what a router can do: choose a worker.
+
+    The moves Allocate also orders (departing T-requests from an L-GPU, moving an S/M-request to a new
+    L-GPU) are the operator's next epoch; since the router cannot make them, a worker must also fit
+    the request as it is now.
+    """
+    capacity = loads[0].capacity_bytes
+    cls = size_class(kv_bytes, capacity)
+    fitting = [load for load in loads if load.fits(kv_bytes)]
+    l_gpus = [load for load in fitting if load.category in (SizeClass.L, SizeClass.X)]
+    empty = [load for load in fitting if load.category is None]
+    if cls in (SizeClass.TINY, SizeClass.T):
+        # 1: an L-GPU with room, highest priority; otherwise the most recently activated T-GPU.
+        if l_gpus:
+            return min(l_gpus, key=_priority), "allocate:T-on-L-GPU"
+        latest = _latest([load for load in fitting if load.category in (SizeClass.TINY, SizeClass.T)])
+        if latest is not None:
+            return latest, "allocate:T-on-latest-T-GPU"
+    elif cls in (SizeClass.S, SizeClass.M):
+        # 2: an L-GPU j with S(i_L) + S(i) < C, highest priority; otherwise the latest S/M-GPU.
+        candidates = [load for load in l_gpus if load.largest_bytes + kv_bytes < load.capacity_bytes]
+        if candidates:
+            return min(candidates, key=_priority), "allocate:SM-on-L-GPU"
+        latest = _latest([load for load in fitting if load.category in (SizeClass.S, SizeClass.M)])
+        if latest is not None:
+            return latest, "allocate:SM-on-latest-SM-GPU"
+    # 3 (and 1, 2 when nothing fits): activate a new GPU, i.e. a worker holding nothing. The
+    # operator keeps warm empty workers (the floor, headroom) for exactly this.
+    if empty:
+        return min(empty, key=lambda load: (load.worker.activation_order, load.worker.pod_name)), "allocate:new-GPU"
+    return None
+
+
+def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, *, default_capacity_bytes: int,
+          exclude: frozenset[str] = frozenset()) -> Placement | NoPlacement:
+    """The worker for a new request of `kv_bytes` (its estimated final KV), or why there is none.
+
+    In order: the routing table's worker for the request's class if it is Ready and fits; MELL's
+    Allocate on the router's view; the least-loaded Ready worker that fits (the pool has Ready
+    workers but no reports yet, or Allocate found nothing); otherwise no capacity. `exclude` names
+    workers that just failed this request.
+    """
+    loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
+    if not loads:
+        return NoPlacement("no-ready-worker", "the pool has no Ready worker; retry shortly")
+    by_name = {load.worker.pod_name: load for load in loads}
+    route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
+    if route is not None and route.fits(kv_bytes):
+        return Placement(route.worker.pod_name, route.worker.address, "route")
+    chosen = allocate(loads, kv_bytes)
+    if chosen is not None:
+        return Placement(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
+    fitting = [load for load in loads if load.fits(kv_bytes)]
+    if fitting:
+        best = max(fitting, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+        return Placement(best.worker.pod_name, best.worker.address, "least-loaded")
+    return NoPlacement("no-capacity", f"no worker of the pool has {kv_bytes} bytes of KV cache free for this request "
+                       f"(prompt plus max_tokens); retry shortly or ask for fewer tokens")
+
+
+def parse_class(name: str) -> SizeClass:
+    return _CLASS_OF_NAME[name]
+
+
+def estimate_prompt_tokens(prompt: str | Sequence[int] | Sequence[Mapping[str, object]]) -> int:
+    """Prompt tokens: exact for token ids, estimated for text and chat messages (the worker tokenizes)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode()) // TEXT_BYTES_PER_TOKEN + 1
+    total = 0
+    for item in prompt:
+        if isinstance(item, int):
+            total += 1
+        else:  # a chat message: its text plus a few tokens of the chat template around it
+            total += len(str(item.get("content", "")).encode()) // TEXT_BYTES_PER_TOKEN + 4
+    return max(1, total)

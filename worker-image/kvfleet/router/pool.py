@@ -1,0 +1,177 @@
+"""How the router knows the pool: its LLMPool (the routing table) and its worker pods, from the API.
+
+Two watches (the pool by name, the workers by label), each a list followed by a watch from the
+list's resourceVersion, re-listed after any error or a 410. A watch sees a worker go NotReady or a
+new report within milliseconds at no cost per request, where polling every second would cost two
+list calls a second per router and still lag; nothing on the request path calls the API server.
+The view is an immutable `PoolSnapshot` swapped under a lock, so a request reads one consistent
+state. Tests and a router run by hand use `StaticPoolView` instead: no API server needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState, parse_class
+
+log = logging.getLogger(__name__)
+
+POOL_LABEL = "kvfleet.dev/pool"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+INDEX_LABEL = "kvfleet.dev/worker-index"
+WORKER_PORT = 8000
+GROUP, VERSION, PLURAL = "kvfleet.dev", "v1alpha1", "llmpools"
+# A watch is re-opened this often even when quiet, so a silently dead connection costs at most this.
+WATCH_TIMEOUT_S = 60
+RETRY_S = 1.0
+_INDEX = re.compile(r"-worker-(\d+)$")
+
+
+class PoolView(Protocol):
+    def snapshot(self) -> PoolSnapshot: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class StaticPoolView:
+    """A pool view set by hand (tests, a router in front of workers started without Kubernetes)."""
+
+    def __init__(self, snapshot: PoolSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def set(self, snapshot: PoolSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def snapshot(self) -> PoolSnapshot:
+        return self._snapshot
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False  # terminating: it drains, and takes no new request
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def worker_state(pod: Mapping[str, Any]) -> WorkerState:
+    """One worker pod (as the API returns it, camelCase dict) in the router's terms."""
+    meta = pod.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    labels = meta.get("labels") or {}
+    index_text = labels.get(INDEX_LABEL) or (m.group(1) if (m := _INDEX.search(name)) else "")
+    ip = (pod.get("status") or {}).get("podIP") or ""
+    report = KVLoadReport.from_annotations(meta.get("annotations"))
+    reported: tuple[ReportedRequest, ...] = ()
+    if report is not None:
+        reported = tuple(ReportedRequest(r.id, r.kv_bytes, parse_class(r.size_class)) for r in report.requests)
+    return WorkerState(name, f"{ip}:{WORKER_PORT}" if ip else "", is_ready(pod),
+                       int(index_text) if index_text.isdigit() else -1,
+                       report.capacity_bytes if report else None, reported)
+
+
+def routes_of(pool: Mapping[str, Any] | None) -> dict[str, str]:
+    table = ((pool or {}).get("status") or {}).get("routingTable") or []
+    return {str(e["sizeClass"]): str(e["worker"]) for e in table if e.get("sizeClass") and e.get("worker")}
+
+
+class KubePoolView:
+    """The pool and its workers, kept current by two watches in background threads."""
+
+    def __init__(self, namespace: str, pool_name: str) -> None:
+        self.namespace = namespace
+        self.pool_name = pool_name
+        self._lock = threading.Lock()
+        self._pods: dict[str, dict[str, Any]] = {}
+        self._pool: dict[str, Any] | None = None
+        self._synced = {"pods": False, "pool": False}
+        self._snapshot = PoolSnapshot((), {}, synced=False)
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def snapshot(self) -> PoolSnapshot:
+        return self._snapshot
+
+    def start(self) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]  # the e2e node agent hands pods a kubeconfig
+        core, custom = client.CoreV1Api(), client.CustomObjectsApi()
+        selector = f"{POOL_LABEL}={self.pool_name},{COMPONENT_LABEL}=worker"
+        sanitize = client.ApiClient().sanitize_for_serialization
+
+        def list_pods(**kw: Any) -> Any:
+            return core.list_namespaced_pod(self.namespace, label_selector=selector, **kw)
+
+        def list_pool(**kw: Any) -> Any:
+            # The Role allows this one pool only (resourceNames), which a list must name by field selector.
+            return custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                        field_selector=f"metadata.name={self.pool_name}", **kw)
+
+        for kind, lister in (("pods", list_pods), ("pool", list_pool)):
+            thread = threading.Thread(target=self._watch_loop, args=(kind, lister, sanitize), name=f"watch-{kind}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch_loop(self, kind: str, lister: Callable[..., Any], sanitize: Callable[[Any], Any]) -> None:
+        from kubernetes import watch
+
+        while not self._stopped.is_set():
+            try:
+                listing = sanitize(lister())
+                self._replace(kind, listing.get("items") or [])
+                version = listing["metadata"]["resourceVersion"]
+                stream = watch.Watch()  # type: ignore[no-untyped-call]
+                for event in stream.stream(lister, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S):  # type: ignore[no-untyped-call]
+                    if self._stopped.is_set():
+                        stream.stop()  # type: ignore[no-untyped-call]
+                        break
+                    if event["type"] == "ERROR":
+                        break  # usually 410 Gone: the version is too old; re-list
+                    self._apply(kind, event["type"], sanitize(event["object"]))
+            except Exception as err:  # the API server away or restarting: keep the last view, retry
+                log.warning("watching the pool's %s failed, retrying in %.0f s: %s", kind, RETRY_S, err)
+                time.sleep(RETRY_S)
+
+    def _replace(self, kind: str, items: list[dict[str, Any]]) -> None:
+        with self._lock:
+            if kind == "pods":
+                self._pods = {p["metadata"]["name"]: p for p in items}
+            else:
+                self._pool = items[0] if items else None
+            self._synced[kind] = True
+            self._publish()
+
+    def _apply(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if kind == "pods":
+                if event_type == "DELETED":
+                    self._pods.pop(obj["metadata"]["name"], None)
+                else:
+                    self._pods[obj["metadata"]["name"]] = obj
+            else:
+                self._pool = None if event_type == "DELETED" else obj
+            self._publish()
+
+    def _publish(self) -> None:
+        workers = tuple(sorted((worker_state(p) for p in self._pods.values()), key=lambda w: w.pod_name))
+        self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()))

@@ -1,0 +1,291 @@
+"""One request's token stream from the workers, kept whole across migrations and worker deaths.
+
+The router always asks a worker for its router-mode stream (`X-Kvfleet-Stream: tokens`): every chunk
+carries the output index it starts at and the token ids it covers, and the first one the prompt's ids.
+With those the router knows exactly which tokens its client has seen, which is what makes both
+continuations exact:
+
+- a migration: the source's stream ends with `event: kvfleet.migrated` naming the target; the router
+  reads the rest from the target (`/internal/requests/{id}/stream?after=n`). Chunks repeating an index
+  already relayed are dropped; a gap is a broken continuation and handled like a dead worker.
+- a dead worker (connection error, timeout, end of stream without `[DONE]`, an aborted request): the
+  router re-prefills prompt + the output tokens whose text the client has already received on another
+  worker, with the remaining budget and the same sampling parameters (MELL §V's token migration, done
+  by the router because the source cannot take part). Greedy output equals the unbroken run.
+
+Text comes from the workers' detokenizers, which hold back the tokens of a half-written character. A
+chunk with text means every token up to it has been shown, so a resume starts after the last such
+chunk (`clean`), and the held-back tokens are generated again with their text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvfleet.router.placement import NoPlacement, Placement
+
+log = logging.getLogger(__name__)
+
+# The agent's router-mode header and request-id header (kvfleet.worker.agent; a test holds them equal).
+TOKEN_STREAM_HEADER = "X-Kvfleet-Stream"
+REQUEST_ID_HEADER = "X-Request-Id"
+MIGRATED_EVENT = "kvfleet.migrated"
+# Sampling fields a resumed request carries over unchanged (the OpenAI subset the worker accepts).
+RESUMED_FIELDS = ("model", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos", "user")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 5.0
+    # Until the worker's first chunk (it answers after the first decoding step): queueing + prefill.
+    first_token_s: float = 120.0
+    # Between two chunks of a running stream.
+    idle_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """Text the client has not seen yet, and the finish reason on the last step."""
+
+    text: str
+    finish_reason: str | None
+
+
+class WorkerRefused(Exception):
+    """The worker answered the request itself with an error (a 4xx): the client gets it as it is."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"worker answered {status}")
+        self.status = status
+        self.body = body
+
+
+class Unplaceable(Exception):
+    def __init__(self, why: NoPlacement) -> None:
+        super().__init__(why.message)
+        self.why = why
+
+
+class RelayFailed(Exception):
+    """The request could not be completed after every retry; the message says why."""
+
+
+class _Broken(Exception):
+    """This worker's stream cannot continue (it died, stalled, or broke the index sequence)."""
+
+
+@dataclass
+class _Source:
+    pod_name: str
+    address: str
+    # Output index of the stream's own index 0 (a resumed request's output starts after its prompt).
+    base: int
+    kind: str  # "placed" (POST), "resumed" (POST), "migrated" (GET the target's stream)
+
+
+class Relay:
+    """Relays one request; `steps()` yields the client's text as the workers produce it."""
+
+    def __init__(self, session: aiohttp.ClientSession, request_id: str, path: str, body: dict[str, Any], *,
+                 place: Callable[[frozenset[str]], Placement | NoPlacement], pool_token: str | None,
+                 timeouts: Timeouts, max_attempts: int = 4,
+                 on_worker: Callable[[str, list[int] | None], None] = lambda pod, prompt: None,
+                 on_event: Callable[[str], None] = lambda kind: None) -> None:
+        self.session = session
+        self.request_id = request_id
+        self.path = path
+        self.body = {**body, "stream": True}
+        self.body.pop("stream_options", None)
+        self.place = place
+        self.pool_token = pool_token
+        self.timeouts = timeouts
+        self.max_attempts = max_attempts
+        self.on_worker = on_worker  # (pod now serving it, prompt ids once known): the router's bookkeeping
+        self.on_event = on_event  # "resume", "migration": metrics
+        self.prompt_token_ids: list[int] | None = None
+        self.output_token_ids: list[int] = []
+        self.clean = 0  # outputs whose text the client has been given
+        self.finish_reason: str | None = None
+        self.workers: list[str] = []
+
+    # ------------------------------------------------------------------------------------- driving
+
+    async def steps(self) -> AsyncGenerator[Step, None]:
+        failed: set[str] = set()
+        source = self._placed(failed, "placed", 0)
+        failures = 0
+        while True:
+            self.workers.append(source.pod_name)
+            self.on_worker(source.pod_name, self.prompt_token_ids)
+            try:
+                async for step in self._read(source):
+                    yield step
+                    if self.finish_reason is not None:
+                        return
+                raise _Broken("the stream ended without [DONE]")
+            except _Migrated as moved:
+                self.on_event("migration")
+                source = _Source(moved.pod_name, moved.address, source.base, "migrated")
+                continue
+            except (_Broken, aiohttp.ClientError, TimeoutError, ConnectionError) as err:
+                failures += 1
+                failed.add(source.pod_name)
+                log.warning("%s: worker %s failed (%s: %s); %s", self.request_id, source.pod_name, type(err).__name__, err,
+                            "giving up" if failures >= self.max_attempts else "resuming elsewhere")
+                if failures >= self.max_attempts:
+                    raise RelayFailed(f"the request failed on {failures} workers ({', '.join(self.workers)}): {err}") from err
+                if self.prompt_token_ids is None:
+                    source = self._placed(failed, "placed", 0)  # nothing was generated: start afresh
+                else:
+                    self.on_event("resume")
+                    del self.output_token_ids[self.clean:]
+                    source = self._placed(failed, "resumed", self.clean)
+
+    def _placed(self, failed: set[str], kind: str, base: int) -> _Source:
+        choice = self.place(frozenset(failed))
+        if isinstance(choice, NoPlacement) and failed:
+            choice = self.place(frozenset())  # every other worker is gone: the failed one may be back
+        if isinstance(choice, NoPlacement):
+            raise Unplaceable(choice)
+        return _Source(choice.pod_name, choice.address, base, kind)
+
+    # ------------------------------------------------------------------------------------ one hop
+
+    def _headers(self, internal: bool) -> dict[str, str]:
+        headers = {TOKEN_STREAM_HEADER: "tokens", REQUEST_ID_HEADER: self.request_id}
+        if internal and self.pool_token:
+            headers["Authorization"] = f"Bearer {self.pool_token}"
+        return headers
+
+    async def _resume_body(self, source: _Source) -> dict[str, Any]:
+        assert self.prompt_token_ids is not None
+        done = len(self.output_token_ids)
+        budget = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+        if budget is None and self.path.endswith("/chat/completions"):
+            # Chat's default budget is the rest of the context; a completion's default is 16, so say it.
+            async with self.session.get(f"http://{source.address}/v1/models") as resp:
+                budget = int((await resp.json())["data"][0]["max_model_len"]) - len(self.prompt_token_ids)
+        if budget is None:
+            budget = 16
+        body = {k: self.body[k] for k in RESUMED_FIELDS if k in self.body}
+        return {**body, "prompt": self.prompt_token_ids + self.output_token_ids, "max_tokens": max(1, int(budget) - done),
+                "stream": True}
+
+    async def _open(self, source: _Source) -> aiohttp.ClientResponse:
+        url = f"http://{source.address}"
+        if source.kind == "migrated":
+            after = len(self.output_token_ids) - source.base
+            request = self.session.get(f"{url}/internal/requests/{self.request_id}/stream", params={"after": str(after)},
+                                       headers=self._headers(True))
+        elif source.kind == "resumed":
+            request = self.session.post(f"{url}/v1/completions", json=await self._resume_body(source),
+                                        headers=self._headers(False))
+        else:
+            request = self.session.post(f"{url}{self.path}", json=self.body, headers=self._headers(False))
+        try:
+            response = await asyncio.wait_for(request, self.timeouts.first_token_s)
+        except TimeoutError:
+            raise _Broken(f"no first token within {self.timeouts.first_token_s:.0f} s") from None
+        if response.status != 200:
+            try:
+                payload = await response.json(content_type=None)
+            except (ValueError, aiohttp.ClientError):
+                payload = {"error": {"message": f"worker answered {response.status}", "type": "server_error",
+                                     "param": None, "code": None}}
+            finally:
+                response.release()
+            # The client's own mistakes come back to it. A worker loading, draining or failing, or one
+            # that no longer holds a migrated request, is this worker's problem: try another.
+            if 400 <= response.status < 500 and response.status not in (404, 408, 409, 429) and source.kind == "placed":
+                raise WorkerRefused(response.status, payload)
+            if response.status == 404 and source.kind == "placed":
+                raise WorkerRefused(response.status, payload)
+            raise _Broken(f"worker answered {response.status}: {payload}")
+        return response
+
+    async def _read(self, source: _Source) -> AsyncIterator[Step]:
+        response = await self._open(source)
+        try:
+            async for event, data in _sse(response, self.timeouts.idle_s):
+                if event == MIGRATED_EVENT:
+                    target = json.loads(data)["target"]
+                    raise _Migrated(str(target.get("pod", "")), str(target["address"]))
+                if data == "[DONE]":
+                    if self.finish_reason is None:
+                        raise _Broken("[DONE] before a finish reason")
+                    return
+                step = self._chunk(source, json.loads(data))
+                if step is not None:
+                    yield step
+        finally:
+            response.close()
+
+    def _chunk(self, source: _Source, chunk: dict[str, Any]) -> Step | None:
+        if "error" in chunk:
+            raise _Broken(f"worker sent an error: {chunk['error']}")
+        meta = chunk.get("kvfleet")
+        if meta is None:
+            return None  # a usage chunk or a chunk of a worker not in router mode: nothing to relay
+        if self.prompt_token_ids is None and meta.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = [int(t) for t in meta["prompt_token_ids"]]
+            self.on_worker(source.pod_name, self.prompt_token_ids)
+        ids = [int(t) for t in meta.get("token_ids", [])]
+        start = source.base + int(meta.get("index", 0))
+        have = len(self.output_token_ids)
+        if start > have:
+            raise _Broken(f"tokens {have}..{start - 1} are missing from the stream")
+        if ids and start + len(ids) <= have:
+            return None  # already relayed (a continuation repeating what the source sent)
+        if ids and start < have:
+            raise _Broken(f"a chunk overlaps tokens already relayed ({start}..{have - 1})")
+        choice = (chunk.get("choices") or [{}])[0]
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content") or ""
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            raise _Broken("the worker aborted the request")
+        self.output_token_ids.extend(ids)
+        if text:
+            self.clean = len(self.output_token_ids)
+        if finish is not None:
+            self.finish_reason = finish
+            self.clean = len(self.output_token_ids)
+        if not text and finish is None:
+            return None
+        return Step(text, finish)
+
+
+class _Migrated(Exception):
+    def __init__(self, pod_name: str, address: str) -> None:
+        super().__init__(f"migrated to {pod_name or address}")
+        self.pod_name = pod_name or address
+        self.address = address
+
+
+async def _sse(response: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[tuple[str, str]]:
+    """(event name, data) of each server-sent event; a silence longer than idle_s breaks the stream."""
+    event, data = "", list[str]()
+    while True:
+        try:
+            raw = await asyncio.wait_for(response.content.readline(), idle_s)
+        except TimeoutError:
+            raise _Broken(f"no data for {idle_s:.0f} s") from None
+        if not raw:
+            return
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            if data:
+                yield event or "message", "\n".join(data)
+            event, data = "", list[str]()
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
