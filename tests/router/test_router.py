@@ -1,0 +1,170 @@
+"""The router in front of two real workers (builtin engine, tiny model): what a client gets through it
+equals what a worker gives directly (greedy), in every shape; a worker killed mid-stream costs the
+client nothing; no worker is a 503, too many requests a 429."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from router_testing import MODEL, TOKEN, Server, serve
+from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
+
+from kvfleet.router import relay as relay_module
+from kvfleet.router.app import Router, RouterConfig
+from kvfleet.router.placement import PoolSnapshot, WorkerState
+from kvfleet.router.pool import StaticPoolView
+from kvfleet.worker import agent as agent_module
+
+
+def snapshot(workers: list[Server]) -> PoolSnapshot:
+    return PoolSnapshot(tuple(WorkerState(f"w{i}", w.address, True, i, TEST_KV_CAPACITY_BYTES)
+                              for i, w in enumerate(workers)), {})
+
+
+def start_router(loop: EngineLoop, view: StaticPoolView, **config: Any) -> tuple[Router, Server]:
+    router = Router(RouterConfig(pool_name="test", pool_token=TOKEN, **config), view)
+    return router, serve(loop, router.app())
+
+
+@pytest.fixture(scope="module")
+def routed(workers: list[Server], engine_loop: EngineLoop) -> Iterator[tuple[Router, Server]]:
+    router, server = start_router(engine_loop, StaticPoolView(snapshot(workers)))
+    yield router, server
+    engine_loop.run(server.runner.cleanup())
+
+
+def completion(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something long"}], "max_tokens": 20,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+def text_of(chunks: list[Any]) -> str:
+    return "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
+                   for c in chunks if c.get("choices"))
+
+
+def test_router_headers_are_the_agents() -> None:
+    assert relay_module.TOKEN_STREAM_HEADER == agent_module.TOKEN_STREAM_HEADER
+    assert relay_module.REQUEST_ID_HEADER == agent_module.REQUEST_ID_HEADER
+
+
+def test_completion_through_the_router_equals_the_worker(workers: list[Server], routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    status, direct = workers[1].post("/v1/completions", completion())
+    assert status == 200, direct
+    status, whole = router.post("/v1/completions", completion())
+    assert status == 200, whole
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert whole["usage"] == direct["usage"] and whole["choices"][0]["finish_reason"] == "length"
+    chunks = router.stream("/v1/completions", completion(stream_options={"include_usage": True}))
+    assert text_of(chunks) == direct["choices"][0]["text"]
+    assert chunks[-1]["usage"] == direct["usage"]
+    assert all("kvfleet" not in c for c in chunks), "router-mode fields stay between the router and the workers"
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_chat_through_the_router_equals_the_worker(workers: list[Server], routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    _, direct = workers[0].post("/v1/chat/completions", chat())
+    status, whole = router.post("/v1/chat/completions", chat())
+    assert status == 200, whole
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert whole["usage"] == direct["usage"]
+    chunks = router.stream("/v1/chat/completions", chat())
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert text_of(chunks) == direct["choices"][0]["message"]["content"]
+
+
+def test_stop_strings_cut_where_the_worker_cuts(workers: list[Server], routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    _, free = workers[0].post("/v1/completions", completion(max_tokens=30))
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    _, direct = workers[0].post("/v1/completions", completion(max_tokens=30, stop=[stop]))
+    _, routed_whole = router.post("/v1/completions", completion(max_tokens=30, stop=[stop]))
+    assert routed_whole["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert routed_whole["choices"][0]["finish_reason"] == direct["choices"][0]["finish_reason"] == "stop"
+    assert text_of(router.stream("/v1/completions", completion(max_tokens=30, stop=[stop]))) == direct["choices"][0]["text"]
+
+
+def test_client_errors_come_back_as_the_workers_do(routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    status, body = router.post("/v1/completions", completion(max_tokens=0))
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = router.post("/v1/completions", completion(model="other"))
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = router.post("/v1/completions", completion(max_tokens=10_000))
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, _, raw = router.request("GET", "/v1/models")
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == MODEL
+
+
+def test_no_ready_worker_is_a_503_with_retry_after(engine_loop: EngineLoop) -> None:
+    _, server = start_router(engine_loop, StaticPoolView(PoolSnapshot((), {})))
+    try:
+        status, headers, raw = server.request("POST", "/v1/completions", completion())
+        body = json.loads(raw)
+        assert status == 503 and body["error"]["code"] == "no_ready_worker" and headers["Retry-After"] == "1"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    finally:
+        engine_loop.run(server.runner.cleanup())
+
+
+def test_over_the_in_flight_bound_is_a_429(workers: list[Server], engine_loop: EngineLoop) -> None:
+    _, server = start_router(engine_loop, StaticPoolView(snapshot(workers)), max_in_flight=1)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(completion(max_tokens=200, stream=True)).encode(),
+                      {"Content-Type": "application/json"})
+        first = conn.getresponse()
+        assert first.status == 200
+        first.readline()  # the first request is being relayed now
+        status, headers, raw = server.request("POST", "/v1/completions", completion())
+        assert status == 429 and headers["Retry-After"] == "1" and json.loads(raw)["error"]["type"] == "rate_limit_error"
+        assert first.read().endswith(b"data: [DONE]\n\n")
+        conn.close()
+        assert server.post("/v1/completions", completion())[0] == 200  # and admitted again once it ended
+    finally:
+        engine_loop.run(server.runner.cleanup())
+
+
+def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: list[Server], routed: tuple[Router, Server],
+                                                            engine_loop: EngineLoop) -> None:
+    """Last in this module: it stops one of the two workers."""
+    router_obj, router = routed
+    body = completion(max_tokens=300, prompt="Once upon a time")
+    _, direct = workers[1].post("/v1/completions", body)
+    resumes_before = router_obj.metrics.resumes._value.get()
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                 {"Content-Type": "application/json", "X-Request-Id": "kill-1"})
+    response = conn.getresponse()
+    assert response.status == 200
+    received = [response.readline() for _ in range(6)]  # a few chunks in
+    victim = router_obj._reservations["kill-1"].pod_name
+    server = workers[int(victim.removeprefix("w"))]
+    engine_loop.run(server.runner.cleanup())
+    raw = b"".join(received) + response.read()
+    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert text_of(chunks) == direct["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert router_obj.metrics.resumes._value.get() == resumes_before + 1, "the kill did not land mid-stream"
+    # The survivor serves new requests, the dead one is skipped without the pool view telling.
+    time.sleep(0.1)
+    status, again = router.post("/v1/completions", completion())
+    assert status == 200 and again["choices"][0]["finish_reason"] == "length"
+    threading.Event().wait(0)
