@@ -130,9 +130,11 @@ OPERATOR_CALLS: tuple[Call, ...] = (
     Call("create", "roles", "rbac.authorization.k8s.io", "pool", "Kube.create (workers' Role)"),
     Call("get", "rolebindings", "rbac.authorization.k8s.io", "pool", "Kube.exists (workers' RoleBinding)"),
     Call("create", "rolebindings", "rbac.authorization.k8s.io", "pool", "Kube.create (workers' RoleBinding)"),
-    Call("get", "deployments", "apps", "pool", "Kube.deployment_replicas (headroom)"),
-    Call("create", "deployments", "apps", "pool", "Kube.create (headroom Deployment)"),
-    Call("patch", "deployments", "apps", "pool", "Kube.scale_deployment (headroom)"),
+    Call("get", "services", "", "pool", "Kube.exists (router Service)"),
+    Call("create", "services", "", "pool", "Kube.create (router Service)"),
+    Call("get", "deployments", "apps", "pool", "Kube.deployment_replicas (headroom), deployment_image_and_ready (router)"),
+    Call("create", "deployments", "apps", "pool", "Kube.create (headroom and router Deployments)"),
+    Call("patch", "deployments", "apps", "pool", "Kube.scale_deployment (headroom), replace_deployment_template (router)"),
     Call("delete", "deployments", "apps", "pool", "Kube.delete_deployment (headroom)"),
     Call("list", "nodes", "", "cluster", "Kube.node_zones"),
     Call("get", "priorityclasses", "scheduling.k8s.io", "cluster", "Kube.exists (headroom PriorityClass)",
@@ -165,16 +167,23 @@ WITHHELD_CALLS: tuple[Call, ...] = (
 
 
 def escalation_calls() -> tuple[Call, ...]:
-    """The rights of the workers' Role, which the operator must hold itself to create that Role
-    (RBAC escalation prevention), derived from resources.worker_rbac."""
-    from kvfleet.operator.resources import worker_rbac
+    """The rights of the workers' and the router's Roles, which the operator must hold itself to create
+    those Roles (RBAC escalation prevention), derived from resources.worker_rbac and router_objects."""
+    from kvfleet.api.models import LLMPoolSpec
+    from kvfleet.operator.resources import router_objects, worker_rbac
 
     pool = {"metadata": {"name": "p", "namespace": "n", "uid": "u"}}
-    role = next(obj for obj in worker_rbac(pool) if obj["kind"] == "Role")
-    return tuple(
-        Call(verb, resource, group, "pool", "escalation: the workers' Role (resources.worker_rbac)")
-        for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]
-    )
+    spec = LLMPoolSpec.model_validate({"model": {"name": "m", "path": "/models/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}})
+    roles = [("the workers' Role (resources.worker_rbac)", next(o for o in worker_rbac(pool) if o["kind"] == "Role")),
+             ("the router's Role (resources.router_objects)", next(o for o in router_objects(pool, spec) if o["kind"] == "Role"))]
+    calls: dict[tuple[str, str, str], Call] = {}
+    for who, role in roles:
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        calls.setdefault((verb, group, resource), Call(verb, resource, group, "pool", f"escalation: {who}"))
+    return tuple(calls.values())
 
 
 def all_calls(mode: str) -> list[Call]:

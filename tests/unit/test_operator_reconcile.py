@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
@@ -165,3 +166,41 @@ def test_worker_rbac_is_namespaced_and_never_creates_or_deletes() -> None:
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert not verbs & {"create", "delete", "deletecollection", "escalate", "bind", "impersonate"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "p-worker", "namespace": "ns"}]
+
+
+def test_router_objects_are_a_read_only_role_a_deployment_and_a_service() -> None:
+    from kvfleet.operator.resources import router_image, router_objects
+
+    objs = {o["kind"]: o for o in router_objects(POOL, spec())}
+    assert sorted(objs) == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert all(o["metadata"]["name"] == "p-router" and o["metadata"]["ownerReferences"][0]["uid"] == "u-1" for o in objs.values())
+    rules = objs["Role"]["rules"]
+    assert rules == [
+        {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    service = objs["Service"]["spec"]
+    assert service["type"] == "ClusterIP" and service["ports"][0]["port"] == 80 and service["ports"][0]["targetPort"] == "http"
+    pod = objs["Deployment"]["spec"]["template"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    assert objs["Deployment"]["spec"]["selector"]["matchLabels"] == service["selector"]
+    container = pod["spec"]["containers"][0]
+    assert pod["spec"]["serviceAccountName"] == "p-router" and container["ports"][0]["containerPort"] == 8000
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVFLEET_POOL"]["value"] == "p"
+    assert env["KVFLEET_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "p-token", "key": "token"}
+    assert "nvidia.com/gpu" not in json.dumps(container)
+    # The router image is the worker's sibling, same registry and tag; a custom worker image runs the router itself.
+    assert router_image("kvfleet/worker:0.1.0") == ("kvfleet/router:0.1.0", None)
+    assert router_image("reg.example:5000/kvfleet/worker:0.1.0-cuda") == ("reg.example:5000/kvfleet/router:0.1.0-cuda", None)
+    assert router_image("worker") == ("router", None)
+    assert router_image("me/llm:1") == ("me/llm:1", ["python", "-m", "kvfleet.router"])
+    assert router_image("kvfleet/worker@sha256:" + "0" * 64)[1] == ["python", "-m", "kvfleet.router"]
+
+
+def test_status_says_whether_the_router_is_ready() -> None:
+    figures = reconcile.SchedulingFigures(gpus_in_use=0, lower_bound_gpus=0, used_bytes=0, migrations_in_flight=0,
+                                          waiting_for_max=0)
+    status = reconcile.pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=False)
+    assert conditions(status)["RouterReady"] == ("False", "RouterNotReady")
+    status = reconcile.pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=True)
+    assert conditions(status)["RouterReady"] == ("True", "RouterAvailable")

@@ -100,6 +100,7 @@ class Kube:
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Deployment": self.apps.create_namespaced_deployment,
+            "Service": self.core.create_namespaced_service,
             "PriorityClass": lambda _namespace, body, **kw: self.scheduling.create_priority_class(body, **kw),
         }[kind]
         try:
@@ -117,6 +118,7 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "Service": self.core.read_namespaced_service,
             "PriorityClass": lambda name, _namespace: self.scheduling.read_priority_class(name),
         }[kind]
         try:
@@ -135,6 +137,22 @@ class Kube:
             if err.status == 404:
                 return None
             raise
+
+    def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
+        """The first container's image and the ready replicas of a Deployment, or None when it does not exist."""
+        try:
+            deployment = self.apps.read_namespaced_deployment(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return str(deployment.spec.template.spec.containers[0].image), int(deployment.status.ready_replicas or 0)
+
+    def replace_deployment_template(self, namespace: str, body: dict[str, Any]) -> None:
+        """Roll a Deployment to the pod template of `body` (a merge patch of its spec.template)."""
+        self.record_write("patch_deployment")
+        self.apps.patch_namespaced_deployment(body["metadata"]["name"], namespace, {"spec": {"template": body["spec"]["template"]}},
+                                              field_manager=FIELD_MANAGER)
 
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
         self.record_write("patch_deployment")
@@ -275,6 +293,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
             api.create(namespace, obj)
 
     reconcile_headroom(api, namespace, pool, spec)
+    router_ready = reconcile_router(api, namespace, pool, spec)
 
     now_s = time.time()
     raw_pods = api.worker_pods(namespace, name)
@@ -355,7 +374,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         migrations_in_flight=len(view.in_flight) + len(chosen),
         waiting_for_max=len(actions.waiting_for_max),
     )
-    status = reconcile.pool_status(pool, spec, raw_pods, figures, now_rfc3339())
+    status = reconcile.pool_status(pool, spec, raw_pods, figures, now_rfc3339(), router_ready=router_ready)
     status["routingTable"] = table
     current = pool.get("status") or {}
     if any(current.get(k) != v for k, v in status.items()):
@@ -392,6 +411,27 @@ def reconcile_headroom(api: Kube, namespace: str, pool: dict[str, Any], spec: LL
         api.scale_deployment(namespace, name, want)
     elif not want and have is not None:
         api.delete_deployment(namespace, name)
+
+
+def reconcile_router(api: Kube, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> bool:
+    """Keep the pool's router (resources.router_objects); True when a router replica is Ready.
+
+    Created when missing; the Deployment is rolled when the image derived from the worker template
+    changes (a new release), and otherwise left alone, so a person may tune it.
+    """
+    ready = False
+    for obj in resources.router_objects(pool, spec):
+        kind, obj_name = obj["kind"], obj["metadata"]["name"]
+        if kind == "Deployment":
+            observed = api.deployment_image_and_ready(namespace, obj_name)
+            if observed is None:
+                api.create(namespace, obj)
+            elif observed[0] != obj["spec"]["template"]["spec"]["containers"][0]["image"]:
+                api.replace_deployment_template(namespace, obj)
+            ready = observed is not None and observed[1] > 0
+        elif not api.exists(namespace, kind, obj_name):
+            api.create(namespace, obj)
+    return ready
 
 
 def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:

@@ -58,7 +58,7 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any
 
 
 def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], figures: SchedulingFigures,
-                now: str) -> dict[str, Any]:
+                now: str, router_ready: bool | None = None) -> dict[str, Any]:
     """The status subresource: counts, conditions with reasons, the selector for `/scale`."""
     name = pool["metadata"]["name"]
     live = [p for p in pods if is_live(p)]
@@ -88,6 +88,9 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
                    ("MaxWorkersReached" if figures.waiting_for_max else "WorkersUnschedulable") if pending else "CapacityAvailable",
                    _waiting_message(pending) if pending else "every worker pod is scheduled"),
     ]
+    if router_ready is not None:
+        conditions.append(_condition("RouterReady", router_ready, "RouterAvailable" if router_ready else "RouterNotReady",
+                                     f"the Service {name}-router has {'a' if router_ready else 'no'} Ready router"))
     previous = {c.get("type"): c for c in (pool.get("status") or {}).get("conditions") or []}
     generation = pool["metadata"].get("generation")
     for cond in conditions:

@@ -237,3 +237,113 @@ def headroom_deployment(pool: dict[str, Any], spec: LLMPoolSpec) -> dict[str, An
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
+
+
+ROUTER_PORT = 8000
+ROUTER_SERVICE_PORT = 80
+
+
+def router_name(pool_name: str) -> str:
+    return f"{pool_name}-router"
+
+
+def router_image(worker_image: str) -> tuple[str, list[str] | None]:
+    """The router's image and command, derived from the pool's worker image.
+
+    The router is the worker's venv with another entrypoint (worker-image/Dockerfile, target
+    `router`), published beside it: `<registry>/kvfleet/worker:<tag>` -> `<registry>/kvfleet/router:<tag>`,
+    so one tag names a matching pair. A worker image not named `.../worker` is a custom build of the
+    worker image, which holds the router too: the router then runs from it with its own command.
+    """
+    name, at, digest = worker_image.partition("@")
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    repo, tag = (name[:colon], name[colon:]) if colon > slash else (name, "")
+    head, _, last = repo.rpartition("/")
+    if last == "worker" and not at:
+        return f"{head + '/' if head else ''}router{tag}", None
+    return worker_image, ["python", "-m", "kvfleet.router"]
+
+
+def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, Any]]:
+    """The pool's router: ServiceAccount, Role and RoleBinding, Deployment, and the Service `<pool>-router`.
+
+    The router watches its own LLMPool (the routing table) and the pool's worker pods (readiness,
+    addresses, KV-load reports), and writes nothing: its Role is get/list/watch on those, the pool by
+    name. One replica: placement counts the requests the router itself has in flight against each
+    worker's capacity, which a second replica would not see (docs/router.md).
+    """
+    name = pool["metadata"]["name"]
+    account = router_name(name)
+    labels = _labels(name, "router")
+    meta = {"name": account, "labels": labels, "ownerReferences": [owner_reference(pool)]}
+    selector = {POOL_LABEL: name, COMPONENT_LABEL: "router"}
+    template = spec.worker_template
+    image, command = router_image(template.image)
+
+    def field_env(env_name: str, path: str) -> dict[str, Any]:
+        return {"name": env_name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": image,
+        "imagePullPolicy": template.image_pull_policy,
+        "env": [
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP"),
+            {"name": "KVFLEET_POOL", "value": name},
+            {"name": "KVFLEET_PORT", "value": str(ROUTER_PORT)},
+            # Read workers' /internal/requests (KV bytes per token, capacity) and migrated streams.
+            {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
+        ],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    if command is not None:
+        container["command"] = command
+    pod_spec: dict[str, Any] = {"containers": [container], "serviceAccountName": account,
+                                # Streams in flight get the worker's drain time to finish.
+                                "terminationGracePeriodSeconds": 30}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                # list and watch a single object need the name as a field selector; RBAC allows that
+                # with resourceNames, so the router reads its own pool and no other.
+                {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
+                 "verbs": ["get", "list", "watch"]},
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": pool["metadata"]["namespace"]}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                # A new router is Ready before the old one stops taking requests.
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"type": "ClusterIP", "selector": selector,
+                     "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]},
+        },
+    ]
