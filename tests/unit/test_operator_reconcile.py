@@ -183,6 +183,7 @@ def test_router_objects_are_a_read_only_role_a_deployment_and_a_service() -> Non
     pod = objs["Deployment"]["spec"]["template"]
     assert service["selector"].items() <= pod["metadata"]["labels"].items()
     assert objs["Deployment"]["spec"]["selector"]["matchLabels"] == service["selector"]
+    assert "kvfleet.dev/pool" not in pod["metadata"]["labels"], "a pool's pod selector must not catch its router"
     container = pod["spec"]["containers"][0]
     assert pod["spec"]["serviceAccountName"] == "p-router" and container["ports"][0]["containerPort"] == 8000
     env = {e["name"]: e for e in container["env"]}

@@ -240,6 +240,7 @@ def headroom_deployment(pool: dict[str, Any], spec: LLMPoolSpec) -> dict[str, An
 
 
 ROUTER_PORT = 8000
+ROUTER_LABEL = "kvfleet.dev/router"
 ROUTER_SERVICE_PORT = 80
 
 
@@ -277,7 +278,10 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
     account = router_name(name)
     labels = _labels(name, "router")
     meta = {"name": account, "labels": labels, "ownerReferences": [owner_reference(pool)]}
-    selector = {POOL_LABEL: name, COMPONENT_LABEL: "router"}
+    # The router's pods carry ROUTER_LABEL instead of POOL_LABEL, so that selecting a pool's pods
+    # (`-l kvfleet.dev/pool=<pool>`: its workers and GPU placeholders) never catches the router.
+    selector = {ROUTER_LABEL: name, COMPONENT_LABEL: "router"}
+    pod_labels = {**{k: v for k, v in labels.items() if k != POOL_LABEL}, ROUTER_LABEL: name}
     template = spec.worker_template
     image, command = router_image(template.image)
 
@@ -336,7 +340,7 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
                 "selector": {"matchLabels": selector},
                 # A new router is Ready before the old one stops taking requests.
                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+                "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
             },
         },
         {
