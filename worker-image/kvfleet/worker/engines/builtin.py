@@ -43,6 +43,8 @@ Migration API (source S, destination D; all on the engines' event loops):
   tokens are valid.
 - `import_kv(request_id, kv) -> None`: allocates the blocks on D (MigrationError if they do not fit)
   and writes them. Stages must be contiguous; a stage may re-send the last (partial) block.
+- `reserve_kv(request_id, num_blocks) -> None`: allocates (without writing) the staged blocks a
+  stage is about to fill, so a destination refuses a stage it has no room for before any byte moves.
 - `suspend(request_id) -> SuspendedRequest`: at a step boundary, stops scheduling the request and
   keeps its KV. Its generate() stream ends without a finished output (the request did not finish:
   its continuation is the stream `resume` returns). Waiting requests can be suspended too; one that
@@ -410,6 +412,23 @@ class BuiltinEngine:
         # Queued behind any step in flight, so the copy sees every token counted in `cached`.
         data = await self._in_executor(lambda: cache.read_blocks(block_ids).cpu())
         return KVBlocks(request_id, first_block, num_tokens, bs, data)
+
+    def reserve_kv(self, request_id: str, num_blocks: int) -> None:
+        """Pre-allocate blocks [0, num_blocks) for KV about to be imported under request_id.
+
+        A migration's destination reserves each stage's blocks before the bytes are sent, so a full
+        destination refuses at once (MigrationError) instead of after the copy; `import_kv` then
+        writes into the reserved blocks, and `release` frees them if the migration is abandoned.
+        """
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already on this engine")
+        self._require_cache()
+        staged = self._staged.get(request_id) or _StagedKV()
+        num_new = max(0, num_blocks - len(staged.blocks))
+        if num_new > len(self._free_blocks):
+            raise MigrationError(f"no room for {num_new} KV blocks of {request_id!r}: {len(self._free_blocks)} free")
+        staged.blocks.extend(self._allocate(num_new))
+        self._staged[request_id] = staged
 
     async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
         """Allocate and fill blocks for a request about to be resumed here (see the module docstring)."""
