@@ -39,6 +39,7 @@ class Server:
 
     port: int
     runner: web.AppRunner
+    agent: Any = None  # the worker agent, for a worker
 
     @property
     def address(self) -> str:
@@ -89,5 +90,12 @@ def start_worker(loop: EngineLoop, model_dir: Path) -> Server:
     engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                                                  max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=8, dtype="float32"))
     # No drain: a stopped worker drops its requests at once, as a killed pod does.
-    agent = Agent(AgentConfig(model_name=MODEL, pool_token=TOKEN, drain_timeout_s=0.0), engine, Tokenizer(model_dir), None)
-    return serve(loop, agent.app())
+    agent = Agent(AgentConfig(model_name=MODEL, pool_token=TOKEN, drain_timeout_s=0.0, migration_host="127.0.0.1",
+                              migration_port=0), engine, Tokenizer(model_dir), None)
+    server = serve(loop, agent.app())
+    server.agent = agent
+    deadline = time.monotonic() + 60
+    while agent.migration_port is None:
+        assert time.monotonic() < deadline, "the worker never listened for migrations"
+        time.sleep(0.05)
+    return server
