@@ -357,14 +357,15 @@ class Router:
                                    code="workers_failed") from None
                 text = "".join(parts)
                 counts = usage(len(relay.prompt_token_ids or []), len(relay.output_token_ids))
+                id_header = {REQUEST_ID_HEADER: relay.request_id}
                 if chat:
                     return web.json_response({
                         "id": relay.request_id, "object": "chat.completion", "created": created, "model": body.model,
                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                     "finish_reason": finish_reason}], "usage": counts})
+                                     "finish_reason": finish_reason}], "usage": counts}, headers=id_header)
                 result = chunk(text, finish_reason)
                 result["usage"] = counts
-                return web.json_response(result)
+                return web.json_response(result, headers=id_header)
 
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    REQUEST_ID_HEADER: relay.request_id})
