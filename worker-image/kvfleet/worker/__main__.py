@@ -33,6 +33,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the name clients put in `model` (default: the directory's name)")
     parser.add_argument("--host", default=env("POD_IP", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(env("KVFLEET_PORT", "8000")))
+    parser.add_argument("--migration-port", type=int, default=int(env("KVFLEET_MIGRATION_PORT", "8001")),
+                        help="where migrations come in (docs/migration.md); 0 picks a free port")
     parser.add_argument("--kv-capacity-bytes", type=int, default=_env_int("KVFLEET_KV_CAPACITY_BYTES"))
     parser.add_argument("--max-model-len", type=int, default=_env_int("KVFLEET_MAX_MODEL_LEN"))
     parser.add_argument("--max-num-seqs", type=int, default=int(env("KVFLEET_MAX_NUM_SEQS", "64")))
@@ -72,9 +74,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
     if writer is None:
         logging.getLogger("kvfleet.worker").info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
-    agent = Agent(AgentConfig(model_name=args.model_name, pool_token=os.environ.get("KVFLEET_POOL_TOKEN") or None,
-                              report_interval_s=args.report_interval_s),
+    token = os.environ.get("KVFLEET_POOL_TOKEN") or None
+    agent = Agent(AgentConfig(model_name=args.model_name, pool_token=token, report_interval_s=args.report_interval_s,
+                              migration_host=args.host, migration_port=args.migration_port),
                   engine, Tokenizer(args.model_path), writer)
+    pool = os.environ.get("KVFLEET_POOL")
+    if pod_name and namespace and pool and token:
+        from kvfleet.worker.migration.watcher import KubernetesMigrationAPI, MigrationWatcher, WatcherConfig
+
+        watcher = MigrationWatcher(WatcherConfig(pod_name, namespace, pool, http_port=args.port,
+                                                 migration_port=args.migration_port or 8001),
+                                   KubernetesMigrationAPI(namespace, pool), agent.migrate)
+        agent.run_when_ready(watcher.run)
+    else:
+        logging.getLogger("kvfleet.worker").info("no pod, pool or pool token: this worker executes no KVMigrations")
     web.run_app(agent.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30)
     return 0
 

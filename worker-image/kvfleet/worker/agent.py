@@ -19,7 +19,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +136,7 @@ class Agent:
         self._listener: Listener | None = None
         self._session: aiohttp.ClientSession | None = None
         self.executor: Executor | None = None
+        self._when_ready: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.metrics = WorkerMetrics(
             kv_used_bytes=lambda: float(sum(r.kv_bytes for r in self._usage())),
             kv_capacity_bytes=lambda: float(self._info.kv_capacity_bytes if self._info else 0),
@@ -187,6 +188,12 @@ class Agent:
                               self.config.migration_host, self.config.migration_port, err)
                 else:
                     log.info("migrations come in on %s:%d", self.config.migration_host, self._listener.port)
+        for run in self._when_ready:
+            self._tasks.append(asyncio.create_task(run()))
+
+    def run_when_ready(self, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs a background loop (the KVMigration watcher) once the engine is up, until shutdown."""
+        self._when_ready.append(run)
 
     def _reported_usage(self) -> list[Any]:
         # KV staged for a migration still in flight towards this worker is not the request's home yet:

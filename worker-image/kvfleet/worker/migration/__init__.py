@@ -3,4 +3,5 @@
 - `transport`: authenticated worker-to-worker frames (TCP on the CPU; the seam for NCCL/NIXL).
 - `handoff`: the agent's side: stopping a request's stream at the source, continuing it at the target.
 - `executor`: one migration end to end, in KV, token or hybrid mode, with its rollbacks.
+- `watcher`: the KVMigration objects naming this worker as the source, run and reported.
 """

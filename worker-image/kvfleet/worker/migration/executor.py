@@ -259,7 +259,7 @@ class Executor:
             await channel.send({"ok": False, "error": str(err)})
             raise TargetError(str(err)) from None
         await channel.send({"ok": True})
-        frame = await channel.recv(REPLY_TIMEOUT_S)
+        frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
         if frame.header.get("op") != "data":
             raise TargetError(f"expected the stage's data, got {frame.header.get('op')!r}")
         data = torch.empty(shape, dtype=_dtype(str(header["dtype"])))
