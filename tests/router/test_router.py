@@ -110,6 +110,15 @@ def test_client_errors_come_back_as_the_workers_do(routed: tuple[Router, Server]
     assert status == 200 and json.loads(raw)["data"][0]["id"] == MODEL
 
 
+def test_the_router_sizes_requests_with_the_workers_kv_facts(routed: tuple[Router, Server]) -> None:
+    router_obj, router = routed
+    assert router.post("/v1/completions", completion())[0] == 200
+    info = router_obj._info
+    # 2 KV heads x 64 dims x 2 layers x K,V x 4 bytes (worker_testing), read from /internal/requests.
+    assert info is not None and info.kv_bytes_per_token == 2048 and info.capacity_bytes == TEST_KV_CAPACITY_BYTES
+    assert router_obj.metrics.placements.labels("allocate:new-GPU")._value.get() >= 1
+
+
 def test_no_ready_worker_is_a_503_with_retry_after(engine_loop: EngineLoop) -> None:
     _, server = start_router(engine_loop, StaticPoolView(PoolSnapshot((), {})))
     try:
