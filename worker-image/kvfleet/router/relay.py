@@ -38,6 +38,8 @@ TOKEN_STREAM_HEADER = "X-Kvfleet-Stream"
 REQUEST_ID_HEADER = "X-Request-Id"
 MIGRATED_EVENT = "kvfleet.migrated"
 # Sampling fields a resumed request carries over unchanged (the OpenAI subset the worker accepts).
+# Pause before trying again a worker the request just failed on, times the failures so far.
+RETRY_BACKOFF_S = 0.5
 RESUMED_FIELDS = ("model", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos", "user")
 
 
@@ -147,6 +149,10 @@ class Relay:
                     self.on_event("resume")
                     del self.output_token_ids[self.clean:]
                     source = self._placed(failed, "resumed", self.clean)
+                if source.pod_name in failed:
+                    # Back to a worker that just failed (no other has room): give it, or the pool view
+                    # that still shows it, a moment rather than spending every attempt at once.
+                    await asyncio.sleep(RETRY_BACKOFF_S * failures)
 
     def _placed(self, failed: set[str], kind: str, base: int) -> _Source:
         choice = self.place(frozenset(failed))
