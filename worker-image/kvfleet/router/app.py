@@ -53,6 +53,8 @@ from kvfleet.worker.openai_api import (
 
 log = logging.getLogger(__name__)
 
+# How often the router asks a worker again for model facts it could not read (KV bytes per token).
+INFO_RETRY_S = 10.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -116,6 +118,7 @@ class Router:
         self._in_flight = 0
         self._reservations: dict[str, Reservation] = {}
         self._info: ModelInfo | None = None
+        self._info_asked_s = float("-inf")
         self._info_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
@@ -186,9 +189,12 @@ class Router:
         """The pool's model, asked of a Ready worker the first time it is needed (then kept)."""
         if self._info is not None and self._info.kv_bytes_per_token is not None:
             return self._info
+        if self._info is not None and time.monotonic() - self._info_asked_s < INFO_RETRY_S:
+            return self._info  # partial (no pool token, or /internal refused): not asked again per request
         async with self._info_lock:
             if self._info is not None and (self._info.kv_bytes_per_token is not None or not self.config.pool_token):
                 return self._info
+            self._info_asked_s = time.monotonic()
             for worker in self.view.snapshot().ready_workers():
                 try:
                     async with self.session.get(f"http://{worker.address}/v1/models") as resp:
