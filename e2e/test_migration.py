@@ -1,0 +1,164 @@
+"""Live migration on the real control plane: the operator plans KVMigrations, real workers carry them out.
+
+A pool of real workers (builtin engine, the tiny model, float32 on the CPU) has a KV capacity of 4 MiB
+per worker: 2,048 tokens, so MELL's size classes are a few hundred tokens wide and requests cross
+them while they decode. Two requests are sent straight to one worker (a careless client, no router);
+MELL places them by class as their reports show them arrive and grow, and every request reported
+somewhere other than where MELL wants it becomes a KVMigration that the source worker executes
+(watcher, KV copy, hand-off). The clients are direct: the source relays the continuation, so each
+client's stream must come back whole and equal to the unmigrated greedy output, computed here with
+the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.worker.engines import EngineConfig, load_engine
+from kvfleet.worker.engines.base import SamplingParams
+from kvfleet.worker.model.tiny import make_tiny
+from kvfleet.worker.text import Tokenizer
+from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
+from kvfleet_e2e.controlplane import Process, stop_process
+
+# 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
+KV_CAPACITY = "4Mi"
+# (request id, prompt tokens, output tokens): "grows" starts as a T-request and crosses into S, M and L
+# while it decodes; "stays" is a T-request throughout. Together they never exceed the capacity.
+REQUESTS = [("grows", 480, 900), ("stays", 270, 200)]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[Process]:
+    proc = start_operator(cluster, "operator-migration-e2e")
+    yield proc
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 2000) for _ in range(length - 1)]
+
+
+def greedy_reference(model_dir: Path) -> dict[str, list[int]]:
+    """What each request generates unmigrated (the builtin engine's greedy output is batch-invariant)."""
+
+    async def run() -> dict[str, list[int]]:
+        engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=8 * 2**20))
+        await engine.start()
+        try:
+            out: dict[str, list[int]] = {}
+            for i, (rid, length, max_tokens) in enumerate(REQUESTS):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                out[rid] = [t async for step in engine.generate(rid, prompt(length, i), params) for t in step.new_token_ids]
+            return out
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def pool(model_dir: Path) -> dict[str, Any]:
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": "moving"}, "spec": {
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "engine": "builtin",
+        "capacity": {"kvCapacityPerWorker": KV_CAPACITY},
+        "workers": {"min": 2, "max": 3},
+        "scheduling": {"epochSeconds": 1},
+        "migration": {"mode": "kv"},
+        "autoscaling": {"scaleDownDelaySeconds": 30},
+        "workerTemplate": {"image": "kvfleet/worker:dev"},
+    }}
+
+
+def stream(pod_ip: str, request_id: str, body: dict[str, Any]) -> tuple[str, int, str | None]:
+    """A direct client: (text, completion tokens, last finish reason) of a streamed completion."""
+    request = urllib.request.Request(f"http://{pod_ip}:8000/v1/completions",
+                                     data=json.dumps({**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}}).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+    text, tokens, finish, done = [], 0, None, False
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    text.append(choice["text"])
+                    finish = choice["finish_reason"] or finish
+            elif line.startswith("event: "):
+                raise AssertionError(f"a direct client saw {line}")
+    assert done, f"the stream of {request_id} ended without [DONE]"
+    return "".join(text), tokens, finish
+
+
+def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Cluster, namespace: str, operator: Process,
+                                                                    model_dir: Path) -> None:
+    reference = greedy_reference(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool(model_dir)))
+
+    def ready_workers() -> list[dict[str, Any]] | None:
+        assert operator.popen.poll() is None, operator.tail(40)
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "kvfleet.dev/pool=moving")["items"]
+        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                        for c in p["status"].get("conditions", []))]
+        return sorted(ready, key=lambda p: p["metadata"]["name"]) if len(ready) >= 2 else None
+
+    first = wait_for(ready_workers, "two Ready workers", timeout_s=180, interval_s=0.5)[0]
+    results: dict[str, tuple[str, int, str | None]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int, rid: str, length: int, max_tokens: int) -> None:
+        try:
+            results[rid] = stream(first["status"]["podIP"], rid, {"model": "tiny", "prompt": prompt(length, i),
+                                                                 "max_tokens": max_tokens, "temperature": 0,
+                                                                 "ignore_eos": True})
+        except BaseException as err:  # reported on the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i, *r)) for i, r in enumerate(REQUESTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    for rid, _, max_tokens in REQUESTS:
+        text, tokens, finish = results[rid]
+        assert tokens == max_tokens and finish == "length", (rid, tokens, finish)
+        assert text == tokenizer.decode(reference[rid]), f"{rid}: the client's text differs from the unmigrated output"
+
+    migrations = cluster.get_json("kvmigrations", "-n", namespace)["items"]
+    succeeded = [m for m in migrations if (m.get("status") or {}).get("phase") == "Succeeded"]
+    assert succeeded, json.dumps(migrations, indent=1)[-4000:]
+    for m in succeeded:
+        st = m["status"]
+        assert st["bytesMoved"] > 0 and st["tokensMoved"] > 0, st
+        assert st["downtimeSeconds"] >= 0 and st["downtime"], st
+        assert st["startTime"] and st["completionTime"], st
+    # Every migration ended one way or the other, and a failed one says why.
+    wait_for(lambda: all((m.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                         for m in cluster.get_json("kvmigrations", "-n", namespace)["items"]),
+             "every KVMigration finished", timeout_s=60)
+    for m in cluster.get_json("kvmigrations", "-n", namespace)["items"]:
+        assert m["status"]["phase"] == "Succeeded" or m["status"]["message"], m
+    logs = "".join(p.read_text() for p in cluster.plane.work_dir.glob(f"agent/pods/{namespace}_moving-worker-*/worker.log"))
+    assert "Traceback" not in logs, logs[-4000:]
