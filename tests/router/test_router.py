@@ -14,9 +14,10 @@ import pytest
 from router_testing import MODEL, TOKEN, Server, serve
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
+from kvfleet.mell.models import SizeClass
 from kvfleet.router import relay as relay_module
 from kvfleet.router.app import Router, RouterConfig
-from kvfleet.router.placement import PoolSnapshot, WorkerState
+from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState
 from kvfleet.router.pool import StaticPoolView
 from kvfleet.worker import agent as agent_module
 
@@ -126,6 +127,22 @@ def test_no_ready_worker_is_a_503_with_retry_after(engine_loop: EngineLoop) -> N
         body = json.loads(raw)
         assert status == 503 and body["error"]["code"] == "no_ready_worker" and headers["Retry-After"] == "1"
         assert set(body["error"]) == {"message", "type", "param", "code"}
+    finally:
+        engine_loop.run(server.runner.cleanup())
+
+
+def test_a_pool_without_room_for_the_request_is_a_503_no_capacity(workers: list[Server], engine_loop: EngineLoop) -> None:
+    # Both workers report being all but full (as their KV-load reports would say).
+    full = tuple(WorkerState(f"w{i}", w.address, True, i, TEST_KV_CAPACITY_BYTES,
+                             (ReportedRequest(f"other-{i}", TEST_KV_CAPACITY_BYTES - 4096, SizeClass.L),))
+                 for i, w in enumerate(workers))
+    _, server = start_router(engine_loop, StaticPoolView(PoolSnapshot(full, {})))
+    try:
+        status, headers, raw = server.request("POST", "/v1/completions", completion(max_tokens=100))
+        body = json.loads(raw)
+        assert status == 503 and body["error"]["code"] == "no_capacity" and headers["Retry-After"] == "1", body
+        # A request small enough for what is left still gets through.
+        assert server.post("/v1/completions", completion(prompt=[5], max_tokens=1))[0] == 200
     finally:
         engine_loop.run(server.runner.cleanup())
 
