@@ -29,7 +29,7 @@ def chunk(index: int, ids: list[int], text: str, finish: str | None = None, prom
 class Scripted:
     """A fake worker answering each path with a scripted SSE body, recording what it was asked."""
 
-    def __init__(self, scripts: dict[str, list[bytes]]) -> None:
+    def __init__(self, scripts: dict[str, list[bytes] | dict[str, Any]]) -> None:
         self.scripts = scripts
         self.asked: list[tuple[str, dict[str, str], Any]] = []
         self.port = 0
@@ -38,9 +38,12 @@ class Scripted:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.method == "POST" else None
         self.asked.append((request.path, dict(request.query), body))
+        script = self.scripts[request.path]
+        if isinstance(script, dict):
+            return web.json_response(script)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for part in self.scripts[request.path]:
+        for part in script:
             await response.write(part)
         return response
 
@@ -55,7 +58,8 @@ class Scripted:
         return f"127.0.0.1:{self.port}"
 
 
-async def relay_through(source: Scripted, others: list[Scripted], body: dict[str, Any]) -> tuple[str, Relay]:
+async def relay_through(source: Scripted, others: list[Scripted], body: dict[str, Any],
+                        path: str = "/v1/completions") -> tuple[str, Relay]:
     addresses = {"source": await source.start()}
     for i, other in enumerate(others):
         addresses[f"other{i}"] = await other.start()
@@ -69,7 +73,7 @@ async def relay_through(source: Scripted, others: list[Scripted], body: dict[str
 
     try:
         async with aiohttp.ClientSession() as session:
-            relay = Relay(session, "r1", "/v1/completions", body, place=place, pool_token="tok",
+            relay = Relay(session, "r1", path, body, place=place, pool_token="tok",
                           timeouts=Timeouts(connect_s=2, first_token_s=5, idle_s=5))
             text = "".join([step.text async for step in relay.steps()])
             return text, relay
@@ -127,5 +131,26 @@ def test_tokens_whose_text_was_held_back_are_generated_again_on_resume() -> None
         assert text == "aéz" and relay.output_token_ids == [10, 11, 12]
         _, _, asked = resume.asked[0]
         assert asked["prompt"] == PROMPT + [10] and asked["max_tokens"] == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_chat_without_a_budget_resumes_with_the_rest_of_the_context() -> None:
+    async def scenario() -> None:
+        resume = Scripted({
+            "/v1/models": {"object": "list", "data": [{"id": "tiny", "max_model_len": 10}]},
+            "/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [11], "b", "stop"), b"data: [DONE]\n\n"]})
+        delta = {"id": "r1", "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}],
+                 "kvfleet": {"index": 0, "token_ids": [10]}}
+        source = Scripted({"/v1/chat/completions": [chunk(0, [], "", prompt=True),
+                                                     b"data: " + json.dumps(delta).encode() + b"\n\n"]})
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        text, relay = await relay_through(source, [resume], chat, path="/v1/chat/completions")
+        assert text == "ab" and relay.finish_reason == "stop"
+        _, _, asked = resume.asked[-1]
+        # 10 tokens of context, 3 of prompt, 1 already generated: 6 left. A resumed chat is a completion
+        # of its rendered prompt's token ids, so the chat's own fields stay behind.
+        assert asked["prompt"] == PROMPT + [10] and asked["max_tokens"] == 6 and "messages" not in asked
 
     asyncio.run(scenario())
