@@ -205,3 +205,46 @@ def test_status_says_whether_the_router_is_ready() -> None:
     assert conditions(status)["RouterReady"] == ("False", "RouterNotReady")
     status = reconcile.pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=True)
     assert conditions(status)["RouterReady"] == ("True", "RouterAvailable")
+
+
+class FakeRouterApi:
+    """The Kube calls reconcile_router makes, over a dict of (kind, name) -> object."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.ready_replicas = 0
+        self.calls: list[str] = []
+
+    def exists(self, namespace: str, kind: str, name: str) -> bool:
+        return (kind, name) in self.objects
+
+    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
+        self.calls.append(f"create {obj['kind']}")
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+        return True
+
+    def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
+        obj = self.objects.get(("Deployment", name))
+        return None if obj is None else (obj["spec"]["template"]["spec"]["containers"][0]["image"], self.ready_replicas)
+
+    def replace_deployment_template(self, namespace: str, body: dict[str, Any]) -> None:
+        self.calls.append("patch Deployment")
+        self.objects[("Deployment", body["metadata"]["name"])]["spec"]["template"] = body["spec"]["template"]
+
+
+def test_reconcile_router_creates_once_rolls_on_a_new_image_and_reports_readiness() -> None:
+    from kvfleet.operator.handlers import reconcile_router
+
+    api = FakeRouterApi()
+    pool = {**POOL, "metadata": {**POOL["metadata"], "namespace": "ns"}}
+    assert reconcile_router(api, "ns", pool, spec()) is False  # type: ignore[arg-type]
+    assert sorted(api.calls) == ["create Deployment", "create Role", "create RoleBinding", "create Service",
+                                 "create ServiceAccount"]
+    api.calls.clear()
+    api.ready_replicas = 1
+    assert reconcile_router(api, "ns", pool, spec()) is True  # type: ignore[arg-type]
+    assert api.calls == [], "a pass with nothing changed writes nothing"
+    newer = spec(workerTemplate={"image": "reg/kvfleet/worker:0.2.0"})
+    reconcile_router(api, "ns", pool, newer)  # type: ignore[arg-type]
+    assert api.calls == ["patch Deployment"]
+    assert api.deployment_image_and_ready("ns", "p-router") == ("reg/kvfleet/router:0.2.0", 1)
