@@ -87,9 +87,17 @@ def test_router_serves_through_workers_and_survives_a_killed_worker(cluster: Clu
     status, routed = post(router_ip, "/v1/completions", body)
     assert status == 200 and routed["choices"][0]["text"] == direct["choices"][0]["text"]
     assert routed["usage"] == direct["usage"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    _, direct_chat = post(workers[0]["status"]["podIP"], "/v1/chat/completions", chat)
+    conn = http.client.HTTPConnection(router_ip, 8000, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**chat, "stream": True}).encode(), {"Content-Type": "application/json"})
+    streamed = [json.loads(line[6:]) for line in conn.getresponse().read().split(b"\n\n")
+                if line.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == direct_chat["choices"][0]["message"]["content"]
 
     # A long stream; its worker is force-deleted (SIGKILL by the node agent) a few chunks in.
-    long_body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    long_body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
     _, unbroken = post(workers[1]["status"]["podIP"], "/v1/completions", long_body)
     secret = cluster.get_json("secret", "routed-token", "-n", namespace)
     token = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
