@@ -340,3 +340,70 @@ def test_the_watcher_runs_the_kvmigrations_naming_its_pod_and_reports_them(worke
     streamed = streamed_box[0]
     assert streamed.done and streamed.text == ref_text
     wait_idle(a, b)
+
+
+def test_a_request_the_source_preempted_fails_in_kv_mode_and_runs_on(tiny_model_dir: Path, engine_loop: EngineLoop,
+                                                                     workers: tuple[Worker, Worker]) -> None:
+    """A preempted request holds no KV to copy: the KV migration fails and the request is untouched."""
+    _, b = workers
+    # 24 blocks: two requests that each grow past 12 blocks cannot both keep their KV.
+    small = start_worker("worker-tight", tiny_model_dir, engine_loop, kv_capacity_bytes=24 * 16 * 2048)
+    try:
+        long_x = body(max_tokens=350)
+        ref_text, _ = reference(small, body(max_tokens=300))
+        answers: dict[str, Any] = {}
+
+        def run(request_id: str, payload: dict[str, Any]) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", small.port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({**payload, "stream": True}).encode(),
+                         {"Content-Type": "application/json", "X-Request-Id": request_id})
+            answers[request_id] = read_sse(conn.getresponse())
+
+        threads = [threading.Thread(target=run, args=("x", long_x))]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while "x" not in {r.request_id for r in small.agent.engine.kv_usage()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        threads.append(threading.Thread(target=run, args=("y", body(max_tokens=300))))
+        threads[1].start()
+
+        def preempted() -> bool:
+            return small.agent.live_request("y") is not None and "y" not in {
+                r.request_id for r in small.agent.engine.kv_usage()} and small.agent.engine.num_waiting() == 1
+
+        deadline = time.monotonic() + 60
+        while not (preempted() and getattr(small.agent.engine, "num_preemptions", 0) > 0):
+            assert time.monotonic() < deadline, "y was never preempted"
+            time.sleep(0.002)
+        result = small.migrate("y", b, "kv")
+        for t in threads:
+            t.join(120)
+        assert result["phase"] == "Failed" and "no KV to copy" in result["message"], result
+        assert answers["y"].done and answers["y"].text == ref_text
+        wait_idle(small, b)
+    finally:
+        engine_loop.run(small.runner.cleanup())
+
+
+def test_migrations_show_in_the_metrics_the_planner_is_configured_from(workers: tuple[Worker, Worker]) -> None:
+    a, b = workers
+    stream_with_migration(a, b, "metrics-kv", "kv")
+    stream_with_migration(a, b, "metrics-token", "token", payload=body(prompt=LONG_PROMPT, max_tokens=200))
+    wait_idle(a, b)
+    _, source_metrics = a.call("GET", "/metrics", token=None)
+    _, target_metrics = b.call("GET", "/metrics", token=None)
+    source_text, target_text = source_metrics.decode(), target_metrics.decode()
+
+    def value(text: str, name: str) -> float:
+        lines = [line for line in text.splitlines() if line.startswith(name)]
+        assert lines, f"{name} missing"
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    assert value(source_text, 'kvfleet_worker_migrations_total{mode="kv",result="Succeeded"}') >= 1
+    assert value(source_text, 'kvfleet_worker_migrations_total{mode="token",result="Succeeded"}') >= 1
+    assert value(source_text, "kvfleet_worker_migration_link_bytes_per_second") > 0
+    assert value(source_text, "kvfleet_worker_migration_bytes_total") > 0
+    assert value(source_text, "kvfleet_worker_migration_downtime_seconds_count") >= 2
+    # The token move re-prefilled the long prompt on b: its prefill speed is measured there.
+    assert value(target_text, "kvfleet_worker_migration_prefill_tokens_per_second") > 0
