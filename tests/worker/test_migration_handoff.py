@@ -21,6 +21,7 @@ import pytest
 from migration_testing import (
     MAX_TOKENS,
     MODEL,
+    TOKEN,
     Worker,
     body,
     follow_target,
@@ -55,7 +56,19 @@ def test_router_mode_stream_ends_with_the_handoff_and_the_target_continues_it(wo
     assert moved == {"request_id": request_id, "index": len(source_ids),
                      "target": {"pod": "worker-b", "address": b.address}}
     assert 0 < moved["index"] < MAX_TOKENS
-    rest = follow_target(b, request_id, moved["index"])
+    if mode == "kv":
+        # Only the hand-off index (or a later chunk boundary) starts the stream; one reader at a time.
+        assert b.call("GET", f"/internal/requests/{request_id}/stream?after={moved['index'] - 1}")[0] == 400
+        assert b.call("GET", f"/internal/requests/{request_id}/stream?after=x")[0] == 400
+        first = http.client.HTTPConnection("127.0.0.1", b.port, timeout=120)
+        first.request("GET", f"/internal/requests/{request_id}/stream?after={moved['index']}",
+                      headers={"Authorization": "Bearer " + TOKEN})
+        reader = first.getresponse()
+        assert reader.status == 200
+        assert b.call("GET", f"/internal/requests/{request_id}/stream?after={moved['index']}")[0] == 409
+        rest = read_sse(reader)
+    else:
+        rest = follow_target(b, request_id, moved["index"])
     assert rest.done
     assert rest.chunks[0]["kvfleet"]["index"] == moved["index"]
     rest_ids = [t for c in rest.chunks for t in c["kvfleet"]["token_ids"]]
