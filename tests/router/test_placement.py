@@ -83,14 +83,18 @@ def test_reservations_not_yet_reported_count_once() -> None:
     a = worker("a", 0, 70)
     # The router sent a-r0 (reported at 70, reserved at 100) and x (not reported yet, 15): 115 held.
     reservations = (Reservation("a-r0", "a", 100), Reservation("x", "a", 15))
-    assert isinstance(choose([a], 5, reservations=reservations), Placement)
-    assert choose([a], 6, reservations=reservations) == NoPlacement(
-        "no-capacity", choose([a], 6, reservations=reservations).message)  # type: ignore[union-attr]
+    fits = choose([a], 5, reservations=reservations)
+    assert isinstance(fits, Placement) and not fits.rule.startswith("queued")
+    queued = choose([a], 6, reservations=reservations)
+    assert isinstance(queued, Placement) and queued.rule == "queued:emptiest"
 
 
-def test_no_ready_worker_and_no_capacity_are_told_apart() -> None:
+def test_without_room_a_request_queues_on_its_route_and_only_no_ready_worker_is_refused() -> None:
     assert isinstance(none := choose([worker("a", 0, ready=False)], 10), NoPlacement) and none.reason == "no-ready-worker"
-    assert isinstance(full := choose([worker("a", 0, 110)], 20), NoPlacement) and full.reason == "no-capacity"
+    full = choose([worker("a", 0, 110), worker("b", 1, 105)], 20)
+    assert isinstance(full, Placement) and (full.pod_name, full.rule) == ("b", "queued:emptiest")
+    routed = choose([worker("a", 0, 110), worker("b", 1, 105)], 20, routes={"T": "a"})
+    assert isinstance(routed, Placement) and (routed.pod_name, routed.rule) == ("a", "queued:route")
 
 
 def test_excluded_workers_are_skipped() -> None:

@@ -69,13 +69,13 @@ class Reservation:
 class Placement:
     pod_name: str
     address: str
-    # How it was chosen: "route", "allocate:<step>" or "least-loaded" (logged, and counted in metrics).
+    # How it was chosen: "route", "allocate:<step>", "least-loaded" or "queued:<where>" (logged, counted in metrics).
     rule: str
 
 
 @dataclass(frozen=True)
 class NoPlacement:
-    reason: str  # "no-ready-worker" or "no-capacity"
+    reason: str  # "no-ready-worker" (a request is never refused for want of room: it queues)
     message: str
 
 
@@ -194,7 +194,8 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
 
     In order: the routing table's worker for the request's class if it is Ready and fits; MELL's
     Allocate on the router's view; the least-loaded Ready worker that fits (the pool has Ready
-    workers but no reports yet, or Allocate found nothing); otherwise no capacity. `exclude` names
+    workers but no reports yet, or Allocate found nothing); otherwise the worker it queues on (the
+    route, else the emptiest). Only a pool without a Ready worker has no placement. `exclude` names
     workers that just failed this request.
     """
     loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
@@ -211,8 +212,15 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     if fitting:
         best = max(fitting, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
         return Placement(best.worker.pod_name, best.worker.address, "least-loaded")
-    return NoPlacement("no-capacity", f"no worker of the pool has {kv_bytes} bytes of KV cache free for this request "
-                       f"(prompt plus max_tokens); retry shortly or ask for fewer tokens")
+    # No worker has room: the request still goes to a worker, where the engine queues it. Refusing
+    # it would be worse than late: MELL scales out only for load it can see, and a queued request is
+    # in its worker's KV-load report (as queued), so the next epoch allocates it a GPU (a new worker
+    # if need be) and the operator moves it there; a request a router kept to itself would never
+    # make the pool grow. It queues where MELL would put it (the route), else on the emptiest worker.
+    if route is not None:
+        return Placement(route.worker.pod_name, route.worker.address, "queued:route")
+    emptiest = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+    return Placement(emptiest.worker.pod_name, emptiest.worker.address, "queued:emptiest")
 
 
 def parse_class(name: str) -> SizeClass:
