@@ -403,6 +403,9 @@ class Agent:
         if self.reporter is not None:
             self.reporter.nudge()
 
+    def accepts_migrations(self) -> bool:
+        return self.ready
+
     def adopt(self, handed: HandedRequest, stream: AsyncIterator[StepOutput]) -> Adopted:
         """Runs a request handed over to this worker, buffering its outputs until a reader attaches."""
         adopted = Adopted(handed)

@@ -117,6 +117,10 @@ class Host(Protocol):
 
     def nudge_reporter(self) -> None: ...
 
+    def accepts_migrations(self) -> bool:
+        """False while loading or draining: a worker about to stop takes no request in."""
+        ...
+
 
 class MigrationMetrics:
     """The executor's Prometheus metrics, and the measured inputs of MELL's §V planner."""
@@ -216,6 +220,9 @@ class Executor:
             await channel.send({"ok": False, "error": "expected begin"})
             return
         request_id = str(frame.header.get("request_id", ""))
+        if not host.accepts_migrations():
+            await channel.send({"ok": False, "error": "this worker is not ready or is shutting down"})
+            return
         if request_id in {r.request_id for r in engine.kv_usage()} or host.live_request(request_id) is not None:
             await channel.send({"ok": False, "error": f"request {request_id!r} is already on this worker"})
             return

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 MIGRATED_EVENT = "kvfleet.migrated"
 # How long a handed-over request waits on the target for a reader before it is aborted.
 HANDOFF_ATTACH_TIMEOUT_S = 30.0
+# A continuation that sends nothing for this long is lost (a long re-prefill takes seconds, not minutes).
+READ_TIMEOUT_S = 120.0
 
 
 class HandoffError(EngineError):
@@ -306,7 +308,7 @@ async def follow(session: aiohttp.ClientSession, token: str, moved: Moved) -> As
         next_moved: Moved | None = None
         try:
             async with session.get(url, params={"after": str(moved.index)}, headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as response:
+                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=READ_TIMEOUT_S)) as response:
                 if response.status != 200:
                     raise HandoffError(f"{moved.target.pod} answered {response.status}: {(await response.text())[:200]}")
                 event = ""
@@ -329,7 +331,7 @@ async def follow(session: aiohttp.ClientSession, token: str, moved: Moved) -> As
                                         tuple(int(t) for t in body["kvfleet"]["token_ids"]))
                     elif not line:
                         event = ""
-        except aiohttp.ClientError as err:
+        except (aiohttp.ClientError, TimeoutError) as err:
             raise HandoffError(f"reading the continuation from {moved.target.pod}: {err}") from err
         if next_moved is None:
             raise HandoffError(f"{moved.target.pod} ended the stream of {moved.request_id} without [DONE]")
