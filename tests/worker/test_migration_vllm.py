@@ -10,7 +10,7 @@ rest of the budget.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +26,17 @@ from migration_testing import (
 )
 from worker_testing import EngineLoop, StartedEngine, start_engine
 
-from kvfleet.worker.engines.base import EngineInfo, RequestKV, SamplingParams, StepOutput
+from kvfleet.worker.engines.base import EngineInfo
 
 
 class SharedEngine:
-    """The session's vLLM engine behind an agent that must not stop it (other tests use it too)."""
+    """The session's vLLM engine behind an agent that must not stop it (other tests use it too).
+
+    Everything but stop() is the engine's own (delegated), so the wrapper keeps up with the contract.
+    """
 
     def __init__(self, started: StartedEngine) -> None:
         self._engine = started.engine
-
-    async def start(self) -> EngineInfo:
-        return await self._engine.start()
 
     async def stop(self) -> None:
         pass
@@ -45,17 +45,8 @@ class SharedEngine:
     def info(self) -> EngineInfo:
         return self._engine.info
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        return self._engine.generate(request_id, prompt_token_ids, params)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-    def kv_usage(self) -> list[RequestKV]:
-        return self._engine.kv_usage()
-
-    def num_waiting(self) -> int:
-        return self._engine.num_waiting()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 @pytest.fixture(scope="module")
