@@ -198,3 +198,38 @@ def test_both_engines_give_the_same_greedy_tokens(tiny_model_dir: Any, engine_lo
         a = tokens(engine_loop.run(collect(builtin.engine, rid("x"), prompt, greedy(16))))
         b = tokens(engine_loop.run(collect(vllm.engine, rid("x"), prompt, greedy(16))))
         assert a == b, f"prompt {prompt}"
+
+
+def test_queued_requests_are_listed_with_the_kv_they_will_hold(any_engine: StartedEngine) -> None:
+    """More requests than batch slots (max_num_seqs 16): the rest wait, and `queued()` shows each with
+    its prompt's tokens and blocks, which the worker reports so that MELL sees the demand."""
+    e = any_engine
+    info = e.info
+    ids = [rid("queue") for _ in range(19)]
+    prompts = {request_id: PROMPTS[i % len(PROMPTS)] for i, request_id in enumerate(ids)}
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        async def consume(request_id: str) -> None:
+            async for _ in e.engine.generate(request_id, prompts[request_id], greedy(400)):
+                pass
+
+        tasks = [asyncio.create_task(consume(request_id)) for request_id in ids]
+        try:
+            for _ in range(600):
+                if len(e.engine.kv_usage()) >= 16 and e.engine.num_waiting() > 0:
+                    break
+                await asyncio.sleep(0.02)
+            return e.engine.kv_usage(), e.engine.queued()
+        finally:
+            for request_id in ids:
+                await e.engine.abort(request_id)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    usage, queued = e.loop.run(run())
+    assert len(queued) == 19 - len(usage) > 0
+    assert {r.request_id for r in usage} | {r.request_id for r in queued} == set(ids)
+    for r in queued:
+        assert r.tokens == len(prompts[r.request_id])
+        assert r.kv_bytes == kv_blocks_bytes(r.tokens, info.block_size_tokens, info.kv_bytes_per_token)
+    assert [r.request_id for r in queued] == sorted(r.request_id for r in queued)
+    assert_empty(e)

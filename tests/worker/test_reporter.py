@@ -93,3 +93,24 @@ def test_a_huge_report_lists_the_largest_requests_and_counts_all_bytes() -> None
     assert {r.id for r in report.requests} == {r.request_id for r in usage[10:]}
     assert [r.id for r in report.requests] == sorted(r.id for r in report.requests)
     assert len(report.to_annotation()) < 256 * 1024
+
+
+def test_queued_requests_are_reported_and_their_admission_is_news() -> None:
+    usage: list[RequestKV] = []
+    queued = [RequestKV("q", tokens=200, kv_bytes=400_000)]
+    written: list[KVLoadReport] = []
+    clock = Clock()
+
+    async def write(annotation: str) -> None:
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock, queued=lambda: list(queued))
+    assert check(reporter)
+    [entry] = written[-1].requests
+    assert (entry.id, entry.queued, entry.size_class, entry.kv_bytes) == ("q", True, "M", 400_000)
+    assert written[-1].used_bytes == 0, "a queued request holds no KV yet"
+    clock.now_s = 10
+    queued.clear()
+    usage.append(RequestKV("q", tokens=201, kv_bytes=402_000))
+    assert check(reporter), "admission (queued -> holding KV) is written"
+    assert written[-1].requests[0].queued is False and written[-1].used_bytes == 402_000

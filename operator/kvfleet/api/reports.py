@@ -44,6 +44,9 @@ class RequestLoad(_Model):
     kv_bytes: int = Field(ge=0)
     tokens: int = Field(ge=0)
     size_class: SizeClassName
+    # Waiting on this worker for KV blocks: kv_bytes is what it will hold once admitted. MELL
+    # allocates it like any arrival; it holds no KV yet, so a move of it is a token move.
+    queued: bool = False
 
 
 class KVLoadReport(_Model):

@@ -27,32 +27,39 @@ WriteReport = Callable[[str], Awaitable[None]]
 class ReportKey:
     """What decides whether a new report is worth a write: the requests and their size classes."""
 
-    classes: tuple[tuple[str, str], ...]
+    classes: tuple[tuple[str, str, str], ...]
 
 
-def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int) -> KVLoadReport:
-    """A report of these requests. Beyond the size limit only the largest are listed (the rest are
-    rare and tiny at that count); used_bytes always counts every request."""
-    listed = usage
-    if len(usage) > MAX_REQUESTS_PER_REPORT:
-        listed = sorted(usage, key=lambda r: (-r.kv_bytes, r.request_id))[:MAX_REQUESTS_PER_REPORT]
-        listed.sort(key=lambda r: r.request_id)
-    loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens,
-                         size_class=size_class_name(r.kv_bytes, capacity_bytes)) for r in listed]
+def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
+                 queued: list[RequestKV] | None = None) -> KVLoadReport:
+    """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
+    only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
+    request holding KV, and only those."""
+    entries = [(r, False) for r in usage] + [(r, True) for r in queued or []]
+    if len(entries) > MAX_REQUESTS_PER_REPORT:
+        entries = sorted(entries, key=lambda e: (-e[0].kv_bytes, e[0].request_id))[:MAX_REQUESTS_PER_REPORT]
+    entries.sort(key=lambda e: e[0].request_id)
+    loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
+                         size_class=size_class_name(r.kv_bytes, capacity_bytes)) for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence)
 
 
 def report_key(report: KVLoadReport) -> ReportKey:
-    return ReportKey(tuple((r.id, r.size_class) for r in report.requests))
+    return ReportKey(tuple((r.id, r.size_class, str(r.queued)) for r in report.requests))
 
 
 class LoadReporter:
-    """Ticks every `tick_s`; writes a report when the key changed and the last write is an interval old."""
+    """Ticks every `tick_s`; writes a report when the key changed and the last write is an interval old.
+
+    The key is each request's id, size class and whether it is queued: admission is news to MELL (the
+    request now holds KV), growth within a class is not."""
 
     def __init__(self, usage: Callable[[], list[RequestKV]], capacity_bytes: int, write: WriteReport, *,
-                 interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
+                 queued: Callable[[], list[RequestKV]] | None = None) -> None:
         self._usage = usage
+        self._queued = queued
         self._capacity_bytes = capacity_bytes
         self._write = write
         self.interval_s = interval_s
@@ -71,7 +78,8 @@ class LoadReporter:
 
     async def maybe_write(self) -> bool:
         """One check; True when a report was written."""
-        report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1)
+        report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1,
+                              self._queued() if self._queued else None)
         key = report_key(report)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False

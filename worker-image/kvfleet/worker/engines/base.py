@@ -142,6 +142,12 @@ class Engine(Protocol):
         """Requests queued but not yet holding KV (waiting for blocks or a batch slot)."""
         ...
 
+    def queued(self) -> list[RequestKV]:
+        """The requests of num_waiting(), sorted by id: the tokens each will hold once admitted and
+        the whole blocks that takes. The worker reports them so that MELL sees demand a full worker
+        cannot take yet (and allocates it a GPU) instead of the queue hiding it."""
+        ...
+
 
 def kv_blocks_bytes(num_tokens: int, block_size_tokens: int, kv_bytes_per_token: int) -> int:
     """Bytes of the paged blocks that hold num_tokens: whole blocks, as a paged cache allocates."""

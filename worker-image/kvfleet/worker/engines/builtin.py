@@ -92,6 +92,7 @@ from kvfleet.worker.engines.base import (
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    kv_blocks_bytes,
 )
 from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, SeqBatchEntry, read_model_spec, torch_dtype
 
@@ -368,6 +369,14 @@ class BuiltinEngine:
 
     def num_waiting(self) -> int:
         return sum(1 for req in self._waiting if not req.blocks)
+
+    def queued(self) -> list[RequestKV]:
+        if self._info is None:
+            return []
+        info = self._info
+        return sorted((RequestKV(req.request_id, req.num_tokens,
+                                 kv_blocks_bytes(req.num_tokens, info.block_size_tokens, info.kv_bytes_per_token))
+                       for req in self._waiting if not req.blocks), key=lambda r: r.request_id)
 
     # -- migration -----------------------------------------------------------------------------
 

@@ -395,6 +395,13 @@ class VLLMEngine:
     def num_waiting(self) -> int:
         return sum(1 for r in self._requests.values() if r.generated_tokens == 0)
 
+    def queued(self) -> list[RequestKV]:
+        if self._geometry is None:
+            return []
+        block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
+        return [RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token))
+                for r in sorted(self._requests.values(), key=lambda r: r.request_id) if r.generated_tokens == 0]
+
 
 def _geometry(vllm_config: Any) -> _Geometry:
     """The KV layout of the model as vLLM configured it (vllm.config.VllmConfig, loosely typed)."""
