@@ -174,7 +174,7 @@ class Agent:
                 self.metrics.report_writes.inc()
 
             self.reporter = LoadReporter(self._reported_usage, info.kv_capacity_bytes, counted,
-                                         interval_s=self.config.report_interval_s)
+                                         interval_s=self.config.report_interval_s, queued=self.engine.queued)
             self._tasks.append(asyncio.create_task(self.reporter.run()))
         if self.config.pool_token:
             transport = TCPTransport(self.config.pool_token)
