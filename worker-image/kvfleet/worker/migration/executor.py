@@ -18,8 +18,10 @@ either side runs vLLM the migration runs in token mode and says so in its messag
 running request's KV through its public API (docs/migration.md).
 
 What can go wrong, and what is left:
-- the request finished, or the source preempted it (no KV to copy), before it was stopped: Failed,
-  nothing changed on the source; the destination frees what it reserved;
+- the request holds no KV when the move starts (queued for blocks, or preempted): it moves by its
+  tokens whatever the mode asked, and the status says so;
+- the request finished, or the source preempted it during the copy: Failed, nothing changed on
+  the source; the destination frees what it reserved;
 - the destination is unreachable, refuses the token, or has no room: Failed; if the request was
   already stopped it resumes on the source from its own KV (rollback), so the client sees a pause;
 - the connection dies or goes quiet: the destination frees its reservations
@@ -362,6 +364,11 @@ class _SourceRun:
                 side = "source" if not kv_here else "target"
                 self.notes.append(f"{self.mode} mode needs the builtin engine on both sides (the {side} runs "
                                   f"{self.engine.info.engine if not kv_here else hello.get('engine')}): moved as tokens")
+                self.mode = "token"
+            if self.mode != "token" and not any(r.request_id == self.request_id for r in self.engine.kv_usage()):
+                # Queued for blocks, or preempted: there is no KV to copy, and its tokens are all it has.
+                self.notes.append(f"{self.mode} mode asked, but the request holds no KV on the source (queued "
+                                  "or preempted): moved as tokens")
                 self.mode = "token"
             sent_block = await self._precopy() if self.mode != "token" else 0
             await self._stop(live)
