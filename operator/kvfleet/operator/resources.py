@@ -20,6 +20,8 @@ IDLE_SINCE_ANNOTATION = "kvfleet.dev/idle-since"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvfleet-operator", "app.kubernetes.io/part-of": "kvfleet"}
 WORKER_PORT = 8000
+# Where workers receive migrated KV blocks (docs/migration.md): a raw TCP stream, not HTTP.
+MIGRATION_PORT = 8001
 TOKEN_KEY = "token"
 _WORKER_NAME = re.compile(r"^(?P<pool>.+)-worker-(?P<index>\d+)$")
 
@@ -126,6 +128,7 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         {"name": "KVFLEET_MODEL_PATH", "value": spec.model.path},
         {"name": "KVFLEET_KV_CAPACITY_BYTES", "value": str(spec.kv_capacity_per_worker_bytes())},
         {"name": "KVFLEET_PORT", "value": str(WORKER_PORT)},
+        {"name": "KVFLEET_MIGRATION_PORT", "value": str(MIGRATION_PORT)},
         # Workers coalesce their KV-load reports to at most one write per scheduling epoch.
         {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
         {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
@@ -136,7 +139,8 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         "image": template.image,
         "imagePullPolicy": template.image_pull_policy,
         "env": env,
-        "ports": [{"name": "http", "containerPort": WORKER_PORT}],
+        "ports": [{"name": "http", "containerPort": WORKER_PORT},
+                  {"name": "migration", "containerPort": MIGRATION_PORT}],
         "resources": {k: v for k, v in resources.items() if v},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6,
