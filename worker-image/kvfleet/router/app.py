@@ -50,6 +50,7 @@ from kvfleet.worker.openai_api import (
     usage,
     validation_error,
 )
+from kvfleet.worker.stops import StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -78,35 +79,6 @@ class ModelInfo:
     max_model_len: int
     kv_bytes_per_token: int | None  # from /internal/requests, which needs the pool token
     capacity_bytes: int | None
-
-
-class StopStrings:
-    """Holds back text that may start a stop string and cuts the output at one (OpenAI semantics:
-    the stop string is not returned). The worker's class of the same name, on the router's side."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        if not self.stops:
-            return text
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        cut = max(0, len(self.pending) - (max(len(s) for s in self.stops) - 1))
-        while cut < len(self.pending) and not any(s.startswith(self.pending[cut:]) for s in self.stops):
-            cut += 1
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def finish(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class Router:

@@ -1,7 +1,7 @@
 """Text on the worker's side of the engine contract: prompts to token ids, token ids back to text.
 
 Engines see only token ids (engines/base.py), so tokenisation, chat templates, incremental
-detokenisation and stop strings live here, once for both engines. Detokenising a stream token by
+detokenisation live here, once for both engines (stop strings in stops.py, which the router shares). Detokenising a stream token by
 token is subtle: byte-level BPE splits multi-byte characters over tokens, and a tokenizer's spacing
 rules can change how earlier tokens render. `Detokenizer` decodes a sliding window of recent tokens
 and emits only text that can no longer change, the method vLLM and TGI use.
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvfleet.worker.stops import StopStrings
 
 # How many already-emitted tokens the detokenizer re-decodes for context (spacing, merges).
 _CONTEXT_TOKENS = 5
@@ -87,36 +89,4 @@ class Detokenizer:
         return after[len(before):] if after.startswith(before) else ""
 
 
-@dataclass
-class StopStrings:
-    """Holds back text that might be the start of a stop string, and cuts the output at one.
-
-    OpenAI semantics: the stop string itself is not returned, and generation ends at its first
-    occurrence, even across token boundaries.
-    """
-
-    stops: tuple[str, ...]
-    pending: str = ""
-    stopped: bool = False
-
-    def feed(self, text: str) -> str:
-        """Text safe to send now; sets `stopped` when a stop string appeared."""
-        if not self.stops:
-            return text
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        keep = max(len(s) for s in self.stops) - 1
-        cut = max(0, len(self.pending) - keep)
-        # Only hold back a tail that really is a prefix of some stop string.
-        while cut < len(self.pending) and not any(s.startswith(self.pending[cut:]) for s in self.stops):
-            cut += 1
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def finish(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+__all__ = ["Detokenizer", "StopStrings", "Tokenizer"]
