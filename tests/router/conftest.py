@@ -16,20 +16,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from router_testing import EngineLoop, Server, start_worker  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvfleet.worker.model.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def engine_loop() -> Iterator[EngineLoop]:
-    loop = EngineLoop()
-    yield loop
-    loop.close()
-
-
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[list[Server]]:
     started = [start_worker(engine_loop, tiny_model_dir) for _ in range(2)]

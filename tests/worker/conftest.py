@@ -1,4 +1,4 @@
-"""Fixtures for the worker tests: the tiny local model, and engines shared per session (worker_testing.py)."""
+"""Fixtures for the worker tests: engines shared per session (worker_testing.py); the tiny model and the loop are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -13,20 +13,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from worker_testing import EngineLoop, StartedEngine, start_engine  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvfleet.worker.model.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def engine_loop() -> Iterator[EngineLoop]:
-    loop = EngineLoop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="session")
