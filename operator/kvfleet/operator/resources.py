@@ -78,18 +78,19 @@ def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
     name = pool["metadata"]["name"]
     account = worker_account_name(name)
     meta = {"name": account, "labels": _labels(name, "worker"), "ownerReferences": [owner_reference(pool)]}
+    return account_with_role(pool, meta, [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
+    ])
+
+
+def account_with_role(pool: dict[str, Any], meta: dict[str, Any], rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ServiceAccount, a Role of these rules and the RoleBinding between them, all named meta["name"]."""
+    account = meta["name"]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
-                {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
-                {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
-            ],
-        },
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
@@ -315,26 +316,13 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
                                 # Streams in flight get the worker's drain time to finish.
                                 "terminationGracePeriodSeconds": 30}
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                # list and watch a single object need the name as a field selector; RBAC allows that
-                # with resourceNames, so the router reads its own pool and no other.
-                {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
-                 "verbs": ["get", "list", "watch"]},
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": meta,
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": pool["metadata"]["namespace"]}],
-        },
+        *account_with_role(pool, meta, [
+            # list and watch a single object need the name as a field selector; RBAC allows that
+            # with resourceNames, so the router reads its own pool and no other.
+            {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
+             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        ]),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
