@@ -94,3 +94,11 @@ def test_migration_needs_two_pods() -> None:
     assert KVMigrationSpec.model_validate(base).target_pod == "b"
     with pytest.raises(ValidationError, match="targetPod must differ"):
         KVMigrationSpec.model_validate(base | {"targetPod": "a"})
+
+
+@pytest.mark.parametrize("mode", ["kv", "token", "hybrid"])
+def test_migration_modes_include_hybrid(mode: str) -> None:
+    base = {"pool": "p", "requestId": "r", "sourcePod": "a", "targetPod": "b", "mode": mode, "reason": "Update"}
+    assert KVMigrationSpec.model_validate(base).mode == mode
+    with pytest.raises(ValidationError):
+        KVMigrationSpec.model_validate(base | {"mode": "adaptive"})  # the pool chooses; a migration is one mode

@@ -114,3 +114,40 @@ def test_queued_requests_are_reported_and_their_admission_is_news() -> None:
     usage.append(RequestKV("q", tokens=201, kv_bytes=402_000))
     assert check(reporter), "admission (queued -> holding KV) is written"
     assert written[-1].requests[0].queued is False and written[-1].used_bytes == 402_000
+
+
+def test_measured_rates_and_block_size_ride_on_the_report() -> None:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from kvfleet.worker.reporter import LINK_GAUGE, PREFILL_GAUGE, measured_from
+
+    registry = CollectorRegistry()
+    link = Gauge(LINK_GAUGE, "link", registry=registry)
+    Gauge(PREFILL_GAUGE, "prefill", registry=registry)
+    written: list[KVLoadReport] = []
+    usage = [RequestKV("a", tokens=10, kv_bytes=1000)]
+
+    async def write(annotation: str) -> None:
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    clock = Clock()
+    reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock,
+                            measured=measured_from(registry), block_size_tokens=16)
+    assert check(reporter)
+    first = written[-1]
+    assert (first.link_bytes_per_second, first.prefill_tokens_per_second, first.block_size_tokens) == (None, None, 16)
+    link.set(2.5e9)
+    clock.now_s = 10
+    assert not check(reporter), "a new measurement alone is no news to MELL"
+    usage.append(RequestKV("b", tokens=10, kv_bytes=1000))
+    assert check(reporter)
+    assert (written[-1].link_bytes_per_second, written[-1].prefill_tokens_per_second) == (2.5e9, None)
+
+
+def test_a_report_without_measurements_is_the_old_format() -> None:
+    report = build_report([RequestKV("a", tokens=10, kv_bytes=1000)], CAPACITY, sequence=1)
+    text = report.to_annotation()
+    assert "linkBytesPerSecond" not in text and "blockSizeTokens" not in text
+    assert KVLoadReport.model_validate_json(text) == report
+    old = '{"capacityBytes":10,"usedBytes":0,"requests":[],"sequence":3}'
+    assert KVLoadReport.model_validate_json(old).link_bytes_per_second is None

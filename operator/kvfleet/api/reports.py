@@ -57,9 +57,19 @@ class KVLoadReport(_Model):
     requests: list[RequestLoad] = Field(default_factory=list, max_length=MAX_REQUESTS_PER_REPORT)
     # Increases with every write, so a reader can tell a new report from a re-read of an old one.
     sequence: int = Field(ge=0)
+    # What this worker's migration executor measured, for MELL's §V planner (docs/migration.md): the
+    # KV bytes per second of its last copy as the source, and the tokens per second of its last
+    # re-prefill as the target. None until measured; the operator then plans with the pool's
+    # boundaries alone, and otherwise with the smaller of boundary and measurement.
+    link_bytes_per_second: float | None = Field(default=None, ge=0)
+    prefill_tokens_per_second: float | None = Field(default=None, ge=0)
+    # The engine's KV block: a hybrid move copies only full blocks and re-prefills the rest.
+    block_size_tokens: int | None = Field(default=None, gt=0)
 
     def to_annotation(self) -> str:
-        return json.dumps(self.model_dump(by_alias=True), separators=(",", ":"))
+        # Unset optional fields are left out, so a report without measurements is exactly what
+        # an operator from before these fields reads (its model forbids unknown keys).
+        return json.dumps(self.model_dump(by_alias=True, exclude_none=True), separators=(",", ":"))
 
     @classmethod
     def from_annotations(cls, annotations: dict[str, str] | None) -> KVLoadReport | None:

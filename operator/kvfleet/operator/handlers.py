@@ -331,7 +331,8 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         state.routes = state.scheduler.routes()
     count_finished_migrations(state, namespace, name, view.finished)
 
-    chosen, num_deferred = migrations.choose_modes(spec, outcome.moves, node_of_pod, spec.scheduling.epoch_seconds)
+    chosen, num_deferred = migrations.choose_modes(spec, outcome.moves, node_of_pod, spec.scheduling.epoch_seconds,
+                                                   {w.pod_name: w.report for w in workers})
     targets = set(view.in_flight.values())
     for order, mode in chosen:
         attempt = view.attempts.get(order.request_id, 0) + 1

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvfleet.api.models import API_VERSION, LLMPoolSpec
 from kvfleet.api.quantity import quantity_bytes
-from kvfleet.mell.migration import Boundaries, plan_migrations
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.mell.migration import Boundaries, Mode, link_of, plan_migrations
 from kvfleet.mell.models import Location, Migration
 from kvfleet.operator.epoch import MoveOrder
 from kvfleet.operator.resources import MANAGED_BY, POOL_LABEL, owner_reference
@@ -115,22 +116,54 @@ def migration_body(pool: dict[str, Any], order: MoveOrder, mode: str, attempt: i
 
 
 def choose_modes(spec: LLMPoolSpec, orders: Sequence[MoveOrder], node_of_pod: Mapping[str, str],
-                 epoch_s: float) -> tuple[list[tuple[MoveOrder, str]], int]:
-    """Each order with its mode, and how many are deferred to the next epoch.
+                 epoch_s: float, reports: Mapping[str, KVLoadReport | None] | None = None,
+                 ) -> tuple[list[tuple[MoveOrder, str]], int]:
+    """Each order with its mode (`kv`, `token` or `hybrid`), and how many are deferred to the next epoch.
 
     A pool with a fixed mode uses it for every move. `adaptive` runs MELL's §V global two-bin packing
-    (kvfleet.mell.migration) with the pool's boundaries scaled to one epoch: a move that fits neither
-    its link's bytes nor its target's prefill tokens waits, and the scheduler orders it again.
+    (kvfleet.mell.migration) over one epoch: a move goes whole to its link (KV) or its target
+    (tokens), else splits into full blocks over the link and a re-prefilled tail (hybrid), else waits
+    and the scheduler orders it again.
+
+    The pool's boundaries are the caps; the workers' reports (by pod name) refine them with what was
+    measured (§V, "Boundary Profiling"): a link's budget is the smaller of the communication boundary
+    and the slowest copy rate reported by a source sending over it, a target's the smaller of the
+    computation boundary and its reported re-prefill rate. A worker measures its link only as a
+    whole (its last copy, whatever the peer), so that figure stands for every link it sends on.
+    Hybrid needs the engine's block size, from the reports; without one no move is split.
     """
     if spec.migration.mode != "adaptive":
         return [(order, spec.migration.mode) for order in orders], 0
+    reports = reports or {}
     link_bytes = int(quantity_bytes(spec.migration.communication_boundary_bytes_per_second) * epoch_s)
     boundaries = Boundaries(intra_node_link_bytes=link_bytes, inter_node_link_bytes=link_bytes,
                             instance_prefill_tokens=int(spec.migration.computation_boundary_tokens_per_second * epoch_s))
     per_token = [o.size_bytes // o.tokens for o in orders if o.tokens > 0]
     kv_bytes_per_token = max(1, max(per_token, default=1))
+
+    def locate(pod: str) -> Location:
+        return Location(node_of_pod.get(pod, pod), "")
+
+    measured_link: dict[str, int] = {}
+    measured_prefill: dict[str, int] = {}
+    for o in orders:
+        source, target = reports.get(o.source_pod), reports.get(o.target_pod)
+        if source is not None and source.link_bytes_per_second is not None:
+            link = link_of(locate(o.source_pod), locate(o.target_pod))
+            rate_bytes = int(source.link_bytes_per_second * epoch_s)
+            measured_link[link] = min(measured_link.get(link, rate_bytes), rate_bytes)
+        if target is not None and target.prefill_tokens_per_second is not None:
+            measured_prefill[o.target_pod] = int(target.prefill_tokens_per_second * epoch_s)
+    # One engine and model per pool, so one block size; the largest reported is the safe one should
+    # workers disagree mid-rollout (a coarser block only shrinks what a hybrid move sends as KV).
+    block_size_tokens = max((r.block_size_tokens for r in reports.values()
+                             if r is not None and r.block_size_tokens is not None), default=None)
+
     by_request = {o.request_id: o for o in orders}
     moves = [Migration(o.request_id, o.source_pod, o.target_pod, o.size_bytes, o.reason) for o in orders]
-    schedule = plan_migrations(moves, lambda pod: Location(node_of_pod.get(pod, pod), ""), kv_bytes_per_token, boundaries)
-    chosen = [(by_request[c.migration.request_id], c.mode.value) for c in (*schedule.kv, *schedule.token)]
+    schedule = plan_migrations(moves, locate, kv_bytes_per_token, boundaries, block_size_tokens=block_size_tokens,
+                               measured_link_bytes=measured_link, measured_prefill_tokens=measured_prefill)
+    # A hybrid move's KVMigration expects only its planned full blocks as KV bytes (expectedBytes).
+    chosen = [(replace(by_request[c.migration.request_id], size_bytes=c.kv_bytes) if c.mode is Mode.HYBRID
+               else by_request[c.migration.request_id], c.mode.value) for c in schedule.scheduled]
     return chosen, len(schedule.deferred)

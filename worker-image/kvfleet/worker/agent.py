@@ -67,7 +67,7 @@ from kvfleet.worker.openai_api import (
     usage,
     validation_error,
 )
-from kvfleet.worker.reporter import LoadReporter, WriteReport
+from kvfleet.worker.reporter import LoadReporter, WriteReport, measured_from
 from kvfleet.worker.text import StopStrings, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,9 @@ class Agent:
                 self.metrics.report_writes.inc()
 
             self.reporter = LoadReporter(self._reported_usage, info.kv_capacity_bytes, counted,
-                                         interval_s=self.config.report_interval_s, queued=self.engine.queued)
+                                         interval_s=self.config.report_interval_s, queued=self.engine.queued,
+                                         measured=measured_from(self.metrics.registry),
+                                         block_size_tokens=info.block_size_tokens)
             self._tasks.append(asyncio.create_task(self.reporter.run()))
         if self.config.pool_token:
             transport = TCPTransport(self.config.pool_token)

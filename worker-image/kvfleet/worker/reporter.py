@@ -5,6 +5,11 @@ The format is `kvfleet.api.reports.KVLoadReport` in the annotation `kvfleet.dev/
 class, so the reporter compares the set of (request, size class) pairs with what it last wrote and
 writes only when that changed, at most once per scheduling epoch, never per token. A failed write is
 retried on the next tick; a report is always a whole snapshot, so nothing is lost by coalescing.
+
+The report also carries what the migration executor measured (link bytes/s as a source, re-prefill
+tokens/s as a target) and the engine's block size: the inputs of the operator's §V planner. A new
+measurement alone does not cause a write; it rides on the next one, and every migration that
+measures something also changes the request set of both workers, which does.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
 
 from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad, size_class_name
 from kvfleet.worker.engines.base import RequestKV
@@ -30,11 +37,36 @@ class ReportKey:
     classes: tuple[tuple[str, str, str], ...]
 
 
+@dataclass(frozen=True)
+class Measured:
+    """The executor's last measured rates; None where nothing was measured yet."""
+
+    link_bytes_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+
+
+# The executor's gauges (kvfleet.worker.migration.executor.MigrationMetrics) hold its measurements.
+LINK_GAUGE = "kvfleet_worker_migration_link_bytes_per_second"
+PREFILL_GAUGE = "kvfleet_worker_migration_prefill_tokens_per_second"
+
+
+def measured_from(registry: CollectorRegistry) -> Callable[[], Measured]:
+    """Reads the executor's rate gauges; a gauge at 0 was never set (no migration measured yet)."""
+
+    def read(name: str) -> float | None:
+        value = registry.get_sample_value(name)
+        return value if value is not None and value > 0 else None
+
+    return lambda: Measured(read(LINK_GAUGE), read(PREFILL_GAUGE))
+
+
 def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
-                 queued: list[RequestKV] | None = None) -> KVLoadReport:
+                 queued: list[RequestKV] | None = None, measured: Measured | None = None,
+                 block_size_tokens: int | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
+    measured = measured or Measured()
     entries = [(r, False) for r in usage] + [(r, True) for r in queued or []]
     if len(entries) > MAX_REQUESTS_PER_REPORT:
         entries = sorted(entries, key=lambda e: (-e[0].kv_bytes, e[0].request_id))[:MAX_REQUESTS_PER_REPORT]
@@ -42,7 +74,8 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
                          size_class=size_class_name(r.kv_bytes, capacity_bytes)) for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
-                        sequence=sequence)
+                        sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
+                        prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens)
 
 
 def report_key(report: KVLoadReport) -> ReportKey:
@@ -57,9 +90,12 @@ class LoadReporter:
 
     def __init__(self, usage: Callable[[], list[RequestKV]], capacity_bytes: int, write: WriteReport, *,
                  interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
-                 queued: Callable[[], list[RequestKV]] | None = None) -> None:
+                 queued: Callable[[], list[RequestKV]] | None = None,
+                 measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None) -> None:
         self._usage = usage
         self._queued = queued
+        self._measured = measured
+        self._block_size_tokens = block_size_tokens
         self._capacity_bytes = capacity_bytes
         self._write = write
         self.interval_s = interval_s
@@ -79,7 +115,8 @@ class LoadReporter:
     async def maybe_write(self) -> bool:
         """One check; True when a report was written."""
         report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1,
-                              self._queued() if self._queued else None)
+                              self._queued() if self._queued else None,
+                              self._measured() if self._measured else None, self._block_size_tokens)
         key = report_key(report)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False

@@ -1,0 +1,77 @@
+"""choose_modes: the pool's boundaries as caps, the workers' measured rates as refinements (MELL §V)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet.api.models import LLMPoolSpec
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.operator.epoch import MoveOrder
+from kvfleet.operator.migrations import choose_modes
+
+NODES = {"w0": "n0", "w1": "n1", "w2": "n1"}
+# 30 tokens at 10 bytes each.
+MOVE = MoveOrder("r", "w0", "w1", 300, 30, "Update")
+
+
+def spec(mode: str = "adaptive", link: str = "1000", prefill: int = 10) -> LLMPoolSpec:
+    body: dict[str, Any] = {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
+                            "migration": {"mode": mode, "communicationBoundaryBytesPerSecond": link,
+                                          "computationBoundaryTokensPerSecond": prefill}}
+    return LLMPoolSpec.model_validate(body)
+
+
+def report(link_bytes_per_s: float | None = None, prefill_tokens_per_s: float | None = None,
+           block_size_tokens: int | None = 8) -> KVLoadReport:
+    return KVLoadReport(capacity_bytes=10**9, used_bytes=0, sequence=1, link_bytes_per_second=link_bytes_per_s,
+                        prefill_tokens_per_second=prefill_tokens_per_s, block_size_tokens=block_size_tokens)
+
+
+def modes(chosen: list[tuple[MoveOrder, str]]) -> list[tuple[str, str]]:
+    return [(o.request_id, m) for o, m in chosen]
+
+
+def test_a_fixed_mode_is_used_for_every_move() -> None:
+    assert choose_modes(spec("token"), [MOVE], NODES, 1.0) == ([(MOVE, "token")], 0)
+
+
+def test_without_measurements_the_pool_boundaries_decide() -> None:
+    assert modes(choose_modes(spec(), [MOVE], NODES, 1.0)[0]) == [("r", "kv")]
+    # 300 B over a 250 B/s link for one epoch: too much; 30 tokens over 10/s: too much; no block size
+    # reported, so no split either.
+    assert choose_modes(spec(link="250"), [MOVE], NODES, 1.0) == ([], 1)
+
+
+def test_a_slow_measured_link_turns_kv_into_hybrid() -> None:
+    reports = {"w0": report(link_bytes_per_s=250.0), "w1": report()}
+    chosen, deferred = choose_modes(spec(), [MOVE], NODES, 1.0, reports)
+    assert modes(chosen) == [("r", "hybrid")] and deferred == 0  # 3 blocks of 8 tokens as KV, 6 re-prefilled
+    [(order, _)] = chosen
+    assert (order.size_bytes, order.tokens) == (240, 30), "expectedBytes is the KV part; expectedTokens the whole"
+
+
+def test_a_slow_measured_prefill_defers_what_the_boundary_would_split() -> None:
+    reports = {"w0": report(), "w1": report(prefill_tokens_per_s=5.0)}
+    assert choose_modes(spec(link="250"), [MOVE], NODES, 1.0, reports) == ([], 1)
+    reports = {"w0": report(), "w1": report(prefill_tokens_per_s=500.0)}
+    assert modes(choose_modes(spec(link="250"), [MOVE], NODES, 1.0, reports)[0]) == [("r", "hybrid")]
+
+
+def test_measurements_above_the_boundaries_do_not_raise_them() -> None:
+    reports = {"w0": report(link_bytes_per_s=1e12), "w1": report(prefill_tokens_per_s=1e9)}
+    assert choose_modes(spec(link="100", prefill=2), [MOVE], NODES, 1.0, reports) == ([], 1)
+
+
+def test_the_slowest_source_on_a_shared_link_sets_its_budget() -> None:
+    # w0 and w3 share node n0, so both send over the n0->n1 link.
+    nodes = {"w0": "n0", "w3": "n0", "w1": "n1"}
+    moves = [MOVE, MoveOrder("s", "w3", "w1", 100, 10, "Update")]
+    reports = {"w0": report(link_bytes_per_s=5000.0), "w3": report(link_bytes_per_s=350.0)}
+    chosen, deferred = choose_modes(spec(), moves, nodes, 1.0, reports)
+    # The n0->n1 link gets 350 B: r (300 B) goes as KV, s (100 B, 10 tokens) re-prefills at w1.
+    assert modes(chosen) == [("r", "kv"), ("s", "token")] and deferred == 0
+
+
+def test_rates_are_scaled_to_the_epoch() -> None:
+    reports = {"w0": report(link_bytes_per_s=150.0)}
+    assert modes(choose_modes(spec(), [MOVE], NODES, 2.0, reports)[0]) == [("r", "kv")]  # 300 B in 2 s
