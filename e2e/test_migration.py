@@ -33,8 +33,9 @@ from kvfleet_e2e.controlplane import Process, stop_process
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"
 # (request id, prompt tokens, output tokens): "grows" starts as a T-request and crosses into S, M and L
-# while it decodes; "stays" is a T-request throughout. Together they never exceed the capacity.
-REQUESTS = [("grows", 480, 900), ("stays", 270, 200)]
+# while it decodes, for several epochs even on a fast machine; "stays" is a T-request throughout and ends
+# long before "grows" is large, so together they never exceed the capacity.
+REQUESTS = [("grows", 480, 1500), ("stays", 270, 200)]
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,25 @@ def test_the_slowest_source_on_a_shared_link_sets_its_budget() -> None:
 def test_rates_are_scaled_to_the_epoch() -> None:
     reports = {"w0": report(link_bytes_per_s=150.0)}
     assert modes(choose_modes(spec(), [MOVE], NODES, 2.0, reports)[0]) == [("r", "kv")]  # 300 B in 2 s
+
+
+def succeeded(request_id: str, source: str, target: str, name: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"requestId": request_id, "sourcePod": source, "targetPod": target},
+            "status": {"phase": "Succeeded", "completionTime": "2026-01-01T00:00:01Z"}}
+
+
+def test_a_succeeded_move_stays_in_flight_while_either_report_lags() -> None:
+    from kvfleet.operator.migrations import parse_time, view
+
+    now_s = (parse_time("2026-01-01T00:00:01Z") or 0.0) + 2
+    move = [succeeded("r", "w0", "w1", "p-r-1")]
+    # The target has not reported it yet: in flight to w1.
+    assert view(move, spec(), now_s, {"r": ["w0"]}).in_flight == {"r": "w1"}
+    # Both report it (the source's report is one interval stale): still in flight, so the target wins.
+    assert view(move, spec(), now_s, {"r": ["w0", "w1"]}).in_flight == {"r": "w1"}
+    # Only the target: settled.
+    assert view(move, spec(), now_s, {"r": ["w1"]}).in_flight == {}
+    # Moved back later (w1 -> w0): the latest move decides, whatever order the API lists them in.
+    back = {**succeeded("r", "w1", "w0", "p-r-2"), "metadata": {"name": "p-r-2", "creationTimestamp": "2026-01-01T00:00:01Z"}}
+    assert view([back, *move], spec(), now_s, {"r": ["w1"]}).in_flight == {"r": "w0"}

@@ -54,9 +54,9 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
          reported_on: Mapping[str, Iterable[str]] | None = None) -> MigrationView:
     """Sort the pool's migrations by what the scheduler must do about them.
 
-    A migration that succeeded counts as in flight until the target's report shows the request (or
-    a settling window passes): reports lag the handover by up to one report interval, and reading the
-    source's stale report as the truth would order the same move again.
+    A migration that succeeded counts as in flight until the target's report shows the request and
+    the source's no longer does (or a settling window passes): reports lag the handover by up to one
+    report interval, and reading the source's stale report as the truth would order the same move again.
     """
     reported_on = reported_on or {}
     settle_s = max(10.0, 3 * spec.scheduling.epoch_seconds)
@@ -65,7 +65,8 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     expired: list[str] = []
     attempts: dict[str, int] = {}
     finished: dict[str, dict[str, Any]] = {}
-    for obj in objects:
+    # Oldest first, so that a request's latest migration has the last word on where it is going.
+    for obj in sorted(objects, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"])):
         name = obj["metadata"]["name"]
         request_id = obj["spec"]["requestId"]
         attempts[request_id] = attempts.get(request_id, 0) + 1
@@ -76,7 +77,10 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
             if now_s - finished_s >= spec.migration.ttl_seconds_after_finished:
                 expired.append(name)
             elif (phase(obj) == "Succeeded" and now_s - finished_s < settle_s
-                  and obj["spec"]["targetPod"] not in reported_on.get(request_id, ())):
+                  and (obj["spec"]["targetPod"] not in reported_on.get(request_id, ())
+                       or obj["spec"]["sourcePod"] in reported_on.get(request_id, ()))):
+                # Until the target reports the request and the source has stopped reporting it
+                # (each writes at most once an interval), the target is where it is.
                 in_flight[request_id] = obj["spec"]["targetPod"]
             continue
         created_s = parse_time(obj["metadata"].get("creationTimestamp")) or now_s
