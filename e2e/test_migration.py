@@ -33,9 +33,10 @@ from kvfleet_e2e.controlplane import Process, stop_process
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"
 # (request id, prompt tokens, output tokens): "grows" starts as a T-request and crosses into S, M and L
-# while it decodes, for several epochs even on a fast machine; "stays" is a T-request throughout and ends
-# long before "grows" is large, so together they never exceed the capacity.
-REQUESTS = [("grows", 480, 1500), ("stays", 270, 200)]
+# while it decodes; "stays" is a T-request throughout. Together they never exceed the capacity. The
+# workers pace their steps to 10 ms (KVFLEET_MIN_STEP_S), so "grows" decodes for at least 9 s, several
+# epochs, however fast the machine: the control loop gets time to act.
+REQUESTS = [("grows", 480, 900), ("stays", 270, 200)]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def pool(model_dir: Path) -> dict[str, Any]:
         "scheduling": {"epochSeconds": 1},
         "migration": {"mode": "kv"},
         "autoscaling": {"scaleDownDelaySeconds": 30},
-        "workerTemplate": {"image": "kvfleet/worker:dev"},
+        "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "KVFLEET_MIN_STEP_S", "value": "0.01"}]},
     }}
 
 

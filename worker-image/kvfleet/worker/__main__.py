@@ -40,6 +40,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=int(env("KVFLEET_MAX_NUM_SEQS", "64")))
     parser.add_argument("--dtype", default=env("KVFLEET_DTYPE"),
                         help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")
+    parser.add_argument("--min-step-s", type=float, default=float(env("KVFLEET_MIN_STEP_S", "0")),
+                        help="builtin engine: a floor on one step's time, emulating a slower accelerator (tests, demos)")
     parser.add_argument("--report-interval-s", type=float, default=float(env("KVFLEET_REPORT_INTERVAL_S", "5")))
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
@@ -69,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, dtype=dtype, device=device))
+        max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s))
     pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
     writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
     if writer is None:

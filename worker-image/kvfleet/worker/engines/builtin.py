@@ -75,6 +75,7 @@ import functools
 import hashlib
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -593,6 +594,7 @@ class BuiltinEngine:
             self._wake_event.clear()
             async with self._step_lock:
                 step = self._schedule()
+                started_s = time.monotonic()
                 if step is not None:
                     try:
                         tokens = await self._in_executor(functools.partial(self._execute, step))
@@ -603,8 +605,8 @@ class BuiltinEngine:
             if step is None:
                 await self._wake_event.wait()
             else:
-                # Let suspend/abort/HTTP handlers in between steps.
-                await asyncio.sleep(0)
+                # Let suspend/abort/HTTP handlers in between steps (for the rest of a paced step).
+                await asyncio.sleep(max(0.0, self.config.min_step_s - (time.monotonic() - started_s)))
 
     def _schedule(self) -> _Step | None:
         bs = self.info.block_size_tokens
