@@ -55,10 +55,11 @@ class Worker:
         raw = response.read()
         return response.status, json.loads(raw) if raw.startswith(b"{") else raw
 
-    def migrate(self, request_id: str, target: Worker, mode: str) -> dict[str, Any]:
+    def migrate(self, request_id: str, target: Worker, mode: str, kv_bytes: int | None = None) -> dict[str, Any]:
         status, result = self.call("POST", f"/internal/requests/{request_id}/migrate", {
             "target": {"pod": target.name, "address": target.address,
-                       "migrationAddress": f"127.0.0.1:{target.agent.migration_port}"}, "mode": mode})
+                       "migrationAddress": f"127.0.0.1:{target.agent.migration_port}"}, "mode": mode,
+            **({"kvBytes": kv_bytes} if kv_bytes is not None else {})})
         assert status == 200, result
         assert isinstance(result, dict)
         return result
@@ -150,8 +151,8 @@ def read_sse(response: http.client.HTTPResponse, on_chunk: Any = None) -> Stream
 
 
 def stream_with_migration(source: Worker, target: Worker, request_id: str, mode: str, path: str = "/v1/completions",
-                          payload: dict[str, Any] | None = None, router: bool = False, after_chunks: int = 4
-                          ) -> tuple[Streamed, dict[str, Any]]:
+                          payload: dict[str, Any] | None = None, router: bool = False, after_chunks: int = 4,
+                          kv_bytes: int | None = None) -> tuple[Streamed, dict[str, Any]]:
     """Streams a request from the source and migrates it once the client has read `after_chunks` events."""
     conn = http.client.HTTPConnection("127.0.0.1", source.port, timeout=120)
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
@@ -165,7 +166,7 @@ def stream_with_migration(source: Worker, target: Worker, request_id: str, mode:
 
     def on_chunk(n: int) -> None:
         if n == after_chunks:
-            thread = threading.Thread(target=lambda: results.append(source.migrate(request_id, target, mode)))
+            thread = threading.Thread(target=lambda: results.append(source.migrate(request_id, target, mode, kv_bytes)))
             thread.start()
             migrating.append(thread)
 

@@ -408,3 +408,18 @@ def test_migrations_show_in_the_metrics_the_planner_is_configured_from(workers: 
     assert value(source_text, "kvfleet_worker_migration_downtime_seconds_count") >= 2
     # The token move re-prefilled the long prompt on b: its prefill speed is measured there.
     assert value(target_text, "kvfleet_worker_migration_prefill_tokens_per_second") > 0
+
+
+def test_a_hybrid_move_copies_only_the_kv_the_planner_gave_its_link(workers: tuple[Worker, Worker]) -> None:
+    """expectedBytes of a hybrid KVMigration (here kvBytes): two blocks go over the link, the rest of
+    the request is re-prefilled at the target, and the client's stream is the unmigrated one."""
+    a, b = workers
+    payload = body(prompt=LONG_PROMPT, max_tokens=120)
+    ref_text, _ = reference(a, payload)
+    info = a.agent.engine.info
+    block_bytes = info.block_size_tokens * info.kv_bytes_per_token
+    streamed, result = stream_with_migration(a, b, "hybrid-limited", "hybrid", payload=payload, kv_bytes=2 * block_bytes)
+    assert result["phase"] == "Succeeded" and result["mode"] == "hybrid", result
+    assert result["bytesMoved"] == 2 * block_bytes, result
+    assert streamed.done and streamed.text == ref_text
+    wait_idle(a, b)

@@ -33,7 +33,8 @@ class Api:
 def test_the_mode_reaches_the_executor(mode: str) -> None:
     asked: list[str] = []
 
-    async def migrate(request_id: str, target: HandoffTarget, address: str, how: Mode) -> MigrationResult:
+    async def migrate(request_id: str, target: HandoffTarget, address: str, how: Mode,
+                      kv_bytes: int | None) -> MigrationResult:
         asked.append(how)
         return MigrationResult(request_id, True, how, bytes_moved=10, tokens_moved=5, downtime_s=0.01)
 

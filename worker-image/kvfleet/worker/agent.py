@@ -328,12 +328,16 @@ class Agent:
         """Moves a request to another worker now: what the KVMigration watcher does, for tools and tests.
 
         Body: {"target": {"pod", "address": "ip:port" (HTTP), "migrationAddress" (default: the
-        address's host on this worker's migration port)}, "mode": "kv" | "token" | "hybrid"}.
+        address's host on this worker's migration port)}, "mode": "kv" | "token" | "hybrid",
+        "kvBytes": the KV bytes a hybrid move copies (optional; default all full blocks)}.
         """
         self._require_engine()
         raw = await self._read_json(request)
         target = raw.get("target")
         mode = raw.get("mode", "kv")
+        kv_bytes = raw.get("kvBytes")
+        if kv_bytes is not None and (not isinstance(kv_bytes, int) or kv_bytes < 0):
+            raise APIError(400, "kvBytes must be a non-negative integer", param="kvBytes")
         if not isinstance(target, dict) or not isinstance(target.get("pod"), str) or not isinstance(target.get("address"), str):
             raise APIError(400, "target must be {\"pod\": ..., \"address\": \"ip:port\"}", param="target")
         if mode not in MODES:
@@ -344,13 +348,14 @@ class Agent:
             raise APIError(400, str(err), param="target.address") from None
         migration_address = target.get("migrationAddress") or f"{host}:{self.config.migration_port or MIGRATION_PORT}"
         result = await self.migrate(request.match_info["request_id"], HandoffTarget(target["pod"], target["address"]),
-                                    str(migration_address), mode)
+                                    str(migration_address), mode, kv_bytes_limit=kv_bytes)
         return web.json_response(result.to_json())
 
-    async def migrate(self, request_id: str, target: HandoffTarget, migration_address: str, mode: Mode) -> MigrationResult:
+    async def migrate(self, request_id: str, target: HandoffTarget, migration_address: str, mode: Mode,
+                      kv_bytes_limit: int | None = None) -> MigrationResult:
         if self.executor is None:
             return MigrationResult(request_id, False, mode, message="this worker has no pool token: it cannot migrate")
-        return await self.executor.migrate(request_id, target, migration_address, mode)
+        return await self.executor.migrate(request_id, target, migration_address, mode, kv_bytes_limit)
 
     async def _internal_stream(self, request: web.Request) -> web.StreamResponse:
         """The continuation of a request handed over to this worker (docs/migration.md)."""

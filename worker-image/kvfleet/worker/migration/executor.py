@@ -31,6 +31,7 @@ What can go wrong, and what is left:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -190,15 +191,19 @@ class Executor:
 
     # ======================================================================= the source's side
 
-    async def migrate(self, request_id: str, target: HandoffTarget, migration_address: str, mode: Mode) -> MigrationResult:
-        """Moves the request; never raises for what a migration can meet (the result says it)."""
+    async def migrate(self, request_id: str, target: HandoffTarget, migration_address: str, mode: Mode,
+                      kv_bytes_limit: int | None = None) -> MigrationResult:
+        """Moves the request; never raises for what a migration can meet (the result says it).
+
+        `kv_bytes_limit`: in hybrid mode, the KV bytes the planner gave this move's link (the
+        KVMigration's expectedBytes): whole blocks up to it are copied, the rest is re-prefilled."""
         if mode not in MODES:
             return MigrationResult(request_id, False, "token", message=f"unknown mode {mode!r}")
         try:
             ticket = self._host.handoffs.begin(request_id)
         except HandoffError as err:
             return MigrationResult(request_id, False, mode, message=str(err))
-        run = _SourceRun(self, ticket, target, migration_address, mode)
+        run = _SourceRun(self, ticket, target, migration_address, mode, kv_bytes_limit)
         try:
             result = await run.go()
         except asyncio.CancelledError:
@@ -318,8 +323,9 @@ class _SourceRun:
     """One migration from this worker, step by step."""
 
     def __init__(self, executor: Executor, ticket: Ticket, target: HandoffTarget, migration_address: str,
-                 mode: Mode) -> None:
+                 mode: Mode, kv_bytes_limit: int | None = None) -> None:
         self.x = executor
+        self.kv_bytes_limit = kv_bytes_limit
         self.host = executor._host
         self.engine = self.host.engine
         self.ticket = ticket
@@ -385,20 +391,31 @@ class _SourceRun:
     async def _precopy(self) -> int:
         """KV stages while the request decodes; returns the first block not sent."""
         assert isinstance(self.engine, BuiltinEngine)
+        limit_blocks = None
+        if self.mode == "hybrid" and self.kv_bytes_limit is not None:
+            info = self.engine.info
+            limit_blocks = self.kv_bytes_limit // (info.block_size_tokens * info.kv_bytes_per_token)
         sent_block = 0
         for _ in range(MAX_STAGES):
-            num_blocks = await self._send_stage(sent_block)
+            room = None if limit_blocks is None else limit_blocks - sent_block
+            if room is not None and room <= 0:
+                break
+            num_blocks = await self._send_stage(sent_block, max_blocks=room)
             sent_block += num_blocks
             if self.mode == "hybrid" or num_blocks <= LAST_STAGE_MAX_BLOCKS:
                 break
         return sent_block
 
-    async def _send_stage(self, first_block: int) -> int:
+    async def _send_stage(self, first_block: int, max_blocks: int | None = None) -> int:
         assert isinstance(self.engine, BuiltinEngine) and self.channel is not None
         try:
             kv = await self.engine.export_kv(self.request_id, first_block=first_block)
         except MigrationError as err:
             raise _SourceGone(f"the source has no KV to copy (finished or preempted): {err}") from None
+        if max_blocks is not None and kv.num_blocks > max_blocks:
+            # The planner's share of the link for this move (hybrid): the blocks past it are re-prefilled.
+            kv = dataclasses.replace(kv, data=kv.data[:, :, :max_blocks].contiguous(),
+                                     num_tokens=min(kv.num_tokens, max_blocks * kv.block_size_tokens))
         if kv.num_blocks == 0:
             return 0
         await self.channel.send({"op": "stage", "first_block": kv.first_block, "num_tokens": kv.num_tokens,

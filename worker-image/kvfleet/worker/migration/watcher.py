@@ -35,7 +35,8 @@ POOL_LABEL = "kvfleet.dev/pool"
 WATCH_TIMEOUT_S = 30
 RETRY_S = 1.0
 
-Migrate = Callable[[str, HandoffTarget, str, Mode], Awaitable[MigrationResult]]
+# (request id, target, migration address, mode, KV bytes a hybrid move copies or None)
+Migrate = Callable[[str, HandoffTarget, str, Mode, int | None], Awaitable[MigrationResult]]
 
 
 class MigrationAPI(Protocol):
@@ -152,7 +153,10 @@ class MigrationWatcher:
             return
         target = HandoffTarget(target_pod, f"{ip}:{self.config.http_port}")
         log.info("KVMigration %s: moving %s to %s (%s) in %s mode", name, request_id, target_pod, ip, mode)
-        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", cast(Mode, mode))
+        # A hybrid move copies what the planner gave its link (expectedBytes) and re-prefills the rest.
+        kv_bytes = spec.get("expectedBytes") if mode == "hybrid" else None
+        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", cast(Mode, mode),
+                                     kv_bytes if isinstance(kv_bytes, int) else None)
         if result.succeeded:
             downtime_s = result.downtime_s or 0.0
             await self._patch(name, {"phase": "Succeeded", "completionTime": _stamp(), "bytesMoved": result.bytes_moved,
