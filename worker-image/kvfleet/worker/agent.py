@@ -64,6 +64,7 @@ from kvfleet.worker.openai_api import (
     CompletionRequest,
     new_id,
     now_s,
+    parse_json_object,
     usage,
     validation_error,
 )
@@ -464,19 +465,7 @@ class Agent:
         return self._info
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise APIError(400, f"malformed JSON: {err.msg} at line {err.lineno} column {err.colno}",
-                           code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return body
+        return parse_json_object(await request.read())
 
     def _request_id(self, request: web.Request, prefix: str) -> str:
         given = request.headers.get(REQUEST_ID_HEADER)

@@ -9,6 +9,7 @@ neutral value (penalties of 0, `n: 1`) are accepted at that value only.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -134,6 +135,22 @@ def validation_error(err: ValidationError) -> APIError:
     else:
         message = f"{param}: {message}" if param else message
     return APIError(400, message, param=param, code=first["type"])
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or the client error that says what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"malformed JSON: {err.msg} at line {err.lineno} column {err.colno}",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
 
 
 def new_id(prefix: str) -> str:
