@@ -95,3 +95,21 @@ def test_rebuild_leaves_an_overfilled_workers_excess_to_be_allocated_afresh() ->
     assert sched.sizes == {"a": 700}
     out = sched.epoch([worker(0, ("a", 700), ("b", 700), ("c", 700))], {}, now_s=1.0)
     assert out.num_events == 2 and out.unserved_gpu_ids == ("gpu-1", "gpu-2") and out.num_deferred_moves == 2
+
+
+def test_the_pools_priority_weights_scale_mells_defaults() -> None:
+    from kvfleet.api.models import LLMPoolSpec
+    from kvfleet.operator.epoch import scheduler_config
+
+    def config(**scheduling: float) -> SchedulerConfig:
+        return scheduler_config(LLMPoolSpec.model_validate({
+            "model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
+            "scheduling": scheduling}))
+
+    default = SchedulerConfig(capacity_bytes=2**30)
+    assert config() == default
+    tuned = config(workloadWeight=2.0, distanceWeight=0.0)
+    assert (tuned.weight_free, tuned.weight_requests) == (2 * default.weight_free, 2 * default.weight_requests)
+    assert (tuned.weight_same_node, tuned.weight_same_zone) == (0.0, 0.0)
+    # The config is the operator's rebuild key: changing a weight must change it.
+    assert tuned != default and tuned != config(workloadWeight=2.0)

@@ -15,10 +15,12 @@ No I/O and no clock here; time comes in as an argument.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvfleet.api.models import LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
 from kvfleet.mell.cluster import ClusterSnapshot, GpuSnapshot, ItemSnapshot
@@ -66,6 +68,21 @@ class EpochOutcome:
     used_bytes: int
     lower_bound_gpus: int
     active_gpus: int
+
+
+def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
+    """The pool's MELL knobs. The spec's two weights scale the defaults of MELL's GPU priority (§VI-C):
+    workloadWeight the free-memory and request-count terms, distanceWeight the same-node and same-zone
+    bonuses; 1.0 keeps the defaults and 0 turns that part off."""
+    base = SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
+    workload, distance = spec.scheduling.workload_weight, spec.scheduling.distance_weight
+    return dataclasses.replace(
+        base,
+        weight_free=base.weight_free * workload,
+        weight_requests=base.weight_requests * workload,
+        weight_same_node=base.weight_same_node * distance,
+        weight_same_zone=base.weight_same_zone * distance,
+    )
 
 
 def gpu_index(gpu_id: str) -> int:

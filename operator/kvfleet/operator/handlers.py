@@ -249,7 +249,7 @@ class PoolState:
     """What the operator keeps in memory for a pool: the scheduler, rebuildable from the cluster."""
 
     uid: str
-    key: tuple[str, int]  # (policy, capacity): a change rebuilds the scheduler
+    key: tuple[str, SchedulerConfig]  # (policy, its knobs): a change rebuilds the scheduler
     scheduler: PoolScheduler
     epoch: int = 0
     routes: dict[str, str] | None = None
@@ -258,10 +258,6 @@ class PoolState:
 
 
 _states: dict[tuple[str, str], PoolState] = {}
-
-
-def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
-    return SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
 
 
 def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any],
@@ -319,10 +315,11 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
     for mig_name in view.expired:
         api.delete_migration(namespace, mig_name)
 
-    key = (spec.scheduling.policy, spec.kv_capacity_per_worker_bytes())
+    # Any change of policy or of its knobs (capacity, weights) rebuilds the scheduler from the reports.
+    key = (spec.scheduling.policy, epoch.scheduler_config(spec))
     state = _states.get((namespace, name))
     if state is None or state.uid != pool["metadata"]["uid"] or state.key != key:
-        state = PoolState(pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], scheduler_config(spec), workers))
+        state = PoolState(pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], key[1], workers))
         _states[(namespace, name)] = state
         logger.info("scheduler state rebuilt from %d workers", len(workers))
     outcome = state.scheduler.epoch(workers, view.in_flight, now_s)
