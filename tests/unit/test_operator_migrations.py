@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
-from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.reports import KVLoadReport, RequestLoad
 from kvfleet.operator.epoch import MoveOrder
-from kvfleet.operator.migrations import choose_modes
+from kvfleet.operator.migrations import admit_by_room, choose_modes
 
 NODES = {"w0": "n0", "w1": "n1", "w2": "n1"}
 # 30 tokens at 10 bytes each.
@@ -97,3 +97,37 @@ def test_a_succeeded_move_stays_in_flight_while_either_report_lags() -> None:
     # Moved back later (w1 -> w0): the latest move decides, whatever order the API lists them in.
     back = {**succeeded("r", "w1", "w0", "p-r-2"), "metadata": {"name": "p-r-2", "creationTimestamp": "2026-01-01T00:00:01Z"}}
     assert view([back, *move], spec(), now_s, {"r": ["w1"]}).in_flight == {"r": "w0"}
+
+
+def holding(*requests: tuple[str, int, bool], capacity: int = 1000) -> KVLoadReport:
+    loads = [RequestLoad(id=rid, kv_bytes=size, tokens=size // 10, size_class="T", queued=queued)
+             for rid, size, queued in requests]
+    return KVLoadReport(capacity_bytes=capacity, used_bytes=sum(s for _, s, q in requests if not q),
+                        requests=loads, sequence=1)
+
+
+def move(request_id: str, target: str, size: int) -> MoveOrder:
+    return MoveOrder(request_id, "src", target, size, size // 10, "Update")
+
+
+def test_a_move_waits_until_its_target_has_room_for_it() -> None:
+    reports = {"a": holding(("x", 600, False)), "b": holding(("y", 300, False), ("q", 200, True))}
+    orders = [move("r1", "a", 400), move("r2", "a", 100), move("r3", "b", 600), move("r4", "b", 500)]
+    admitted, waiting = admit_by_room(orders, reports, in_flight={}, sizes={})
+    # a: 400 free take r1, leaving none for r2; b: 1000 - 300 - 200 (queued q counts) = 500 fits r4, not r3.
+    assert [o.request_id for o in admitted] == ["r1", "r4"] and waiting == 2
+
+
+def test_moves_already_heading_to_a_target_hold_its_room_until_it_reports_them() -> None:
+    reports = {"a": holding(("x", 600, False))}
+    in_flight = {"m1": "a", "x": "a", "m2": "elsewhere"}
+    sizes = {"m1": 300, "x": 600, "m2": 900}
+    admitted, waiting = admit_by_room([move("r1", "a", 200)], reports, in_flight, sizes)
+    assert admitted == [] and waiting == 1  # 1000 - 600 - 300 (m1, not yet reported) < 200
+    admitted, _ = admit_by_room([move("r1", "a", 100)], reports, in_flight, sizes)
+    assert [o.request_id for o in admitted] == ["r1"]  # x is counted once: a already reports it
+
+
+def test_a_target_without_a_report_is_not_gated() -> None:
+    admitted, waiting = admit_by_room([move("r1", "new", 10**9)], {"new": None}, {}, {})
+    assert len(admitted) == 1 and waiting == 0

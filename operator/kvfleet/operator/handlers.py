@@ -328,8 +328,9 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
         state.routes = state.scheduler.routes()
     count_finished_migrations(state, namespace, name, view.finished)
 
-    chosen, num_deferred = migrations.choose_modes(spec, outcome.moves, node_of_pod, spec.scheduling.epoch_seconds,
-                                                   {w.pod_name: w.report for w in workers})
+    reports = {w.pod_name: w.report for w in workers}
+    orders, num_waiting_room = migrations.admit_by_room(outcome.moves, reports, view.in_flight, state.scheduler.sizes)
+    chosen, num_deferred = migrations.choose_modes(spec, orders, node_of_pod, spec.scheduling.epoch_seconds, reports)
     targets = set(view.in_flight.values())
     for order, mode in chosen:
         attempt = view.attempts.get(order.request_id, 0) + 1
@@ -378,9 +379,10 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger | logging.L
     if any(current.get(k) != v for k, v in status.items()):
         api.patch_status(namespace, name, status)
     if outcome.num_events or chosen or actions.create or actions.delete:
-        logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets), "
-                    "%d GPUs in use, lower bound %d", state.epoch, outcome.num_events, len(chosen), num_deferred,
-                    outcome.num_deferred_moves, outcome.active_gpus, outcome.lower_bound_gpus)
+        logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets, "
+                    "%d for room on them), %d GPUs in use, lower bound %d", state.epoch, outcome.num_events, len(chosen),
+                    num_deferred, outcome.num_deferred_moves, num_waiting_room, outcome.active_gpus,
+                    outcome.lower_bound_gpus)
     labels = (namespace, name)
     metrics.GPUS_DESIRED.labels(*labels).set(status["desiredWorkers"])
     metrics.GPUS_ACTIVE.labels(*labels).set(outcome.active_gpus)

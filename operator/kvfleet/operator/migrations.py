@@ -119,6 +119,40 @@ def migration_body(pool: dict[str, Any], order: MoveOrder, mode: str, attempt: i
     }
 
 
+def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadReport | None],
+                  in_flight: Mapping[str, str], sizes: Mapping[str, int]) -> tuple[list[MoveOrder], int]:
+    """The orders whose target has room for them now, and how many wait for room (ordered again later).
+
+    MELL plans a move into a GPU's room as it will be once its own planned moves out are done, but an
+    engine can only take a request into blocks that are free now: a destination refuses a stage it
+    has no room for (`reserve_kv`), and a token move into a full engine queues there. Ordering such a
+    move only makes a Failed KVMigration (and a retry each epoch). A target's free room is its
+    reported capacity less the KV of every request it reports (running and queued: queued work takes
+    the next free blocks first) and less the moves already heading to it that it does not report
+    yet; the orders are admitted in turn while they fit. A target without a report is not gated.
+    """
+    reported = {pod: {r.id for r in report.requests} for pod, report in reports.items() if report is not None}
+    room: dict[str, int] = {
+        pod: report.capacity_bytes - sum(r.kv_bytes for r in report.requests)
+        for pod, report in reports.items() if report is not None
+    }
+    for request_id, target in in_flight.items():
+        if target in room and request_id not in reported[target]:
+            room[target] -= sizes.get(request_id, 0)
+    admitted: list[MoveOrder] = []
+    waiting = 0
+    for order in orders:
+        free = room.get(order.target_pod)
+        if free is None:
+            admitted.append(order)
+        elif order.size_bytes <= free:
+            room[order.target_pod] = free - order.size_bytes
+            admitted.append(order)
+        else:
+            waiting += 1
+    return admitted, waiting
+
+
 def choose_modes(spec: LLMPoolSpec, orders: Sequence[MoveOrder], node_of_pod: Mapping[str, str],
                  epoch_s: float, reports: Mapping[str, KVLoadReport | None] | None = None,
                  ) -> tuple[list[tuple[MoveOrder, str]], int]:
