@@ -8,13 +8,15 @@ import http.client
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from router_testing import MODEL, TOKEN, Server, serve
+from router_testing import MODEL, TOKEN, Server, serve, start_worker
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
 from kvfleet.mell.models import SizeClass
+from kvfleet.router import app as app_module
 from kvfleet.router import relay as relay_module
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState
@@ -199,6 +201,37 @@ def test_a_stream_followed_across_a_live_migration_is_whole(workers: list[Server
     assert text_of(chunks) == direct["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert (router_obj.metrics.migrations._value.get(), router_obj.metrics.resumes._value.get()) == (before[0] + 1, before[1])
+
+
+def test_a_sampled_request_resumed_after_a_worker_death_keeps_its_draws(tiny_model_dir: Path, engine_loop: EngineLoop,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router gives a sampled request without a seed one of its own, so the worker that resumes it
+    after its first worker died continues the same random stream (builtin engine: per-position draws)."""
+    pair = [start_worker(engine_loop, tiny_model_dir) for _ in range(2)]
+    alive = list(pair)
+    router_obj, router = start_router(engine_loop, StaticPoolView(snapshot(pair)))
+    try:
+        monkeypatch.setattr(app_module, "new_seed", lambda: 4242)
+        body = completion(max_tokens=200, prompt="Once upon a time", temperature=0.9, top_p=0.95)
+        _, direct = pair[0].post("/v1/completions", {**body, "seed": 4242})
+        _, greedy = pair[0].post("/v1/completions", {**body, "temperature": 0})
+        assert direct["choices"][0]["text"] != greedy["choices"][0]["text"], "the request does not sample"
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                     {"Content-Type": "application/json", "X-Request-Id": "kill-sampled"})
+        response = conn.getresponse()
+        assert response.status == 200
+        received = [response.readline() for _ in range(6)]
+        victim = pair[int(router_obj._reservations["kill-sampled"].pod_name.removeprefix("w"))]
+        alive.remove(victim)
+        engine_loop.run(victim.runner.cleanup())
+        chunks = read_stream(response, received)
+        assert router_obj.metrics.resumes._value.get() == 1, "the kill did not land mid-stream"
+        assert text_of(chunks) == direct["choices"][0]["text"]
+    finally:
+        engine_loop.run(router.runner.cleanup())
+        for server in alive:
+            engine_loop.run(server.runner.cleanup())
 
 
 def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: list[Server], routed: tuple[Router, Server],

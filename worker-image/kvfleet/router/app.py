@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 # How often the router asks a worker again for model facts it could not read (KV bytes per token).
 INFO_RETRY_S = 10.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def new_seed() -> int:
+    """A seed for a sampled request that came without one (31 bits: every engine takes it)."""
+    return secrets.randbelow(2**31)
 
 
 @dataclass(frozen=True)
@@ -262,6 +268,10 @@ class Router:
             self._reservations[request_id] = Reservation(request_id, pod_name, estimate["bytes"])
 
         forward = {k: v for k, v in raw.items() if k not in ("stop", "stream_options")}
+        if body.temperature > 0 and body.seed is None:
+            # The router, not a worker, picks a sampled request's seed: a resume on another worker after
+            # a death then continues the same draws (the builtin engine draws per (seed, position)).
+            forward["seed"] = new_seed()
         relay = Relay(self.session, request_id, request.path, forward, place=choose, pool_token=self.config.pool_token,
                       timeouts=self.config.timeouts, max_attempts=self.config.max_attempts, on_worker=on_worker,
                       on_event=self._count_event)

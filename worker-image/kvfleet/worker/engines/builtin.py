@@ -19,8 +19,10 @@ Scheduling, vLLM-like:
   is preempted: its blocks are freed and it goes back to the front of the queue, to be re-prefilled
   from prompt + generated tokens (vLLM's recompute policy; its stream sees no gap but a delay).
 - Sampling: greedy at temperature 0; otherwise temperature, then top-p, then one uniform draw from
-  a generator seeded by (request seed, tokens generated so far). The draw for a step depends only
-  on those two numbers, so a request resumed on another engine continues the same random stream.
+  a generator seeded by (request seed, position of the token in the sequence). The draw depends only
+  on those two numbers, so a request resumed on another engine continues the same random stream,
+  whether it arrives as prompt + output (a migration) or as one longer prompt (the router's resume
+  after a worker died: the position of its next token is the same).
   A request without a seed gets one from the engine's RNG (seeded by EngineConfig.seed), and
   `suspend` hands it on.
 
@@ -205,7 +207,7 @@ class _Sampling:
     temperature: float
     top_p: float
     seed: int
-    step: int
+    position: int  # of the token drawn: tokens before it in prompt + output
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,8 @@ class _Step:
     samplings: tuple[_Sampling, ...]
 
 
-def _step_seed(seed: int, step: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+def _draw_seed(seed: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
@@ -224,7 +226,7 @@ def sample_token(logits: torch.Tensor, sampling: _Sampling) -> int:
     """One token from a row of float32 logits: temperature, top-p, then a seeded uniform draw.
 
     Inverse-CDF over the sorted distribution rather than torch.multinomial, so the result depends
-    only on the probabilities and the (seed, step) draw, not on a generator's internal use.
+    only on the probabilities and the (seed, position) draw, not on a generator's internal use.
     """
     probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True, stable=True)
@@ -233,7 +235,7 @@ def sample_token(logits: torch.Tensor, sampling: _Sampling) -> int:
     kept = (cumulative - sorted_probs) < sampling.top_p
     sorted_probs = sorted_probs * kept
     cumulative = sorted_probs.cumsum(0)
-    generator = torch.Generator().manual_seed(_step_seed(sampling.seed, sampling.step))
+    generator = torch.Generator().manual_seed(_draw_seed(sampling.seed, sampling.position))
     draw = torch.rand((), generator=generator, dtype=torch.float64).item() * cumulative[-1].item()
     index = int(torch.searchsorted(cumulative, torch.tensor([draw], dtype=cumulative.dtype), right=True).item())
     index = min(index, int(kept.sum().item()) - 1)
@@ -632,7 +634,7 @@ class BuiltinEngine:
         requests = tuple(self._running)
         entries = tuple(SeqBatchEntry(tuple(req.context()[req.num_cached:]), req.num_cached, tuple(req.blocks))
                         for req in requests)
-        samplings = tuple(_Sampling(req.params.temperature, req.params.top_p, req.seed, len(req.output))
+        samplings = tuple(_Sampling(req.params.temperature, req.params.top_p, req.seed, req.num_tokens)
                           for req in requests)
         return _Step(requests, entries, samplings)
 
