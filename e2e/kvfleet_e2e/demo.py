@@ -49,7 +49,12 @@ def pool_manifest(model_dir: Path) -> dict[str, Any]:
         "scheduling": {"policy": "mell", "epochSeconds": 1},
         "migration": {"mode": "adaptive"},
         "autoscaling": {"scaleDownDelaySeconds": 3},
-        "workerTemplate": {"image": "kvfleet/worker:dev"},
+        # Up to six workers share this machine's cores: one thread each, as a pod with a CPU limit of one
+        # would have (torch's default, a thread per core spinning between steps, starves the others),
+        # and a decoding step of at least 30 ms, about a 13B model's on a GPU, so a request lives for
+        # seconds (several epochs) as on a real pool instead of the tiny model's milliseconds.
+        "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
+                                                                  {"name": "KVFLEET_MIN_STEP_S", "value": "0.03"}]},
     }}
 
 
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", action="store_true", help="keep the cluster running until Ctrl-C")
     parser.add_argument("--seconds", type=float, default=60, help="trace window replayed")
     parser.add_argument("--trace-start", type=float, default=0, help="where in the trace the window starts, s")
-    parser.add_argument("--every", type=int, default=4, help="replay every n-th request of the window")
+    parser.add_argument("--every", type=int, default=3, help="replay every n-th request of the window")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay speed against the trace's clock")
     args = parser.parse_args(argv)
     started = time.monotonic()
