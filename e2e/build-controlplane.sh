@@ -13,7 +13,7 @@
 # (KVFLEET_CACHE defaults to the ignored .cache/ of the checkout) and a symlink $KVFLEET_CACHE/bin/current.
 # Rebuilt only when e2e/versions.env changes. A finished build is also kept in a machine-wide cache
 # ($KVFLEET_MACHINE_CACHE, default ~/.cache/kvfleet) so a fresh clone on the same machine, as CI
-# makes, links it in a second instead of spending ten minutes compiling.
+# makes, links it in a second instead of spending six minutes compiling.
 #
 # helm (for the chart's e2e) is built here too, from helm.sh/helm/v3 at $HELM_VERSION, into a stamp
 # of its own ($KVFLEET_CACHE/bin/helm-<version>/helm, symlink $KVFLEET_CACHE/bin/helm-current), so
