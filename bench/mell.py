@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, SchedulerConfig, make_policy  # noqa: E402
 from kvfleet.mell.cluster import ClusterPolicy  # noqa: E402
-from kvfleet.mell.models import A100_40GB, LLAMA2_13B, derive_capacity  # noqa: E402
+from kvfleet.sim.hardware import A100_40GB, LLAMA2_13B, derive_capacity  # noqa: E402
 
 Event = Arrive | Finish | Grow
 

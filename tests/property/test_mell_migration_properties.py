@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfleet.mell.migration import Boundaries, Mode, link_of, plan_migrations
+from kvfleet.mell.migration import Boundaries, MoveMode, link_of, plan_migrations
 from kvfleet.mell.models import Location, Migration
 
 PROFILE = settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -55,11 +55,11 @@ def test_budgets_hold_and_every_move_is_planned_once(
         assert used <= min(bounds.instance_prefill_tokens, measured_prefill.get(gpu, bounds.instance_prefill_tokens))
 
     for c in plan.hybrid:
-        assert c.mode is Mode.HYBRID and block is not None
+        assert c.mode is MoveMode.HYBRID and block is not None
         assert c.kv_tokens > 0 and c.kv_tokens % block == 0 and c.prefill_tokens > 0
         assert c.kv_tokens + c.prefill_tokens == c.num_tokens and c.kv_bytes == c.kv_tokens * bpt
         assert c.link_id == link_of(LOC[c.migration.source_gpu_id], LOC[c.migration.target_gpu_id])
-    assert all(c.mode is Mode.KV for c in plan.kv) and all(c.mode is Mode.TOKEN for c in plan.token)
+    assert all(c.mode is MoveMode.KV for c in plan.kv) and all(c.mode is MoveMode.TOKEN for c in plan.token)
 
 
 @PROFILE
@@ -82,7 +82,7 @@ def test_hybrid_only_when_neither_pure_mode_fits(raw: list[tuple[str, str, int]]
         c = by_id.get(mig.request_id)
         if c is None:
             continue
-        if c.mode is Mode.HYBRID:
+        if c.mode is MoveMode.HYBRID:
             assert mig.size_bytes > link_left[link] and c.num_tokens > prefill_left[mig.target_gpu_id]
         link_left[link] -= c.kv_bytes
         prefill_left[mig.target_gpu_id] -= c.prefill_tokens

@@ -17,10 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Plan, SchedulerConfig, make_policy, plan_epoch
-from kvfleet.mell.cluster import ClusterPolicy, ClusterSnapshot, L, M, S, T
+from kvfleet.mell.cluster import ClusterPolicy
 from kvfleet.mell.mell import MellPolicy
+from kvfleet.mell.models import SizeClass
+from kvfleet.mell.state import ClusterSnapshot
 
 C = 240
+T, S, M, L = SizeClass.T, SizeClass.S, SizeClass.M, SizeClass.L
 PROFILE = settings(max_examples=200, derandomize=True, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
 

@@ -102,3 +102,15 @@ def test_migration_modes_include_hybrid(mode: str) -> None:
     assert KVMigrationSpec.model_validate(base).mode == mode
     with pytest.raises(ValidationError):
         KVMigrationSpec.model_validate(base | {"mode": "adaptive"})  # the pool chooses; a migration is one mode
+
+
+def test_move_modes_have_one_definition_and_the_pool_policy_forces_one_of_them() -> None:
+    from typing import get_args
+
+    from kvfleet.api.models import MovePolicy
+    from kvfleet.mell.migration import MoveMode
+
+    base = {"pool": "p", "requestId": "r", "sourcePod": "a", "targetPod": "b", "mode": "hybrid", "reason": "Update"}
+    parsed = KVMigrationSpec.model_validate(base)
+    assert parsed.mode is MoveMode.HYBRID and parsed.model_dump(mode="json", by_alias=True)["mode"] == "hybrid"
+    assert set(get_args(MovePolicy)) - {"adaptive"} <= {m.value for m in MoveMode}

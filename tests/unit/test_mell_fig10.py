@@ -8,9 +8,9 @@ expected move below can be checked by hand.
 from __future__ import annotations
 
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Plan, SchedulerConfig
-from kvfleet.mell.cluster import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 from kvfleet.mell.mell import MellPolicy
 from kvfleet.mell.models import Location
+from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 C = 240
 

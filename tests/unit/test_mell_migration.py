@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet.mell.migration import Boundaries, Mode, plan_migrations
+from kvfleet.mell.migration import Boundaries, MoveMode, plan_migrations
 from kvfleet.mell.models import Location, Migration
 
 LOC = {"g0": Location("n0", "z0"), "g1": Location("n0", "z0"), "g2": Location("n1", "z0")}
@@ -17,7 +17,7 @@ def test_first_fit_fills_links_then_prefill_then_defers() -> None:
     migs = [mig("a", "g0", "g1", 80), mig("b", "g0", "g1", 40), mig("c", "g0", "g2", 25),
             mig("d", "g0", "g2", 20), mig("e", "g1", "g2", 30), mig("f", "g0", "g2", 10)]
     plan = plan_migrations(migs, LOC.__getitem__, kv_bytes_per_token=10, boundaries=bounds)
-    assert [(c.migration.request_id, c.mode) for c in plan.kv] == [("a", Mode.KV), ("e", Mode.KV)]
+    assert [(c.migration.request_id, c.mode) for c in plan.kv] == [("a", MoveMode.KV), ("e", MoveMode.KV)]
     # Largest first: a takes 80 of the intra link; b (40 B) no longer fits it and g1 re-prefills its
     # 4 tokens; e fills the n0->n1 link; c and d re-prefill 3 + 2 of g2's 5 tokens; f fits nowhere.
     assert [c.migration.request_id for c in plan.token] == ["b", "c", "d"]
@@ -55,7 +55,7 @@ def test_hybrid_sends_the_full_blocks_the_link_still_carries_and_reprefills_the_
     bounds = Boundaries(intra_node_link_bytes=250, inter_node_link_bytes=250, instance_prefill_tokens=10)
     plan = plan_migrations([mig("a", "g0", "g1", 300)], LOC.__getitem__, 10, bounds, block_size_tokens=8)
     (h,) = plan.hybrid
-    assert h.mode is Mode.HYBRID and (h.kv_bytes, h.kv_tokens, h.prefill_tokens, h.num_tokens) == (240, 24, 6, 30)
+    assert h.mode is MoveMode.HYBRID and (h.kv_bytes, h.kv_tokens, h.prefill_tokens, h.num_tokens) == (240, 24, 6, 30)
     assert not plan.kv and not plan.token and not plan.deferred
     assert plan.kv_bytes == 240 and plan.token_count == 6
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.mell.models import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB, derive_capacity
+from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB, derive_capacity
 from kvfleet.sim.simulator import make_setup, simulate
 from kvfleet.sim.traces import TraceRequest, read_trace, slice_trace
 

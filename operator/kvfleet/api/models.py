@@ -16,6 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from pydantic.alias_generators import to_camel
 
 from kvfleet.api.quantity import parse_quantity, quantity_bytes
+from kvfleet.mell.migration import MoveMode
+from kvfleet.mell.models import kv_capacity_bytes
 
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
@@ -165,10 +167,17 @@ class WorkersSpec(_Model):
         return self
 
 
+# A pool's migration *policy*: "adaptive" lets MELL's §V planner choose a MoveMode per request (KV
+# copy, token re-prefill or hybrid) within the pool's boundaries; "kv" and "token" force that MoveMode
+# for every move. Not a MoveMode itself, so not the KVMigration's `mode` type (test_api checks that
+# the forced values are MoveModes).
+MovePolicy = Literal["adaptive", "kv", "token"]
+
+
 class MigrationSpec(_Model):
     """How requests move between workers (MELL section V, adaptive hybrid migration)."""
 
-    mode: Literal["adaptive", "kv", "token"] = Field(
+    mode: MovePolicy = Field(
         default="adaptive", description="adaptive chooses KV copy or token re-prefill per request."
     )
     communication_boundary_bytes_per_second: Quantity = Field(
@@ -302,10 +311,14 @@ class LLMPoolSpec(_Model):
             return given_bytes
         if cap.model_weights is None:
             raise ValueError("set capacity.kvCapacityPerWorker, or capacity.modelWeights so it can be derived")
-        derived_bytes = int(total_bytes * (1 - cap.activation_reserve_fraction)) - quantity_bytes(cap.model_weights)
-        if derived_bytes <= 0:
-            raise ValueError("capacity.modelWeights leave no room for KV cache after the activation reserve")
-        return derived_bytes
+        # The reserve is what is left of memory after the usable fraction, as vLLM's
+        # gpu_memory_utilization leaves it; C itself is the core's one formula (no block rounding
+        # here: the spec does not know the model's KV bytes per token).
+        reserve_bytes = total_bytes - int(total_bytes * (1 - cap.activation_reserve_fraction))
+        try:
+            return kv_capacity_bytes(total_bytes, quantity_bytes(cap.model_weights), reserve_bytes)
+        except ValueError:
+            raise ValueError("capacity.modelWeights leave no room for KV cache after the activation reserve") from None
 
 
 class Condition(_Model):
@@ -394,7 +407,8 @@ class KVMigrationSpec(_Model):
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     source_pod: PodName
     target_pod: PodName
-    mode: Literal["kv", "token", "hybrid"] = Field(
+    # The one enum of move modes (kvfleet.mell.migration): the planner's output is this field's value.
+    mode: MoveMode = Field(
         description="kv copies the KV cache; token re-prefills; hybrid copies full blocks and re-prefills the tail."
     )
     expected_bytes: int | None = Field(default=None, ge=0, description="KV bytes the copy should move.")

@@ -15,8 +15,9 @@ from __future__ import annotations
 import abc
 from bisect import bisect_left
 
-from kvfleet.mell.cluster import ClusterPolicy, Gpu, Item, X
-from kvfleet.mell.models import size_class
+from kvfleet.mell.cluster import ClusterPolicy
+from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.mell.state import Gpu, Item
 
 
 class _NoMigrationPolicy(ClusterPolicy):
@@ -27,7 +28,7 @@ class _NoMigrationPolicy(ClusterPolicy):
         """The GPU that takes an item of this size (None: activate a new one)."""
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
-        cls = int(size_class(size_bytes, self.capacity_bytes))
+        cls = size_class(size_bytes, self.capacity_bytes)
         item = self._new_item(cls, {request_id: size_bytes}, False)
         self._dispatch(item, "allocate", None)
 
@@ -52,7 +53,7 @@ class _NoMigrationPolicy(ClusterPolicy):
         item.members[request_id] = size_bytes
         gpu = item.gpu
         assert gpu is not None
-        new_cls = int(size_class(size_bytes, self.capacity_bytes))
+        new_cls = size_class(size_bytes, self.capacity_bytes)
         self._resize(item, size_bytes, new_cls)
         self._preempt_until_fits(gpu, keep=None)
 
@@ -72,7 +73,7 @@ class _NoMigrationPolicy(ClusterPolicy):
             self._record(rid, victim.size_bytes, gpu, target, "preempt")
 
     def _usable(self, gpu: Gpu, exclude: Gpu | None) -> bool:
-        return gpu is not exclude and gpu.category != X and not gpu.idle
+        return gpu is not exclude and gpu.category is not SizeClass.X and not gpu.idle
 
 
 class BestFitPolicy(_NoMigrationPolicy):
@@ -110,7 +111,7 @@ class LoadBalancePolicy(WorstFitPolicy):
 
     def after_batch(self) -> None:
         gap_min = self.cfg.lb_gap_fraction * self.capacity_bytes
-        gpus = sorted((g for g in self.gpus.values() if not g.idle and g.category != X),
+        gpus = sorted((g for g in self.gpus.values() if not g.idle and g.category is not SizeClass.X),
                       key=lambda g: (-g.load_bytes, g.seq))
         for k in range(len(gpus) // 2):
             heavy = gpus[k]

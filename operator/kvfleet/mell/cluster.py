@@ -9,8 +9,11 @@ the end of the epoch (Algorithm 1).
 
 The scheduler object is mutable for speed (1,000,000 live requests), but it is a deterministic
 function of its initial state and the batches it is given: no clock, no randomness, no I/O, and every
-iteration is over insertion-ordered dicts. `snapshot()` / `from_snapshot()` give the pure form
-(state, batch) -> (plan, state) that the operator uses after a restart.
+iteration is over insertion-ordered dicts. `snapshot()` takes the state out as a value and `restore()`
+loads one into a fresh policy (the records and their snapshot values are state.py's); on them rest
+the pure forms: `plan_epoch` (policy.py), (state, batch) -> (plan, state), and `allocate_one`
+(allocate.py), (state, one request) -> where Allocate puts it. The operator rebuilds its state from
+worker reports after a restart the same way.
 """
 
 from __future__ import annotations
@@ -33,14 +36,11 @@ from kvfleet.mell.models import (
     Span,
     size_class,
 )
+from kvfleet.mell.state import ClusterSnapshot, Gpu, GpuSnapshot, Item, ItemSnapshot, SpanSnapshot
 
-X = int(SizeClass.X)
-L = int(SizeClass.L)
-M = int(SizeClass.M)
-S = int(SizeClass.S)
-T = int(SizeClass.T)
-TINY = int(SizeClass.TINY)
-NO_CATEGORY = -1
+# A GPU's category is the largest class it holds (§VI-C), so categories are looked up largest first.
+# TINY is never one: tiny requests travel in T multi-items. An empty GPU has no category (None).
+CATEGORY_ORDER = (SizeClass.X, SizeClass.L, SizeClass.M, SizeClass.S, SizeClass.T)
 
 
 @dataclass(frozen=True)
@@ -71,96 +71,6 @@ class SchedulerConfig:
     lb_gap_fraction: float = 0.1
 
 
-class Gpu:
-    """A worker's scheduling state (internal and mutable; see GpuSnapshot for the frozen value)."""
-
-    __slots__ = ("gpu_id", "index", "seq", "location", "load_bytes", "items", "class_counts", "num_requests",
-                 "category", "span_owner", "idle", "t_bytes")
-
-    def __init__(self, gpu_id: str, index: int, seq: int, location: Location) -> None:
-        self.gpu_id = gpu_id
-        self.index = index
-        self.seq = seq
-        self.location = location
-        self.load_bytes = 0
-        self.items: dict[int, Item] = {}
-        self.class_counts = [0, 0, 0, 0, 0, 0]
-        self.num_requests = 0
-        self.category = NO_CATEGORY
-        self.span_owner: str | None = None  # request whose full KV chunk this GPU holds
-        self.idle = False
-        self.t_bytes = 0  # bytes of T-items here (MELL pairs S/M with an L ignoring them)
-
-
-class Item:
-    """What gets placed: one request, or a multi-item bundling tiny requests (MELL §VI-C)."""
-
-    __slots__ = ("item_id", "cls", "size_bytes", "members", "gpu", "is_bundle", "arrival_seq")
-
-    def __init__(self, item_id: int, cls: int, members: dict[str, int], is_bundle: bool, arrival_seq: int) -> None:
-        self.item_id = item_id
-        self.cls = cls
-        self.members = members
-        self.size_bytes = sum(members.values())
-        self.gpu: Gpu | None = None
-        self.is_bundle = is_bundle
-        self.arrival_seq = arrival_seq
-
-
-@dataclass(frozen=True)
-class ItemSnapshot:
-    members: tuple[tuple[str, int], ...]
-    is_bundle: bool
-    gpu_id: str
-
-
-@dataclass(frozen=True)
-class SpanSnapshot:
-    request_id: str
-    head_gpu_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class GpuSnapshot:
-    gpu_id: str
-    index: int
-    seq: int
-    location: Location
-
-
-@dataclass(frozen=True)
-class ClusterSnapshot:
-    """The whole scheduling state as a value: rebuildable from worker reports (DESIGN.md)."""
-
-    gpus: tuple[GpuSnapshot, ...]
-    items: tuple[ItemSnapshot, ...]
-    spans: tuple[SpanSnapshot, ...]
-    next_gpu_index: int
-    next_seq: int
-
-
-class SortedIndex:
-    """GPUs ordered by an integer key (free bytes, say), for "the best GPU that fits" in O(log n)."""
-
-    __slots__ = ("entries", "keys")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[int, int, str]] = []
-        self.keys: dict[str, tuple[int, int, str]] = {}
-
-    def set(self, gpu_id: str, key: tuple[int, int, str] | None) -> None:
-        old = self.keys.get(gpu_id)
-        if old == key:
-            return
-        if old is not None:
-            pos = bisect_left(self.entries, old)
-            del self.entries[pos]
-            del self.keys[gpu_id]
-        if key is not None:
-            insort(self.entries, key)
-            self.keys[gpu_id] = key
-
-
 class ClusterPolicy(abc.ABC):
     """Base of all policies: applies batches, keeps loads and categories, records the plan."""
 
@@ -178,8 +88,9 @@ class ClusterPolicy(abc.ABC):
         self._next_seq = 0
         self._next_item_id = 0
         self._next_arrival = 0
-        self._mra: list[list[tuple[int, str]]] = [[] for _ in range(6)]
-        self._by_cat: list[dict[str, Gpu]] = [{} for _ in range(6)]
+        # Per category (indexed by SizeClass): GPUs most recently activated first, and in entry order.
+        self._mra: list[list[tuple[int, str]]] = [[] for _ in SizeClass]
+        self._by_cat: list[dict[str, Gpu]] = [{} for _ in SizeClass]
         self._latest: list[tuple[int, str]] = []
         self._idle: list[Gpu] = []
         self._free_index: list[tuple[int, int, str]] = []
@@ -275,7 +186,7 @@ class ClusterPolicy(abc.ABC):
         for its in snap.items:
             members = dict(its.members)
             size = sum(members.values())
-            cls = T if its.is_bundle else int(size_class(size, self.capacity_bytes))
+            cls = SizeClass.T if its.is_bundle else size_class(size, self.capacity_bytes)
             item = self._new_item(cls, members, its.is_bundle)
             self._place(item, self.gpus[its.gpu_id])
         for sp in snap.spans:
@@ -307,7 +218,7 @@ class ClusterPolicy(abc.ABC):
 
     # ------------------------------------------------------------------ primitives
 
-    def _new_item(self, cls: int, members: dict[str, int], is_bundle: bool) -> Item:
+    def _new_item(self, cls: SizeClass, members: dict[str, int], is_bundle: bool) -> Item:
         item = Item(self._next_item_id, cls, members, is_bundle, self._next_arrival)
         self._next_item_id += 1
         self._next_arrival += 1
@@ -363,16 +274,16 @@ class ClusterPolicy(abc.ABC):
 
     def _recategorize(self, gpu: Gpu) -> None:
         counts = gpu.class_counts
-        cat = NO_CATEGORY
-        for c in (X, L, M, S, T):
+        cat: SizeClass | None = None
+        for c in CATEGORY_ORDER:
             if counts[c]:
                 cat = c
                 break
-        if cat != gpu.category:
-            if gpu.category != NO_CATEGORY:
+        if cat is not gpu.category:
+            if gpu.category is not None:
                 del self._by_cat[gpu.category][gpu.gpu_id]
             gpu.category = cat
-            if cat != NO_CATEGORY:
+            if cat is not None:
                 self._by_cat[cat][gpu.gpu_id] = gpu
                 heap = self._mra[cat]
                 heapq.heappush(heap, (-gpu.seq, gpu.gpu_id))
@@ -407,7 +318,7 @@ class ClusterPolicy(abc.ABC):
             gpu.idle = True
             self._idle.append(gpu)
 
-    def _resize(self, item: Item, new_size: int, new_cls: int | None = None) -> None:
+    def _resize(self, item: Item, new_size: int, new_cls: SizeClass | None = None) -> None:
         """Change an item's size (and class) in place, on its GPU."""
         gpu = item.gpu
         assert gpu is not None
@@ -455,7 +366,7 @@ class ClusterPolicy(abc.ABC):
             heapq.heappop(heap)
         return None
 
-    def _mra_gpu(self, categories: tuple[int, ...], exclude: Gpu | None = None) -> Gpu | None:
+    def _mra_gpu(self, categories: tuple[SizeClass, ...], exclude: Gpu | None = None) -> Gpu | None:
         """The most recently activated GPU whose category is one of `categories` (MELL §VI-C)."""
         best: Gpu | None = None
         for cat in categories:
@@ -479,7 +390,7 @@ class ClusterPolicy(abc.ABC):
                 best = found
         return best
 
-    def _gpus_in(self, categories: tuple[int, ...]) -> list[Gpu]:
+    def _gpus_in(self, categories: tuple[SizeClass, ...]) -> list[Gpu]:
         """GPUs of these categories, in the order they entered them (deterministic)."""
         if len(categories) == 1:
             return list(self._by_cat[categories[0]].values())
@@ -503,7 +414,7 @@ class ClusterPolicy(abc.ABC):
 
     def _make_head(self, gpu: Gpu, request_id: str) -> None:
         gpu.span_owner = request_id
-        gpu.class_counts[X] += 1
+        gpu.class_counts[SizeClass.X] += 1
         self._recategorize(gpu)
         self._set_load(gpu, self.capacity_bytes)
 
@@ -549,7 +460,7 @@ class ClusterPolicy(abc.ABC):
         self.on_finish(request_id)
         for head in self._heads.pop(request_id, []):
             head.span_owner = None
-            head.class_counts[X] -= 1
+            head.class_counts[SizeClass.X] -= 1
             self._recategorize(head)
             self._set_load(head, 0)
             self._maybe_idle(head)

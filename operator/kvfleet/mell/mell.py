@@ -25,8 +25,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from kvfleet.mell.cluster import NO_CATEGORY, TINY, ClusterPolicy, Gpu, Item, L, M, S, SchedulerConfig, SortedIndex, T
-from kvfleet.mell.models import size_class
+from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
+from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.mell.state import Gpu, Item, SortedIndex
+
+# Short names for the classes of Fig. 10, as the paper writes them.
+TINY, T, S, M, L = SizeClass.TINY, SizeClass.T, SizeClass.S, SizeClass.M, SizeClass.L
 
 
 class MellPolicy(ClusterPolicy):
@@ -55,7 +59,7 @@ class MellPolicy(ClusterPolicy):
     # ================================================================ events (Algorithm 1)
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
-        cls = int(size_class(size_bytes, self.capacity_bytes))
+        cls = size_class(size_bytes, self.capacity_bytes)
         if cls == TINY:
             self._allocate_tiny(request_id, size_bytes, None, "allocate")
             return
@@ -218,7 +222,7 @@ class MellPolicy(ClusterPolicy):
         # ... then fulfil j' with an S/M-request from the most recently activated S/M-GPU.
         self._refill_sm(moved_from, moved_cls, exclude=gpu)
 
-    def _pull_sm_into(self, gpu: Gpu, cause: str) -> tuple[Gpu, int] | None:
+    def _pull_sm_into(self, gpu: Gpu, cause: str) -> tuple[Gpu, SizeClass] | None:
         """Move the S/M-request that fits L-GPU `gpu` from the S/M-GPU of highest priority for it."""
         room = self.capacity_bytes - self._non_t_load(gpu) - self._headroom
 
@@ -245,7 +249,7 @@ class MellPolicy(ClusterPolicy):
             self._allocate_t(other, "evict-t", gpu, gpu)
         return source, cls
 
-    def _refill_sm(self, target: Gpu, cls: int, exclude: Gpu | None) -> None:
+    def _refill_sm(self, target: Gpu, cls: SizeClass, exclude: Gpu | None) -> None:
         """Move a request of class `cls` from the most recently activated GPU of that class into `target`."""
         if not target.items:
             return
@@ -282,7 +286,7 @@ class MellPolicy(ClusterPolicy):
             self._evict_all(gpu, "depart-l")
         return gpu
 
-    def _depart_t(self, gpu: Gpu, category_before: int) -> None:
+    def _depart_t(self, gpu: Gpu, category_before: SizeClass | None) -> None:
         if not gpu.items:
             return  # (kvfleet) j is now empty and will be terminated: nothing to refill
         if category_before == T and 4 * gpu.load_bytes >= 3 * self.capacity_bytes:
@@ -309,7 +313,7 @@ class MellPolicy(ClusterPolicy):
         if fit is not None:
             self._move(fit, gpu, "refill-t")
 
-    def _depart_sm(self, gpu: Gpu, cls: int, category_before: int) -> None:
+    def _depart_sm(self, gpu: Gpu, cls: SizeClass, category_before: SizeClass | None) -> None:
         if category_before == L:
             # Case 3, L-GPU: pull an S/M-request from the S/M-GPU j' of highest priority for j ...
             pulled = self._pull_sm_into(gpu, "refill-l")
@@ -343,7 +347,7 @@ class MellPolicy(ClusterPolicy):
         gpu = item.gpu
         assert gpu is not None
         old_cls = item.cls
-        new_cls = int(size_class(new_size, self.capacity_bytes))
+        new_cls = size_class(new_size, self.capacity_bytes)
         c = self.capacity_bytes
         if new_cls == old_cls:
             self._resize(item, new_size)
@@ -413,9 +417,9 @@ class MellPolicy(ClusterPolicy):
     # ---------------------------------------------------------------- indexes
 
     def _reindex(self, gpu: Gpu) -> None:
-        cat = NO_CATEGORY if gpu.idle else gpu.category
+        cat = None if gpu.idle else gpu.category
         gid = gpu.gpu_id
-        if cat != L and cat != S and cat != M:
+        if cat is not L and cat is not S and cat is not M:
             if gid in self._l_by_free.keys or gid in self._sm_by_free.keys:
                 self._l_by_free.set(gid, None)
                 self._l_by_pair_room.set(gid, None)
@@ -439,7 +443,7 @@ class MellPolicy(ClusterPolicy):
         self._reindex(gpu)
         return gpu
 
-    def _resize(self, item: Item, new_size: int, new_cls: int | None = None) -> None:
+    def _resize(self, item: Item, new_size: int, new_cls: SizeClass | None = None) -> None:
         gpu = item.gpu
         assert gpu is not None
         if item.cls == T:
@@ -466,7 +470,7 @@ class MellPolicy(ClusterPolicy):
         assert gpu is not None
         c = self.capacity_bytes
         delta = size_bytes - old
-        if int(size_class(size_bytes, c)) == TINY:
+        if size_class(size_bytes, c) is TINY:
             if gpu.load_bytes + delta > c:
                 # (kvfleet) overload: the grown request leaves for a multi-item elsewhere.
                 self._leave_bundle(bundle, request_id)
@@ -523,5 +527,5 @@ class MellPolicy(ClusterPolicy):
 
     # ================================================================ checks used by tests
 
-    def category_of(self, gpu_id: str) -> int:
-        return self.gpus[gpu_id].category if gpu_id in self.gpus else NO_CATEGORY
+    def category_of(self, gpu_id: str) -> SizeClass | None:
+        return self.gpus[gpu_id].category if gpu_id in self.gpus else None

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfleet.mell.models import Location, Migration
 
 
-class Mode(enum.Enum):
+class MoveMode(enum.StrEnum):
+    """How one request travels (§V): its KV copied, its tokens re-prefilled, or full blocks copied and
+    the tail re-prefilled (hybrid). The one definition: the planner, the KVMigration schema and the
+    worker's executor all use it; the value is what `KVMigration.spec.mode` carries."""
+
     KV = "kv"
     TOKEN = "token"
     HYBRID = "hybrid"
@@ -46,7 +50,7 @@ class ClassifiedMigration:
     """
 
     migration: Migration
-    mode: Mode
+    mode: MoveMode
     link_id: str
     num_tokens: int
     kv_bytes: int = 0
@@ -115,55 +119,90 @@ def plan_migrations(
         raise ValueError(f"unknown strategy {strategy!r}")
     if block_size_tokens is not None and block_size_tokens <= 0:
         raise ValueError("block_size_tokens must be positive")
-    measured_link = measured_link_bytes or {}
-    measured_prefill = measured_prefill_tokens or {}
-    link_budget: dict[str, int] = {}
-    prefill_budget: dict[str, int] = {}
-    link_left: dict[str, int] = {}
-    prefill_left: dict[str, int] = {}
-    kv: list[ClassifiedMigration] = []
-    token: list[ClassifiedMigration] = []
-    hybrid: list[ClassifiedMigration] = []
+    bins = _Bins(boundaries, measured_link_bytes or {}, measured_prefill_tokens or {})
+    by_mode: dict[MoveMode, list[ClassifiedMigration]] = {mode: [] for mode in MoveMode}
     deferred: list[Migration] = []
     for mig in sorted(migrations, key=lambda m: (-m.size_bytes, m.request_id)):
         link = link_of(locate(mig.source_gpu_id), locate(mig.target_gpu_id))
-        target = mig.target_gpu_id
-        if link not in link_left:
-            boundary = (boundaries.intra_node_link_bytes if link.startswith("intra:")
-                        else boundaries.inter_node_link_bytes)
-            link_budget[link] = link_left[link] = _capped(boundary, measured_link.get(link))
-        if target not in prefill_left:
-            prefill_budget[target] = prefill_left[target] = _capped(
-                boundaries.instance_prefill_tokens, measured_prefill.get(target))
-        tokens = -(-mig.size_bytes // kv_bytes_per_token)
-        kv_room = link_left[link] - mig.size_bytes
-        token_room = prefill_left[target] - tokens
-        fits_kv = kv_room >= 0
-        fits_token = token_room >= 0
-        if fits_kv and fits_token and strategy == "best-fit":
-            # Best fit: the bin left fullest, comparing shares of each bin's budget.
-            kv_share = kv_room / max(1, link_budget[link])
-            token_share = token_room / max(1, prefill_budget[target])
-            fits_kv = kv_share <= token_share
-            fits_token = not fits_kv
-        if fits_kv:
-            link_left[link] = kv_room
-            kv.append(ClassifiedMigration(mig, Mode.KV, link, tokens, kv_bytes=mig.size_bytes, kv_tokens=tokens))
-            continue
-        if fits_token:
-            prefill_left[target] = token_room
-            token.append(ClassifiedMigration(mig, Mode.TOKEN, link, tokens, prefill_tokens=tokens))
-            continue
-        split = _split(tokens, link_left[link], prefill_left[target], block_size_tokens, kv_bytes_per_token)
-        if split is None:
+        bins.open(link, mig.target_gpu_id)
+        classified = _classify(mig, link, bins, kv_bytes_per_token, strategy, block_size_tokens)
+        if classified is None:
             deferred.append(mig)
-            continue
-        kv_tokens, tail_tokens = split
-        link_left[link] -= kv_tokens * kv_bytes_per_token
-        prefill_left[target] -= tail_tokens
-        hybrid.append(ClassifiedMigration(mig, Mode.HYBRID, link, tokens, kv_bytes=kv_tokens * kv_bytes_per_token,
-                                          kv_tokens=kv_tokens, prefill_tokens=tail_tokens))
-    return MigrationSchedule(tuple(kv), tuple(token), tuple(deferred), tuple(hybrid))
+        else:
+            by_mode[classified.mode].append(classified)
+    return MigrationSchedule(
+        tuple(by_mode[MoveMode.KV]), tuple(by_mode[MoveMode.TOKEN]), tuple(deferred), tuple(by_mode[MoveMode.HYBRID])
+    )
+
+
+@dataclass
+class _Bins:
+    """The two bins of §V's "Global Consensus" for one epoch: what each link may still carry (KV
+    class) and each target instance may still re-prefill (token class).
+
+    A budget opens on the first migration that uses its link or target, so only those appear; the
+    full budgets are kept beside what is left because best fit compares shares of them.
+    """
+
+    boundaries: Boundaries
+    measured_link_bytes: Mapping[str, int]
+    measured_prefill_tokens: Mapping[str, int]
+    link_budget_bytes: dict[str, int] = field(default_factory=dict)
+    link_left_bytes: dict[str, int] = field(default_factory=dict)
+    prefill_budget_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_left_tokens: dict[str, int] = field(default_factory=dict)
+
+    def open(self, link_id: str, target_gpu_id: str) -> None:
+        if link_id not in self.link_left_bytes:
+            boundary = (self.boundaries.intra_node_link_bytes if link_id.startswith("intra:")
+                        else self.boundaries.inter_node_link_bytes)
+            budget = _capped(boundary, self.measured_link_bytes.get(link_id))
+            self.link_budget_bytes[link_id] = self.link_left_bytes[link_id] = budget
+        if target_gpu_id not in self.prefill_left_tokens:
+            budget = _capped(self.boundaries.instance_prefill_tokens, self.measured_prefill_tokens.get(target_gpu_id))
+            self.prefill_budget_tokens[target_gpu_id] = self.prefill_left_tokens[target_gpu_id] = budget
+
+
+def _classify(
+    mig: Migration,
+    link_id: str,
+    bins: _Bins,
+    kv_bytes_per_token: int,
+    strategy: str,
+    block_size_tokens: int | None,
+) -> ClassifiedMigration | None:
+    """Charge one move to the KV bin, the token bin, or both split (hybrid); None if it must wait.
+
+    Whole first: the split (§V, "Hybrid Migration") is the fallback for a move neither bin holds
+    whole, as the module docstring says.
+    """
+    target = mig.target_gpu_id
+    tokens = -(-mig.size_bytes // kv_bytes_per_token)
+    kv_room = bins.link_left_bytes[link_id] - mig.size_bytes
+    token_room = bins.prefill_left_tokens[target] - tokens
+    fits_kv = kv_room >= 0
+    fits_token = token_room >= 0
+    if fits_kv and fits_token and strategy == "best-fit":
+        # Best fit: the bin left fullest, comparing shares of each bin's budget.
+        kv_share = kv_room / max(1, bins.link_budget_bytes[link_id])
+        token_share = token_room / max(1, bins.prefill_budget_tokens[target])
+        fits_kv = kv_share <= token_share
+        fits_token = not fits_kv
+    if fits_kv:
+        bins.link_left_bytes[link_id] = kv_room
+        return ClassifiedMigration(mig, MoveMode.KV, link_id, tokens, kv_bytes=mig.size_bytes, kv_tokens=tokens)
+    if fits_token:
+        bins.prefill_left_tokens[target] = token_room
+        return ClassifiedMigration(mig, MoveMode.TOKEN, link_id, tokens, prefill_tokens=tokens)
+    split = _split(tokens, bins.link_left_bytes[link_id], bins.prefill_left_tokens[target], block_size_tokens,
+                   kv_bytes_per_token)
+    if split is None:
+        return None
+    kv_tokens, tail_tokens = split
+    bins.link_left_bytes[link_id] -= kv_tokens * kv_bytes_per_token
+    bins.prefill_left_tokens[target] -= tail_tokens
+    return ClassifiedMigration(mig, MoveMode.HYBRID, link_id, tokens, kv_bytes=kv_tokens * kv_bytes_per_token,
+                               kv_tokens=kv_tokens, prefill_tokens=tail_tokens)
 
 
 def _split(num_tokens: int, link_left_bytes: int, prefill_left_tokens: int, block_size_tokens: int | None,

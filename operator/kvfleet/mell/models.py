@@ -1,8 +1,10 @@
-"""Domain values of the scheduling core: model and GPU specs, KV capacity, size classes, events, plans.
+"""Domain values of the scheduling core: KV capacity, size classes, events, plans.
 
 Everything the scheduler consumes or produces is a frozen dataclass defined here, so that the
-operator, the simulator and the tests speak the same vocabulary (DESIGN.md, "The scheduling core").
-Sizes are bytes of KV cache; C (``capacity_bytes``) is one worker's KV capacity (MELL §VI-A).
+operator, the router, the simulator and the tests speak the same vocabulary (DESIGN.md, "The
+scheduling core"). Sizes are bytes of KV cache; C (``capacity_bytes``) is one worker's KV capacity
+(MELL §VI-A), computed by `kv_capacity_bytes`. Model shapes and GPU types, which only the simulator
+and the benches need to turn a preset into bytes, live in kvfleet.sim.hardware.
 """
 
 from __future__ import annotations
@@ -11,75 +13,22 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-GIB = 1 << 30
 
+def kv_capacity_bytes(memory_bytes: int, weight_bytes: int, activation_reserve_bytes: int, block_bytes: int = 1) -> int:
+    """MELL's C (§VI-A): memory - weights - activation reserve, rounded down to whole KV blocks.
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The parts of a model config that decide KV bytes per token and weight bytes."""
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_params: int
-    dtype_bytes: int = 2
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        # K and V, per layer, per KV head (DESIGN.md: 2 x layers x kv_heads x head_dim x dtype bytes).
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """A GPU type: memory, and the two numbers the simulator's speed model needs."""
-
-    name: str
-    memory_bytes: int
-    mem_bandwidth_bytes_per_s: float
-    peak_flops: float
-
-
-@dataclass(frozen=True)
-class CapacityDerivation:
-    """How C was obtained, kept so that reports can print it."""
-
-    memory_bytes: int
-    weight_bytes: int
-    activation_reserve_bytes: int
-    capacity_bytes: int
-    kv_bytes_per_token: int
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.capacity_bytes // self.kv_bytes_per_token
-
-
-def derive_capacity(model: ModelSpec, gpu: GpuSpec, activation_reserve_bytes: int | None = None) -> CapacityDerivation:
-    """C = GPU memory - weights - activation reserve, rounded down to whole 16-token KV blocks.
-
-    The default activation reserve is 10% of GPU memory: vLLM's default gpu_memory_utilization of 0.9
-    leaves that much for the CUDA context, activations of the largest prefill batch and the allocator.
+    The one formula for C: the LLMPool spec derives a pool's C with it (kvfleet.api, where the block
+    size is unknown, so `block_bytes` is 1) and the simulator a preset's (kvfleet.sim.hardware, which
+    knows the model's shape and rounds to 16-token blocks, as vLLM allocates). The callers choose the
+    reserve: a fraction of memory in the spec, 10% by default in the simulator.
     """
-    reserve = activation_reserve_bytes if activation_reserve_bytes is not None else gpu.memory_bytes // 10
-    raw = gpu.memory_bytes - model.weight_bytes - reserve
-    if raw <= 0:
-        raise ValueError(f"{model.name} does not fit on {gpu.name}: {raw} bytes left for the KV cache")
-    block_bytes = 16 * model.kv_bytes_per_token
-    capacity = (raw // block_bytes) * block_bytes
-    return CapacityDerivation(gpu.memory_bytes, model.weight_bytes, reserve, capacity, model.kv_bytes_per_token)
-
-
-# The paper's two setups (MELL §VIII-B). Shapes from the LLaMA-2 configs (no GQA below 70B).
-LLAMA2_7B = ModelSpec("llama-2-7b", num_layers=32, num_kv_heads=32, head_dim=128, num_params=6_738_415_616)
-LLAMA2_13B = ModelSpec("llama-2-13b", num_layers=40, num_kv_heads=40, head_dim=128, num_params=13_015_864_320)
-A100_40GB = GpuSpec("a100-40gb", memory_bytes=40 * GIB, mem_bandwidth_bytes_per_s=1.555e12, peak_flops=312e12)
-RTX4090_24GB = GpuSpec("rtx4090-24gb", memory_bytes=24 * GIB, mem_bandwidth_bytes_per_s=1.008e12, peak_flops=165e12)
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, not {block_bytes}")
+    raw_bytes = memory_bytes - weight_bytes - activation_reserve_bytes
+    if raw_bytes <= 0:
+        raise ValueError(f"no room for the KV cache: {memory_bytes} bytes of memory - {weight_bytes} of weights - "
+                         f"{activation_reserve_bytes} of activation reserve = {raw_bytes}")
+    return (raw_bytes // block_bytes) * block_bytes
 
 
 class SizeClass(enum.IntEnum):

@@ -8,9 +8,10 @@ call, so the operator can rebuild the snapshot from worker reports after a resta
 from __future__ import annotations
 
 from kvfleet.mell.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
-from kvfleet.mell.cluster import ClusterPolicy, ClusterSnapshot, SchedulerConfig
+from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.mell import MellPolicy
 from kvfleet.mell.models import EventBatch, Plan
+from kvfleet.mell.state import ClusterSnapshot
 
 POLICIES: dict[str, type[ClusterPolicy]] = {
     "mell": MellPolicy,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.mell.cluster import SchedulerConfig
-from kvfleet.mell.models import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
+from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
 from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.simulator import RunResult, Setup, make_setup, simulate
 from kvfleet.sim.traces import TraceError, TraceRequest, poisson_workload, read_trace, slice_trace
@@ -113,17 +113,38 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
     return out
 
 
+class _UsageError(ValueError):
+    """A flag the simulator cannot run with; `run` prints it and exits 2, as argparse would."""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         workloads = _workloads(args)
-    except TraceError as err:
+        policies = _policies(args)
+        setups = _setups(args)
+        if args.epoch_s <= 0:
+            raise _UsageError("--epoch-s must be positive")
+    except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
+    bar = None if args.no_progress else _progress_bar(args.epoch_s, workloads, len(setups) * len(policies))
+    scenarios = [scenario for setup in setups for scenario in _run_setup(args, setup, workloads, policies, bar)]
+    if bar is not None:
+        bar.close()
+    _write_outputs(args, scenarios)
+    return 0
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in ("mell", "bf", "wf", "lb"):
-            print(f"kvfleet simulate: error: unknown policy {p!r} (mell, bf, wf, lb)", file=sys.stderr)
-            return 2
+            raise _UsageError(f"unknown policy {p!r} (mell, bf, wf, lb)")
+    return policies
+
+
+def _setups(args: argparse.Namespace) -> list[Setup]:
+    """The --setup choices, in the order given, each once; checked before any replay starts."""
     names = list(SETUPS) if not args.setup or "all" in args.setup else list(dict.fromkeys(args.setup))
     reserve = None if args.activation_reserve_gib is None else int(args.activation_reserve_gib * GIB)
     setups: list[Setup] = []
@@ -131,57 +152,80 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             model, gpu = SETUPS[name]
             setups.append(make_setup(name, model, gpu, reserve))
-    except ValueError as err:
-        print(f"kvfleet simulate: error: {err}", file=sys.stderr)
-        return 2
-    if args.epoch_s <= 0:
-        print("kvfleet simulate: error: --epoch-s must be positive", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a model that does not fit on the GPU
+        raise _UsageError(str(err)) from None
+    return setups
 
-    bar: Any = None
-    if not args.no_progress:
-        try:
-            # Imported by name: tqdm ships no type stubs and the sim extra does not pull them in.
-            tqdm = importlib.import_module("tqdm").tqdm
-            total = sum(int(max((r.arrival_s for r in reqs), default=0.0) / args.epoch_s) + 1
-                        for _, reqs in workloads) * len(setups) * len(policies)
-            bar = tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True, leave=False)
-        except ImportError:
-            bar = None
 
+def _num_epochs(reqs: list[TraceRequest], epoch_s: float) -> int:
+    """Epochs until the last arrival: what the bar counts for one run (draining takes longer, uncounted)."""
+    return int(max((r.arrival_s for r in reqs), default=0.0) / epoch_s) + 1
+
+
+def _progress_bar(epoch_s: float, workloads: list[tuple[str, list[TraceRequest]]], runs_per_workload: int) -> Any:
+    """A tqdm bar over all runs' epochs on stderr, or None where tqdm is not installed."""
+    try:
+        # Imported by name: tqdm ships no type stubs and the sim extra does not pull them in.
+        tqdm = importlib.import_module("tqdm").tqdm
+    except ImportError:
+        return None
+    total = sum(_num_epochs(reqs, epoch_s) for _, reqs in workloads) * runs_per_workload
+    return tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _scheduler_config(args: argparse.Namespace, setup: Setup) -> SchedulerConfig:
+    if args.paper_strict:
+        return SchedulerConfig(capacity_bytes=setup.capacity_bytes, refill_underfilled_t=False,
+                               refill_source_max_fill=1.0, growth_headroom_fraction=args.headroom)
+    return SchedulerConfig(capacity_bytes=setup.capacity_bytes, growth_headroom_fraction=args.headroom)
+
+
+def _run_setup(
+    args: argparse.Namespace,
+    setup: Setup,
+    workloads: list[tuple[str, list[TraceRequest]]],
+    policies: list[str],
+    bar: Any,
+) -> list[Scenario]:
+    """Every workload under every policy on one setup: one scenario per workload."""
+    if not args.json:
+        cap = setup.capacity
+        print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
+              f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
+              f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
+    config = _scheduler_config(args, setup)
     scenarios: list[Scenario] = []
-    for setup in setups:
-        if not args.json:
-            cap = setup.capacity
-            print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
-                  f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
-                  f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
-        if args.paper_strict:
-            config = SchedulerConfig(capacity_bytes=setup.capacity_bytes, refill_underfilled_t=False,
-                                     refill_source_max_fill=1.0, growth_headroom_fraction=args.headroom)
-        else:
-            config = SchedulerConfig(capacity_bytes=setup.capacity_bytes, growth_headroom_fraction=args.headroom)
-        for wname, reqs in workloads:
-            results: list[RunResult] = []
-            for pol in policies:
-                if bar is not None:
-                    bar.set_description(f"{setup.name} {wname} {pol}")
-                limit = int(max((r.arrival_s for r in reqs), default=0.0) / args.epoch_s) + 1
-                seen = [0]
+    for wname, reqs in workloads:
+        results: list[RunResult] = []
+        for pol in policies:
+            if bar is not None:
+                bar.set_description(f"{setup.name} {wname} {pol}")
+            results.append(_simulate_with_progress(reqs, setup, pol, args.epoch_s, config, bar))
+        scenarios.append(Scenario(setup.name, wname, setup.capacity_bytes, tuple(results)))
+    return scenarios
 
-                def tick(epoch: int, _seen: list[int] = seen, _limit: int = limit) -> None:
-                    if bar is not None and _seen[0] < _limit:
-                        _seen[0] += 1
-                        bar.update(1)
 
-                result = simulate(reqs, setup, pol, args.epoch_s, config, tick)
-                if bar is not None and seen[0] < limit:
-                    bar.update(limit - seen[0])
-                results.append(result)
-            scenarios.append(Scenario(setup.name, wname, setup.capacity_bytes, tuple(results)))
-    if bar is not None:
-        bar.close()
+def _simulate_with_progress(
+    reqs: list[TraceRequest], setup: Setup, policy: str, epoch_s: float, config: SchedulerConfig, bar: Any
+) -> RunResult:
+    # The bar advances one step per epoch up to the last arrival, then jumps to the end of this run,
+    # so its total is known before the run (how long the drain takes is not).
+    limit = _num_epochs(reqs, epoch_s)
+    seen = [0]
 
+    def tick(epoch: int) -> None:
+        if bar is not None and seen[0] < limit:
+            seen[0] += 1
+            bar.update(1)
+
+    result = simulate(reqs, setup, policy, epoch_s, config, tick)
+    if bar is not None and seen[0] < limit:
+        bar.update(limit - seen[0])
+    return result
+
+
+def _write_outputs(args: argparse.Namespace, scenarios: list[Scenario]) -> None:
+    """The table (or one JSON object) on stdout, then the CSV and the plots where asked for."""
     if args.json:
         payload: dict[str, object] = {"scenarios": [sc.to_json() for sc in scenarios]}
         if len(scenarios) == 1:
@@ -199,4 +243,3 @@ def run(args: argparse.Namespace) -> int:
         for path in plot(scenarios, args.plot):
             if not args.json:
                 print(f"wrote {path}", file=sys.stderr)
-    return 0

@@ -1,0 +1,123 @@
+"""MELL's Allocate for one new request on a view of the cluster: the rule's one home for the router.
+
+The operator runs Allocate inside its epochs (kvfleet.mell.mell, Fig. 10 of MELL §VI-C). Between
+epochs the router places new requests itself, and it must place them where the operator's Allocate
+would, with the pool's GPU-priority weights, or the next epoch moves them. So it does not carry a
+copy of the rule: it describes what it sees (each worker's requests and activation order) as
+`GpuLoad`s, and `allocate_one` restores a policy from that view, schedules one `Arrive`, and says
+where the request went, by which branch of Fig. 10, and which moves the plan ordered besides
+(evicting T-requests from an L-GPU, pulling an S/M-request into a new L-GPU, refilling). The router
+cannot make those moves; the operator's next epoch does.
+
+Pure: the same view, size and config always give the same decision; nothing survives the call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.mell.mell import MellPolicy
+from kvfleet.mell.models import Arrive, EventBatch, Location, Migration, SizeClass, size_class
+from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
+
+# Not a request id any caller uses (ids come from HTTP headers and reports, never with a NUL).
+_PROBE_ID = "\0allocate"
+_GPU_ID = re.compile(r"^gpu-(\d+)$")
+_UNKNOWN = Location("", "")
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    """One GPU as an observer sees it: the requests it holds and when it was activated."""
+
+    gpu_id: str
+    # Higher is more recently activated (MELL's "most recently activated GPU", §VI-C).
+    activation_order: int
+    requests: tuple[tuple[str, int], ...]  # (request id, KV bytes)
+    # Only the distance term of a GPU-to-GPU priority uses it (the source of a move, never the target
+    # of a new request), so an observer that does not know it loses nothing on its own choice.
+    location: Location = _UNKNOWN
+
+
+@dataclass(frozen=True)
+class AllocateDecision:
+    """Where Allocate put one new request, and what else the plan did for it."""
+
+    # The GPU the request's KV (its tail beyond whole GPUs, if larger than C) went on; a GPU that
+    # Allocate activated for it has an id no GpuLoad named (see `new_gpu`).
+    gpu_id: str
+    # Allocate activated a GPU for the request (Fig. 10 case 3, or cases 1 and 2 with nothing fitting).
+    new_gpu: bool
+    # The branch of Fig. 10: "T-on-L-GPU", "T-on-latest-T-GPU", "T-on-underfilled-T-GPU",
+    # "tiny-in-multi-item", "T-on-SM-GPU", "SM-on-L-GPU", "SM-on-latest-SM-GPU" or "new-GPU".
+    step: str
+    # Moves the plan also ordered (causes as in Plan.migrations: "evict-t", "pull-sm", "refill-sm").
+    moves: tuple[Migration, ...]
+
+
+def cluster_snapshot(gpus: Sequence[GpuLoad], capacity_bytes: int) -> ClusterSnapshot:
+    """The scheduling state of GPUs whose requests are where the observer says (not re-decided).
+
+    Tiny requests (at most C/8) are bundled into multi-items of at most C/4 per GPU, in request-id
+    order (MELL §VI-C), as the operator does when it rebuilds from reports. A request reported on two
+    GPUs (mid-migration) holds memory on both, so each copy is kept, the later one under a derived id.
+    Overfull GPUs stay overfull: a GPU without room is one Allocate will not choose.
+    """
+    ordered = sorted(gpus, key=lambda g: (g.activation_order, g.gpu_id))
+    gpu_snaps = tuple(GpuSnapshot(g.gpu_id, seq, seq, g.location) for seq, g in enumerate(ordered))
+    items: list[ItemSnapshot] = []
+    seen: set[str] = set()
+    for gpu in ordered:
+        bundle: list[tuple[str, int]] = []
+        bundle_bytes = 0
+        for request_id, kv_bytes in sorted(gpu.requests):
+            if request_id in seen:
+                request_id = f"{request_id}\0{gpu.gpu_id}"
+            seen.add(request_id)
+            if 8 * kv_bytes > capacity_bytes:  # not tiny (MELL §VI-C): an item of its own
+                items.append(ItemSnapshot(((request_id, kv_bytes),), False, gpu.gpu_id))
+                continue
+            if bundle and 4 * (bundle_bytes + kv_bytes) > capacity_bytes:
+                items.append(ItemSnapshot(tuple(bundle), True, gpu.gpu_id))
+                bundle, bundle_bytes = [], 0
+            bundle.append((request_id, kv_bytes))
+            bundle_bytes += kv_bytes
+        if bundle:
+            items.append(ItemSnapshot(tuple(bundle), True, gpu.gpu_id))
+    # GPUs the policy activates are named gpu-<next index>: past every id of that form already given.
+    taken = [int(m.group(1)) + 1 for g in ordered if (m := _GPU_ID.match(g.gpu_id))]
+    next_index = max([len(ordered), *taken])
+    return ClusterSnapshot(gpu_snaps, tuple(items), (), next_index, len(ordered))
+
+
+def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerConfig) -> AllocateDecision:
+    """MELL's Allocate (Fig. 10, §VI-C) for one new request of `size_bytes` on `snapshot`, with the
+    GPU priority of `config` (its weights are the pool's)."""
+    policy = MellPolicy(config)
+    policy.restore(snapshot)
+    in_use = {gid: (gpu.category, gpu.seq) for gid, gpu in policy.gpus.items() if not gpu.idle}
+    plan = policy.schedule(EventBatch(0.0, (Arrive(_PROBE_ID, size_bytes),)))
+    gpu_id = policy.gpu_of(_PROBE_ID)
+    item = policy.item_of[_PROBE_ID]
+    moves = tuple(m for m in plan.migrations if m.request_id != _PROBE_ID)
+    before = in_use.get(gpu_id)
+    if before is None:
+        return AllocateDecision(gpu_id, True, "new-GPU", moves)
+    category, seq = before
+    cls = size_class(size_bytes, config.capacity_bytes)
+    small = cls in (SizeClass.TINY, SizeClass.T)
+    if category is SizeClass.L:
+        step = "T-on-L-GPU" if small else "SM-on-L-GPU"
+    elif category is SizeClass.T and item.is_bundle and len(item.members) > 1:
+        step = "tiny-in-multi-item"
+    elif category is SizeClass.T:
+        latest_t = max(s for c, s in in_use.values() if c is SizeClass.T)
+        step = "T-on-latest-T-GPU" if seq == latest_t else "T-on-underfilled-T-GPU"
+    elif small:
+        step = "T-on-SM-GPU"  # SchedulerConfig.t_on_sm_gpus
+    else:
+        step = "SM-on-latest-SM-GPU"
+    return AllocateDecision(gpu_id, False, step, moves)

@@ -1,0 +1,23 @@
+"""bench/mell.py runs end to end in its quick mode and ends with its JSON line (part of `make test`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "mell.py"
+
+
+def test_quick_run_prints_the_machine_and_ends_with_the_headline_figures() -> None:
+    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("machine: ")
+    summary = json.loads(lines[-1])
+    assert {"machine", "cpu", "mell_ops_per_s", "bf_ops_per_s", "mell_over_bf", "epoch_live_requests", "epoch_gpus",
+            "epoch_s"} <= set(summary)
+    assert summary["machine"] and summary["mell_ops_per_s"] > 0 and summary["bf_ops_per_s"] > 0
+    # A tenth of the full size: 100,000 live requests in the one timed epoch.
+    assert summary["epoch_live_requests"] == 100_000 and summary["epoch_gpus"] > 0
