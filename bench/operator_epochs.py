@@ -2,14 +2,16 @@
 
 The claim under test: an epoch writes in proportion to what changed (arrivals, finishes, class
 changes, moves), not to the number of workers, and its CPU time stays small at 1,000 workers. The
-operator's real reconcile (kvfleet.operator.handlers.reconcile_pool) runs against an in-memory API
-that counts every write; scripted workers keep a steady load (a fixed share of requests finishes,
+operator's real reconcile (kvfleet.operator.reconcile.reconcile_pool) runs against kvfleet.operator.memory's
+in-memory API, which counts every write as the real client does; scripted workers keep a steady load (a fixed share of requests finishes,
 arrives where the routing table says, and grows each epoch) and execute migrations at once.
 
 Baseline, measured in the same run: a level-triggered reconcile that rewrote every worker's pod and
 the pool status each epoch would make `workers + 1` writes; the ratio printed is writes / that.
 The API server's latency is not part of the CPU time (no network here); the e2e tests cover the
-real API. Last line: one JSON object with `writes_per_epoch` and `epoch_cpu_ms` keyed by pool size.
+real API. First line: the machine it ran on. Last line: one JSON object with `writes_per_epoch` and
+`epoch_cpu_ms` keyed by pool size. `--quick` (pools of 10 and 100, a few epochs; seconds) is what
+`make test` runs, through tests/unit/test_bench_operator_epochs.py.
 
 (Not `bench/operator.py`: a script of that name shadows the standard library's `operator` module for
 every script in this folder, since a script's folder comes first on sys.path.)
@@ -18,7 +20,6 @@ every script in this folder, since a script's folder comes first on sys.path.)
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import platform
@@ -28,108 +29,16 @@ import time
 from typing import Any
 
 from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad, size_class_name
-from kvfleet.operator import handlers
+from kvfleet.operator import reconcile
+from kvfleet.operator.memory import MemoryKube
 
 CAPACITY_BYTES = 1_000_000
-
-
-class MemoryApi:
-    """The Kube interface of kvfleet.operator.handlers, in memory, counting writes."""
-
-    def __init__(self, pool: dict[str, Any]) -> None:
-        self.pool = pool
-        self.pods: dict[str, dict[str, Any]] = {}
-        self.migrations: dict[str, dict[str, Any]] = {}
-        self.others: set[tuple[str, str]] = set()
-        self.counts: dict[str, int] = {}
-
-    def record_write(self, kind: str) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-
-    def writes(self) -> dict[str, int]:
-        counts, self.counts = self.counts, {}
-        return counts
-
-    def get_pool(self, namespace: str, name: str) -> dict[str, Any]:
-        return copy.deepcopy(self.pool)
-
-    def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        return [copy.deepcopy(p) for p in self.pods.values()]
-
-    def exists(self, namespace: str, kind: str, name: str) -> bool:
-        return (kind, name) in self.others
-
-    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
-        self.record_write(f"create_{obj['kind'].lower()}")
-        name = obj["metadata"]["name"]
-        if obj["kind"] != "Pod":
-            self.others.add((obj["kind"], name))
-            return True
-        if name in self.pods:
-            return False
-        pod = copy.deepcopy(obj)
-        # The scripted kubelet: scheduled, running and ready at once.
-        pod["metadata"].setdefault("annotations", {})
-        pod["spec"]["nodeName"] = f"node-{len(self.pods) // 8}"
-        pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"},
-                                                           {"type": "PodScheduled", "status": "True"}]}
-        self.pods[name] = pod
-        return True
-
-    def deployment_replicas(self, namespace: str, name: str) -> int | None:
-        return None  # the benchmark's pool asks for no headroom
-
-    def delete_pod(self, namespace: str, name: str) -> None:
-        self.record_write("delete_pod")
-        self.pods.pop(name, None)
-
-    def patch_pod_metadata(self, namespace: str, name: str, labels: dict[str, str | None],
-                           annotations: dict[str, str | None]) -> None:
-        self.record_write("patch_pod")
-        meta = self.pods[name]["metadata"]
-        for target, changes in ((meta.setdefault("labels", {}), labels), (meta.setdefault("annotations", {}), annotations)):
-            for key, value in changes.items():
-                if value is None:
-                    target.pop(key, None)
-                else:
-                    target[key] = value
-
-    def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        return [copy.deepcopy(m) for m in self.migrations.values()]
-
-    def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
-        self.record_write("create_kvmigration")
-        name = body["metadata"]["name"]
-        if name in self.migrations:
-            return False
-        obj = copy.deepcopy(body)
-        obj["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.migrations[name] = obj
-        return True
-
-    def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.record_write("patch_kvmigration_status")
-        self.migrations[name].setdefault("status", {}).update(status)
-
-    def delete_migration(self, namespace: str, name: str) -> None:
-        self.record_write("delete_kvmigration")
-        self.migrations.pop(name, None)
-
-    def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
-        self.record_write("event")
-
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.record_write("patch_llmpool_status")
-        self.pool["status"] = copy.deepcopy(status)
-
-    def node_zones(self) -> dict[str, str]:
-        return {f"node-{i}": f"zone-{i // 4}" for i in range(1000)}
 
 
 class ScriptedWorkers:
     """The workers' side: requests, reports on the pods, and migrations executed at once."""
 
-    def __init__(self, api: MemoryApi, seed: int) -> None:
+    def __init__(self, api: MemoryKube, seed: int) -> None:
         self.api = api
         self.rng = random.Random(seed)
         self.requests: dict[str, dict[str, int]] = {}  # pod -> request id -> bytes
@@ -141,10 +50,11 @@ class ScriptedWorkers:
         return int(CAPACITY_BYTES * self.rng.choice([0.05, 0.1, 0.2, 0.28, 0.4, 0.6]))
 
     def place(self, size_bytes: int) -> str:
-        table = {r["sizeClass"]: r["worker"] for r in (self.api.pool.get("status") or {}).get("routingTable", [])}
+        table: dict[str, str] = {r["sizeClass"]: r["worker"]
+                                 for r in (self.api.pool.get("status") or {}).get("routingTable", [])}
         cls = size_class_name(size_bytes, CAPACITY_BYTES)
         wanted = table.get(cls if cls in ("L", "M", "S") else "T")
-        if wanted in self.api.pods:
+        if wanted is not None and wanted in self.api.pods:
             return wanted
         return self.rng.choice(sorted(self.api.pods))
 
@@ -206,10 +116,10 @@ def pool_body(max_workers: int) -> dict[str, Any]:
 
 def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
     logger = logging.getLogger("bench")
-    api = MemoryApi(pool_body(max_workers=num_workers * 2))
-    handlers._states.clear()
+    api = MemoryKube(pool_body(max_workers=num_workers * 2))
+    reconcile.forget_pool("bench", "bench")  # a fresh scheduler for each pool size
     workers = ScriptedWorkers(api, seed)
-    handlers.reconcile_pool("bench", "bench", logger, api=api)  # type: ignore[arg-type]
+    reconcile.reconcile_pool("bench", "bench", logger, api)
     # Fill to about num_workers GPUs (each request averages ~0.27 C; MELL packs about 3 per GPU).
     # Filled in steps, as a router following the routing table would, then left to settle.
     target = int(num_workers * 2.8)
@@ -217,18 +127,23 @@ def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
         if step < 20:
             workers.add(target // 20)
         workers.report()
-        handlers.reconcile_pool("bench", "bench", logger, api=api)  # type: ignore[arg-type]
+        reconcile.reconcile_pool("bench", "bench", logger, api)
         workers.execute_migrations()
     api.writes()
-    writes, cpu_ms, changes, gpus = [], [], [], []
+    writes: list[int] = []
+    cpu_ms: list[float] = []
+    changes: list[int] = []
+    gpus: list[int] = []
     for _ in range(epochs):
         changes.append(workers.churn(finish_share=0.02, grow_share=0.05))
         workers.execute_migrations()
         workers.report()
         started = time.process_time()
-        handlers.reconcile_pool("bench", "bench", logger, api=api)  # type: ignore[arg-type]
+        reconcile.reconcile_pool("bench", "bench", logger, api)
         cpu_ms.append((time.process_time() - started) * 1000)
-        writes.append(sum(handlers._states[("bench", "bench")].last_writes.values()))
+        state = reconcile.pool_state("bench", "bench")
+        assert state is not None
+        writes.append(sum(state.last_writes.values()))
         gpus.append(api.pool["status"]["gpusInUse"])
     return {
         "workers": statistics.mean(gpus),
@@ -241,16 +156,20 @@ def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--epochs", type=int, default=None, help="measured epochs per pool (default 20; 5 with --quick)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="pool sizes in workers (default 10 100 1000; 10 100 with --quick)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="small pools and few epochs: seconds, for make test")
     args = parser.parse_args()
+    epochs = args.epochs if args.epochs is not None else (5 if args.quick else 20)
+    sizes = args.sizes if args.sizes is not None else ([10, 100] if args.quick else [10, 100, 1000])
     print(f"machine: {platform.platform()}; cpu: {platform.processor() or platform.machine()}; python {platform.python_version()}")
     print(f"{'workers':>8} {'GPUs':>6} {'changes/epoch':>14} {'writes/epoch':>13} {'writes/change':>14} "
           f"{'vs rewrite-all':>15} {'epoch CPU ms':>13}")
-    results = {}
-    for size in args.sizes:
-        r = run(size, args.epochs, args.seed)
+    results: dict[int, dict[str, float]] = {}
+    for size in sizes:
+        r = run(size, epochs, args.seed)
         results[size] = r
         print(f"{size:>8} {r['workers']:>6.0f} {r['changes_per_epoch']:>14.1f} {r['writes_per_epoch']:>13.1f} "
               f"{r['writes_per_epoch'] / max(1, r['changes_per_epoch']):>14.2f} "

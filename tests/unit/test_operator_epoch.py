@@ -99,7 +99,7 @@ def test_rebuild_leaves_an_overfilled_workers_excess_to_be_allocated_afresh() ->
 
 def test_the_pools_priority_weights_scale_mells_defaults() -> None:
     from kvfleet.api.models import LLMPoolSpec
-    from kvfleet.operator.epoch import scheduler_config
+    from kvfleet.api.scheduling import scheduler_config
 
     def config(**scheduling: float) -> SchedulerConfig:
         return scheduler_config(LLMPoolSpec.model_validate({

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
-from kvfleet.operator import pods, reconcile, resources
+from kvfleet.operator import pods, resources
+from kvfleet.operator.memory import MemoryKube
+from kvfleet.operator.status import SchedulingFigures, floor_workers, pool_status
 
 POOL: dict[str, Any] = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 4}}
-FIGURES = reconcile.SchedulingFigures(gpus_in_use=2, lower_bound_gpus=1, used_bytes=2**30, migrations_in_flight=1)
+FIGURES = SchedulingFigures(gpus_in_use=2, lower_bound_gpus=1, used_bytes=2**30, migrations_in_flight=1)
 
 
 def spec(**overrides: Any) -> LLMPoolSpec:
@@ -32,10 +35,10 @@ def pod(index: int, phase: str = "Running", ready: bool = True, deleting: bool =
 
 
 def test_floor_is_min_raised_by_replicas_capped_by_max() -> None:
-    assert reconcile.floor_workers(spec()) == 2
-    assert reconcile.floor_workers(spec(replicas=3)) == 3
-    assert reconcile.floor_workers(spec(replicas=1)) == 2
-    assert reconcile.floor_workers(spec(replicas=4, workers={"min": 0, "max": 4})) == 4
+    assert floor_workers(spec()) == 2
+    assert floor_workers(spec(replicas=3)) == 3
+    assert floor_workers(spec(replicas=1)) == 2
+    assert floor_workers(spec(replicas=4, workers={"min": 0, "max": 4})) == 4
 
 
 def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool = True, deleting: bool = False, requests: int = 0,
@@ -100,7 +103,7 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def test_status_when_all_ready() -> None:
-    status = reconcile.pool_status(POOL, spec(), [pod(0), pod(1)], FIGURES, "T1")
+    status = pool_status(POOL, spec(), [pod(0), pod(1)], FIGURES, "T1")
     assert conditions(status) == {"Ready": ("True", "WorkersReady"), "Progressing": ("False", "Stable"),
                                   "Degraded": ("False", "AsExpected"), "WaitingForCapacity": ("False", "CapacityAvailable")}
     assert (status["workers"], status["readyWorkers"], status["desiredWorkers"]) == (2, 2, 2)
@@ -110,8 +113,8 @@ def test_status_when_all_ready() -> None:
 
 
 def test_status_says_when_workers_max_holds_gpus_back() -> None:
-    figures = reconcile.SchedulingFigures(gpus_in_use=4, waiting_for_max=2)
-    cond = {c["type"]: c for c in reconcile.pool_status(POOL, spec(), [pod(0), pod(1)], figures, "T")["conditions"]}
+    figures = SchedulingFigures(gpus_in_use=4, waiting_for_max=2)
+    cond = {c["type"]: c for c in pool_status(POOL, spec(), [pod(0), pod(1)], figures, "T")["conditions"]}
     assert (cond["WaitingForCapacity"]["status"], cond["WaitingForCapacity"]["reason"]) == ("True", "MaxWorkersReached")
     assert cond["WaitingForCapacity"]["message"] == "2 more GPU(s) needed but workers.max=4 is reached"
 
@@ -119,7 +122,7 @@ def test_status_says_when_workers_max_holds_gpus_back() -> None:
 def test_status_waiting_for_capacity_carries_the_scheduler_reason() -> None:
     pending = pod(1, phase="Pending", ready=False, scheduled={
         "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."})
-    status = reconcile.pool_status(POOL, spec(), [pod(0), pending], FIGURES, "T1")
+    status = pool_status(POOL, spec(), [pod(0), pending], FIGURES, "T1")
     cond = {c["type"]: c for c in status["conditions"]}
     assert cond["WaitingForCapacity"]["status"] == "True"
     assert cond["WaitingForCapacity"]["message"] == "1 worker pod(s) pending: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
@@ -128,12 +131,12 @@ def test_status_waiting_for_capacity_carries_the_scheduler_reason() -> None:
 
 
 def test_status_degraded_on_crash_loop_and_transition_times_kept() -> None:
-    first = reconcile.pool_status(POOL, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES, "T1")
+    first = pool_status(POOL, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES, "T1")
     assert conditions(first)["Degraded"] == ("True", "WorkersCrashing")
-    again = reconcile.pool_status({**POOL, "status": first}, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES,
+    again = pool_status({**POOL, "status": first}, spec(), [pod(0), pod(1, ready=False, waiting="CrashLoopBackOff")], FIGURES,
                                   "T2")
     assert all(c["lastTransitionTime"] == "T1" for c in again["conditions"])
-    healed = reconcile.pool_status({**POOL, "status": again}, spec(), [pod(0), pod(1)], FIGURES, "T3")
+    healed = pool_status({**POOL, "status": again}, spec(), [pod(0), pod(1)], FIGURES, "T3")
     times = {c["type"]: c["lastTransitionTime"] for c in healed["conditions"]}
     assert times == {"Ready": "T3", "Progressing": "T3", "Degraded": "T3", "WaitingForCapacity": "T1"}
 
@@ -199,52 +202,51 @@ def test_router_objects_are_a_read_only_role_a_deployment_and_a_service() -> Non
 
 
 def test_status_says_whether_the_router_is_ready() -> None:
-    figures = reconcile.SchedulingFigures(gpus_in_use=0, lower_bound_gpus=0, used_bytes=0, migrations_in_flight=0,
+    figures = SchedulingFigures(gpus_in_use=0, lower_bound_gpus=0, used_bytes=0, migrations_in_flight=0,
                                           waiting_for_max=0)
-    status = reconcile.pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=False)
+    status = pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=False)
     assert conditions(status)["RouterReady"] == ("False", "RouterNotReady")
-    status = reconcile.pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=True)
+    status = pool_status(POOL, spec(), [], figures, "2026-01-01T00:00:00Z", router_ready=True)
     assert conditions(status)["RouterReady"] == ("True", "RouterAvailable")
 
 
-class FakeRouterApi:
-    """The Kube calls reconcile_router makes, over a dict of (kind, name) -> object."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.ready_replicas = 0
-        self.calls: list[str] = []
-
-    def exists(self, namespace: str, kind: str, name: str) -> bool:
-        return (kind, name) in self.objects
-
-    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
-        self.calls.append(f"create {obj['kind']}")
-        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
-        return True
-
-    def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
-        obj = self.objects.get(("Deployment", name))
-        return None if obj is None else (obj["spec"]["template"]["spec"]["containers"][0]["image"], self.ready_replicas)
-
-    def replace_deployment_template(self, namespace: str, body: dict[str, Any]) -> None:
-        self.calls.append("patch Deployment")
-        self.objects[("Deployment", body["metadata"]["name"])]["spec"]["template"] = body["spec"]["template"]
-
-
 def test_reconcile_router_creates_once_rolls_on_a_new_image_and_reports_readiness() -> None:
-    from kvfleet.operator.handlers import reconcile_router
+    from kvfleet.operator.owned import reconcile_router
 
-    api = FakeRouterApi()
     pool = {**POOL, "metadata": {**POOL["metadata"], "namespace": "ns"}}
-    assert reconcile_router(api, "ns", pool, spec()) is False  # type: ignore[arg-type]
-    assert sorted(api.calls) == ["create Deployment", "create Role", "create RoleBinding", "create Service",
-                                 "create ServiceAccount"]
-    api.calls.clear()
-    api.ready_replicas = 1
-    assert reconcile_router(api, "ns", pool, spec()) is True  # type: ignore[arg-type]
-    assert api.calls == [], "a pass with nothing changed writes nothing"
+    api = MemoryKube(pool)
+    assert reconcile_router(api, "ns", pool, spec()) is False
+    assert api.writes() == {"create_deployment": 1, "create_role": 1, "create_rolebinding": 1, "create_service": 1,
+                            "create_serviceaccount": 1}
+    api.ready_replicas["p-router"] = 1
+    assert reconcile_router(api, "ns", pool, spec()) is True
+    assert api.writes() == {}, "a pass with nothing changed writes nothing"
     newer = spec(workerTemplate={"image": "reg/kvfleet/worker:0.2.0"})
-    reconcile_router(api, "ns", pool, newer)  # type: ignore[arg-type]
-    assert api.calls == ["patch Deployment"]
+    reconcile_router(api, "ns", pool, newer)
+    assert api.writes() == {"patch_deployment": 1}
     assert api.deployment_image_and_ready("ns", "p-router") == ("reg/kvfleet/router:0.2.0", 1)
+
+
+def test_a_pass_over_a_new_pool_makes_what_it_owns_then_a_quiet_pass_writes_nothing() -> None:
+    """The whole pass (kvfleet.operator.reconcile.reconcile_pool) against the in-memory API."""
+    from kvfleet.operator import reconcile
+
+    body = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
+            "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
+                     "workers": {"min": 2, "max": 4}}}
+    api = MemoryKube(body)
+    reconcile.forget_pool("ns", "p")
+    logger = logging.getLogger("test")
+    assert reconcile.reconcile_pool("ns", "p", logger, api) == spec().scheduling.epoch_seconds
+    assert sorted(api.pods) == ["p-worker-0", "p-worker-1"]  # the floor, workers.min
+    assert {kind for kind, _ in api.objects} == {"Secret", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
+    assert api.pool["status"]["workers"] == 2 and api.events[0][0] == "ScaleUp"
+    state = reconcile.pool_state("ns", "p")
+    assert state is not None and state.epoch == 1 and state.last_writes["create_pod"] == 2
+    reconcile.reconcile_pool("ns", "p", logger, api)  # the floor pods' metadata settles (idle-since)
+    reconcile.reconcile_pool("ns", "p", logger, api)
+    assert state.last_writes == {}, "a pass with nothing changed writes nothing"
+    api.pool["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert reconcile.reconcile_pool("ns", "p", logger, api) == reconcile.RETRY_S
+    assert reconcile.pool_state("ns", "p") is None

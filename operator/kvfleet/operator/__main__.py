@@ -8,10 +8,10 @@ import os
 import sys
 
 import kopf
-from kubernetes import config
 
 import kvfleet.operator.handlers  # noqa: F401 - registers the handlers with kopf
 from kvfleet.operator import metrics
+from kvfleet.operator.kube import load_config
 from kvfleet.operator.leader import LeaderElector
 
 log = logging.getLogger("kvfleet.operator")
@@ -31,10 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_config()
     if args.metrics_port:
         metrics.serve(args.metrics_address, args.metrics_port)
     if args.leader_election:

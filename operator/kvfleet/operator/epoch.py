@@ -15,16 +15,14 @@ No I/O and no clock here; time comes in as an argument.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvfleet.api.models import LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
-from kvfleet.mell.cluster import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location, SizeClass, size_class
+from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 # Reasons of KVMigration (the CRD's enum) for each cause the scheduler records.
 _REASONS = {"allocate": "Allocate", "depart": "Depart", "update": "Update", "rebalance": "Rebalance", "preempt": "Rebalance"}
@@ -68,21 +66,6 @@ class EpochOutcome:
     used_bytes: int
     lower_bound_gpus: int
     active_gpus: int
-
-
-def scheduler_config(spec: LLMPoolSpec) -> SchedulerConfig:
-    """The pool's MELL knobs. The spec's two weights scale the defaults of MELL's GPU priority (§VI-C):
-    workloadWeight the free-memory and request-count terms, distanceWeight the same-node and same-zone
-    bonuses; 1.0 keeps the defaults and 0 turns that part off."""
-    base = SchedulerConfig(capacity_bytes=spec.kv_capacity_per_worker_bytes())
-    workload, distance = spec.scheduling.workload_weight, spec.scheduling.distance_weight
-    return dataclasses.replace(
-        base,
-        weight_free=base.weight_free * workload,
-        weight_requests=base.weight_requests * workload,
-        weight_same_node=base.weight_same_node * distance,
-        weight_same_zone=base.weight_same_zone * distance,
-    )
 
 
 def gpu_index(gpu_id: str) -> int:
@@ -169,51 +152,13 @@ class PoolScheduler:
         are neither finished nor moved again until their migration ends.
         """
         workers = list(workers)
-        actual: dict[str, tuple[WorkerView, int, int]] = {}
-        for worker in sorted(workers, key=lambda w: w.created_order):
-            for req in worker.report.requests if worker.report else []:
-                # Mid-migration both pods may report a request: the migration's target wins.
-                if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
-                    actual[req.id] = (worker, req.kv_bytes, req.tokens)
-        events: list[Event] = []
-        for rid in list(self.sizes):
-            if rid not in actual and rid not in in_flight:
-                events.append(Finish(rid))
-                del self.sizes[rid]
-                self.causes.pop(rid, None)
-        for rid, (_, size_bytes, _) in actual.items():
-            known = self.sizes.get(rid)
-            if known is None:
-                events.append(Arrive(rid, size_bytes))
-                self.sizes[rid] = size_bytes
-            elif size_bytes > known:  # KV only grows (MELL §VI-A); a smaller report is stale
-                events.append(Grow(rid, size_bytes))
-                self.sizes[rid] = size_bytes
+        actual = _reported(workers, in_flight)
+        events = self._events(actual, in_flight)
         plan = self.policy.schedule(EventBatch(now_s, tuple(events)))
         causes = {m.request_id: m.cause for m in plan.migrations}
         placed_now = {p.request_id for p in plan.placements}
-
         pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
-        moves: list[MoveOrder] = []
-        deferred = 0
-        for rid, (worker, size_bytes, tokens) in actual.items():
-            if rid in in_flight or rid not in self.policy.item_of:
-                continue
-            want = self.policy.gpu_of(rid)
-            if want == worker.gpu_id:
-                self.causes.pop(rid, None)
-                continue
-            if rid in causes:
-                self.causes[rid] = _REASONS.get(causes[rid], "Update")
-            elif rid in placed_now:
-                self.causes[rid] = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
-            target = pod_of_gpu.get(want)
-            if target is None or not target.ready:
-                deferred += 1
-                continue
-            # Without a recorded cause, an earlier move of this request failed or was lost.
-            reason = self.causes.get(rid, "Retry")
-            moves.append(MoveOrder(rid, worker.pod_name, target.pod_name, size_bytes, tokens, reason))
+        moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu)
 
         live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}
         holding = {w.pod_name for w in workers if w.report and w.report.requests}
@@ -234,3 +179,79 @@ class PoolScheduler:
             lower_bound_gpus=math.ceil(used / self.config.capacity_bytes),
             active_gpus=len(live_gpus),
         )
+
+    def _events(self, actual: Mapping[str, tuple[WorkerView, int, int]], in_flight: Mapping[str, str]) -> list[Event]:
+        """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date."""
+        events: list[Event] = []
+        for rid in list(self.sizes):
+            if rid not in actual and rid not in in_flight:
+                events.append(Finish(rid))
+                del self.sizes[rid]
+                self.causes.pop(rid, None)
+        for rid, (_, size_bytes, _) in actual.items():
+            known = self.sizes.get(rid)
+            if known is None:
+                events.append(Arrive(rid, size_bytes))
+                self.sizes[rid] = size_bytes
+            elif size_bytes > known:  # KV only grows (MELL §VI-A); a smaller report is stale
+                events.append(Grow(rid, size_bytes))
+                self.sizes[rid] = size_bytes
+        return events
+
+    def _moves(self, actual: Mapping[str, tuple[WorkerView, int, int]], in_flight: Mapping[str, str],
+               causes: Mapping[str, str], placed_now: set[str],
+               pod_of_gpu: Mapping[str, WorkerView]) -> tuple[list[MoveOrder], int]:
+        """A move for every request reported away from where the policy holds it and not already moving,
+        and how many wait for their target pod; `causes` keeps why each is out of place."""
+        moves: list[MoveOrder] = []
+        deferred = 0
+        for rid, (worker, size_bytes, tokens) in actual.items():
+            if rid in in_flight or rid not in self.policy.item_of:
+                continue
+            want = self.policy.gpu_of(rid)
+            if want == worker.gpu_id:
+                self.causes.pop(rid, None)
+                continue
+            if rid in causes:
+                self.causes[rid] = _REASONS.get(causes[rid], "Update")
+            elif rid in placed_now:
+                self.causes[rid] = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
+            target = pod_of_gpu.get(want)
+            if target is None or not target.ready:
+                deferred += 1
+                continue
+            # Without a recorded cause, an earlier move of this request failed or was lost.
+            reason = self.causes.get(rid, "Retry")
+            moves.append(MoveOrder(rid, worker.pod_name, target.pod_name, size_bytes, tokens, reason))
+        return moves, deferred
+
+
+def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, tuple[WorkerView, int, int]]:
+    """Request id -> (the worker reporting it, its KV bytes, its tokens), as the reports say."""
+    actual: dict[str, tuple[WorkerView, int, int]] = {}
+    for worker in sorted(workers, key=lambda w: w.created_order):
+        for req in worker.report.requests if worker.report else []:
+            # Mid-migration both pods may report a request: the migration's target wins.
+            if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
+                actual[req.id] = (worker, req.kv_bytes, req.tokens)
+    return actual
+
+
+def routing_table(routes: Mapping[str, str], workers: Iterable[WorkerView]) -> list[dict[str, str]]:
+    """Size class -> the Ready worker pod that should take the next such request (for the router).
+
+    `routes` is PoolScheduler.routes (size class -> GPU). A class routed to a GPU no pod serves yet
+    goes to the oldest warm unbound pod (the next one MELL's new GPU would bind), or is left out: the
+    router then picks a worker itself and MELL moves the request.
+    """
+    workers = list(workers)
+    pod_of_gpu = {w.gpu_id: w.pod_name for w in workers if w.gpu_id is not None and w.ready}
+    spare = sorted((w for w in workers if w.gpu_id is None and w.ready), key=lambda w: w.created_order)
+    spare_names = [w.pod_name for w in spare]
+    table = []
+    for class_name in ("L", "M", "S", "T"):
+        gpu_id = routes.get(class_name)
+        pod_name = pod_of_gpu.get(gpu_id or "") or (spare_names[0] if spare_names else None)
+        if pod_name:
+            table.append({"sizeClass": class_name, "worker": pod_name})
+    return table

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
 
@@ -42,35 +42,37 @@ class LeaderElector:
 
     def _try_acquire_or_renew(self) -> bool:
         now = _now()
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.lease_duration_s)),
-                "renewTime": _micro(now)}
+        duration_s = max(1, round(self.lease_duration_s))
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
         except ApiException as err:
             if err.status != 404:
                 raise
             body = {"metadata": {"name": self.name, "namespace": self.namespace},
-                    "spec": spec | {"acquireTime": _micro(now), "leaseTransitions": 0}}
+                    "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": duration_s, "renewTime": _micro(now),
+                             "acquireTime": _micro(now), "leaseTransitions": 0}}
             try:
-                self.api.create_namespaced_lease(self.namespace, body)
+                # A dict body goes to the API server as it is (its times in MicroTime's format); the
+                # client's annotations ask for its V1Lease model.
+                self.api.create_namespaced_lease(self.namespace, body)  # type: ignore[arg-type]
                 return True
             except ApiException as create_err:
                 if create_err.status == 409:
                     return False
                 raise
+        # The API server always returns a Lease's spec (an empty one at least).
+        assert lease.spec is not None
         held_by = lease.spec.holder_identity
         renewed = lease.spec.renew_time
-        duration_s = lease.spec.lease_duration_seconds or self.lease_duration_s
-        expired = renewed is None or (now - renewed).total_seconds() > duration_s
+        lease_s = lease.spec.lease_duration_seconds or self.lease_duration_s
+        expired = renewed is None or (now - renewed).total_seconds() > lease_s
         if held_by != self.identity and not expired:
             return False
+        acquired, transitions = lease.spec.acquire_time, lease.spec.lease_transitions
         if held_by != self.identity:
-            spec["acquireTime"] = _micro(now)
-            spec["leaseTransitions"] = (lease.spec.lease_transitions or 0) + 1
-        lease.spec = client.V1LeaseSpec(**{
-            "holder_identity": spec["holderIdentity"], "lease_duration_seconds": spec["leaseDurationSeconds"],
-            "renew_time": now, "acquire_time": now if "acquireTime" in spec else lease.spec.acquire_time,
-            "lease_transitions": spec.get("leaseTransitions", lease.spec.lease_transitions)})
+            acquired, transitions = now, (transitions or 0) + 1
+        lease.spec = client.V1LeaseSpec(holder_identity=self.identity, lease_duration_seconds=duration_s, renew_time=now,
+                                        acquire_time=acquired, lease_transitions=transitions)
         try:
             # A replace guarded by resourceVersion: of two replicas racing for an expired lease, one wins.
             self.api.replace_namespaced_lease(self.name, self.namespace, lease)

@@ -18,7 +18,7 @@ from typing import Any
 from kvfleet.api.models import API_VERSION, LLMPoolSpec
 from kvfleet.api.quantity import quantity_bytes
 from kvfleet.api.reports import KVLoadReport
-from kvfleet.mell.migration import Boundaries, Mode, link_of, plan_migrations
+from kvfleet.mell.migration import Boundaries, MoveMode, link_of, plan_migrations
 from kvfleet.mell.models import Location, Migration
 from kvfleet.operator.epoch import MoveOrder
 from kvfleet.operator.resources import MANAGED_BY, POOL_LABEL, owner_reference
@@ -202,6 +202,6 @@ def choose_modes(spec: LLMPoolSpec, orders: Sequence[MoveOrder], node_of_pod: Ma
     schedule = plan_migrations(moves, locate, kv_bytes_per_token, boundaries, block_size_tokens=block_size_tokens,
                                measured_link_bytes=measured_link, measured_prefill_tokens=measured_prefill)
     # A hybrid move's KVMigration expects only its planned full blocks as KV bytes (expectedBytes).
-    chosen = [(replace(by_request[c.migration.request_id], size_bytes=c.kv_bytes) if c.mode is Mode.HYBRID
+    chosen = [(replace(by_request[c.migration.request_id], size_bytes=c.kv_bytes) if c.mode is MoveMode.HYBRID
                else by_request[c.migration.request_id], c.mode.value) for c in schedule.scheduled]
     return chosen, len(schedule.deferred)

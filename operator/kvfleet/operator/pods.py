@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.api.reports import KVLoadReport
-from kvfleet.operator.reconcile import is_live, is_ready
 from kvfleet.operator.resources import GPU_LABEL, IDLE_SINCE_ANNOTATION, worker_index
+from kvfleet.operator.status import is_live, is_ready
 
 SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
@@ -96,8 +96,30 @@ def plan_pods(
     routed_pods = set(routed)
     gpu_of = {p.name: (None if p.name in released else p.gpu_id) for p in live}
     next_index = max((p.index for p in pods), default=-1) + 1
+    create, waiting = _bind_or_create(live, gpu_of, unserved_gpu_ids, next_index, floor, max_workers)
+    num_live = len(live) + len(create)
 
-    # Newly needed GPUs: a warm unbound pod first (ready ones, oldest first), else a new pod.
+    # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
+    delete = [p.name for p in pods if not p.live and not p.deleting]
+    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets
+                 and p.name not in routed_pods]
+    for pod in removable:
+        if num_live <= floor:
+            break
+        since = pod.idle_since_s
+        if since is not None and now_s - since >= scale_down_delay_s:
+            delete.append(pod.name)
+            num_live -= 1
+
+    metadata = {pod.name: changes for pod in live
+                if pod.name not in delete and (changes := _metadata_changes(pod, gpu_of[pod.name], routed_pods, now_s))}
+    return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
+
+
+def _bind_or_create(live: list[PodInfo], gpu_of: dict[str, str | None], unserved_gpu_ids: Iterable[str], next_index: int,
+                    floor: int, max_workers: int) -> tuple[list[tuple[int, str | None]], list[str]]:
+    """Newly needed GPUs: a warm unbound pod first (ready ones, oldest first), else a new pod; then
+    new pods up to the floor. Binds in `gpu_of`; returns the pods to create and the GPUs left waiting."""
     candidates = sorted((p for p in live if gpu_of[p.name] is None), key=lambda p: (not p.ready, p.index))
     create: list[tuple[int, str | None]] = []
     waiting: list[str] = []
@@ -115,37 +137,23 @@ def plan_pods(
         create.append((next_index, None))
         next_index += 1
         num_live += 1
+    return create, waiting
 
-    # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
-    delete = [p.name for p in pods if not p.live and not p.deleting]
-    idle_since = {p.name: p.idle_since_s for p in live}
-    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets
-                 and p.name not in routed_pods]
-    for pod in removable:
-        if num_live <= floor:
-            break
-        since = pod.idle_since_s
-        if since is not None and now_s - since >= scale_down_delay_s:
-            delete.append(pod.name)
-            num_live -= 1
 
-    metadata: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {}
-    for pod in live:
-        if pod.name in delete:
-            continue
-        holding = pod.num_requests > 0
-        idle = gpu_of[pod.name] is None and not holding and pod.name not in routed_pods
-        labels = {GPU_LABEL: gpu_of[pod.name]}
-        annotations = {
-            SAFE_TO_EVICT: "false" if holding else "true",
-            DO_NOT_DISRUPT: "true" if holding else "false",
-            # The replica set or autoscaler removing a pod should pick the emptiest one (MiB held).
-            DELETION_COST: str(min(pod.used_bytes >> 20, 2**31 - 1)),
-            IDLE_SINCE_ANNOTATION: (f"{idle_since[pod.name]:.3f}" if idle_since[pod.name] is not None else f"{now_s:.3f}")
-            if idle else None,
-        }
-        label_diff = {k: v for k, v in labels.items() if pod.labels.get(k) != v}
-        annotation_diff = {k: v for k, v in annotations.items() if pod.annotations.get(k) != v}
-        if label_diff or annotation_diff:
-            metadata[pod.name] = (label_diff, annotation_diff)
-    return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
+def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], now_s: float,
+                      ) -> tuple[dict[str, str | None], dict[str, str | None]] | None:
+    """The labels and annotations of a live pod that differ from what they should say (None: none do)."""
+    holding = pod.num_requests > 0
+    idle = gpu_id is None and not holding and pod.name not in routed_pods
+    labels = {GPU_LABEL: gpu_id}
+    annotations = {
+        SAFE_TO_EVICT: "false" if holding else "true",
+        DO_NOT_DISRUPT: "true" if holding else "false",
+        # The replica set or autoscaler removing a pod should pick the emptiest one (MiB held).
+        DELETION_COST: str(min(pod.used_bytes >> 20, 2**31 - 1)),
+        IDLE_SINCE_ANNOTATION: (f"{pod.idle_since_s:.3f}" if pod.idle_since_s is not None else f"{now_s:.3f}")
+        if idle else None,
+    }
+    label_diff = {k: v for k, v in labels.items() if pod.labels.get(k) != v}
+    annotation_diff = {k: v for k, v in annotations.items() if pod.annotations.get(k) != v}
+    return (label_diff, annotation_diff) if label_diff or annotation_diff else None

@@ -1,120 +1,309 @@
-"""Level-triggered decisions for one pool: which worker pods to create or delete, and what status to show.
+"""One pass over one LLMPool: the pool's MELL epoch, as the list of steps `reconcile_pool` runs.
 
-Pure functions of (pool, spec, observed pods, now) so every branch is unit-tested without a cluster;
-`kvfleet.operator.handlers` does the reads and writes around them.
+Level-triggered: every pass reads the pool and its pods, decides with the pure modules (epoch: MELL;
+migrations: which KVMigrations; pods: which worker pods; status: the status), writes only the
+difference, and writes status only when it changed. The one thing kept between passes is the
+pool's scheduler (`PoolState`), and it is rebuilt from the pods' reports whenever it is missing, so
+a restarted operator carries on where the last one stopped. The cluster is reached only through
+kvfleet.operator.kube.KubeApi.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime as dt
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvfleet.api.models import LLMPoolSpec
-from kvfleet.operator.resources import worker_selector
+from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.scheduling import scheduler_config
+from kvfleet.mell import SchedulerConfig
+from kvfleet.operator import epoch, metrics, migrations, pods, resources
+from kvfleet.operator.epoch import EpochOutcome, MoveOrder, PoolScheduler
+from kvfleet.operator.kube import KubeApi
+from kvfleet.operator.owned import reconcile_owned
+from kvfleet.operator.status import SchedulingFigures, floor_workers, pool_status
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+# A daemon that cannot reach the API server retries this soon, not after a whole epoch.
+RETRY_S = 2.0
 
 
-def is_live(pod: dict[str, Any]) -> bool:
-    """A pod that counts as a worker: not being deleted and not finished."""
-    return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def pod_condition(pod: dict[str, Any], type_: str) -> dict[str, Any]:
-    for cond in pod.get("status", {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return dict(cond)
-    return {}
+@dataclass
+class PoolState:
+    """What the operator keeps in memory for a pool: the scheduler, rebuildable from the cluster.
+
+    Mutable: one pool's daemon thread updates it every epoch, and nothing else touches it.
+    """
+
+    uid: str
+    key: tuple[str, SchedulerConfig]  # (policy, its knobs): a change rebuilds the scheduler
+    scheduler: PoolScheduler
+    epoch: int = 0
+    routes: dict[str, str] | None = None
+    counted_migrations: set[str] = field(default_factory=set)
+    last_writes: dict[str, int] = field(default_factory=dict)
 
 
-def is_ready(pod: dict[str, Any]) -> bool:
-    return is_live(pod) and pod_condition(pod, "Ready").get("status") == "True"
+_states: dict[tuple[str, str], PoolState] = {}
 
 
-def unschedulable_reason(pod: dict[str, Any]) -> str:
-    """The scheduler's message for a pod it could not place, or "" when it is placed or not yet tried."""
-    cond = pod_condition(pod, "PodScheduled")
-    if cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-        return str(cond.get("message", "no node fits"))
-    return ""
+def pool_state(namespace: str, name: str) -> PoolState | None:
+    """The pool's in-memory state, if a pass has made one (for tests and bench/operator_epochs.py)."""
+    return _states.get((namespace, name))
 
 
-def floor_workers(spec: LLMPoolSpec) -> int:
-    """Workers kept even when idle: workers.min, raised by `kubectl scale` (spec.replicas), capped by max."""
-    return min(spec.workers.max, max(spec.workers.min, spec.replicas or 0))
+def forget_pool(namespace: str, name: str) -> None:
+    """Drop the pool's in-memory state: the next pass rebuilds it from the cluster, as after a restart."""
+    _states.pop((namespace, name), None)
 
 
 @dataclass(frozen=True)
-class SchedulingFigures:
-    """What the last epoch decided, for the status."""
+class PassContext:
+    """What every step of one pass works on: where to write, the pool as read, its parsed spec."""
 
-    gpus_in_use: int = 0
-    lower_bound_gpus: int = 0
-    used_bytes: int = 0
-    migrations_in_flight: int = 0
-    waiting_for_max: int = 0
-
-
-def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+    api: KubeApi
+    namespace: str
+    name: str
+    pool: dict[str, Any]
+    spec: LLMPoolSpec
+    logger: Logger
 
 
-def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], figures: SchedulingFigures,
-                now: str, router_ready: bool | None = None) -> dict[str, Any]:
-    """The status subresource: counts, conditions with reasons, the selector for `/scale`."""
-    name = pool["metadata"]["name"]
-    live = [p for p in pods if is_live(p)]
-    ready = [p for p in live if is_ready(p)]
-    desired = min(spec.workers.max, max(floor_workers(spec), figures.gpus_in_use))
-    pending = [(p["metadata"]["name"], reason) for p in live if (reason := unschedulable_reason(p))]
-    if figures.waiting_for_max:
-        pending.append(("", f"{figures.waiting_for_max} more GPU(s) needed but workers.max={spec.workers.max} is reached"))
-    crashing = sorted(
-        p["metadata"]["name"]
-        for p in pods
-        if p.get("status", {}).get("phase") == "Failed"
-        or any((s.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff"
-               for s in p.get("status", {}).get("containerStatuses") or [])
+@dataclass(frozen=True)
+class Observed:
+    """The pool's workers and migrations as one pass read them."""
+
+    now_s: float
+    raw_pods: list[dict[str, Any]]
+    infos: list[pods.PodInfo]  # the pool's worker pods, live or not
+    node_of_pod: dict[str, str]
+    workers: list[epoch.WorkerView]  # the live workers, as the scheduler sees them
+    view: migrations.MigrationView
+
+
+@dataclass(frozen=True)
+class PlannedMoves:
+    """The KVMigrations one epoch ordered."""
+
+    chosen: list[tuple[MoveOrder, str]]  # (order, mode), including those a previous pass had created already
+    targets: set[str]  # pods a migration is heading to: in flight, or created now
+    num_deferred: int  # by the migration planner, to a later epoch
+    num_waiting_room: int  # for room on their target
+
+
+def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> float:
+    """One level-triggered pass over a pool (one MELL epoch). Returns the seconds until the next pass."""
+    started_s = time.monotonic()
+    pool = api.get_pool(namespace, name)
+    if pool is None or pool["metadata"].get("deletionTimestamp"):
+        forget_pool(namespace, name)
+        return RETRY_S
+    spec = parse_spec(api, namespace, name, pool)
+    if spec is None:
+        return RETRY_S * 5
+    ctx = PassContext(api, namespace, name, pool, spec, logger)
+    router_ready = reconcile_owned(api, namespace, pool, spec)
+    observed = read_observed(ctx)
+    settle_migrations(ctx, observed.view)
+    state = scheduler_state(ctx, observed.workers)
+    outcome = run_scheduler(state, observed)
+    count_finished_migrations(state, namespace, name, observed.view.finished)
+    planned = write_migrations(ctx, state, observed, outcome)
+    table = epoch.routing_table(state.routes or {}, observed.workers)
+    actions = plan_pods(ctx, observed, outcome, planned, table)
+    raw_pods = write_pods(ctx, actions, observed.raw_pods)
+    figures = SchedulingFigures(
+        gpus_in_use=outcome.active_gpus,
+        lower_bound_gpus=outcome.lower_bound_gpus,
+        used_bytes=outcome.used_bytes,
+        migrations_in_flight=len(observed.view.in_flight) + len(planned.chosen),
+        waiting_for_max=len(actions.waiting_for_max),
     )
-    all_ready = len(ready) >= desired
-    conditions = [
-        _condition("Ready", all_ready, ("WorkersReady" if desired else "ScaledToZero") if all_ready else "WorkersNotReady",
-                   f"{len(ready)}/{desired} workers ready"),
-        _condition("Progressing", len(live) != desired or len(ready) < len(live),
-                   "ScalingUp" if len(live) < desired else "ScalingDown" if len(live) > desired
-                   else "WaitingForWorkers" if len(ready) < len(live) else "Stable",
-                   f"{len(live)} workers, {desired} desired, {len(ready)} ready"),
-        _condition("Degraded", bool(crashing), "WorkersCrashing" if crashing else "AsExpected",
-                   f"crashing or failed: {', '.join(crashing)}" if crashing else "no worker is failing"),
-        _condition("WaitingForCapacity", bool(pending),
-                   ("MaxWorkersReached" if figures.waiting_for_max else "WorkersUnschedulable") if pending else "CapacityAvailable",
-                   _waiting_message(pending) if pending else "every worker pod is scheduled"),
+    status = write_status(ctx, raw_pods, figures, table, router_ready)
+    log_epoch(ctx, state, outcome, planned, actions)
+    record_metrics(ctx, state, status, outcome, figures, started_s)
+    return spec.scheduling.epoch_seconds
+
+
+def parse_spec(api: KubeApi, namespace: str, name: str, pool: dict[str, Any]) -> LLMPoolSpec | None:
+    """The pool's spec, or None after saying in its status (Degraded, InvalidSpec) why it is invalid."""
+    try:
+        return LLMPoolSpec.model_validate(pool.get("spec") or {})
+    except ValidationError as err:
+        # The API server's schema should have refused this; say so instead of crashing every epoch.
+        status = {"observedGeneration": pool["metadata"].get("generation"), "conditions": [
+            {"type": "Degraded", "status": "True", "reason": "InvalidSpec", "message": str(err)[:2000],
+             "lastTransitionTime": now_rfc3339()}]}
+        if (pool.get("status") or {}).get("conditions") != status["conditions"]:
+            api.patch_status(namespace, name, status)
+        return None
+
+
+def read_observed(ctx: PassContext) -> Observed:
+    """Read the worker pods (with their KV-load reports), the nodes' zones and the pool's KVMigrations."""
+    now_s = time.time()
+    raw_pods = ctx.api.worker_pods(ctx.namespace, ctx.name)
+    infos = [info for p in raw_pods if (info := pods.pod_info(p)) is not None]
+    zones = ctx.api.node_zones()
+    node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
+    workers = [
+        epoch.WorkerView(i.name, i.gpu_id, i.index, node_of_pod[i.name], zones.get(node_of_pod[i.name], ""), i.ready,
+                         KVLoadReport.from_annotations(dict(i.annotations)))
+        for i in infos if i.live
     ]
-    if router_ready is not None:
-        conditions.append(_condition("RouterReady", router_ready, "RouterAvailable" if router_ready else "RouterNotReady",
-                                     f"the Service {name}-router has {'a' if router_ready else 'no'} Ready router"))
-    previous = {c.get("type"): c for c in (pool.get("status") or {}).get("conditions") or []}
-    generation = pool["metadata"].get("generation")
-    for cond in conditions:
-        before = previous.get(cond["type"], {})
-        cond["lastTransitionTime"] = before.get("lastTransitionTime", now) if before.get("status") == cond["status"] else now
-        cond["observedGeneration"] = generation
-    capacity_bytes = spec.kv_capacity_per_worker_bytes()
-    active_bytes = figures.gpus_in_use * capacity_bytes
-    return {
-        "observedGeneration": generation,
-        "conditions": conditions,
-        "workers": len(live),
-        "readyWorkers": len(ready),
-        "desiredWorkers": desired,
-        "gpusInUse": figures.gpus_in_use,
-        "lowerBoundGpus": figures.lower_bound_gpus,
-        "kvUtilizationPercent": min(100, round(100 * figures.used_bytes / active_bytes)) if active_bytes else 0,
-        "migrationsInFlight": figures.migrations_in_flight,
-        "selector": worker_selector(name),
-    }
+    reported_on: dict[str, list[str]] = {}
+    for worker in workers:
+        for req in worker.report.requests if worker.report else []:
+            reported_on.setdefault(req.id, []).append(worker.pod_name)
+    view = migrations.view(ctx.api.list_migrations(ctx.namespace, ctx.name), ctx.spec, now_s, reported_on)
+    return Observed(now_s, raw_pods, infos, node_of_pod, workers, view)
 
 
-def _waiting_message(pending: list[tuple[str, str]]) -> str:
-    unschedulable = [reason for pod, reason in pending if pod]
-    if not unschedulable:
-        return pending[0][1]
-    return f"{len(unschedulable)} worker pod(s) pending: {unschedulable[0]}"
+def settle_migrations(ctx: PassContext, view: migrations.MigrationView) -> None:
+    """Mark the KVMigrations that ran out of time Failed (the scheduler retries them) and delete expired ones."""
+    for mig_name in view.timed_out:
+        ctx.api.patch_migration_status(ctx.namespace, mig_name, {
+            "phase": "Failed", "completionTime": now_rfc3339(),
+            "message": f"not finished within migration.timeoutSeconds={ctx.spec.migration.timeout_seconds}"})
+        ctx.api.post_event(ctx.pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
+    for mig_name in view.expired:
+        ctx.api.delete_migration(ctx.namespace, mig_name)
+
+
+def scheduler_state(ctx: PassContext, workers: list[epoch.WorkerView]) -> PoolState:
+    """The pool's state, rebuilt from the workers' reports when missing, for another pool of that name,
+    or after any change of policy or of its knobs (capacity, weights)."""
+    key = (ctx.spec.scheduling.policy, scheduler_config(ctx.spec))
+    state = _states.get((ctx.namespace, ctx.name))
+    if state is None or state.uid != ctx.pool["metadata"]["uid"] or state.key != key:
+        state = PoolState(ctx.pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], key[1], workers))
+        _states[(ctx.namespace, ctx.name)] = state
+        ctx.logger.info("scheduler state rebuilt from %d workers", len(workers))
+    return state
+
+
+def run_scheduler(state: PoolState, observed: Observed) -> EpochOutcome:
+    """One epoch of the pool's policy over the reports; the routing table is previewed again when it may have changed."""
+    outcome = state.scheduler.epoch(observed.workers, observed.view.in_flight, observed.now_s)
+    state.epoch += 1
+    if outcome.num_events or outcome.moves or state.routes is None:
+        state.routes = state.scheduler.routes()
+    return outcome
+
+
+def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:
+    """Count each finished KVMigration once (by name) in the migration counters."""
+    for mig_name, obj in finished.items():
+        if mig_name in state.counted_migrations:
+            continue
+        mode = obj["spec"].get("mode", "")
+        result = migrations.phase(obj)
+        metrics.MIGRATIONS_FINISHED.labels(namespace, name, mode, result).inc()
+        if result == "Succeeded":
+            metrics.MIGRATION_BYTES.labels(namespace, name, mode).inc((obj.get("status") or {}).get("bytesMoved", 0))
+    state.counted_migrations = set(finished)
+
+
+def write_migrations(ctx: PassContext, state: PoolState, observed: Observed, outcome: EpochOutcome) -> PlannedMoves:
+    """Create a KVMigration for each move whose target has room now, in the mode the migration planner picks."""
+    reports = {w.pod_name: w.report for w in observed.workers}
+    view = observed.view
+    orders, num_waiting_room = migrations.admit_by_room(outcome.moves, reports, view.in_flight, state.scheduler.sizes)
+    chosen, num_deferred = migrations.choose_modes(ctx.spec, orders, observed.node_of_pod,
+                                                   ctx.spec.scheduling.epoch_seconds, reports)
+    targets = set(view.in_flight.values())
+    for order, mode in chosen:
+        attempt = view.attempts.get(order.request_id, 0) + 1
+        if ctx.api.create_migration(ctx.namespace, migrations.migration_body(ctx.pool, order, mode, attempt, state.epoch)):
+            targets.add(order.target_pod)
+            metrics.MIGRATIONS_PLANNED.labels(ctx.namespace, ctx.name, mode, order.reason).inc()
+            ctx.api.post_event(ctx.pool, "MigrationPlanned",
+                               f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
+    return PlannedMoves(chosen, targets, num_deferred, num_waiting_room)
+
+
+def plan_pods(ctx: PassContext, observed: Observed, outcome: EpochOutcome, planned: PlannedMoves,
+              table: list[dict[str, str]]) -> pods.PodActions:
+    """Which worker pods to create, delete or relabel for the epoch's outcome (kvfleet.operator.pods)."""
+    spec = ctx.spec
+    return pods.plan_pods(
+        observed.infos,
+        unserved_gpu_ids=outcome.unserved_gpu_ids,
+        released_pods=outcome.released_pods,
+        migration_targets=planned.targets,
+        routed={entry["worker"] for entry in table},
+        floor=floor_workers(spec),
+        max_workers=spec.workers.max,
+        scale_down_delay_s=spec.autoscaling.scale_down_delay_seconds,
+        now_s=observed.now_s,
+    )
+
+
+def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Create, delete and relabel worker pods. Returns the worker pods after the writes (read again
+    only when some were created or deleted)."""
+    api, namespace = ctx.api, ctx.namespace
+    for index, gpu_id in actions.create:
+        if api.create(namespace, resources.worker_pod(ctx.pool, ctx.spec, index, gpu_id)):
+            ctx.logger.info("created worker %s for %s", resources.worker_name(ctx.name, index), gpu_id or "the floor")
+    for pod_name in actions.delete:
+        api.delete_pod(namespace, pod_name)
+        ctx.logger.info("deleted worker %s", pod_name)
+    for pod_name, (label_changes, annotation_changes) in actions.metadata.items():
+        api.patch_pod_metadata(namespace, pod_name, label_changes, annotation_changes)
+    if actions.create:
+        api.post_event(ctx.pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
+    if actions.delete:
+        api.post_event(ctx.pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
+    if actions.create or actions.delete:
+        return api.worker_pods(namespace, ctx.name)
+    return raw_pods
+
+
+def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: SchedulingFigures,
+                 table: list[dict[str, str]], router_ready: bool) -> dict[str, Any]:
+    """The pool's status (kvfleet.operator.status.pool_status plus the routing table), written only if it changed."""
+    status = pool_status(ctx.pool, ctx.spec, raw_pods, figures, now_rfc3339(), router_ready=router_ready)
+    status["routingTable"] = table
+    current = ctx.pool.get("status") or {}
+    if any(current.get(k) != v for k, v in status.items()):
+        ctx.api.patch_status(ctx.namespace, ctx.name, status)
+    return status
+
+
+def log_epoch(ctx: PassContext, state: PoolState, outcome: EpochOutcome, planned: PlannedMoves,
+              actions: pods.PodActions) -> None:
+    """One line for an epoch that changed something; a quiet epoch logs nothing."""
+    if outcome.num_events or planned.chosen or actions.create or actions.delete:
+        ctx.logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets, "
+                        "%d for room on them), %d GPUs in use, lower bound %d", state.epoch, outcome.num_events,
+                        len(planned.chosen), planned.num_deferred, outcome.num_deferred_moves, planned.num_waiting_room,
+                        outcome.active_gpus, outcome.lower_bound_gpus)
+
+
+def record_metrics(ctx: PassContext, state: PoolState, status: Mapping[str, Any], outcome: EpochOutcome,
+                   figures: SchedulingFigures, started_s: float) -> None:
+    """The pool's gauges, the epoch's duration, and its writes (kept in `state.last_writes` too)."""
+    labels = (ctx.namespace, ctx.name)
+    metrics.GPUS_DESIRED.labels(*labels).set(status["desiredWorkers"])
+    metrics.GPUS_ACTIVE.labels(*labels).set(outcome.active_gpus)
+    metrics.GPUS_LOWER_BOUND.labels(*labels).set(outcome.lower_bound_gpus)
+    metrics.WORKERS_READY.labels(*labels).set(status["readyWorkers"])
+    metrics.KV_USED.labels(*labels).set(outcome.used_bytes)
+    metrics.KV_UTILIZATION.labels(*labels).set(status["kvUtilizationPercent"] / 100)
+    metrics.MIGRATIONS_IN_FLIGHT.labels(*labels).set(figures.migrations_in_flight)
+    metrics.EPOCH_SECONDS.labels(*labels).observe(time.monotonic() - started_s)
+    state.last_writes = ctx.api.writes()
+    for kind, count in state.last_writes.items():
+        metrics.API_WRITES.labels(*labels, kind).inc(count)

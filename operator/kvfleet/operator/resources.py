@@ -101,12 +101,13 @@ def account_with_role(pool: dict[str, Any], meta: dict[str, Any], rules: list[di
     ]
 
 
-def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str | None = None) -> dict[str, Any]:
-    """One GPU worker: the engine plus the agent, configured through its environment.
+def _field_env(env_name: str, path: str) -> dict[str, Any]:
+    """An environment variable from the pod's own fields (the downward API)."""
+    return {"name": env_name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
-    `gpu_id` binds it to the scheduler GPU it is created for; a floor pod starts unbound.
-    """
-    name = pool["metadata"]["name"]
+
+def _worker_resources(spec: LLMPoolSpec) -> dict[str, dict[str, str]]:
+    """The worker container's requests and limits: the template's, with the pool's GPUs."""
     template = spec.worker_template
     resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
     if template.resources is not None:
@@ -115,14 +116,15 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
     # Extended resources must have request == limit; the pool's gpusPerWorker wins over any override.
     resources["limits"]["nvidia.com/gpu"] = str(spec.gpus_per_worker)
     resources["requests"]["nvidia.com/gpu"] = str(spec.gpus_per_worker)
+    return resources
 
-    def field_env(env_name: str, path: str) -> dict[str, Any]:
-        return {"name": env_name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
+def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
+    """The worker's configuration (kvfleet.worker reads it from its environment), then the template's variables."""
     env: list[dict[str, Any]] = [
-        field_env("POD_NAME", "metadata.name"),
-        field_env("POD_NAMESPACE", "metadata.namespace"),
-        field_env("POD_IP", "status.podIP"),
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
         {"name": "KVFLEET_POOL", "value": name},
         {"name": "KVFLEET_ENGINE", "value": spec.engine},
         {"name": "KVFLEET_MODEL_NAME", "value": spec.model.name},
@@ -134,12 +136,22 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
         {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
     ]
-    env += [{"name": var.name, "value": var.value} for var in template.env]
+    return env + [{"name": var.name, "value": var.value} for var in spec.worker_template.env]
+
+
+def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str | None = None) -> dict[str, Any]:
+    """One GPU worker: the engine plus the agent, configured through its environment.
+
+    `gpu_id` binds it to the scheduler GPU it is created for; a floor pod starts unbound.
+    """
+    name = pool["metadata"]["name"]
+    template = spec.worker_template
+    resources = _worker_resources(spec)
     container: dict[str, Any] = {
         "name": "worker",
         "image": template.image,
         "imagePullPolicy": template.image_pull_policy,
-        "env": env,
+        "env": _worker_env(name, spec),
         "ports": [{"name": "http", "containerPort": WORKER_PORT},
                   {"name": "migration", "containerPort": MIGRATION_PORT}],
         "resources": {k: v for k, v in resources.items() if v},
@@ -271,6 +283,32 @@ def router_image(worker_image: str) -> tuple[str, list[str] | None]:
     return worker_image, ["python", "-m", "kvfleet.router"]
 
 
+def _router_container(name: str, spec: LLMPoolSpec) -> dict[str, Any]:
+    """The router's container: its image and command derived from the worker template's (router_image)."""
+    template = spec.worker_template
+    image, command = router_image(template.image)
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": image,
+        "imagePullPolicy": template.image_pull_policy,
+        "env": [
+            _field_env("POD_NAMESPACE", "metadata.namespace"),
+            _field_env("POD_IP", "status.podIP"),
+            {"name": "KVFLEET_POOL", "value": name},
+            {"name": "KVFLEET_PORT", "value": str(ROUTER_PORT)},
+            # Read workers' /internal/requests (KV bytes per token, capacity) and migrated streams.
+            {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
+        ],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    if command is not None:
+        container["command"] = command
+    return container
+
+
 def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, Any]]:
     """The pool's router: ServiceAccount, Role and RoleBinding, Deployment, and the Service `<pool>-router`.
 
@@ -287,31 +325,7 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
     # (`-l kvfleet.dev/pool=<pool>`: its workers and GPU placeholders) never catches the router.
     selector = {ROUTER_LABEL: name, COMPONENT_LABEL: "router"}
     pod_labels = {**{k: v for k, v in labels.items() if k != POOL_LABEL}, ROUTER_LABEL: name}
-    template = spec.worker_template
-    image, command = router_image(template.image)
-
-    def field_env(env_name: str, path: str) -> dict[str, Any]:
-        return {"name": env_name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-    container: dict[str, Any] = {
-        "name": "router",
-        "image": image,
-        "imagePullPolicy": template.image_pull_policy,
-        "env": [
-            field_env("POD_NAMESPACE", "metadata.namespace"),
-            field_env("POD_IP", "status.podIP"),
-            {"name": "KVFLEET_POOL", "value": name},
-            {"name": "KVFLEET_PORT", "value": str(ROUTER_PORT)},
-            # Read workers' /internal/requests (KV bytes per token, capacity) and migrated streams.
-            {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
-        ],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
-    }
-    if command is not None:
-        container["command"] = command
+    container = _router_container(name, spec)
     pod_spec: dict[str, Any] = {"containers": [container], "serviceAccountName": account,
                                 # Streams in flight get the worker's drain time to finish.
                                 "terminationGracePeriodSeconds": 30}

@@ -1,0 +1,315 @@
+"""The Kubernetes API as a pool's epoch uses it: the `KubeApi` contract and `Kube`, the real client.
+
+An epoch (kvfleet.operator.reconcile) talks to the cluster only through `KubeApi`, a Protocol of the few
+reads and writes it makes, so that anything standing in for the cluster (kvfleet.operator.memory, for
+the unit tests and bench/operator_epochs.py) is checked against the same contract by mypy and cannot
+fall behind the reconcile. `Kube` implements it over the kubernetes client; each call tolerates the
+races a restart or a peer causes (a 409 on create, a 404 on delete), so a pass can be repeated.
+
+Every Kubernetes client call of the operator's own code is here or in leader.py:
+tests/unit/test_chart.py reads them out of these sources to check the chart's RBAC.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from kvfleet.api.models import GROUP, VERSION
+from kvfleet.operator import resources
+
+FIELD_MANAGER = "kvfleet-operator"
+PLURAL = "llmpools"
+
+
+class KubeApi(Protocol):
+    """The reads and writes of one pool's epoch. Objects are dicts shaped as the API serialises them.
+
+    Creates return False when the object exists already; deletes and pod patches of an object that
+    is gone do nothing. Every write is counted for the calling thread (one pool's daemon), by kind
+    (`create_pod`, `patch_llmpool_status`, ...), until `writes` hands the counts over.
+    """
+
+    def writes(self) -> dict[str, int]:
+        """This thread's write counts by kind since the last call (and resets them)."""
+        ...
+
+    def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The LLMPool, or None when it does not exist."""
+        ...
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge `status` into the LLMPool's status subresource."""
+        ...
+
+    def exists(self, namespace: str, kind: str, name: str) -> bool:
+        """Whether an owned object (Secret, ServiceAccount, Role, RoleBinding, Service, PriorityClass) exists."""
+        ...
+
+    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
+        """Create `obj` (a Pod or an owned object) unless it exists. True if created."""
+        ...
+
+    def deployment_replicas(self, namespace: str, name: str) -> int | None:
+        """The replicas of a Deployment, or None when it does not exist."""
+        ...
+
+    def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
+        """The first container's image and the ready replicas of a Deployment, or None when it does not exist."""
+        ...
+
+    def replace_deployment_template(self, namespace: str, body: dict[str, Any]) -> None:
+        """Roll a Deployment to the pod template of `body`."""
+        ...
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None: ...
+
+    def delete_deployment(self, namespace: str, name: str) -> None: ...
+
+    def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        """The pool's worker pods (resources.worker_selector)."""
+        ...
+
+    def delete_pod(self, namespace: str, name: str) -> None: ...
+
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
+                           annotations: Mapping[str, str | None]) -> None:
+        """Set these labels and annotations of a pod (a None value removes the key)."""
+        ...
+
+    def node_zones(self) -> dict[str, str]:
+        """Node name -> zone label, for MELL's distance term and the migration planner's links."""
+        ...
+
+    def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        """The pool's KVMigrations (label resources.POOL_LABEL)."""
+        ...
+
+    def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a KVMigration unless one of that name exists. True if created."""
+        ...
+
+    def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+    def delete_migration(self, namespace: str, name: str) -> None: ...
+
+    def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+        """A Kubernetes Event on the pool, counted as a write of the epoch."""
+        ...
+
+
+def load_config() -> None:
+    """The service account's credentials inside a pod, else the kubeconfig (a developer's machine, the e2e)."""
+    # The kubernetes client's config loaders carry no annotations.
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+
+
+class Kube:
+    """`KubeApi` over the kubernetes client.
+
+    Writes are counted per thread (each pool's daemon is one thread), so an epoch can report its own.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        load_config()
+        self.core = client.CoreV1Api()
+        self.rbac = client.RbacAuthorizationV1Api()
+        self.custom = client.CustomObjectsApi()
+        self.apps = client.AppsV1Api()
+        self.scheduling = client.SchedulingV1Api()
+
+    def writes(self) -> dict[str, int]:
+        counts: dict[str, int] = getattr(self._local, "writes", {})
+        self._local.writes = {}
+        return counts
+
+    def record_write(self, kind: str) -> None:
+        counts: dict[str, int] | None = getattr(self._local, "writes", None)
+        if counts is None:
+            counts = self._local.writes = {}
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            # CustomObjectsApi returns the decoded JSON, which its annotations call `object`.
+            return cast(dict[str, Any], self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        listing = self.core.list_namespaced_pod(namespace, label_selector=resources.worker_selector(pool_name))
+        api_client = client.ApiClient()
+        # The pods as the API serialises them (camelCase dicts), like every other object here;
+        # sanitize_for_serialization carries no annotations.
+        return [api_client.sanitize_for_serialization(p) for p in listing.items]  # type: ignore[no-untyped-call]
+
+    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
+        kind = obj["kind"]
+        creates: dict[str, Callable[..., object]] = {
+            "Pod": self.core.create_namespaced_pod,
+            "Secret": self.core.create_namespaced_secret,
+            "ServiceAccount": self.core.create_namespaced_service_account,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Deployment": self.apps.create_namespaced_deployment,
+            "Service": self.core.create_namespaced_service,
+            "PriorityClass": lambda _namespace, body, **kw: self.scheduling.create_priority_class(body, **kw),
+        }
+        create = creates[kind]
+        try:
+            self.record_write(f"create_{kind.lower()}")
+            # A dict body goes to the API server as it is; the client's annotations ask for its models.
+            create(namespace, obj, field_manager=FIELD_MANAGER)
+            return True
+        except ApiException as err:
+            if err.status == 409:  # a previous pass or operator made it
+                return False
+            raise
+
+    def exists(self, namespace: str, kind: str, name: str) -> bool:
+        reads: dict[str, Callable[[str, str], object]] = {
+            "Secret": self.core.read_namespaced_secret,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "Service": self.core.read_namespaced_service,
+            "PriorityClass": lambda name, _namespace: self.scheduling.read_priority_class(name),
+        }
+        read = reads[kind]
+        try:
+            read(name, namespace)
+            return True
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+
+    def deployment_replicas(self, namespace: str, name: str) -> int | None:
+        try:
+            deployment = self.apps.read_namespaced_deployment(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        # The API server always returns a Deployment's spec (a missing replicas field reads as 0).
+        assert deployment.spec is not None
+        return int(deployment.spec.replicas or 0)
+
+    def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
+        try:
+            deployment = self.apps.read_namespaced_deployment(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        # The API server always returns a Deployment's spec with its pod template's spec, and a status.
+        assert deployment.spec is not None and deployment.spec.template.spec is not None and deployment.status is not None
+        return str(deployment.spec.template.spec.containers[0].image), int(deployment.status.ready_replicas or 0)
+
+    def replace_deployment_template(self, namespace: str, body: dict[str, Any]) -> None:
+        """A merge patch of the Deployment's spec.template with `body`'s."""
+        self.record_write("patch_deployment")
+        self.apps.patch_namespaced_deployment(body["metadata"]["name"], namespace, {"spec": {"template": body["spec"]["template"]}},
+                                              field_manager=FIELD_MANAGER)
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        self.record_write("patch_deployment")
+        self.apps.patch_namespaced_deployment(name, namespace, {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER)
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        self.record_write("delete_deployment")
+        try:
+            self.apps.delete_namespaced_deployment(name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.record_write("delete_pod")
+        try:
+            self.core.delete_namespaced_pod(name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def node_zones(self) -> dict[str, str]:
+        zone_label = "topology.kubernetes.io/zone"
+        # The API server always returns a node's metadata and name.
+        return {str(n.metadata.name): (n.metadata.labels or {}).get(zone_label, "")
+                for n in self.core.list_node().items if n.metadata is not None}
+
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
+                           annotations: Mapping[str, str | None]) -> None:
+        body: dict[str, Any] = {"metadata": {}}
+        if labels:
+            body["metadata"]["labels"] = dict(labels)
+        if annotations:
+            body["metadata"]["annotations"] = dict(annotations)
+        self.record_write("patch_pod")
+        try:
+            self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, "kvmigrations", label_selector=f"{resources.POOL_LABEL}={pool_name}"))
+        return list(listing.get("items", []))
+
+    def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
+        self.record_write("create_kvmigration")
+        try:
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", body,
+                                                        field_manager=FIELD_MANAGER)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.record_write("patch_kvmigration_status")
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "kvmigrations", name,
+                                                          {"status": status}, field_manager=FIELD_MANAGER)
+
+    def delete_migration(self, namespace: str, name: str) -> None:
+        self.record_write("delete_kvmigration")
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+        """Posted by kopf (its event queue), so it needs kopf's context: call it from a handler's thread."""
+        self.record_write("event")
+        (kopf.warn if warning else kopf.info)(kopf.Body(cast(kopf.RawBody, pool)), reason=reason, message=message)
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.record_write("patch_llmpool_status")
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, field_manager=FIELD_MANAGER
+        )
+
+
+_kube: Kube | None = None
+
+
+def kube() -> Kube:
+    """The process's one client, made on first use (after kopf's startup, not at import)."""
+    global _kube
+    if _kube is None:
+        _kube = Kube()
+    return _kube

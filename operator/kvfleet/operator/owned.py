@@ -1,0 +1,69 @@
+"""The objects a pool owns besides its worker pods, kept in place at the start of every epoch.
+
+The pool's token Secret and the workers' RBAC (which every worker needs before it starts), the
+headroom placeholders and the router. Each is built by kvfleet.operator.resources and written only
+when it is missing or, for the two Deployments, when the pool's spec says otherwise; what a person
+tunes on them is left alone.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from kvfleet.api.models import LLMPoolSpec
+from kvfleet.operator import resources
+from kvfleet.operator.kube import KubeApi
+
+
+def reconcile_owned(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> bool:
+    """Create what is missing of the pool's owned objects; True when a router replica is Ready."""
+    reconcile_worker_prerequisites(api, namespace, pool)
+    reconcile_headroom(api, namespace, pool, spec)
+    return reconcile_router(api, namespace, pool, spec)
+
+
+def reconcile_worker_prerequisites(api: KubeApi, namespace: str, pool: dict[str, Any]) -> None:
+    """The pool token (a fresh random one, once) and the workers' ServiceAccount, Role and RoleBinding."""
+    secret_name = resources.token_secret_name(pool["metadata"]["name"])
+    if not api.exists(namespace, "Secret", secret_name):
+        api.create(namespace, resources.token_secret(pool, secrets.token_hex(32)))
+    for obj in resources.worker_rbac(pool):
+        if not api.exists(namespace, obj["kind"], obj["metadata"]["name"]):
+            api.create(namespace, obj)
+
+
+def reconcile_headroom(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> None:
+    """Keep `autoscaling.headroomWorkers` headroom pods (see resources.headroom_deployment)."""
+    name = resources.headroom_name(pool["metadata"]["name"])
+    want = spec.autoscaling.headroom_workers
+    have = api.deployment_replicas(namespace, name)
+    if want and have is None:
+        if not api.exists(namespace, "PriorityClass", resources.HEADROOM_PRIORITY_CLASS):
+            api.create(namespace, resources.headroom_priority_class())
+        api.create(namespace, resources.headroom_deployment(pool, spec))
+    elif want and have != want:
+        api.scale_deployment(namespace, name, want)
+    elif not want and have is not None:
+        api.delete_deployment(namespace, name)
+
+
+def reconcile_router(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> bool:
+    """Keep the pool's router (resources.router_objects); True when a router replica is Ready.
+
+    Created when missing; the Deployment is rolled when the image derived from the worker template
+    changes (a new release), and otherwise left alone, so a person may tune it.
+    """
+    ready = False
+    for obj in resources.router_objects(pool, spec):
+        kind, obj_name = obj["kind"], obj["metadata"]["name"]
+        if kind == "Deployment":
+            observed = api.deployment_image_and_ready(namespace, obj_name)
+            if observed is None:
+                api.create(namespace, obj)
+            elif observed[0] != obj["spec"]["template"]["spec"]["containers"][0]["image"]:
+                api.replace_deployment_template(namespace, obj)
+            ready = observed is not None and observed[1] > 0
+        elif not api.exists(namespace, kind, obj_name):
+            api.create(namespace, obj)
+    return ready

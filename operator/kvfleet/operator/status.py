@@ -1,0 +1,123 @@
+"""What a pool's status says, and the readings of worker pods it rests on.
+
+`pool_status` turns (pool, spec, observed pods, the last epoch's figures, now) into the status
+subresource: counts, conditions with reasons, the selector for `/scale`. `is_live`, `is_ready` and
+`unschedulable_reason` read a pod's state, `floor_workers` is the pool's floor (workers.min raised by
+`kubectl scale`). Which pods to create, bind or delete is `kvfleet.operator.pods`. Pure functions, so
+every branch is unit-tested without a cluster; `kvfleet.operator.reconcile` does the reads and writes around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.api.models import LLMPoolSpec
+from kvfleet.operator.resources import worker_selector
+
+
+def is_live(pod: dict[str, Any]) -> bool:
+    """A pod that counts as a worker: not being deleted and not finished."""
+    return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+
+
+def pod_condition(pod: dict[str, Any], type_: str) -> dict[str, Any]:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return {}
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return is_live(pod) and pod_condition(pod, "Ready").get("status") == "True"
+
+
+def unschedulable_reason(pod: dict[str, Any]) -> str:
+    """The scheduler's message for a pod it could not place, or "" when it is placed or not yet tried."""
+    cond = pod_condition(pod, "PodScheduled")
+    if cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        return str(cond.get("message", "no node fits"))
+    return ""
+
+
+def floor_workers(spec: LLMPoolSpec) -> int:
+    """Workers kept even when idle: workers.min, raised by `kubectl scale` (spec.replicas), capped by max."""
+    return min(spec.workers.max, max(spec.workers.min, spec.replicas or 0))
+
+
+@dataclass(frozen=True)
+class SchedulingFigures:
+    """What the last epoch decided, for the status."""
+
+    gpus_in_use: int = 0
+    lower_bound_gpus: int = 0
+    used_bytes: int = 0
+    migrations_in_flight: int = 0
+    waiting_for_max: int = 0
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], figures: SchedulingFigures,
+                now: str, router_ready: bool | None = None) -> dict[str, Any]:
+    """The status subresource: counts, conditions with reasons, the selector for `/scale`."""
+    name = pool["metadata"]["name"]
+    live = [p for p in pods if is_live(p)]
+    ready = [p for p in live if is_ready(p)]
+    desired = min(spec.workers.max, max(floor_workers(spec), figures.gpus_in_use))
+    pending = [(p["metadata"]["name"], reason) for p in live if (reason := unschedulable_reason(p))]
+    if figures.waiting_for_max:
+        pending.append(("", f"{figures.waiting_for_max} more GPU(s) needed but workers.max={spec.workers.max} is reached"))
+    crashing = sorted(
+        p["metadata"]["name"]
+        for p in pods
+        if p.get("status", {}).get("phase") == "Failed"
+        or any((s.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff"
+               for s in p.get("status", {}).get("containerStatuses") or [])
+    )
+    all_ready = len(ready) >= desired
+    conditions = [
+        _condition("Ready", all_ready, ("WorkersReady" if desired else "ScaledToZero") if all_ready else "WorkersNotReady",
+                   f"{len(ready)}/{desired} workers ready"),
+        _condition("Progressing", len(live) != desired or len(ready) < len(live),
+                   "ScalingUp" if len(live) < desired else "ScalingDown" if len(live) > desired
+                   else "WaitingForWorkers" if len(ready) < len(live) else "Stable",
+                   f"{len(live)} workers, {desired} desired, {len(ready)} ready"),
+        _condition("Degraded", bool(crashing), "WorkersCrashing" if crashing else "AsExpected",
+                   f"crashing or failed: {', '.join(crashing)}" if crashing else "no worker is failing"),
+        _condition("WaitingForCapacity", bool(pending),
+                   ("MaxWorkersReached" if figures.waiting_for_max else "WorkersUnschedulable") if pending else "CapacityAvailable",
+                   _waiting_message(pending) if pending else "every worker pod is scheduled"),
+    ]
+    if router_ready is not None:
+        conditions.append(_condition("RouterReady", router_ready, "RouterAvailable" if router_ready else "RouterNotReady",
+                                     f"the Service {name}-router has {'a' if router_ready else 'no'} Ready router"))
+    previous = {c.get("type"): c for c in (pool.get("status") or {}).get("conditions") or []}
+    generation = pool["metadata"].get("generation")
+    for cond in conditions:
+        before = previous.get(cond["type"], {})
+        cond["lastTransitionTime"] = before.get("lastTransitionTime", now) if before.get("status") == cond["status"] else now
+        cond["observedGeneration"] = generation
+    capacity_bytes = spec.kv_capacity_per_worker_bytes()
+    active_bytes = figures.gpus_in_use * capacity_bytes
+    return {
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "workers": len(live),
+        "readyWorkers": len(ready),
+        "desiredWorkers": desired,
+        "gpusInUse": figures.gpus_in_use,
+        "lowerBoundGpus": figures.lower_bound_gpus,
+        "kvUtilizationPercent": min(100, round(100 * figures.used_bytes / active_bytes)) if active_bytes else 0,
+        "migrationsInFlight": figures.migrations_in_flight,
+        "selector": worker_selector(name),
+    }
+
+
+def _waiting_message(pending: list[tuple[str, str]]) -> str:
+    unschedulable = [reason for pod, reason in pending if pod]
+    if not unschedulable:
+        return pending[0][1]
+    return f"{len(unschedulable)} worker pod(s) pending: {unschedulable[0]}"
