@@ -24,17 +24,23 @@ $(VLLM_STAMP): $(STAMP) scripts/install-vllm.sh worker-image/requirements-vllm.t
 
 vllm: $(VLLM_STAMP)
 
+# The local cluster (kvfleet.localcluster) that the demo and the e2e tests run on.
+CONTROLPLANE_BUILD := operator/kvfleet/localcluster/build-controlplane.sh
+
 controlplane:
-	bash e2e/build-controlplane.sh
+	bash $(CONTROLPLANE_BUILD)
 
 # The demo runs no helm, so it does not build it.
 controlplane-demo:
-	bash e2e/build-controlplane.sh --without-helm
+	bash $(CONTROLPLANE_BUILD) --without-helm
+
+# Every package of the distribution, --strict (pyproject.toml says where and why Triton's kernels bend it).
+TYPED_PACKAGES := mell sim api operator serving worker router kernels localcluster demo
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy --strict -p kvfleet.mell -p kvfleet.sim -p kvfleet.api -p kvfleet.worker -p kvfleet.router
+	$(VENV)/bin/mypy --strict $(foreach p,$(TYPED_PACKAGES),-p kvfleet.$(p)) -m kvfleet.cli
 
 crds: venv
 	$(VENV)/bin/kvfleet crds
@@ -57,7 +63,7 @@ test:
 
 demo:
 	$(MAKE) --no-print-directory -j2 venv controlplane-demo
-	PYTHONPATH=e2e $(PY) -m kvfleet_e2e.demo
+	$(PY) -m kvfleet.demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

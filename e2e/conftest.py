@@ -1,4 +1,4 @@
-"""Fixtures for tests against the real local control plane (see kvfleet_e2e.cluster).
+"""Fixtures for tests against the real local control plane (kvfleet.localcluster).
 
 One cluster per test session (starting it costs ~10 s); each test gets a fresh namespace.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_e2e.cluster import Cluster, local_cluster
+from kvfleet.localcluster.cluster import Cluster, local_cluster
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -26,7 +26,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     keep = os.environ.get("KVFLEET_KEEP_CLUSTER_DIR") == "1"
     work_dir = tmp_path_factory.mktemp("cluster") if keep else None
-    with local_cluster(num_nodes=3, gpus_per_node=2, num_zones=2, work_dir=work_dir) as running:
+    # e2e/ on the node agent's path: the scripted stand-in worker image runs kvfleet_e2e.scripted_worker.
+    with local_cluster(num_nodes=3, gpus_per_node=2, num_zones=2, work_dir=work_dir,
+                       extra_python_path=[Path(__file__).parent]) as running:
         yield running
 
 

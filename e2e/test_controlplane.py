@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvfleet_e2e.cluster import wait_for
+from kvfleet.localcluster.cluster import wait_for
 
 E2E = Path(__file__).parent
 
@@ -37,7 +37,7 @@ def running(pid: int) -> bool:
 
 def test_killing_the_launcher_leaves_no_orphans() -> None:
     env = {**os.environ, "PYTHONPATH": str(E2E)}
-    launcher = subprocess.Popen([sys.executable, "-m", "kvfleet_e2e.controlplane"], stdout=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen([sys.executable, "-m", "kvfleet.localcluster.controlplane"], stdout=subprocess.PIPE, text=True, env=env)
     line = ""
     try:
         line = launcher.stdout.readline() if launcher.stdout else ""

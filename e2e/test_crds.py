@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_e2e.cluster import Cluster
+from kvfleet.localcluster.cluster import Cluster
+from kvfleet.localcluster.controlplane import VERSIONS_FILE
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "llmpool.yaml").read_text())
 
@@ -36,7 +37,7 @@ def minimal_pool(name: str = "pool") -> dict[str, Any]:
 def test_api_server_reports_pinned_version(cluster: Cluster) -> None:
     versions = dict(
         line.split("=", 1)
-        for line in (Path(__file__).parent / "versions.env").read_text().splitlines()
+        for line in VERSIONS_FILE.read_text().splitlines()
         if "=" in line and not line.startswith("#")
     )
     assert json.loads(cluster.plane.get("/version"))["gitVersion"] == versions["KUBERNETES_VERSION"]

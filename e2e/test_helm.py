@@ -1,7 +1,7 @@
 """The Helm chart on the real control plane: lint, template, install, upgrade, uninstall, and its RBAC.
 
 The operator runs as the chart's Deployment: the node agent runs its pod from the kvfleet/operator
-image's entrypoint in e2e/images.yaml, with a token of the chart's ServiceAccount, so every request the
+image's entrypoint in operator/kvfleet/localcluster/images.yaml, with a token of the chart's ServiceAccount, so every request the
 operator sends is authorized by the chart's RBAC and nothing else. It reconciles examples/llmpool.yaml
 with the scripted worker, as e2e/test_operator.py's example test does.
 
@@ -31,12 +31,12 @@ import pytest
 import yaml
 from kubernetes import client, config
 
+from kvfleet.localcluster.cluster import CRDS_DIR, Cluster, wait_for
+from kvfleet.localcluster.controlplane import REPO_ROOT
+from kvfleet.localcluster.images import image_name, load_images
 from kvfleet.operator import resources
 from kvfleet.operator.leader import LeaderElector
-from kvfleet_e2e.cluster import CRDS_DIR, Cluster, wait_for
-from kvfleet_e2e.controlplane import REPO_ROOT
 from kvfleet_e2e.helm import CHART_DIR, CLUSTER_WIDE, MODES, NAMESPACED, WITHHELD_CALLS, Call, Helm, all_calls
-from kvfleet_e2e.nodeagent import image_name, load_images
 
 EXAMPLE = REPO_ROOT / "examples" / "llmpool.yaml"
 FULL_VALUES = CHART_DIR / "ci" / "full-values.yaml"
@@ -89,7 +89,7 @@ def test_template_with_default_values(offline_helm: Helm) -> None:
     (container,) = pod["containers"]
     chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
     assert container["image"] == f"kvfleet/operator:{chart['appVersion']}"
-    # No command: the image's entrypoint runs, the one e2e/images.yaml names (and the node agent runs).
+    # No command: the image's entrypoint runs, the one operator/kvfleet/localcluster/images.yaml names (and the node agent runs).
     assert "command" not in container
     assert image_name(container["image"]) == "kvfleet/operator"
     assert load_images()["kvfleet/operator"]["entrypoint"] == ["python", "-m", "kvfleet.operator"]

@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
+from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
+from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import SamplingParams
 from kvfleet.worker.model.tiny import make_tiny
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
-from kvfleet_e2e.controlplane import Process, stop_process
 
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"

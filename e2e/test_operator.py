@@ -23,9 +23,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.api.reports import size_class_name
-from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
-from kvfleet_e2e.cluster import scripted_pool as pool
-from kvfleet_e2e.controlplane import Process, free_port, stop_process
+from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
+from kvfleet.localcluster.controlplane import Process, free_port, stop_process
+from kvfleet_e2e.pools import scripted_pool as pool
 
 
 class OperatorHandle:

@@ -13,7 +13,7 @@ import textwrap
 import urllib.request
 from typing import Any
 
-from kvfleet_e2e.cluster import Cluster, wait_for
+from kvfleet.localcluster.cluster import Cluster, wait_for
 
 # A pod process that proves its identity (the ServiceAccount token works), serves HTTP on its pod IP
 # for the readiness probe, and says goodbye on SIGTERM.

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from kvfleet.api.reports import KVLoadReport
+from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
+from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
 from kvfleet.worker.model.tiny import make_tiny
-from kvfleet_e2e.cluster import Cluster, start_operator, wait_for
-from kvfleet_e2e.controlplane import Process, stop_process
 
 
 @pytest.fixture(scope="module")

@@ -1,1 +1,2 @@
-"""The e2e harness: a real local Kubernetes control plane, a process-running node agent, the demo."""
+"""What only the e2e tests need beside the local cluster (kvfleet.localcluster): the scripted stand-in
+worker, pools of it, and the chart's RBAC call list with a helm driver."""

@@ -1,11 +1,11 @@
 """helm for the e2e, and the list of API calls the operator makes, which the chart's RBAC must allow.
 
-helm is the binary e2e/build-controlplane.sh builds from its Go module (pinned in e2e/versions.env),
+helm is the binary the local cluster's build-controlplane.sh builds from its Go module (pinned in its versions.env),
 run with a throwaway HELM_*_HOME so no user configuration or chart repository is read and nothing
 goes to the network.
 
 OPERATOR_CALLS is the operator's side of the RBAC contract: every request it sends, with the code
-that sends it. Those of kvfleet's own code (handlers.Kube, leader.LeaderElector) are checked against
+that sends it. Those of kvfleet's own code (kube.Kube, leader.LeaderElector) are checked against
 the code by tests/unit/test_chart.py, which reads every Kubernetes client call out of the sources;
 kopf's own requests are listed from kopf's source (watching, finalizers, events, its CRD and
 namespace observers). e2e/test_helm.py checks on the real API server that the chart's ServiceAccount
@@ -23,11 +23,9 @@ from typing import Any
 
 import yaml
 
-from kvfleet_e2e.controlplane import REPO_ROOT, cache_dir
+from kvfleet.localcluster.controlplane import BUILD_SCRIPT, REPO_ROOT, VERSIONS_FILE, cache_dir
 
 CHART_DIR = REPO_ROOT / "charts" / "kvfleet"
-VERSIONS_FILE = REPO_ROOT / "e2e" / "versions.env"
-BUILD_SCRIPT = REPO_ROOT / "e2e" / "build-controlplane.sh"
 
 CLUSTER_WIDE = "cluster-wide"
 NAMESPACED = "namespaced"
@@ -35,7 +33,7 @@ MODES = (CLUSTER_WIDE, NAMESPACED)
 
 
 def pinned(name: str) -> str:
-    """A version pinned in e2e/versions.env."""
+    """A version pinned in the local cluster's versions.env."""
     for line in VERSIONS_FILE.read_text().splitlines():
         key, sep, value = line.partition("=")
         if sep and key.strip() == name:
@@ -111,7 +109,7 @@ class Call:
 
 KV = "kvfleet.dev"
 OPERATOR_CALLS: tuple[Call, ...] = (
-    # kvfleet's own code (operator/kvfleet/operator/handlers.py Kube, leader.py LeaderElector)
+    # kvfleet's own code (operator/kvfleet/operator/kube.py Kube, leader.py LeaderElector)
     Call("get", "llmpools", KV, "pool", "Kube.get_pool"),
     Call("patch", "llmpools/status", KV, "pool", "Kube.patch_status"),
     Call("list", "kvmigrations", KV, "pool", "Kube.list_migrations"),

@@ -1,4 +1,4 @@
-"""The Dockerfiles against e2e/images.yaml, the one place that says what each image runs.
+"""The Dockerfiles against operator/kvfleet/localcluster/images.yaml, the one place that says what each image runs.
 
 No Docker engine exists on the machines the tests run on, so the images are never built here. What
 the e2e runs is what an image would run as long as the Dockerfile's final ENTRYPOINT and CMD are
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGES = yaml.safe_load((ROOT / "e2e" / "images.yaml").read_text())
+IMAGES = yaml.safe_load((ROOT / "operator" / "kvfleet" / "localcluster" / "images.yaml").read_text())
 
 # Each images.yaml entry is built by a Dockerfile, or says here why not.
 BUILT = {"kvfleet/operator": ROOT / "operator" / "Dockerfile", "kvfleet/worker": ROOT / "worker-image" / "Dockerfile",
@@ -102,7 +102,7 @@ DOCKERFILES = {image: parse(path) for image, path in BUILT.items()}
 
 def test_every_image_is_built_by_a_dockerfile_or_says_why_not() -> None:
     assert set(IMAGES) == set(BUILT) | set(NOT_BUILT), (
-        f"e2e/images.yaml and this test disagree on {sorted(set(IMAGES) ^ (set(BUILT) | set(NOT_BUILT)))}")
+        f"operator/kvfleet/localcluster/images.yaml and this test disagree on {sorted(set(IMAGES) ^ (set(BUILT) | set(NOT_BUILT)))}")
 
 
 def image_stage(image: str) -> Stage:
@@ -123,7 +123,7 @@ def test_entrypoint_and_cmd_are_the_images_yaml_entry(image: str) -> None:
         text = final.last(keyword)
         assert text.startswith("["), f"{BUILT[image]}: {keyword} must be exec form (JSON), got {text!r}"
         assert json.loads(text) == wanted[key], (
-            f"{BUILT[image]} {keyword} {text} differs from e2e/images.yaml's {image}.{key} {wanted[key]}; "
+            f"{BUILT[image]} {keyword} {text} differs from operator/kvfleet/localcluster/images.yaml's {image}.{key} {wanted[key]}; "
             f"the line should read: {keyword} {json.dumps(wanted[key])}")
     # `python -m <module>`: the module has a __main__ and `python` is the venv's, first on PATH.
     entry = wanted["entrypoint"]

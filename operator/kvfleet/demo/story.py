@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfleet.localcluster.cluster import Cluster, local_cluster, start_operator, wait_for
+from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process
 from kvfleet.sim.traces import TraceRequest, read_csv, slice_trace
 from kvfleet.worker.model.tiny import make_tiny
-from kvfleet_e2e.cluster import Cluster, local_cluster, start_operator, wait_for
-from kvfleet_e2e.controlplane import REPO_ROOT, stop_process
 
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 POOL = "demo"

@@ -1,6 +1,7 @@
 """A whole local cluster: the control plane, the node agent with fake GPU nodes, and kvfleet's CRDs.
 
-This is what e2e tests and `make demo` share, so that what the demo shows is what the tests check.
+This is what the e2e tests and `make demo` (kvfleet.demo) share, so that what the demo shows is what
+the tests check.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvfleet_e2e.controlplane import REPO_ROOT, ControlPlane, Process, free_port, start_process, stop_process
+from kvfleet.localcluster.controlplane import REPO_ROOT, ControlPlane, Process, free_port, start_process, stop_process
 
 CRDS_DIR = REPO_ROOT / "crds"
 T = TypeVar("T")
@@ -100,21 +101,6 @@ class Cluster:
         self.plane.stop()
 
 
-def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
-    """An LLMPool whose workers are the scripted stand-in (kvfleet_e2e.scripted_worker); `spec` overrides."""
-    body: dict[str, Any] = {
-        "model": {"name": "tiny", "path": "/models/tiny"},
-        "engine": "builtin",
-        "capacity": {"kvCapacityPerWorker": "1Gi"},
-        "workers": {"min": 2, "max": 3},
-        "scheduling": {"epochSeconds": 1},
-        "autoscaling": {"scaleDownDelaySeconds": 1},
-        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
-    }
-    body.update(spec)
-    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
-
-
 def start_operator(cluster: Cluster, name: str = "operator", metrics_port: int | None = None,
                    lease_duration_s: float = 2.0) -> Process:
     """The operator as a local process with the admin kubeconfig; a short lease so a killed leader is
@@ -131,17 +117,21 @@ def start_operator(cluster: Cluster, name: str = "operator", metrics_port: int |
 
 @contextlib.contextmanager
 def local_cluster(num_nodes: int = 3, gpus_per_node: int = 2, num_zones: int = 2,
-                  work_dir: Path | None = None) -> Iterator[Cluster]:
-    """Start everything, yield the cluster, and tear it all down whatever happens."""
+                  work_dir: Path | None = None, extra_python_path: Sequence[Path] = ()) -> Iterator[Cluster]:
+    """Start everything, yield the cluster, and tear it all down whatever happens.
+
+    `extra_python_path` goes before the node agent's PYTHONPATH, so images whose module lives outside
+    the installed package resolve (the tests' scripted worker, from e2e/).
+    """
     plane = ControlPlane.start(work_dir)
     agent = None
     try:
         agent = start_process(
             "node-agent",
-            [sys.executable, "-m", "kvfleet_e2e.nodeagent", f"--kubeconfig={plane.kubeconfig}", f"--nodes={num_nodes}",
+            [sys.executable, "-m", "kvfleet.localcluster.nodeagent", f"--kubeconfig={plane.kubeconfig}", f"--nodes={num_nodes}",
              f"--gpus-per-node={gpus_per_node}", f"--zones={num_zones}", f"--work-dir={plane.work_dir / 'agent'}"],
             plane.work_dir / "logs",
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "e2e"), os.environ.get("PYTHONPATH", "")]))},
+            env={"PYTHONPATH": os.pathsep.join(filter(None, [*map(str, extra_python_path), os.environ.get("PYTHONPATH", "")]))},
         )
         cluster = Cluster(plane, agent, num_nodes, gpus_per_node)
         cluster.wait_nodes()

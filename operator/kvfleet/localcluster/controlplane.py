@@ -2,7 +2,7 @@
 
 Tests and `make demo` need the real API server (CRD schemas, CEL, subresources), the real scheduler
 (extended resources, Pending reasons) and the real garbage collector, not a mock. The binaries come
-from e2e/build-controlplane.sh; this module makes the PKI, picks free ports, starts the processes,
+from build-controlplane.sh (beside this module); this module makes the PKI, picks free ports, starts the processes,
 waits for `/readyz`, writes a kubeconfig, and tears everything down. Every child runs in its own
 process group with PR_SET_PDEATHSIG, so even a killed test run leaves no orphan behind.
 """
@@ -35,7 +35,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+# The checkout this runs from (operator/kvfleet/localcluster/../../..): the cache and the CRDs live there.
+REPO_ROOT = HERE.parents[2]
+BUILD_SCRIPT = HERE / "build-controlplane.sh"
+VERSIONS_FILE = HERE / "versions.env"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/24"
 _PR_SET_PDEATHSIG = 1
 
@@ -49,7 +53,7 @@ def binaries_dir() -> Path:
     current = cache_dir() / "bin" / "current"
     needed = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
     if not all((current / b).exists() for b in needed):
-        subprocess.run(["bash", str(REPO_ROOT / "e2e" / "build-controlplane.sh")], check=True)
+        subprocess.run(["bash", str(BUILD_SCRIPT)], check=True)
     return current.resolve()
 
 
@@ -310,8 +314,16 @@ class ControlPlane:
         return plane
 
     def _start_all(self) -> None:
+        """etcd, then the API server on it; the scheduler and the controller manager once it is ready."""
         logs = self.work_dir / "logs"
         logs.mkdir(exist_ok=True)
+        etcd_port = self._start_etcd(logs)
+        self._start_apiserver(logs, etcd_port)
+        self._wait_ready()
+        self._start_scheduler(logs)
+        self._start_controller_manager(logs)
+
+    def _start_etcd(self, logs: Path) -> int:
         etcd_port, etcd_peer_port = free_port(), free_port()
         self.processes.append(
             start_process(
@@ -331,6 +343,9 @@ class ControlPlane:
             )
         )
         self._wait_http(f"http://127.0.0.1:{etcd_port}/health", "etcd", timeout_s=60)
+        return etcd_port
+
+    def _start_apiserver(self, logs: Path, etcd_port: int) -> None:
         pki = self.pki
         self.processes.append(
             start_process(
@@ -358,7 +373,8 @@ class ControlPlane:
                 logs,
             )
         )
-        self._wait_ready()
+
+    def _start_scheduler(self, logs: Path) -> None:
         scheduler_cfg = self.work_dir / "scheduler.yaml"
         scheduler_cfg.write_text(
             "apiVersion: kubescheduler.config.k8s.io/v1\n"
@@ -381,6 +397,9 @@ class ControlPlane:
                 logs,
             )
         )
+
+    def _start_controller_manager(self, logs: Path) -> None:
+        pki = self.pki
         self.processes.append(
             start_process(
                 "kube-controller-manager",
@@ -464,7 +483,7 @@ class ControlPlane:
 
 
 def main() -> int:
-    """`python -m kvfleet_e2e.controlplane`: run a control plane until interrupted (for poking at it)."""
+    """`python -m kvfleet.localcluster.controlplane`: run a control plane until interrupted (for poking at it)."""
     logging.basicConfig(level=logging.INFO)
     with ControlPlane.running() as plane:
         print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)

@@ -1,153 +1,50 @@
 """A "process kubelet": fake GPU nodes whose pods run as local processes.
 
 There is no container runtime on these machines, yet the operator's behaviour only counts when real
-pods are scheduled, become ready, exit, get deleted and garbage-collected. This agent registers N
-nodes with `nvidia.com/gpu` capacity and zone labels, keeps their leases fresh, and runs every pod the
-real scheduler binds to them whose image is one of the project's (e2e/images.yaml) as a process:
-the container's command, args and env, a service-account token from the TokenRequest API (handed to
-the process as a kubeconfig in $KUBECONFIG), and a loopback address of its own as the pod IP
-(127.B.x.y, so every pod can listen on its declared ports; B is drawn per agent so that clusters
-running side by side on one machine, as parallel test runs do, do not hand out the same address). Readiness and liveness probes, restart
-policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace period, then the final
-delete a kubelet makes) are reflected in the pod status. Pods with other images stay Pending with a
-Warning event that says why.
+pods are scheduled, become ready, exit, get deleted and garbage-collected. This agent plays N nodes
+with `nvidia.com/gpu` capacity and zone labels (nodes.py) and runs every pod the real scheduler binds
+to them whose image is one of the project's (images.py) as a process: the container's command, args
+and env, with a service-account token from the TokenRequest API handed over as a kubeconfig in
+$KUBECONFIG (podenv.py), and a loopback address of its own as the pod IP (127.B.x.y, so every pod can
+listen on its declared ports; B is drawn per agent so that clusters running side by side on one
+machine, as parallel test runs do, do not hand out the same address). Readiness and liveness probes
+(probes.py), restart policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace
+period, then the final delete a kubelet makes) are reflected in the pod status. Pods with other
+images stay Pending with a Warning event that says why.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import concurrent.futures
 import contextlib
-import datetime as dt
-import http.client
 import logging
 import os
 import queue
 import random
-import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client, config, watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
-from kvfleet_e2e.controlplane import die_with_parent, kubeconfig_text
+from kvfleet.localcluster.controlplane import die_with_parent
+from kvfleet.localcluster.images import container_argv, image_name, load_images
+from kvfleet.localcluster.nodes import FakeGpuNodes
+from kvfleet.localcluster.podenv import PodEnvironment
+from kvfleet.localcluster.probes import Prober
+from kvfleet.localcluster.records import AGENT, ContainerRuntime, PodRuntime, Probe, as_body, now_rfc3339
 
-log = logging.getLogger("kvfleet.nodeagent")
+log = logging.getLogger(__name__)
 
-IMAGES_FILE = Path(__file__).resolve().parents[1] / "images.yaml"
-AGENT = "kvfleet-node-agent"
 TICK_S = 0.25
 MAX_BACKOFF_S = 20.0
-
-
-def now_rfc3339() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def image_name(image: str) -> str:
-    """`registry/kvfleet/worker:tag@sha` -> `kvfleet/worker` (the key of images.yaml)."""
-    name = image.split("@", 1)[0]
-    last = name.rsplit("/", 1)[-1]
-    if ":" in last:
-        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
-    parts = name.split("/")
-    return "/".join(parts[-2:]) if len(parts) >= 2 else name
-
-
-def load_images(path: Path = IMAGES_FILE) -> dict[str, dict[str, list[str]]]:
-    data = yaml.safe_load(path.read_text())
-    return {name: {"entrypoint": list(v.get("entrypoint") or []), "cmd": list(v.get("cmd") or [])} for name, v in data.items()}
-
-
-def container_argv(container: dict[str, Any], images: dict[str, dict[str, list[str]]], env: dict[str, str]) -> list[str]:
-    """Docker/Kubernetes semantics: `command` replaces the entrypoint, `args` replace the cmd."""
-    spec = images[image_name(container["image"])]
-    command = container.get("command")
-    args = container.get("args")
-    if command:
-        argv = list(command) + list(args or [])
-    else:
-        argv = spec["entrypoint"] + (list(args) if args is not None else spec["cmd"])
-    argv = [expand_env_refs(a, env) for a in argv]
-    if argv and argv[0] in ("python", "python3"):
-        argv[0] = sys.executable
-    return argv
-
-
-_ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
-
-
-def expand_env_refs(text: str, env: dict[str, str]) -> str:
-    """$(VAR) expansion of command and args as the kubelet does it ($$ escapes, unknown refs stay)."""
-
-    def repl(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        return env.get(match.group(1), match.group(0))
-
-    return _ENV_REF.sub(repl, text)
-
-
-# ------------------------------------------------------------------------------------------ state
-
-
-@dataclass
-class Probe:
-    """One readiness or liveness probe of a container, with its counters."""
-
-    spec: dict[str, Any]
-    successes: int = 0
-    failures: int = 0
-    next_at: float = 0.0
-    pending: concurrent.futures.Future[bool] | None = None
-
-    @property
-    def period_s(self) -> float:
-        return float(self.spec.get("periodSeconds", 10))
-
-
-@dataclass
-class ContainerRuntime:
-    name: str
-    spec: dict[str, Any]
-    popen: subprocess.Popen[bytes] | None = None
-    started_at: str = ""
-    restart_count: int = 0
-    ready: bool = False
-    last_terminated: dict[str, Any] | None = None
-    terminated: dict[str, Any] | None = None
-    restart_at: float | None = None
-    readiness: Probe | None = None
-    liveness: Probe | None = None
-    started_monotonic: float = 0.0
-
-
-@dataclass
-class PodRuntime:
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    ip: str
-    directory: Path
-    body: dict[str, Any]
-    env: dict[str, str] = field(default_factory=dict)
-    containers: dict[str, ContainerRuntime] = field(default_factory=dict)
-    start_time: str = ""
-    kill_deadline: float | None = None
-    last_status: dict[str, Any] | None = None
-    finished: bool = False
 
 
 class NodeAgent:
@@ -165,104 +62,20 @@ class NodeAgent:
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
-        self.coordination = client.CoordinationV1Api(api)
+        self.stopping = threading.Event()
         self.node_names = [f"{node_prefix}-{i}" for i in range(num_nodes)]
-        self.gpus_per_node = gpus_per_node
-        self.num_zones = max(1, num_zones)
+        self.nodes = FakeGpuNodes(api, self.node_names, gpus_per_node, num_zones, self.stopping)
+        self.env = PodEnvironment(api, server, ca_file)
+        self.prober = Prober(self.env)
         self.work_dir = work_dir
-        self.server = server
-        self.ca_file = ca_file
         self.images = load_images()
         self.pods: dict[str, PodRuntime] = {}
         self.refused: dict[str, str] = {}  # pod uid -> why it cannot run here (event already sent)
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self.probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
-        self.stopping = threading.Event()
         self._free_ips: list[int] = []
         self._next_ip = 0
         # The second octet of this agent's pod IPs: 1..254, never 0 (127.0.0.1 is the host).
         self._ip_octet = random.SystemRandom().randint(1, 254)
-
-    # ------------------------------------------------------------------------------------ nodes
-
-    def zone_of(self, index: int) -> str:
-        return f"zone-{index % self.num_zones}"
-
-    def register_nodes(self) -> None:
-        for index, name in enumerate(self.node_names):
-            labels = {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "topology.kubernetes.io/region": "local",
-                "topology.kubernetes.io/zone": self.zone_of(index),
-                "nvidia.com/gpu.present": "true",
-                "kvfleet.dev/node-agent": "true",
-            }
-            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
-            try:
-                self.core.create_node(body)
-            except ApiException as err:
-                if err.status != 409:
-                    raise
-                self.core.patch_node(name, {"metadata": {"labels": labels}})
-            self.core.patch_node_status(name, {"status": self.node_status()})
-            # Admission taints new nodes not-ready; the node-lifecycle controller that would lift the
-            # taint once the node reports Ready is off (see controlplane.py), so the agent lifts it.
-            taints = self.core.read_node(name).spec.taints or []
-            kept = [t.to_dict() for t in taints if not t.key.startswith("node.kubernetes.io/")]
-            if len(kept) != len(taints):
-                self.core.patch_node(name, {"spec": {"taints": kept or None}})
-            self.renew_lease(name)
-        log.info("registered nodes %s with %d nvidia.com/gpu each", ", ".join(self.node_names), self.gpus_per_node)
-
-    def node_status(self) -> dict[str, Any]:
-        capacity = {"cpu": "16", "memory": "128Gi", "pods": "110", "ephemeral-storage": "100Gi", "nvidia.com/gpu": str(self.gpus_per_node)}
-        stamp = now_rfc3339()
-        conditions = [
-            {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": f"{AGENT} is posting ready status"},
-            {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory", "message": ""},
-            {"type": "DiskPressure", "status": "False", "reason": "KubeletHasNoDiskPressure", "message": ""},
-            {"type": "PIDPressure", "status": "False", "reason": "KubeletHasSufficientPID", "message": ""},
-        ]
-        for cond in conditions:
-            cond["lastHeartbeatTime"] = stamp
-            cond["lastTransitionTime"] = stamp
-        return {
-            "capacity": capacity,
-            "allocatable": capacity,
-            "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": socket.gethostname()}],
-            "nodeInfo": {
-                "machineID": "kvfleet", "systemUUID": "kvfleet", "bootID": "kvfleet", "kernelVersion": os.uname().release,
-                "osImage": "kvfleet e2e", "containerRuntimeVersion": "process://1", "kubeletVersion": "v1.36.3",
-                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
-            },
-        }
-
-    def renew_lease(self, name: str) -> None:
-        spec = {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
-        body = {"metadata": {"name": name, "namespace": "kube-node-lease"}, "spec": spec}
-        try:
-            self.coordination.patch_namespaced_lease(name, "kube-node-lease", {"spec": spec})
-        except ApiException as err:
-            if err.status != 404:
-                raise
-            with contextlib.suppress(ApiException):
-                self.coordination.create_namespaced_lease("kube-node-lease", body)
-
-    def heartbeat_loop(self) -> None:
-        last_status = time.monotonic()
-        while not self.stopping.wait(10):
-            try:
-                for name in self.node_names:
-                    self.renew_lease(name)
-                if time.monotonic() - last_status > 60:
-                    for name in self.node_names:
-                        self.core.patch_node_status(name, {"status": self.node_status()})
-                    last_status = time.monotonic()
-            except Exception:  # the API may be briefly away; the next beat retries
-                log.exception("heartbeat failed")
 
     # ------------------------------------------------------------------------------------- watch
 
@@ -272,12 +85,13 @@ class NodeAgent:
         while not self.stopping.is_set():
             try:
                 if not resource_version:
-                    listing = self.core.list_pod_for_all_namespaces(_preload_content=False)
+                    # Raw JSON, not the client's models: the agent works on the API's own dicts.
+                    listing: Any = self.core.list_pod_for_all_namespaces(_preload_content=False)
                     data = yaml.safe_load(listing.data)
                     resource_version = data["metadata"]["resourceVersion"]
                     for item in data["items"]:
                         self.events.put(("SYNC", item))
-                stream = watch.Watch().stream(
+                stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
                     self.core.list_pod_for_all_namespaces,
                     resource_version=resource_version,
                     timeout_seconds=60,
@@ -375,109 +189,6 @@ class NodeAgent:
             "containerStatuses": statuses,
         })
 
-    def pod_env(self, runtime: PodRuntime, container: dict[str, Any]) -> dict[str, str]:
-        """The environment of one container: the agent's PATH, the API server, the pod's env vars."""
-        pod = runtime.body
-        meta = pod["metadata"]
-        server_host, _, server_port = self.server.removeprefix("https://").partition(":")
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(runtime.directory),
-            "LANG": "C.UTF-8",
-            "PYTHONUNBUFFERED": "1",
-            "HOSTNAME": meta["name"],
-            "KUBERNETES_SERVICE_HOST": server_host,
-            "KUBERNETES_SERVICE_PORT": server_port,
-            "KVFLEET_POD_DIR": str(runtime.directory),
-            "KVFLEET_POD_IP": runtime.ip,
-        }
-        for name in ("KVFLEET_CACHE", "VIRTUAL_ENV", "PYTHONPATH", "TRITON_INTERPRET"):
-            if name in os.environ:
-                env[name] = os.environ[name]
-        if runtime.env.get("KUBECONFIG"):
-            env["KUBECONFIG"] = runtime.env["KUBECONFIG"]
-        for item in container.get("envFrom") or []:
-            prefix = item.get("prefix", "")
-            if "secretRef" in item:
-                data = self.read_secret(meta["namespace"], item["secretRef"]["name"], optional=item["secretRef"].get("optional", False))
-            else:
-                data = self.read_configmap(meta["namespace"], item["configMapRef"]["name"], optional=item["configMapRef"].get("optional", False))
-            env.update({prefix + k: v for k, v in data.items()})
-        for var in container.get("env") or []:
-            env[var["name"]] = self.env_value(runtime, var, env)
-        return env
-
-    def env_value(self, runtime: PodRuntime, var: dict[str, Any], env: dict[str, str]) -> str:
-        if "valueFrom" not in var:
-            return expand_env_refs(var.get("value", ""), env)
-        source = var["valueFrom"]
-        pod = runtime.body
-        if "fieldRef" in source:
-            path = source["fieldRef"]["fieldPath"]
-            simple = {
-                "metadata.name": pod["metadata"]["name"],
-                "metadata.namespace": pod["metadata"]["namespace"],
-                "metadata.uid": pod["metadata"]["uid"],
-                "spec.nodeName": pod["spec"].get("nodeName", ""),
-                "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
-                "status.podIP": runtime.ip,
-                "status.hostIP": "127.0.0.1",
-            }
-            if path in simple:
-                return simple[path]
-            match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
-            if match:
-                return str((pod["metadata"].get(match.group(1)) or {}).get(match.group(2), ""))
-            raise ValueError(f"fieldRef {path} is not supported by the e2e node agent")
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            return self.read_secret(pod["metadata"]["namespace"], ref["name"], ref.get("optional", False)).get(ref["key"], "")
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            return self.read_configmap(pod["metadata"]["namespace"], ref["name"], ref.get("optional", False)).get(ref["key"], "")
-        raise ValueError(f"env source {sorted(source)} is not supported by the e2e node agent")
-
-    def read_secret(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
-        try:
-            secret = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as err:
-            if err.status == 404 and optional:
-                return {}
-            raise
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
-
-    def read_configmap(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
-        try:
-            return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
-        except ApiException as err:
-            if err.status == 404 and optional:
-                return {}
-            raise
-
-    def service_account_kubeconfig(self, runtime: PodRuntime) -> None:
-        """A bound token from the TokenRequest API, handed over as a kubeconfig (the process's in-cluster config)."""
-        spec = runtime.body["spec"]
-        if spec.get("automountServiceAccountToken") is False:
-            return
-        sa = spec.get("serviceAccountName") or "default"
-        request = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": 86400,
-                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": runtime.name, "uid": runtime.uid},
-            },
-        }
-        token = self.core.create_namespaced_service_account_token(sa, runtime.namespace, request).status.token
-
-        path = runtime.directory / "kubeconfig"
-        path.write_text(kubeconfig_text(self.server, Path(self.ca_file), token=token, user=f"system:serviceaccount:{runtime.namespace}:{sa}",
-                                        namespace=runtime.namespace))
-        path.chmod(0o600)
-        (runtime.directory / "token").write_text(token)
-        (runtime.directory / "namespace").write_text(runtime.namespace)
-        runtime.env["KUBECONFIG"] = str(path)
-
     def start_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         directory = self.work_dir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
@@ -486,7 +197,7 @@ class NodeAgent:
         runtime.start_time = now_rfc3339()
         self.pods[runtime.uid] = runtime
         try:
-            self.service_account_kubeconfig(runtime)
+            self.env.service_account_kubeconfig(runtime)
             for spec in pod["spec"]["containers"]:
                 cont = ContainerRuntime(spec["name"], spec)
                 if spec.get("readinessProbe"):
@@ -501,7 +212,7 @@ class NodeAgent:
         self.sync_status(runtime)
 
     def start_container(self, runtime: PodRuntime, cont: ContainerRuntime) -> None:
-        env = self.pod_env(runtime, cont.spec)
+        env = self.env.pod_env(runtime, cont.spec)
         argv = container_argv(cont.spec, self.images, env)
         workdir = cont.spec.get("workingDir") or str(runtime.directory)
         log_file = open(runtime.directory / f"{cont.name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -523,64 +234,6 @@ class NodeAgent:
                 probe.next_at = time.monotonic() + float(probe.spec.get("initialDelaySeconds", 0))
         self.emit_event(runtime.body, "Normal", "Started", f"Started container {cont.name} as process {cont.popen.pid}")
         log.info("pod %s/%s container %s started: pid %d ip %s", runtime.namespace, runtime.name, cont.name, cont.popen.pid, runtime.ip)
-
-    # ------------------------------------------------------------------------------------ probes
-
-    def run_probe(self, runtime: PodRuntime, cont: ContainerRuntime, spec: dict[str, Any]) -> bool:
-        timeout_s = float(spec.get("timeoutSeconds", 1))
-        ports = {p.get("name"): p["containerPort"] for p in cont.spec.get("ports") or [] if p.get("name")}
-        if "httpGet" in spec:
-            get = spec["httpGet"]
-            port = ports.get(get["port"], get["port"])
-            host = get.get("host") or runtime.ip
-            conn_cls = http.client.HTTPSConnection if get.get("scheme") == "HTTPS" else http.client.HTTPConnection
-            conn = conn_cls(host, int(port), timeout=timeout_s)
-            try:
-                conn.request("GET", get.get("path", "/"))
-                return 200 <= conn.getresponse().status < 400
-            except OSError:
-                return False
-            finally:
-                conn.close()
-        if "tcpSocket" in spec:
-            port = ports.get(spec["tcpSocket"]["port"], spec["tcpSocket"]["port"])
-            try:
-                with socket.create_connection((runtime.ip, int(port)), timeout=timeout_s):
-                    return True
-            except OSError:
-                return False
-        if "exec" in spec:
-            env = self.pod_env(runtime, cont.spec)
-            argv = [expand_env_refs(a, env) for a in spec["exec"]["command"]]
-            if argv and argv[0] in ("python", "python3"):
-                argv[0] = sys.executable
-            try:
-                return subprocess.run(argv, env=env, cwd=str(runtime.directory), capture_output=True, timeout=timeout_s).returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
-                return False
-        return True
-
-    def step_probe(self, runtime: PodRuntime, cont: ContainerRuntime, probe: Probe) -> bool | None:
-        """Advance one probe; returns the new verdict when a threshold is crossed, else None."""
-        now = time.monotonic()
-        if probe.pending is not None:
-            if not probe.pending.done():
-                return None
-            ok = probe.pending.result()
-            probe.pending = None
-            if ok:
-                probe.successes, probe.failures = probe.successes + 1, 0
-                if probe.successes >= int(probe.spec.get("successThreshold", 1)):
-                    return True
-            else:
-                probe.successes, probe.failures = 0, probe.failures + 1
-                if probe.failures >= int(probe.spec.get("failureThreshold", 3)):
-                    return False
-            return None
-        if now >= probe.next_at:
-            probe.next_at = now + probe.period_s
-            probe.pending = self.probes.submit(self.run_probe, runtime, cont, probe.spec)
-        return None
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -607,12 +260,12 @@ class NodeAgent:
         code = cont.popen.poll()
         if code is None:
             if cont.readiness:
-                verdict = self.step_probe(runtime, cont, cont.readiness)
+                verdict = self.prober.step_probe(runtime, cont, cont.readiness)
                 if verdict is not None and verdict != cont.ready:
                     cont.ready = verdict
                     if not verdict:
                         self.emit_event(runtime.body, "Warning", "Unhealthy", f"Readiness probe of {cont.name} failed")
-            if cont.liveness and self.step_probe(runtime, cont, cont.liveness) is False:
+            if cont.liveness and self.prober.step_probe(runtime, cont, cont.liveness) is False:
                 self.emit_event(runtime.body, "Warning", "Unhealthy", f"Liveness probe of {cont.name} failed; restarting it")
                 self.kill_container(cont, signal.SIGTERM)
             return
@@ -710,7 +363,7 @@ class NodeAgent:
         else:
             phase = "Running" if any(c.popen is not None for c in runtime.containers.values()) else "Pending"
         ready = "True" if all_ready and phase == "Running" else "False"
-        status = {
+        status: dict[str, Any] = {
             "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": runtime.ip,
             "podIPs": [{"ip": runtime.ip}], "startTime": runtime.start_time, "containerStatuses": statuses,
             "conditions": [
@@ -724,8 +377,9 @@ class NodeAgent:
             return
         previous = {c["type"]: c["status"] for c in (runtime.last_status or {}).get("conditions", [])}
         stamp = now_rfc3339()
+        conditions: list[dict[str, Any]] = status["conditions"]
         sent = status | {"conditions": [
-            c | {"lastTransitionTime": stamp} if previous.get(c["type"]) != c["status"] else c for c in status["conditions"]
+            c | {"lastTransitionTime": stamp} if previous.get(c["type"]) != c["status"] else c for c in conditions
         ]}
         if self.patch_status(runtime.namespace, runtime.name, sent):
             runtime.last_status = status
@@ -752,15 +406,15 @@ class NodeAgent:
             "reportingComponent": AGENT, "reportingInstance": pod["spec"].get("nodeName", ""),
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(meta["namespace"], as_body(body))
         except ApiException as err:
             log.debug("event not written: %s", err)
 
     # ---------------------------------------------------------------------------------- main
 
     def run(self) -> None:
-        self.register_nodes()
-        threads = [threading.Thread(target=t, daemon=True, name=t.__name__) for t in (self.watch_loop, self.heartbeat_loop)]
+        self.nodes.register_nodes()
+        threads = [threading.Thread(target=t, daemon=True, name=t.__name__) for t in (self.watch_loop, self.nodes.heartbeat_loop)]
         for thread in threads:
             thread.start()
         print("node agent ready", flush=True)
@@ -791,7 +445,7 @@ class NodeAgent:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         cont.popen.wait(max(0.1, deadline - time.monotonic()))
             self.kill_all(runtime, signal.SIGKILL)
-        self.probes.shutdown(wait=False, cancel_futures=True)
+        self.prober.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -804,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config.load_kube_config(args.kubeconfig)
+    config.load_kube_config(args.kubeconfig)  # type: ignore[no-untyped-call]
     api = client.ApiClient()
     cfg = api.configuration
     agent = NodeAgent(api, num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, num_zones=args.zones,

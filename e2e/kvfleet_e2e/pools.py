@@ -1,0 +1,20 @@
+"""LLMPools the e2e tests build often: pools of the scripted stand-in worker (scripted_worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
+    """An LLMPool whose workers are the scripted stand-in (kvfleet_e2e.scripted_worker); `spec` overrides."""
+    body: dict[str, Any] = {
+        "model": {"name": "tiny", "path": "/models/tiny"},
+        "engine": "builtin",
+        "capacity": {"kvCapacityPerWorker": "1Gi"},
+        "workers": {"min": 2, "max": 3},
+        "scheduling": {"epochSeconds": 1},
+        "autoscaling": {"scaleDownDelaySeconds": 1},
+        "workerTemplate": {"image": "kvfleet/scripted-worker:dev"},
+    }
+    body.update(spec)
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
