@@ -1,0 +1,20 @@
+"""Every benchmark under bench/ has a quick run in `make test`, so none rots silently.
+
+bench/operator_epochs.py once crashed for weeks unnoticed (its in-memory API fell behind the operator).
+A benchmark counts as run when a test executes its file (`... / "bench" / "<name>.py"`, the form the
+bench tests use) and that test checks its output; this test only makes sure none is left without one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_benchmark_has_a_test_that_runs_it() -> None:
+    benches = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+    assert benches, "no benchmarks found: is bench/ where this test thinks?"
+    tests = {p: p.read_text() for p in (ROOT / "tests").rglob("test_*.py") if p.resolve() != Path(__file__).resolve()}
+    unrun = [name for name in benches if not any(f'"bench" / "{name}"' in text for text in tests.values())]
+    assert not unrun, f"benchmarks no test runs (add a quick run, as tests/worker/test_bench_engine.py does): {unrun}"
