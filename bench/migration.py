@@ -41,9 +41,10 @@ import aiohttp
 import torch
 from aiohttp import web
 
+from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
-from kvfleet.worker.migration.executor import MigrationResult, Mode
+from kvfleet.worker.migration.executor import MigrationResult
 from kvfleet.worker.migration.handoff import HandoffTarget
 from kvfleet.worker.migration.transport import Channel, TCPTransport
 from kvfleet.worker.model.tiny import make_tiny
@@ -90,7 +91,7 @@ async def start_pod(name: str, model: Path) -> Pod:
     return Pod(name, agent, runner, port)
 
 
-async def migrate_once(session: aiohttp.ClientSession, source: Pod, target: Pod, length: int, mode: Mode,
+async def migrate_once(session: aiohttp.ClientSession, source: Pod, target: Pod, length: int, mode: MoveMode,
                        tag: str) -> MigrationResult:
     """Streams a request of `length` prompt tokens from source, moves it mid-decode, reads it to the end."""
     rng = random.Random(length)
@@ -138,16 +139,16 @@ async def downtimes(model: Path, lengths: list[int], repeat: int) -> tuple[dict[
     samples: dict[str, dict[int, list[float]]] = {"kv": {n: [] for n in lengths}, "token": {n: [] for n in lengths}}
     try:
         async with aiohttp.ClientSession() as session:
-            await migrate_once(session, source, target, 32, "kv", "warm")  # first-call costs on both sides
+            await migrate_once(session, source, target, 32, MoveMode.KV, "warm")  # first-call costs on both sides
             for r in range(repeat):
                 for length in lengths:
-                    for mode in ("kv", "token"):
+                    for mode in (MoveMode.KV, MoveMode.TOKEN):
                         # Alternate the direction so both pods see the same mix of work.
                         a, b = (source, target) if r % 2 == 0 else (target, source)
                         result = await migrate_once(session, a, b, length, mode, f"{mode}-{length}-{r}")
                         assert result.downtime_s is not None
                         samples[mode][length].append(result.downtime_s * 1000)
-                        if mode == "kv" and result.link_bytes_per_s:
+                        if mode == MoveMode.KV and result.link_bytes_per_s:
                             kv_link.append(result.link_bytes_per_s)
     finally:
         for pod in (source, target):

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvfleet.router.placement import NoPlacement, Placement
+from kvfleet.router.placement import NoRoute, RouteChoice
 from kvfleet.router.relay import Relay, Timeouts
 
 PROMPT = [1, 2, 3]
@@ -65,11 +65,11 @@ async def relay_through(source: Scripted, others: list[Scripted], body: dict[str
         addresses[f"other{i}"] = await other.start()
     order = ["source", *addresses.keys() - {"source"}]
 
-    def place(exclude: frozenset[str]) -> Placement | NoPlacement:
+    def place(exclude: frozenset[str]) -> RouteChoice | NoRoute:
         for name in sorted(order, key=order.index):
             if name not in exclude:
-                return Placement(name, addresses[name], "test")
-        return NoPlacement("no-ready-worker", "none")
+                return RouteChoice(name, addresses[name], "test")
+        return NoRoute("no-ready-worker", "none")
 
     try:
         async with aiohttp.ClientSession() as session:

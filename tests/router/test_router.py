@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +19,9 @@ from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
 from kvfleet.mell.models import SizeClass
 from kvfleet.router import app as app_module
-from kvfleet.router import relay as relay_module
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState
 from kvfleet.router.pool import StaticPoolView
-from kvfleet.worker import agent as agent_module
 
 
 def snapshot(workers: list[Server]) -> PoolSnapshot:
@@ -55,9 +55,15 @@ def text_of(chunks: list[Any]) -> str:
                    for c in chunks if c.get("choices"))
 
 
-def test_router_headers_are_the_agents() -> None:
-    assert relay_module.TOKEN_STREAM_HEADER == agent_module.TOKEN_STREAM_HEADER
-    assert relay_module.REQUEST_ID_HEADER == agent_module.REQUEST_ID_HEADER
+@pytest.mark.parametrize(("module", "forbidden"), [
+    ("kvfleet.serving.httpapi", ("torch", "transformers", "vllm", "kubernetes", "kopf", "kvfleet.worker")),
+    ("kvfleet.router.app", ("torch", "transformers", "vllm", "kopf", "kvfleet.worker")),
+])
+def test_the_router_and_the_protocol_load_no_worker_and_no_model_runtime(module: str, forbidden: tuple[str, ...]) -> None:
+    """The router runs beside the workers, not on a GPU: what it shares with them is in kvfleet.serving."""
+    code = (f"import sys, {module}; forbidden = {forbidden!r}\n"
+            "sys.exit(int(any(m == f or m.startswith(f + '.') for m in sys.modules for f in forbidden)))")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_completion_through_the_router_equals_the_worker(workers: list[Server], routed: tuple[Router, Server]) -> None:
@@ -116,7 +122,7 @@ def test_client_errors_come_back_as_the_workers_do(routed: tuple[Router, Server]
 def test_the_router_sizes_requests_with_the_workers_kv_facts(routed: tuple[Router, Server]) -> None:
     router_obj, router = routed
     assert router.post("/v1/completions", completion())[0] == 200
-    info = router_obj._info
+    info = router_obj.model_info.info
     # 2 KV heads x 64 dims x 2 layers x K,V x 4 bytes (worker_testing), read from /internal/requests.
     assert info is not None and info.kv_bytes_per_token == 2048 and info.capacity_bytes == TEST_KV_CAPACITY_BYTES
     assert router_obj.metrics.placements.labels("allocate:new-GPU")._value.get() >= 1

@@ -198,6 +198,6 @@ def follow_target(target: Worker, request_id: str, after: int) -> Streamed:
 def wait_idle(*workers: Worker) -> None:
     """Both engines hold no KV and the agents stream nothing (the end state every test must reach)."""
     deadline = time.monotonic() + 30
-    while any(w.agent.engine.kv_usage() or w.agent._active for w in workers):
-        assert time.monotonic() < deadline, [(w.name, w.agent.engine.kv_usage(), w.agent._active) for w in workers]
+    while any(w.agent.engine.kv_usage() or w.agent.streams.active for w in workers):
+        assert time.monotonic() < deadline, [(w.name, w.agent.engine.kv_usage(), w.agent.streams.active) for w in workers]
         time.sleep(0.05)

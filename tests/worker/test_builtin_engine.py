@@ -31,8 +31,10 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     StepOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.builtin import BuiltinEngine, KVBlocks, MigrationError, sample_token  # noqa: E402
+from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, SeqBatchEntry  # noqa: E402
+from kvfleet.worker.engines.builtin_sampling import Sampling, sample_token  # noqa: E402
+from kvfleet.worker.engines.capabilities import KVBlocks, KVMigratable, MigrationError  # noqa: E402
 
 T = TypeVar("T")
 LOGIT_ATOL = 1e-4
@@ -69,6 +71,13 @@ async def started(model_dir: Path, **kw: Any) -> BuiltinEngine:
     return engine
 
 
+def migration_of(engine: BuiltinEngine) -> KVMigratable:
+    """The engine's KV migration capability (the builtin engine always has it)."""
+    migration = engine.capabilities.migration
+    assert migration is not None
+    return migration
+
+
 async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
     return [t async for out in stream for t in out.new_token_ids]
 
@@ -84,7 +93,7 @@ async def assert_all_free(engine: BuiltinEngine) -> None:
         await asyncio.sleep(0.01)
     assert engine.kv_usage() == []
     assert engine.num_waiting() == 0
-    assert sorted(engine._free_blocks) == list(range(num_blocks(engine)))
+    assert sorted(engine._sched.pool.free) == list(range(num_blocks(engine)))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +108,7 @@ def reference(tiny_model_dir: Path) -> Any:
 
 def test_prefill_and_paged_decode_logits_match_transformers(tiny_model_dir: Path, reference: Any) -> None:
     model = LlamaForward.load(tiny_model_dir, torch.float32, torch.device("cpu"), 512)
-    cache = PagedKVCache(model.spec, 32, 16, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(model.arch, 32, 16, torch.float32, torch.device("cpu"))
     ids = torch.randint(3, 2048, (2, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
@@ -145,7 +154,7 @@ def test_llama3_rope_scaling_and_sharded_checkpoints_match_transformers(tiny_mod
 
     reference = transformers.LlamaForCausalLM.from_pretrained(variant, dtype=torch.float32)
     model = LlamaForward.load(variant, torch.float32, torch.device("cpu"), 512)
-    cache = PagedKVCache(model.spec, 16, 16, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(model.arch, 16, 16, torch.float32, torch.device("cpu"))
     ids = torch.randint(3, 2048, (1, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits[0]
@@ -238,15 +247,13 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model_dir: Path)
 
 
 def test_sample_token_follows_the_distribution() -> None:
-    from kvfleet.worker.engines.builtin import _Sampling
-
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     counts = torch.zeros(4)
     for step in range(2000):
-        counts[sample_token(logits, _Sampling(1.0, 1.0, 7, step))] += 1
+        counts[sample_token(logits, Sampling(1.0, 1.0, 7, step))] += 1
     assert torch.allclose(counts / counts.sum(), torch.softmax(logits, 0), atol=0.03)
     # top_p 0.7 keeps the two best (0.64 mass before the second), never the others.
-    kept = {sample_token(logits, _Sampling(1.0, 0.7, 7, step)) for step in range(300)}
+    kept = {sample_token(logits, Sampling(1.0, 0.7, 7, step)) for step in range(300)}
     assert kept == {0, 1}
 
 
@@ -261,7 +268,7 @@ def test_stops_limits_aborts_and_early_exits_free_every_block(tiny_model_dir: Pa
             assert outs[-1].finish_reason == "stop" and outs[-1].num_tokens == len(PROMPTS[2]) + stop_at + 1
 
             # The model's EOS ends a request unless ignore_eos.
-            engine._eos_ids = frozenset({free_run[stop_at]})
+            engine._sched.eos_ids = frozenset({free_run[stop_at]})
             eos = await tokens_of(engine.generate("eos", PROMPTS[2], greedy(30, ignore_eos=False)))
             assert eos == free_run[: stop_at + 1]
             assert await tokens_of(engine.generate("no-eos", PROMPTS[2], greedy(30))) == free_run
@@ -355,6 +362,7 @@ async def _migrate(model_dir: Path, mode: str, params: SamplingParams) -> tuple[
     """
     source = await started(model_dir)
     target = await started(model_dir)
+    source_kv, target_kv = migration_of(source), migration_of(target)
     facts: dict[str, Any] = {}
     try:
         unmigrated = await tokens_of(source.generate("ref", MIGRATE_PROMPT, params))
@@ -366,11 +374,11 @@ async def _migrate(model_dir: Path, mode: str, params: SamplingParams) -> tuple[
                 break
         sent = 0
         if mode in ("kv", "hybrid"):
-            stage = await source.export_kv("m")  # while it keeps decoding: full blocks only
+            stage = await source_kv.export_kv("m")  # while it keeps decoding: full blocks only
             assert stage.num_tokens == stage.num_blocks * 16 and stage.num_blocks >= 2
-            await target.import_kv("m", stage)
+            await target_kv.import_kv("m", stage)
             sent = stage.end_block
-        state = await source.suspend("m")
+        state = await source_kv.suspend("m")
         async for out in stream:  # tokens produced before the suspension, then the stream ends
             assert not out.finished
             before.extend(out.new_token_ids)
@@ -379,15 +387,15 @@ async def _migrate(model_dir: Path, mode: str, params: SamplingParams) -> tuple[
         assert state.params.seed is not None
         assert {u.request_id for u in source.kv_usage()} == {"m"}
         if mode == "kv":
-            last = await source.export_kv("m", first_block=sent)
+            last = await source_kv.export_kv("m", first_block=sent)
             assert last.end_token == state.num_cached_tokens
-            await target.import_kv("m", last)
+            await target_kv.import_kv("m", last)
         home = source if mode == "rollback" else target
         if mode != "rollback":
-            source.release("m")
+            source_kv.release("m")
             assert source.kv_usage() == []
         prefilled = home.num_prefilled_tokens
-        after = await tokens_of(home.resume("m", state.prompt_token_ids, state.output_token_ids, state.params))
+        after = await tokens_of(migration_of(home).resume("m", state.prompt_token_ids, state.output_token_ids, state.params))
         facts["recomputed_tokens"] = home.num_prefilled_tokens - prefilled
         facts["num_tokens"] = len(MIGRATE_PROMPT) + len(before)
         facts["sent_blocks"] = sent
@@ -425,17 +433,18 @@ def test_imported_kv_is_really_used(tiny_model_dir: Path) -> None:
     async def scenario() -> tuple[list[int], list[int]]:
         source = await started(tiny_model_dir)
         target = await started(tiny_model_dir)
+        source_kv, target_kv = migration_of(source), migration_of(target)
         try:
             reference = await tokens_of(source.generate("ref", MIGRATE_PROMPT, greedy(20)))
             stream = source.generate("m", MIGRATE_PROMPT, greedy(20))
             await stream.__anext__()
-            state = await source.suspend("m")
+            state = await source_kv.suspend("m")
             before = list(state.output_token_ids)
-            kv = await source.export_kv("m")
+            kv = await source_kv.export_kv("m")
             zeroed = KVBlocks(kv.request_id, kv.first_block, kv.num_tokens, kv.block_size_tokens, torch.zeros_like(kv.data))
-            await target.import_kv("m", zeroed)
-            source.release("m")
-            after = await tokens_of(target.resume("m", state.prompt_token_ids, state.output_token_ids, state.params))
+            await target_kv.import_kv("m", zeroed)
+            source_kv.release("m")
+            after = await tokens_of(target_kv.resume("m", state.prompt_token_ids, state.output_token_ids, state.params))
             return reference, before + after
         finally:
             await source.stop()
@@ -445,38 +454,59 @@ def test_imported_kv_is_really_used(tiny_model_dir: Path) -> None:
     assert corrupted != reference
 
 
+def test_the_migration_capability_is_declared_before_start(tiny_model_dir: Path) -> None:
+    """capabilities is the same before and after start (base.py); calls needing the cache wait for start."""
+
+    async def scenario() -> None:
+        engine = BuiltinEngine(engine_config(tiny_model_dir))
+        migration = migration_of(engine)
+        with pytest.raises(RuntimeError):
+            migration.reserve_kv("m", 1)
+        await engine.start()
+        try:
+            assert migration_of(engine) is migration
+            migration.reserve_kv("m", 1)
+            migration.release("m")
+            await assert_all_free(engine)
+        finally:
+            await engine.stop()
+
+    run(scenario())
+
+
 def test_migration_refusals(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         source = await started(tiny_model_dir)
         target = await started(tiny_model_dir, kv_capacity_bytes=2 * BLOCK_BYTES)
+        source_kv, target_kv = migration_of(source), migration_of(target)
         try:
             with pytest.raises(MigrationError):
-                await source.suspend("nobody")
+                await source_kv.suspend("nobody")
             with pytest.raises(MigrationError):
-                await source.export_kv("nobody")
+                await source_kv.export_kv("nobody")
             stream = source.generate("m", MIGRATE_PROMPT, greedy(100))
             await stream.__anext__()
             with pytest.raises(MigrationError):  # past the blocks written so far
-                await source.export_kv("m", 0, 5)
+                await source_kv.export_kv("m", 0, 5)
             with pytest.raises(MigrationError):
-                await source.export_kv("m", 2, 1)
+                await source_kv.export_kv("m", 2, 1)
             with pytest.raises(MigrationError):
-                source.release("m")
-            state = await source.suspend("m")
-            kv = await source.export_kv("m")
+                source_kv.release("m")
+            state = await source_kv.suspend("m")
+            kv = await source_kv.export_kv("m")
             assert kv.num_blocks == 3 and kv.nbytes == 3 * BLOCK_BYTES
             with pytest.raises(MigrationError):  # 3 blocks do not fit in 2
-                await target.import_kv("m", kv)
+                await target_kv.import_kv("m", kv)
             with pytest.raises(MigrationError):  # a gap: block 1 before block 0
-                await target.import_kv("m", await source.export_kv("m", 1, 2))
+                await target_kv.import_kv("m", await source_kv.export_kv("m", 1, 2))
             with pytest.raises(DuplicateRequest):
-                await source.import_kv("m", kv)
+                await source_kv.import_kv("m", kv)
             with pytest.raises(MigrationError):
-                source.resume("m", state.prompt_token_ids, list(range(3, 103)), state.params)
-            await target.import_kv("m", await source.export_kv("m", 0, 1))
+                source_kv.resume("m", state.prompt_token_ids, list(range(3, 103)), state.params)
+            await target_kv.import_kv("m", await source_kv.export_kv("m", 0, 1))
             assert [u.tokens for u in target.kv_usage()] == [16]
-            target.release("m")  # the migration is called off: the destination frees its blocks
-            source.release("m")
+            target_kv.release("m")  # the migration is called off: the destination frees its blocks
+            source_kv.release("m")
             await assert_all_free(source)
             await assert_all_free(target)
         finally:

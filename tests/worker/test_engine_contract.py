@@ -12,16 +12,25 @@ import itertools
 from typing import Any
 
 import pytest
-from worker_testing import TEST_KV_CAPACITY_BYTES, TEST_MAX_MODEL_LEN, StartedEngine, skip_without_vllm, start_engine
+from worker_testing import (
+    TEST_KV_CAPACITY_BYTES,
+    TEST_MAX_MODEL_LEN,
+    StartedEngine,
+    collect,
+    greedy,
+    skip_without_vllm,
+    start_engine,
+    tokens,
+)
 
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
-    Engine,
     RequestTooLong,
     SamplingParams,
     StepOutput,
     kv_blocks_bytes,
 )
+from kvfleet.worker.engines.capabilities import EngineCapabilities
 
 PROMPTS = [[1, 17, 300, 45, 99], [1, 5, 6, 7], [1, 1000, 1500, 20, 21, 22, 23, 24, 25, 26], [1, 400],
            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [1, 77, 78]]
@@ -30,18 +39,6 @@ _ids = itertools.count()
 
 def rid(prefix: str) -> str:
     return f"{prefix}-{next(_ids)}"
-
-
-def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw)
-
-
-async def collect(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> list[StepOutput]:
-    return [out async for out in engine.generate(request_id, prompt, params)]
-
-
-def tokens(outs: list[StepOutput]) -> list[int]:
-    return [t for out in outs for t in out.new_token_ids]
 
 
 def assert_empty(e: StartedEngine) -> None:
@@ -67,6 +64,13 @@ def test_info_reports_the_allocated_capacity(any_engine: StartedEngine) -> None:
     # Whole blocks of the capacity asked for, never more than asked.
     assert TEST_KV_CAPACITY_BYTES - block_bytes < info.kv_capacity_bytes <= TEST_KV_CAPACITY_BYTES
     assert info.engine == any_engine.name
+
+
+def test_capabilities_are_declared_not_inferred_from_the_type(any_engine: StartedEngine) -> None:
+    # The executor decides KV or token moves from this alone: builtin can move KV, vLLM cannot.
+    capabilities = any_engine.engine.capabilities
+    assert isinstance(capabilities, EngineCapabilities)
+    assert (capabilities.migration is not None) == (any_engine.name == "builtin")
 
 
 def test_generates_exactly_max_tokens_greedy_and_streams_them(any_engine: StartedEngine) -> None:

@@ -33,7 +33,7 @@ from migration_testing import (
 )
 from worker_testing import EngineLoop
 
-from kvfleet.worker.migration import executor as executor_module
+from kvfleet.worker.migration import target as target_module
 from kvfleet.worker.migration.transport import AuthenticationError, Channel, TCPTransport, TransportError
 from kvfleet.worker.migration.watcher import MigrationWatcher, WatcherConfig
 
@@ -171,7 +171,7 @@ def test_reservations_are_freed_when_the_source_goes_quiet_or_away(workers: tupl
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     _, b = workers
     free_before = engine_blocks_free(b)
-    monkeypatch.setattr(executor_module, "PREALLOCATION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(target_module, "PREALLOCATION_TIMEOUT_S", 0.5)
     transport = TCPTransport(TOKEN)
     port = b.agent.migration_port
     assert port is not None

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvfleet.worker.migration.executor import MigrationResult, Mode
+from kvfleet.mell.migration import MoveMode
+from kvfleet.worker.migration.executor import MigrationResult
 from kvfleet.worker.migration.handoff import HandoffTarget
 from kvfleet.worker.migration.watcher import MigrationWatcher, WatcherConfig
 
@@ -33,7 +34,7 @@ class Api:
 def test_the_mode_reaches_the_executor(mode: str) -> None:
     asked: list[str] = []
 
-    async def migrate(request_id: str, target: HandoffTarget, address: str, how: Mode,
+    async def migrate(request_id: str, target: HandoffTarget, address: str, how: MoveMode,
                       kv_bytes: int | None) -> MigrationResult:
         asked.append(how)
         return MigrationResult(request_id, True, how, bytes_moved=10, tokens_moved=5, downtime_s=0.01)

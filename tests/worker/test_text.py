@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.worker.text import StopStrings, Tokenizer
+from kvfleet.serving.stops import StopStrings
+from kvfleet.worker.text import Tokenizer
 
 
 def feed_all(stops: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:

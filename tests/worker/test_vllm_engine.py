@@ -17,10 +17,19 @@ import json
 import multiprocessing.resource_tracker
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
-from worker_testing import TEST_KV_CAPACITY_BYTES, TEST_MAX_MODEL_LEN, EngineLoop, StartedEngine, start_engine, vllm_available
+from worker_testing import (
+    TEST_KV_CAPACITY_BYTES,
+    TEST_MAX_MODEL_LEN,
+    EngineLoop,
+    StartedEngine,
+    collect,
+    greedy,
+    start_engine,
+    tokens,
+    vllm_available,
+)
 
 if not vllm_available():
     if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
@@ -50,18 +59,6 @@ _ids = itertools.count()
 
 def rid(prefix: str) -> str:
     return f"vllm-{prefix}-{next(_ids)}"
-
-
-def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw)
-
-
-async def collect(engine: VLLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[StepOutput]:
-    return [out async for out in engine.generate(request_id, prompt, params)]
-
-
-def tokens(outs: list[StepOutput]) -> list[int]:
-    return [t for out in outs for t in out.new_token_ids]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvfleet.worker.engines import EngineConfig, load_engine
-from kvfleet.worker.engines.base import Engine, EngineInfo
+from kvfleet.worker.engines.base import Engine, EngineInfo, SamplingParams, StepOutput
 
 T = TypeVar("T")
 
@@ -72,3 +72,16 @@ def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], 
         info = loop.run(engine.start(), timeout_s=300)
         engines[name] = StartedEngine(name, engine, info, loop)
     return engines[name]
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    """Greedy sampling that ignores EOS unless told otherwise, so a run's length is known."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw)
+
+
+async def collect(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> list[StepOutput]:
+    return [out async for out in engine.generate(request_id, prompt, params)]
+
+
+def tokens(outs: list[StepOutput]) -> list[int]:
+    return [t for out in outs for t in out.new_token_ids]

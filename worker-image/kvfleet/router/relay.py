@@ -29,18 +29,29 @@ from typing import Any
 
 import aiohttp
 
-from kvfleet.router.placement import NoPlacement, Placement
+from kvfleet.router.placement import NoRoute, RouteChoice
+from kvfleet.serving.httpapi import (
+    MIGRATED_EVENT,
+    REQUEST_ID_HEADER,
+    TOKEN_STREAM_HEADER,
+    TOKEN_STREAM_MODE,
+    Migrated,
+    bearer,
+    continuation_path,
+    sse_events,
+)
 
 log = logging.getLogger(__name__)
 
-# The agent's router-mode header and request-id header (kvfleet.worker.agent; a test holds them equal).
-TOKEN_STREAM_HEADER = "X-Kvfleet-Stream"
-REQUEST_ID_HEADER = "X-Request-Id"
-MIGRATED_EVENT = "kvfleet.migrated"
 # Sampling fields a resumed request carries over unchanged (the OpenAI subset the worker accepts).
 # Pause before trying again a worker the request just failed on, times the failures so far.
 RETRY_BACKOFF_S = 0.5
 RESUMED_FIELDS = ("model", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos", "user")
+
+# The router's hooks: a worker for the request, failed workers excluded; and the pod now serving it,
+# with the prompt's token ids once a worker has told them.
+Place = Callable[[frozenset[str]], RouteChoice | NoRoute]
+OnWorker = Callable[[str, list[int] | None], None]
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ class WorkerRefused(Exception):
 
 
 class Unplaceable(Exception):
-    def __init__(self, why: NoPlacement) -> None:
+    def __init__(self, why: NoRoute) -> None:
         super().__init__(why.message)
         self.why = why
 
@@ -96,9 +107,8 @@ class Relay:
     """Relays one request; `steps()` yields the client's text as the workers produce it."""
 
     def __init__(self, session: aiohttp.ClientSession, request_id: str, path: str, body: dict[str, Any], *,
-                 place: Callable[[frozenset[str]], Placement | NoPlacement], pool_token: str | None,
-                 timeouts: Timeouts, max_attempts: int = 4,
-                 on_worker: Callable[[str, list[int] | None], None] = lambda pod, prompt: None,
+                 place: Place, pool_token: str | None, timeouts: Timeouts, max_attempts: int = 4,
+                 on_worker: OnWorker = lambda pod, prompt: None,
                  on_event: Callable[[str], None] = lambda kind: None) -> None:
         self.session = session
         self.request_id = request_id
@@ -156,18 +166,18 @@ class Relay:
 
     def _placed(self, failed: set[str], kind: str, base: int) -> _Source:
         choice = self.place(frozenset(failed))
-        if isinstance(choice, NoPlacement) and failed:
+        if isinstance(choice, NoRoute) and failed:
             choice = self.place(frozenset())  # every other worker is gone: the failed one may be back
-        if isinstance(choice, NoPlacement):
+        if isinstance(choice, NoRoute):
             raise Unplaceable(choice)
         return _Source(choice.pod_name, choice.address, base, kind)
 
     # ------------------------------------------------------------------------------------ one hop
 
     def _headers(self, internal: bool) -> dict[str, str]:
-        headers = {TOKEN_STREAM_HEADER: "tokens", REQUEST_ID_HEADER: self.request_id}
+        headers = {TOKEN_STREAM_HEADER: TOKEN_STREAM_MODE, REQUEST_ID_HEADER: self.request_id}
         if internal and self.pool_token:
-            headers["Authorization"] = f"Bearer {self.pool_token}"
+            headers.update(bearer(self.pool_token))
         return headers
 
     async def _resume_body(self, source: _Source) -> dict[str, Any]:
@@ -188,7 +198,7 @@ class Relay:
         url = f"http://{source.address}"
         if source.kind == "migrated":
             after = len(self.output_token_ids) - source.base
-            request = self.session.get(f"{url}/internal/requests/{self.request_id}/stream", params={"after": str(after)},
+            request = self.session.get(f"{url}{continuation_path(self.request_id)}", params={"after": str(after)},
                                        headers=self._headers(True))
         elif source.kind == "resumed":
             request = self.session.post(f"{url}/v1/completions", json=await self._resume_body(source),
@@ -219,10 +229,10 @@ class Relay:
     async def _read(self, source: _Source) -> AsyncIterator[Step]:
         response = await self._open(source)
         try:
-            async for event, data in _sse(response, self.timeouts.idle_s):
+            async for event, data in sse_events(response.content, self.timeouts.idle_s):
                 if event == MIGRATED_EVENT:
-                    target = json.loads(data)["target"]
-                    raise _Migrated(str(target.get("pod", "")), str(target["address"]))
+                    migrated = Migrated.parse(data)
+                    raise _Migrated(migrated.target_pod, migrated.target_address)
                 if data == "[DONE]":
                     if self.finish_reason is None:
                         raise _Broken("[DONE] before a finish reason")
@@ -230,6 +240,8 @@ class Relay:
                 step = self._chunk(source, json.loads(data))
                 if step is not None:
                     yield step
+        except TimeoutError as err:  # the worker went quiet (sse_events' idle limit)
+            raise _Broken(str(err)) from None
         finally:
             response.close()
 
@@ -275,23 +287,3 @@ class _Migrated(Exception):
         self.pod_name = pod_name or address
         self.address = address
 
-
-async def _sse(response: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[tuple[str, str]]:
-    """(event name, data) of each server-sent event; a silence longer than idle_s breaks the stream."""
-    event, data = "", list[str]()
-    while True:
-        try:
-            raw = await asyncio.wait_for(response.content.readline(), idle_s)
-        except TimeoutError:
-            raise _Broken(f"no data for {idle_s:.0f} s") from None
-        if not raw:
-            return
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                yield event or "message", "\n".join(data)
-            event, data = "", list[str]()
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))

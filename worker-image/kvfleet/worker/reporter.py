@@ -45,7 +45,7 @@ class Measured:
     prefill_tokens_per_s: float | None = None
 
 
-# The executor's gauges (kvfleet.worker.migration.executor.MigrationMetrics) hold its measurements.
+# The executor's gauges (kvfleet.worker.migration.result.MigrationMetrics) hold its measurements.
 LINK_GAUGE = "kvfleet_worker_migration_link_bytes_per_second"
 PREFILL_GAUGE = "kvfleet_worker_migration_prefill_tokens_per_second"
 

@@ -1,10 +1,11 @@
 """Text on the worker's side of the engine contract: prompts to token ids, token ids back to text.
 
 Engines see only token ids (engines/base.py), so tokenisation, chat templates, incremental
-detokenisation live here, once for both engines (stop strings in stops.py, which the router shares). Detokenising a stream token by
-token is subtle: byte-level BPE splits multi-byte characters over tokens, and a tokenizer's spacing
-rules can change how earlier tokens render. `Detokenizer` decodes a sliding window of recent tokens
-and emits only text that can no longer change, the method vLLM and TGI use.
+detokenisation live here, once for both engines (stop strings in kvfleet.serving.stops, which the
+router shares). Detokenising a stream token by token is subtle: byte-level BPE splits multi-byte
+characters over tokens, and a tokenizer's spacing rules can change how earlier tokens render.
+`Detokenizer` decodes a sliding window of recent tokens and emits only text that can no longer
+change, the method vLLM and TGI use.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from kvfleet.worker.stops import StopStrings
 
 # How many already-emitted tokens the detokenizer re-decodes for context (spacing, merges).
 _CONTEXT_TOKENS = 5
@@ -89,4 +88,4 @@ class Detokenizer:
         return after[len(before):] if after.startswith(before) else ""
 
 
-__all__ = ["Detokenizer", "StopStrings", "Tokenizer"]
+__all__ = ["Detokenizer", "Tokenizer"]

@@ -5,6 +5,12 @@ the OpenAI format). Engines account the KV cache of every request they hold, in 
 of the blocks really allocated to it, because MELL packs pods by those bytes (docs/worker.md).
 Everything here is asyncio: `generate` is an async iterator of per-step outputs, one per engine
 step in which the request produced tokens.
+
+What only some engines can do (moving a request's KV for live migration, and the features to come:
+elastic capacity, lending KV blocks, a prefix cache) is not in this contract but declared by each
+engine as a capability: `engine.capabilities` is an `EngineCapabilities` whose fields are each
+feature's implementation or None (capabilities.py says how to add one). Callers use the capability,
+never the engine's type.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    # capabilities.py builds on this module's types; only the annotation below points back.
+    from kvfleet.worker.engines.capabilities import EngineCapabilities
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -124,6 +134,11 @@ class Engine(Protocol):
     @property
     def info(self) -> EngineInfo:
         """The started engine's facts (raises RuntimeError before start)."""
+        ...
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The optional features this engine has (capabilities.py); the same before and after start."""
         ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:

@@ -54,8 +54,11 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """What the forward needs from config.json."""
+class LlamaArchitecture:
+    """A Llama-family model's shape, as config.json gives it: what the forward and the KV cache need.
+
+    (Not the LLMPool's `spec.model`, kvfleet.api.models.ModelSpec, which says where the weights are;
+    nor the simulator's kvfleet.sim.hardware.ModelShape, which sizes GPUs, not tensors.)"""
 
     model_type: str
     vocab_size: int
@@ -84,7 +87,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def read_model_spec(model_path: Path) -> ModelSpec:
+def read_architecture(model_path: Path) -> LlamaArchitecture:
     """Parse config.json (and generation_config.json's EOS ids, which chat models often extend)."""
     try:
         config = json.loads((model_path / "config.json").read_text())
@@ -115,7 +118,7 @@ def read_model_spec(model_path: Path) -> ModelSpec:
         for token_id in _eos_ids(json.loads(generation_path.read_text()).get("eos_token_id")):
             if token_id not in eos:
                 eos.append(token_id)
-    return ModelSpec(
+    return LlamaArchitecture(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -149,9 +152,9 @@ def _read_safetensors(model_path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+def rope_inv_freq(arch: LlamaArchitecture) -> torch.Tensor:
     """Inverse frequencies exactly as transformers computes them (float32), scaling included."""
-    rope, dim = spec.rope, spec.head_dim
+    rope, dim = arch.rope, arch.head_dim
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -199,12 +202,12 @@ class PagedKVCache:
     Allocation (which blocks belong to whom) is the engine's business; this is only the storage.
     """
 
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: LlamaArchitecture, num_blocks: int, block_size_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size_tokens = block_size_tokens
         self.layers = [
-            torch.zeros((2, num_blocks, block_size_tokens, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device)
-            for _ in range(spec.num_layers)
+            torch.zeros((2, num_blocks, block_size_tokens, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
+            for _ in range(arch.num_layers)
         ]
 
     @property
@@ -225,9 +228,9 @@ class PagedKVCache:
 class LlamaForward:
     """Weights on a device and the forward over a paged cache; no state between calls but the cache."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    def __init__(self, arch: LlamaArchitecture, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
-        self.spec = spec
+        self.arch = arch
         self.dtype = dtype
         self.device = device
 
@@ -239,10 +242,10 @@ class LlamaForward:
             return tensor.to(device=device, dtype=dtype)
 
         self.embed = take("model.embed_tokens.weight")
-        self.lm_head = self.embed if spec.tie_word_embeddings and "lm_head.weight" not in tensors else take("lm_head.weight")
+        self.lm_head = self.embed if arch.tie_word_embeddings and "lm_head.weight" not in tensors else take("lm_head.weight")
         self.final_norm = take("model.norm.weight")
         self.layers: list[LayerWeights] = []
-        for i in range(spec.num_layers):
+        for i in range(arch.num_layers):
             p = f"model.layers.{i}"
             bias_names = [f"{p}.self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
             qkv_bias = torch.cat([take(n) for n in bias_names]) if all(n in tensors for n in bias_names) else None
@@ -257,20 +260,20 @@ class LlamaForward:
             ))
         # cos/sin per position in float32, as transformers computes them, cast to the model dtype at use.
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(spec)[None, :]
+        freqs = positions[:, None] * rope_inv_freq(arch)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos = emb.cos().to(device)
         self.rope_sin = emb.sin().to(device)
 
     @classmethod
     def load(cls, model_path: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForward:
-        spec = read_model_spec(model_path)
-        return cls(spec, _read_safetensors(model_path), dtype, device, max_positions)
+        arch = read_architecture(model_path)
+        return cls(arch, _read_safetensors(model_path), dtype, device, max_positions)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the model dtype, as transformers' LlamaRMSNorm does.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -285,7 +288,9 @@ class LlamaForward:
         One row per sequence (its last new token), or with all_logits one row per new token, in
         order. Sequences with several new tokens attend causally to their whole cached context.
         """
-        spec = self.spec
+        # Longer than the house's ~60 lines on purpose: the batch's index tensors (slots, block
+        # tables, masks) are built once and read by every layer; split, they would travel as a bag.
+        arch = self.arch
         device = self.device
         bs = cache.block_size_tokens
         lengths = [len(s.token_ids) for s in seqs]
@@ -316,7 +321,7 @@ class LlamaForward:
             decode_lengths = torch.tensor([context_lengths[i] for i in decode], dtype=torch.long, device=device)
             decode_mask = (torch.arange(max_blocks * bs, device=device)[None, :] < decode_lengths[:, None])[:, None, None, :]
 
-        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         x = self.embed[ids]
         for layer, kv in zip(self.layers, cache.layers):
             normed = self._rms_norm(x, layer.input_norm)

@@ -76,6 +76,7 @@ from kvfleet.worker.engines.base import (
     StepOutput,
     kv_blocks_bytes,
 )
+from kvfleet.worker.engines.capabilities import EngineCapabilities
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +284,12 @@ class VLLMEngine:
         if self._info is None:
             raise RuntimeError("VLLMEngine.info before start()")
         return self._info
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        # No KV migration: vLLM's public API exposes no running request's KV, so a migration from or
+        # to this engine moves the request's tokens (abort here, re-prefill there).
+        return EngineCapabilities()
 
     # -- requests ----------------------------------------------------------------------------------
 

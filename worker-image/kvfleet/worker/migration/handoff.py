@@ -27,12 +27,14 @@ from typing import Any
 
 import aiohttp
 
+from kvfleet.serving.httpapi import MIGRATED_EVENT, Migrated, bearer, continuation_path, sse_events
+from kvfleet.serving.openai_api import ResponseShape, token_meta
+from kvfleet.serving.stops import StopStrings
 from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
-from kvfleet.worker.text import Detokenizer, StopStrings, Tokenizer
+from kvfleet.worker.text import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-MIGRATED_EVENT = "kvfleet.migrated"
 # How long a handed-over request waits on the target for a reader before it is aborted.
 HANDOFF_ATTACH_TIMEOUT_S = 30.0
 # A continuation that sends nothing for this long is lost (a long re-prefill takes seconds, not minutes).
@@ -49,9 +51,6 @@ class HandoffTarget:
     # The target's HTTP address (ip:port): where readers attach to the continued stream.
     address: str
 
-    def to_json(self) -> dict[str, str]:
-        return {"pod": self.pod, "address": self.address}
-
 
 @dataclass(frozen=True)
 class Moved:
@@ -62,8 +61,13 @@ class Moved:
     index: int
 
     def event(self) -> bytes:
-        data = {"request_id": self.request_id, "index": self.index, "target": self.target.to_json()}
-        return f"event: {MIGRATED_EVENT}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+        """The `kvfleet.migrated` event that ends a router-mode stream (httpapi.Migrated: its wire form)."""
+        return Migrated(self.request_id, self.index, self.target.pod, self.target.address).event()
+
+    @classmethod
+    def of(cls, migrated: Migrated) -> Moved:
+        """The Moved a `kvfleet.migrated` event names."""
+        return cls(migrated.request_id, HandoffTarget(migrated.target_pod, migrated.target_address), migrated.index)
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,10 @@ class Handoffs:
 
 
 @dataclass(frozen=True)
-class Entry:
+class Chunk:
+    """One chunk of a handed-over request's stream: what the target buffers and what a follower reads."""
+
+    # Output index of its first token.
     index: int
     text: str
     finish_reason: str | None
@@ -241,7 +248,7 @@ class Adopted:
         self.handed = handed
         self.start_index = len(handed.output_token_ids)
         self.next_index = self.start_index
-        self.entries: list[Entry] = []
+        self.entries: list[Chunk] = []
         self.moved: Moved | None = None
         self.ended = False
         self.reader_attached = False
@@ -251,7 +258,7 @@ class Adopted:
         self.first_output = asyncio.Event()
 
     def add(self, text: str, finish_reason: str | None, token_ids: tuple[int, ...]) -> None:
-        self.entries.append(Entry(self.next_index, text, finish_reason, token_ids))
+        self.entries.append(Chunk(self.next_index, text, finish_reason, token_ids))
         self.next_index += len(token_ids)
         self.first_output.set()
         self._changed.set()
@@ -265,7 +272,7 @@ class Adopted:
     def boundaries(self) -> list[int]:
         return [self.start_index] + [e.index + len(e.token_ids) for e in self.entries]
 
-    async def read(self, after: int) -> AsyncIterator[Entry | Moved]:
+    async def read(self, after: int) -> AsyncIterator[Chunk | Moved]:
         """Entries from output index `after` (a chunk boundary), then the Moved if it moved on."""
         position = next(i for i, e in enumerate(self.entries + [None]) if e is None or e.index >= after)
         while True:
@@ -279,22 +286,14 @@ class Adopted:
             self._changed.clear()
             await self._changed.wait()
 
-    def chunk(self, entry: Entry) -> dict[str, Any]:
+    def chunk(self, entry: Chunk) -> dict[str, Any]:
+        """The entry as a router-mode chunk; a continuation is always a completion stream (relay.py reads both)."""
         h = self.handed
-        return {"id": h.request_id, "object": "text_completion", "created": h.created, "model": h.model,
-                "choices": [{"index": 0, "text": entry.text, "logprobs": None, "finish_reason": entry.finish_reason}],
-                "kvfleet": {"index": entry.index, "token_ids": list(entry.token_ids)}}
+        shape = ResponseShape(h.request_id, h.created, h.model, chat=False)
+        return shape.chunk(entry.text, entry.finish_reason, token_meta(entry.index, entry.token_ids))
 
 
 # ----------------------------------------------------------------------------- reading a continuation
-
-
-@dataclass(frozen=True)
-class Chunk:
-    index: int
-    text: str
-    finish_reason: str | None
-    token_ids: tuple[int, ...]
 
 
 async def follow(session: aiohttp.ClientSession, token: str, moved: Moved) -> AsyncIterator[Chunk]:
@@ -303,34 +302,23 @@ async def follow(session: aiohttp.ClientSession, token: str, moved: Moved) -> As
     Ends after the chunk with a finish reason; raises HandoffError when a target cannot be read.
     """
     while True:
-        url = f"http://{moved.target.address}/internal/requests/{moved.request_id}/stream"
-        headers = {"Authorization": f"Bearer {token}"}
+        url = f"http://{moved.target.address}{continuation_path(moved.request_id)}"
         next_moved: Moved | None = None
         try:
-            async with session.get(url, params={"after": str(moved.index)}, headers=headers,
+            async with session.get(url, params={"after": str(moved.index)}, headers=bearer(token),
                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=READ_TIMEOUT_S)) as response:
                 if response.status != 200:
                     raise HandoffError(f"{moved.target.pod} answered {response.status}: {(await response.text())[:200]}")
-                event = ""
-                async for raw in response.content:
-                    line = raw.decode().rstrip("\r\n")
-                    if line.startswith("event: "):
-                        event = line[len("event: "):]
-                    elif line.startswith("data: "):
-                        data = line[len("data: "):]
-                        if event == MIGRATED_EVENT:
-                            body = json.loads(data)
-                            next_moved = Moved(str(body["request_id"]), HandoffTarget(body["target"]["pod"],
-                                               body["target"]["address"]), int(body["index"]))
-                        elif data == "[DONE]":
-                            return
-                        else:
-                            body = json.loads(data)
-                            choice = body["choices"][0]
-                            yield Chunk(int(body["kvfleet"]["index"]), str(choice["text"]), choice["finish_reason"],
-                                        tuple(int(t) for t in body["kvfleet"]["token_ids"]))
-                    elif not line:
-                        event = ""
+                async for event, data in sse_events(response.content):
+                    if event == MIGRATED_EVENT:
+                        next_moved = Moved.of(Migrated.parse(data))
+                    elif data == "[DONE]":
+                        return
+                    else:
+                        body = json.loads(data)
+                        choice = body["choices"][0]
+                        yield Chunk(int(body["kvfleet"]["index"]), str(choice["text"]), choice["finish_reason"],
+                                    tuple(int(t) for t in body["kvfleet"]["token_ids"]))
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HandoffError(f"reading the continuation from {moved.target.pod}: {err}") from err
         if next_moved is None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from kvfleet.api.models import GROUP, VERSION
-from kvfleet.worker.migration.executor import MODES, MigrationResult, Mode
+from kvfleet.mell.migration import MoveMode
+from kvfleet.worker.migration.executor import MigrationResult, parse_mode
 from kvfleet.worker.migration.handoff import HandoffTarget
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ WATCH_TIMEOUT_S = 30
 RETRY_S = 1.0
 
 # (request id, target, migration address, mode, KV bytes a hybrid move copies or None)
-Migrate = Callable[[str, HandoffTarget, str, Mode, int | None], Awaitable[MigrationResult]]
+Migrate = Callable[[str, HandoffTarget, str, MoveMode, int | None], Awaitable[MigrationResult]]
 
 
 class MigrationAPI(Protocol):
@@ -136,11 +137,13 @@ class MigrationWatcher:
     async def execute(self, name: str, spec: dict[str, Any]) -> None:
         request_id = str(spec.get("requestId", ""))
         target_pod = str(spec.get("targetPod", ""))
-        mode = spec.get("mode", "kv")
+        written_mode = spec.get("mode", "kv")
         started = _stamp()
         await self._patch(name, {"phase": "Transferring", "startTime": started})
-        if mode not in MODES:
-            await self._patch(name, {"phase": "Failed", "completionTime": _stamp(), "message": f"unknown mode {mode!r}"})
+        mode = parse_mode(written_mode)
+        if mode is None:
+            await self._patch(name, {"phase": "Failed", "completionTime": _stamp(),
+                                     "message": f"unknown mode {written_mode!r}"})
             return
         try:
             ip = await asyncio.to_thread(self._api.pod_ip, target_pod)
@@ -154,8 +157,8 @@ class MigrationWatcher:
         target = HandoffTarget(target_pod, f"{ip}:{self.config.http_port}")
         log.info("KVMigration %s: moving %s to %s (%s) in %s mode", name, request_id, target_pod, ip, mode)
         # A hybrid move copies what the planner gave its link (expectedBytes) and re-prefills the rest.
-        kv_bytes = spec.get("expectedBytes") if mode == "hybrid" else None
-        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", cast(Mode, mode),
+        kv_bytes = spec.get("expectedBytes") if mode == MoveMode.HYBRID else None
+        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", mode,
                                      kv_bytes if isinstance(kv_bytes, int) else None)
         if result.succeeded:
             downtime_s = result.downtime_s or 0.0

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request and response shapes the worker (and later the router) speak.
+"""The OpenAI-compatible request and response shapes the workers and the router speak.
 
 Clients are OpenAI SDKs and tools built on them, so requests are validated against the subset of
 the OpenAI API that kvfleet implements, and everything else is refused with a 4xx in OpenAI's error
@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-# Longest request body the worker reads; prompts beyond the model's context are refused anyway.
+# Longest request body a worker or the router reads; prompts beyond the model's context are refused anyway.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 4
 
@@ -104,6 +106,16 @@ class ChatCompletionRequest(_Request):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def text_messages(self) -> list[dict[str, str]]:
+        """The messages as `{"role", "content"}` with text content, or the 400 for a part that is not text."""
+        try:
+            return [{"role": m.role, "content": m.text()} for m in self.messages]
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+
 
 class APIError(Exception):
     """A client error with everything the OpenAI error body needs."""
@@ -119,6 +131,14 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def validated(model: type[RequestT], raw: dict[str, Any]) -> RequestT:
+    """The request body as `model`, or the OpenAI-format 400 that names the first problem."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise validation_error(err) from None
 
 
 def validation_error(err: ValidationError) -> APIError:
@@ -164,3 +184,72 @@ def now_s() -> int:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_list(model_id: str, max_model_len: int) -> dict[str, Any]:
+    """GET /v1/models: the pool's one model, with its context length (vLLM's extension, which clients read)."""
+    return {"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": 0, "owned_by": "kvfleet", "max_model_len": max_model_len}]}
+
+
+def token_meta(index: int, token_ids: Sequence[int], prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """A router-mode chunk's `kvfleet` field (httpapi.TOKEN_STREAM_HEADER): the output index of its first
+    token and the token ids it covers; the stream's first chunk also carries the prompt's ids."""
+    meta: dict[str, Any] = {"index": index, "token_ids": list(token_ids)}
+    if prompt_token_ids is not None:
+        meta["prompt_token_ids"] = list(prompt_token_ids)
+    return meta
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """The response bodies of one request, completion or chat, whole or as stream chunks.
+
+    The worker and the router both answer in these shapes, and a worker's continuation of a request
+    handed over to it streams them too; one definition keeps a client's view the same whichever of
+    them it talks to. A chunk's `kvfleet` argument is its `token_meta` (router mode only).
+    """
+
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, text: str | None, finish: str | None, kvfleet: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk: `text` (None or "" for none) and the finish reason on the last."""
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._chunk([choice], kvfleet)
+
+    def first_chunk(self, kvfleet: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The chunk a stream opens with (chat: the assistant's role, as OpenAI sends it)."""
+        if not self.chat:
+            return self.chunk("", None, kvfleet)
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], kvfleet)
+
+    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
+        """The last chunk before [DONE] when the client asked for `stream_options.include_usage`."""
+        return {**self._chunk([], None), "usage": counts}
+
+    def _chunk(self, choices: list[dict[str, Any]], kvfleet: dict[str, Any] | None) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+        if kvfleet is not None:
+            body["kvfleet"] = kvfleet
+        return body
+
+    def whole(self, text: str, finish: str, counts: dict[str, int]) -> dict[str, Any]:
+        """The whole response of a request that did not ask to be streamed."""
+        if self.chat:
+            return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                 "finish_reason": finish}], "usage": counts}
+        return {**self.chunk(text, finish), "usage": counts}

@@ -1,0 +1,187 @@
+"""The builtin engine's `KVMigratable` capability: export, reserve, import, suspend, resume, release.
+
+capabilities.py documents the calls and their contract; this module is how the builtin engine keeps
+it, apart from the scheduling it builds on (builtin_scheduler.py). What it means here:
+- A stage's blocks are copied through the engine's one-thread executor, queued behind any step in
+  flight, so an export sees every token the request has cached.
+- KV imported or reserved for a request is held apart ("staged") until `resume` takes it; it counts
+  in kv_usage() under the request's id, as MELL must see it.
+- A resumed request goes to the front of the queue: a migrated request is already late.
+
+Refusals raise MigrationError (an EngineError). `BuiltinKVMigration` is an object of its own, not
+part of the engine, so that the feature is what `engine.capabilities.migration` hands out and
+nothing else: it is given the scheduler at construction, and the cache, the executor and the step
+lock when the engine starts (`open`), and it sees nothing else of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+from kvfleet.worker.engines.base import DuplicateRequest, SamplingParams, StepOutput
+from kvfleet.worker.engines.builtin_blocks import StagedKV, blocks_for
+from kvfleet.worker.engines.builtin_model import PagedKVCache
+from kvfleet.worker.engines.builtin_scheduler import RequestState, Scheduler
+from kvfleet.worker.engines.capabilities import KVBlocks, MigrationError, SuspendedRequest
+
+T = TypeVar("T")
+
+
+class BuiltinKVMigration:
+    """The KVMigratable calls over a builtin engine's scheduler, cache, executor and step lock."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        # Built with the engine, so `engine.capabilities` is the same before and after start (base.py);
+        # calls that need the cache refuse until `open`, as the engine's own calls do.
+        self._sched = sched
+        self._cache: PagedKVCache | None = None
+        self._executor: concurrent.futures.Executor | None = None
+        self._step_lock: asyncio.Lock | None = None
+
+    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor, step_lock: asyncio.Lock) -> None:
+        """Take a started engine's cache, its one-thread executor (all tensor work) and its step lock."""
+        self._cache = cache
+        self._executor = executor
+        self._step_lock = step_lock
+
+    def close(self) -> None:
+        """Let go of a stopped engine's cache and executor.
+
+        The step lock stays, as it does on the engine: a suspend after stop finds no request and
+        refuses with MigrationError (the engine aborted them all).
+        """
+        self._cache = None
+        self._executor = None
+
+    def _require_cache(self) -> PagedKVCache:
+        if self._cache is None:
+            raise RuntimeError("the builtin engine is not started")
+        return self._cache
+
+    async def _in_executor(self, fn: Callable[[], T]) -> T:
+        if self._executor is None:
+            raise RuntimeError("the builtin engine is not started")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def suspend(self, request_id: str) -> SuspendedRequest:
+        """Stop decoding the request at the next step boundary and keep its KV (see KVMigratable in capabilities.py)."""
+        assert self._step_lock is not None, "start() first"
+        sched = self._sched
+        async with self._step_lock:
+            req = sched.requests.get(request_id)
+            if req is None or req.state not in (RequestState.WAITING, RequestState.RUNNING):
+                raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
+            if req.state is RequestState.WAITING:
+                sched.waiting.remove(req)
+            else:
+                sched.running.remove(req)
+            req.state = RequestState.SUSPENDED
+            req.queue.put_nowait(None)
+            sched.wake()
+            return SuspendedRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(req.prompt),
+                output_token_ids=tuple(req.output),
+                params=req.params,
+                num_cached_tokens=req.num_cached,
+            )
+
+    async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> KVBlocks:
+        """Copy blocks [first_block, end_block) of the request's KV to the CPU (see KVMigratable in capabilities.py)."""
+        req = self._sched.requests.get(request_id)
+        if req is None or not req.blocks:
+            raise MigrationError(f"request {request_id!r} holds no KV on this engine")
+        bs = self._sched.block_size_tokens
+        cached = req.num_cached
+        written = blocks_for(cached, bs)
+        if end_block is None:
+            # A running request keeps writing into its last, partial block: only full blocks are final.
+            end_block = cached // bs if req.state is RequestState.RUNNING else written
+        if not 0 <= first_block <= end_block <= written:
+            raise MigrationError(f"blocks [{first_block}, {end_block}) of {request_id!r}: it has {written} written blocks")
+        block_ids = req.blocks[first_block:end_block]
+        num_tokens = max(0, min(cached, end_block * bs) - first_block * bs)
+        cache = self._require_cache()
+        # Queued behind any step in flight, so the copy sees every token counted in `cached`.
+        data = await self._in_executor(lambda: cache.read_blocks(block_ids).cpu())
+        return KVBlocks(request_id, first_block, num_tokens, bs, data)
+
+    def reserve_kv(self, request_id: str, num_blocks: int) -> None:
+        """Pre-allocate blocks [0, num_blocks) for KV about to be imported under request_id.
+
+        A migration's destination reserves each stage's blocks before the bytes are sent, so a full
+        destination refuses at once (MigrationError) instead of after the copy; `import_kv` then
+        writes into the reserved blocks, and `release` frees them if the migration is abandoned.
+        """
+        if request_id in self._sched.requests:
+            raise DuplicateRequest(f"request {request_id!r} is already on this engine")
+        self._require_cache()
+        self._stage_blocks(request_id, num_blocks)
+
+    async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
+        """Allocate and fill blocks for a request about to be resumed here (see KVMigratable in capabilities.py)."""
+        sched = self._sched
+        if request_id in sched.requests:
+            raise DuplicateRequest(f"request {request_id!r} is already on this engine")
+        cache = self._require_cache()
+        bs = sched.block_size_tokens
+        expected = (2, kv.num_blocks, *cache.block_shape)
+        if kv.block_size_tokens != bs or tuple(kv.data.shape[1:]) != expected or kv.data.shape[0] != len(cache.layers):
+            raise MigrationError(f"KV blocks of shape {tuple(kv.data.shape)} (block size {kv.block_size_tokens}) do not fit "
+                                 f"this engine's cache ({len(cache.layers)}, {', '.join(map(str, expected))})")
+        staged = sched.staged.get(request_id) or StagedKV()
+        if kv.first_block > len(staged.blocks) or kv.first_block * bs > staged.num_tokens:
+            raise MigrationError(f"KV of {request_id!r} from block {kv.first_block} leaves a gap: "
+                                 f"{staged.num_tokens} tokens imported so far")
+        staged = self._stage_blocks(request_id, kv.end_block)
+        staged.num_tokens = max(staged.num_tokens, kv.end_token)
+        block_ids = staged.blocks[kv.first_block:kv.end_block]
+        await self._in_executor(lambda: cache.write_blocks(block_ids, kv.data))
+
+    def _stage_blocks(self, request_id: str, num_blocks: int) -> StagedKV:
+        """Grow the request's staged KV to at least `num_blocks` blocks, or refuse if they are not free."""
+        sched = self._sched
+        staged = sched.staged.get(request_id) or StagedKV()
+        num_new = max(0, num_blocks - len(staged.blocks))
+        if num_new > len(sched.pool.free):
+            raise MigrationError(f"no room for {num_new} KV blocks of {request_id!r}: {len(sched.pool.free)} free")
+        staged.blocks.extend(sched.pool.allocate(num_new))
+        sched.staged[request_id] = staged
+        return staged
+
+    def resume(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+               params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Continue a request from its tokens and any KV held for it here (see KVMigratable in capabilities.py)."""
+        sched = self._sched
+        own = sched.requests.get(request_id)
+        if own is not None and own.state is not RequestState.SUSPENDED:
+            raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
+        if len(output_token_ids) >= params.max_tokens:
+            raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
+        req = sched.new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
+        if own is not None:
+            req.blocks, req.num_cached = own.blocks, own.num_cached
+            own.blocks, own.state = [], RequestState.FINISHED
+        elif request_id in sched.staged:
+            staged = sched.staged.pop(request_id)
+            req.blocks, req.num_cached = staged.blocks, staged.num_tokens
+        # At least the last token is computed again: its logits give the next token.
+        req.num_cached = min(req.num_cached, req.num_tokens - 1)
+        # Ahead of new requests: a migrated request is already late by its downtime.
+        return sched.enqueue(req, front=True)
+
+    def release(self, request_id: str) -> None:
+        """Free the KV of a suspended request, or KV imported for one (see KVMigratable in capabilities.py)."""
+        sched = self._sched
+        req = sched.requests.get(request_id)
+        if req is not None:
+            if req.state is not RequestState.SUSPENDED:
+                raise MigrationError(f"request {request_id!r} is {req.state.value}: abort it instead")
+            sched.pool.release(req.blocks)
+            req.blocks, req.state = [], RequestState.FINISHED
+            del sched.requests[request_id]
+        sched.release_staged(request_id)
+        sched.wake()

@@ -1,0 +1,326 @@
+"""The builtin engine's batch scheduler: its requests, their queues and blocks, and what each step runs.
+
+Everything here runs on the event loop and touches no tensor (the engine, builtin.py, runs the
+step's torch work on its own thread between `schedule` and `process`), so the request state machine
+can be read and tested apart from the model. Scheduling is vLLM-like:
+- Each step admits waiting requests (FIFO) while max_num_seqs and free blocks allow, prefills them
+  whole (no chunking; at most PREFILL_TOKENS_PER_STEP prompt tokens a step, but always at least
+  one request), and decodes every running request, all in one forward.
+- After a step each continuing request holds blocks for all its tokens, including the slot of the
+  token it just sampled (the next step writes it), so kv_usage() counts prompt + generated tokens
+  and whole blocks, as MELL sizes requests. When blocks run out, the most recently admitted request
+  is preempted: its blocks are freed and it goes back to the front of the queue, to be re-prefilled
+  from prompt + generated tokens (vLLM's recompute policy; its stream sees no gap but a delay).
+- A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
+  suspend hands it on (builtin_sampling.py says why the seed is all a resume needs).
+
+`num_preemptions` and `num_prefilled_tokens` count what recompute cost, for metrics and to check
+what a resume re-prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from kvfleet.worker.engines.base import (
+    EngineError,
+    FinishReason,
+    RequestKV,
+    RequestTooLong,
+    SamplingParams,
+    StepOutput,
+    kv_blocks_bytes,
+)
+from kvfleet.worker.engines.builtin_blocks import BlockPool, StagedKV, blocks_for
+from kvfleet.worker.engines.builtin_model import SeqBatchEntry
+from kvfleet.worker.engines.builtin_sampling import Sampling
+
+logger = logging.getLogger(__name__)
+
+# Prefill is not chunked: this bounds how many prompt tokens one step adds (and so how long the
+# running requests wait for their next token), except that a longer single prompt still goes alone.
+PREFILL_TOKENS_PER_STEP = 2048
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    FINISHED = "finished"
+
+
+# What a request's stream receives: an output, an error, or None when it was suspended.
+StreamItem = StepOutput | EngineError | None
+
+
+@dataclass(eq=False)
+class Request:
+    """The engine's mutable bookkeeping of one request (lives on the event loop only)."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    seed: int
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    state: RequestState = RequestState.WAITING
+    blocks: list[int] = field(default_factory=list)
+    # Tokens whose K and V are written in `blocks`.
+    num_cached: int = 0
+    admitted_seq: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's batch: the requests, what the forward reads for each, and how each samples."""
+
+    requests: tuple[Request, ...]
+    entries: tuple[SeqBatchEntry, ...]
+    samplings: tuple[Sampling, ...]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a started engine's model allows a request (set by `Scheduler.open`)."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_bytes_per_token: int
+
+
+class Scheduler:
+    """The requests of one builtin engine and the choice of what each step computes."""
+
+    def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.block_size_tokens = block_size_tokens
+        self.pool = BlockPool(0, 0)
+        self.limits: ModelLimits | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.staged: dict[str, StagedKV] = {}
+        # Set when there may be work for the engine's step loop.
+        self.wake_event: asyncio.Event | None = None
+        self._admissions = 0
+        self._rng = random.Random(seed)
+        # Counters for metrics and benchmarks: how much recompute preemption and re-prefill cost.
+        self.num_preemptions = 0
+        self.num_prefilled_tokens = 0
+
+    def open(self, pool: BlockPool, limits: ModelLimits, eos_ids: frozenset[int]) -> None:
+        """Take a started engine's cache and model limits."""
+        self.pool = pool
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.wake_event = asyncio.Event()
+
+    def abort_all(self) -> None:
+        """Abort every request and free staged KV (the engine is stopping)."""
+        for req in list(self.requests.values()):
+            self.abort(req)
+        for request_id in list(self.staged):
+            self.release_staged(request_id)
+
+    def close(self) -> None:
+        """Let go of the stopped engine's cache: new requests are refused until the next `open`."""
+        self.pool = BlockPool(0, 0)
+        self.limits = None
+
+    def wake(self) -> None:
+        if self.wake_event is not None:
+            self.wake_event.set()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
+        """A request checked against the model's limits, with a seed (not queued yet)."""
+        limits = self.limits
+        if limits is None:
+            raise RuntimeError("the builtin engine is not started")
+        if not prompt:
+            raise EngineError("the prompt has no tokens")
+        vocab_size = limits.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt + output):
+            raise EngineError(f"token ids must be in [0, {vocab_size})")
+        if len(prompt) + params.max_tokens > limits.max_model_len:
+            raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                                 f"model's context of {limits.max_model_len} tokens")
+        # The most KV it ever holds: every token but the last one sampled.
+        most_blocks = blocks_for(len(prompt) + params.max_tokens - 1, self.block_size_tokens)
+        if most_blocks > self.pool.num_blocks:
+            raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need {most_blocks} KV "
+                                 f"blocks; this engine has {self.pool.num_blocks}")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(request_id, prompt, output, replace(params, seed=seed), seed)
+
+    def enqueue(self, req: Request, *, front: bool = False) -> AsyncIterator[StepOutput]:
+        """Queue a request (at the front: it is already late) and return its stream."""
+        self.requests[req.request_id] = req
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+        self.wake()
+        return self._stream(req)
+
+    async def _stream(self, req: Request) -> AsyncIterator[StepOutput]:
+        try:
+            while True:
+                item = await req.queue.get()
+                if item is None:  # suspended: the request goes on in the stream resume() returns
+                    return
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # The consumer left early (or was cancelled): nobody reads this request any more.
+            if req.state in (RequestState.WAITING, RequestState.RUNNING):
+                self.abort(req)
+
+    def abort(self, req: Request) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        elif req.state is RequestState.RUNNING:
+            self.running.remove(req)
+        if req.state is not RequestState.SUSPENDED:  # a suspended request's stream has ended already
+            req.queue.put_nowait(StepOutput(req.request_id, (), finished=True, finish_reason="abort",
+                                            num_tokens=req.num_tokens))
+        self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.state = RequestState.FINISHED
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        self.wake()
+
+    def release_staged(self, request_id: str) -> None:
+        staged = self.staged.pop(request_id, None)
+        if staged is not None:
+            self.pool.release(staged.blocks)
+
+    # -- accounting ----------------------------------------------------------------------------------
+
+    def kv_usage(self) -> list[RequestKV]:
+        block_bytes = self.pool.block_bytes
+        usage = []
+        for req in self.requests.values():
+            if req.blocks:
+                tokens = req.num_cached if req.state is RequestState.WAITING else req.num_tokens
+                usage.append(RequestKV(req.request_id, tokens, len(req.blocks) * block_bytes))
+        for request_id, staged in self.staged.items():
+            if staged.blocks:
+                usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))
+        return sorted(usage, key=lambda r: r.request_id)
+
+    def num_waiting(self) -> int:
+        return sum(1 for req in self.waiting if not req.blocks)
+
+    def queued(self) -> list[RequestKV]:
+        if self.limits is None:
+            return []
+        kv_bytes_per_token = self.limits.kv_bytes_per_token
+        return sorted((RequestKV(req.request_id, req.num_tokens,
+                                 kv_blocks_bytes(req.num_tokens, self.block_size_tokens, kv_bytes_per_token))
+                       for req in self.waiting if not req.blocks), key=lambda r: r.request_id)
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        """Admit what fits and return the step's batch, or None when nothing runs."""
+        bs = self.block_size_tokens
+        free = self.pool.free
+        budget_tokens = PREFILL_TOKENS_PER_STEP
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            req = self.waiting[0]
+            num_new_tokens = req.num_tokens - req.num_cached
+            num_new_blocks = blocks_for(req.num_tokens, bs) - len(req.blocks)
+            if num_new_blocks > len(free) or (admitted and num_new_tokens > budget_tokens):
+                break
+            self.waiting.popleft()
+            req.blocks.extend(self.pool.allocate(max(0, num_new_blocks)))
+            req.state = RequestState.RUNNING
+            req.admitted_seq = self._admissions
+            self._admissions += 1
+            admitted.append(req)
+            budget_tokens -= num_new_tokens
+            self.num_prefilled_tokens += num_new_tokens
+        self.running.extend(admitted)
+        if not self.running:
+            return None
+        requests = tuple(self.running)
+        entries = tuple(SeqBatchEntry(tuple(req.context()[req.num_cached:]), req.num_cached, tuple(req.blocks))
+                        for req in requests)
+        samplings = tuple(Sampling(req.params.temperature, req.params.top_p, req.seed, req.num_tokens)
+                          for req in requests)
+        return Step(requests, entries, samplings)
+
+    def process(self, step: Step, tokens: list[int]) -> None:
+        """Hand each request its sampled token, finish those that are done, and reserve the next slots."""
+        eos_ids = self.eos_ids
+        for req, token in zip(step.requests, tokens):
+            if req.state is not RequestState.RUNNING:  # aborted while the step ran
+                continue
+            req.num_cached = req.num_tokens
+            req.output.append(token)
+            reason: FinishReason | None = None
+            if (token in eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_tokens:
+                reason = "length"
+            req.queue.put_nowait(StepOutput(req.request_id, (token,), finished=reason is not None,
+                                            finish_reason=reason, num_tokens=req.num_tokens))
+            if reason is not None:
+                self.running.remove(req)
+                self.finish(req)
+        self._reserve_next_slots()
+
+    def _reserve_next_slots(self) -> None:
+        """Give every running request the block its next token goes to, preempting the newest if short."""
+        bs = self.block_size_tokens
+        free = self.pool.free
+        for req in list(self.running):
+            if req.state is not RequestState.RUNNING:  # preempted below for an older request
+                continue
+            num_new_blocks = blocks_for(req.num_tokens, bs) - len(req.blocks)
+            while num_new_blocks > len(free) and req.state is RequestState.RUNNING:
+                self._preempt(self.running[-1])
+            if req.state is RequestState.RUNNING and num_new_blocks > 0:
+                req.blocks.extend(self.pool.allocate(num_new_blocks))
+
+    def _preempt(self, req: Request) -> None:
+        logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks, req.num_cached, req.state = [], 0, RequestState.WAITING
+        self.waiting.appendleft(req)
+
+    def fail(self, step: Step, error: EngineError) -> None:
+        """A step that raised fails its requests (not the engine)."""
+        for req in step.requests:
+            if req.state in (RequestState.RUNNING, RequestState.WAITING):  # (waiting: preempted in the failed step)
+                (self.running if req.state is RequestState.RUNNING else self.waiting).remove(req)
+                req.queue.put_nowait(error)
+                self.finish(req)

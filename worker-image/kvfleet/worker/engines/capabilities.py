@@ -1,0 +1,162 @@
+"""What an engine can do beyond the `Engine` contract, declared so that callers never ask its type.
+
+Engines differ: the builtin engine can hand a running request's KV blocks to another engine, vLLM
+cannot (its public API exposes no running request's KV). The executor, the agent and the router
+must not branch on which engine runs, so every engine answers `engine.capabilities` with an
+`EngineCapabilities`: one field per optional feature, holding the object that implements it (one
+the engine builds and hands out, such as the builtin engine's BuiltinKVMigration) or None where the
+engine lacks it. A caller asks the capability, never the type:
+
+    migration = engine.capabilities.migration
+    if migration is not None:
+        kv = await migration.export_kv(request_id)
+
+Adding a feature (elastic capacity, lending KV blocks, a prefix cache) follows the same steps: a
+Protocol here with what its callers need, a field on `EngineCapabilities` defaulting to None (so no
+engine has to change), and the engines that have it fill the field in.
+
+`KVMigratable` is the first such feature: what live migration (migration/executor.py) needs from the
+engines at both ends. Source S, destination D, on the engines' event loops:
+
+    # staged copy while the request keeps decoding on S (full blocks only, by default):
+    kv = await S.export_kv(request_id, first_block=0)          # -> KVBlocks
+    D.reserve_kv(request_id, kv.end_block)                      # refuse before the bytes move
+    await D.import_kv(request_id, kv)                          # D fills the blocks
+    kv = await S.export_kv(request_id, first_block=kv.end_block)   # ... more stages
+    state = await S.suspend(request_id)                        # stop decoding, keep the KV on S
+    kv = await S.export_kv(request_id, first_block=...)        # last stage, partial block included
+    await D.import_kv(request_id, kv)
+    stream = D.resume(request_id, state.prompt_token_ids, state.output_token_ids, state.params)
+    S.release(request_id)                                      # free the KV on S
+
+An engine with the capability can both export and import: a migration in KV mode needs it at both
+ends, and falls back to moving tokens otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
+
+
+class MigrationError(EngineError):
+    """A migration call that cannot be carried out (unknown request, wrong state, no room)."""
+
+
+@dataclass(frozen=True)
+class SuspendedRequest:
+    """All a destination needs to continue a request, besides its KV."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    # With the seed the source used (its own choice when the client gave none).
+    params: SamplingParams
+    # Tokens whose K and V are in the cache: prompt + output except the last output token.
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """A run of one request's KV blocks, all layers: what one stage of a KV migration carries."""
+
+    request_id: str
+    first_block: int
+    # Valid tokens in these blocks, from the first block's start; the last block may be partial.
+    num_tokens: int
+    block_size_tokens: int
+    # [layers, 2 (K, V), blocks, block_size_tokens, kv_heads, head_dim], on the CPU.
+    data: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def end_block(self) -> int:
+        """The first block after these: where the next stage starts."""
+        return self.first_block + self.num_blocks
+
+    @property
+    def end_token(self) -> int:
+        """Tokens covered from the start of the request up to the end of these blocks' valid tokens."""
+        return self.first_block * self.block_size_tokens + self.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel() * self.data.element_size())
+
+
+class KVMigratable(Protocol):
+    """Moving a running request's KV blocks between engines (the calls in the module docstring).
+
+    Refusals raise MigrationError (an EngineError) unless said otherwise.
+    """
+
+    async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> KVBlocks:
+        """Blocks [first_block, end_block) of the request's block table, all layers, copied to the CPU.
+
+        end_block defaults to the blocks that can no longer change: the full ones while the request
+        runs, all that hold KV once it is suspended. A partial block may be asked for explicitly;
+        KVBlocks.num_tokens says how many of its tokens are valid. A request that holds no KV
+        (queued, or preempted) can only move in token mode: this raises MigrationError.
+        """
+        ...
+
+    def reserve_kv(self, request_id: str, num_blocks: int) -> None:
+        """Allocate (without writing) blocks [0, num_blocks) for KV about to be imported under request_id.
+
+        A destination reserves each stage's blocks before the bytes are sent, so a full destination
+        refuses at once instead of after the copy; `import_kv` then writes into them, and `release`
+        frees them if the migration is abandoned.
+        """
+        ...
+
+    async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
+        """Allocate (unless reserved) and write blocks for a request about to be resumed here.
+
+        Stages must be contiguous; a stage may re-send the last (partial) block.
+        """
+        ...
+
+    async def suspend(self, request_id: str) -> SuspendedRequest:
+        """At a step boundary, stop scheduling the request and keep its KV.
+
+        Its generate() stream ends without a finished output (the request did not finish: its
+        continuation is the stream `resume` returns). Waiting requests can be suspended too.
+        """
+        ...
+
+    def resume(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+               params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Continue a request; the stream yields only tokens after output_token_ids.
+
+        With KV imported for request_id it re-prefills only the tokens the KV does not cover (KV
+        mode: the last token; hybrid mode: the tail after the last block sent); without, all of
+        prompt + output (token mode). On the engine where the request is suspended it continues
+        from its own KV (rollback of a failed migration). Raises like generate(), before yielding
+        anything. It takes no KV argument: what import_kv staged under request_id is the KV, so a
+        resume cannot pair tokens with another request's blocks.
+        """
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Free a suspended request's KV on the source, or KV imported on the destination for a
+        migration that will not be resumed. Unknown ids are ignored."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """The optional features an engine has: each field is the feature's implementation, or None.
+
+    New features are new fields defaulting to None (see the module docstring).
+    """
+
+    # Export and import a running request's KV (live migration in KV and hybrid mode).
+    migration: KVMigratable | None = None

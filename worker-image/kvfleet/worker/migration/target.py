@@ -1,0 +1,150 @@
+"""The destination's side of one migration: take the KV stages in, then the request itself.
+
+The destination is passive: it answers the frames the source sends (wire.py) and never holds on to
+anything it was not told to keep. Staged KV is reserved before its bytes move, so a full worker
+refuses a stage at once; whatever a migration reserved or imported is released unless it commits,
+including when the source goes quiet (`PREALLOCATION_TIMEOUT_S`) or the connection drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvfleet.worker.engines.base import EngineError
+from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
+from kvfleet.worker.migration.handoff import HandedRequest
+from kvfleet.worker.migration.host import Host, continue_on
+from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationMetrics
+from kvfleet.worker.migration.transport import Channel, TransportError
+from kvfleet.worker.migration.wire import (
+    REPLY_TIMEOUT_S,
+    TargetError,
+    as_bytes,
+    empty_stage_tensor,
+    stage_blocks,
+    stage_shape,
+)
+
+log = logging.getLogger(__name__)
+
+# The destination frees reserved blocks when the source says nothing for this long.
+PREALLOCATION_TIMEOUT_S = 30.0
+
+
+class TargetRun:
+    """One incoming migration on an authenticated channel, from `begin` to `commit` or `abort`."""
+
+    def __init__(self, host: Host, metrics: MigrationMetrics, clock: Callable[[], float], channel: Channel) -> None:
+        self.host = host
+        self.engine = host.engine
+        # None: this engine cannot import KV, and the source moves the request by its tokens.
+        self.migration: KVMigratable | None = self.engine.capabilities.migration
+        self.metrics = metrics
+        self.clock = clock
+        self.channel = channel
+
+    async def go(self) -> None:
+        host, channel = self.host, self.channel
+        request_id = await self._hello()
+        if request_id is None:
+            return
+        committed = False
+        host.incoming(request_id, True)
+        try:
+            while True:
+                frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
+                op = frame.header.get("op")
+                if op == "stage" and self.migration is not None:
+                    await self._receive_stage(self.migration, request_id, frame.header)
+                elif op == "commit":
+                    committed = await self._commit(request_id, frame.header)
+                    return
+                elif op == "abort":
+                    log.info("migration of %s here abandoned by the source: %s", request_id, frame.header.get("reason", ""))
+                    return
+                else:
+                    await channel.send({"ok": False, "error": f"unexpected {op!r}"})
+                    return
+        finally:
+            host.incoming(request_id, False)
+            if not committed and self.migration is not None:
+                try:
+                    self.migration.release(request_id)  # reserved and imported blocks of a migration that will not land
+                except MigrationError as err:
+                    log.warning("freeing the KV staged for %s: %s", request_id, err)
+                host.nudge_reporter()
+
+    async def _hello(self) -> str | None:
+        """Answers `begin`: the request id to take in, or None when this worker refused it."""
+        host, engine, channel = self.host, self.engine, self.channel
+        frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
+        if frame.header.get("op") != "begin":
+            await channel.send({"ok": False, "error": "expected begin"})
+            return None
+        request_id = str(frame.header.get("request_id", ""))
+        if not host.accepts_migrations():
+            await channel.send({"ok": False, "error": "this worker is not ready or is shutting down"})
+            return None
+        if request_id in {r.request_id for r in engine.kv_usage()} or host.live_request(request_id) is not None:
+            await channel.send({"ok": False, "error": f"request {request_id!r} is already on this worker"})
+            return None
+        info = engine.info
+        await channel.send({"ok": True, "engine": info.engine, "kv": self.migration is not None,
+                            "block_size_tokens": info.block_size_tokens, "kv_bytes_per_token": info.kv_bytes_per_token})
+        return request_id
+
+    async def _receive_stage(self, migration: KVMigratable, request_id: str, header: dict[str, Any]) -> None:
+        channel = self.channel
+        first_block, num_blocks = int(header["first_block"]), stage_shape(header)[2]
+        try:
+            migration.reserve_kv(request_id, first_block + num_blocks)
+        except EngineError as err:
+            await channel.send({"ok": False, "error": str(err)})
+            raise TargetError(str(err)) from None
+        await channel.send({"ok": True})
+        frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
+        if frame.header.get("op") != "data":
+            raise TargetError(f"expected the stage's data, got {frame.header.get('op')!r}")
+        data = empty_stage_tensor(header)
+        await channel.read_payload(frame.payload_nbytes, as_bytes(data))
+        try:
+            await migration.import_kv(request_id, stage_blocks(request_id, header, data))
+        except EngineError as err:
+            await channel.send({"ok": False, "error": str(err)})
+            raise TargetError(str(err)) from None
+        await channel.send({"ok": True})
+
+    async def _commit(self, request_id: str, header: dict[str, Any]) -> bool:
+        handed = HandedRequest.from_json(header["handed"])
+        engine = self.engine
+        held_tokens = next((r.tokens for r in engine.kv_usage() if r.request_id == request_id), 0)
+        started = self.clock()
+        try:
+            stream = continue_on(engine, handed)
+        except EngineError as err:
+            await self.channel.send({"ok": False, "error": str(err)})
+            return False
+        adopted = self.host.adopt(handed, stream)
+        # The reply waits for the first token here, so the source measures the whole pause.
+        try:
+            await asyncio.wait_for(adopted.first_output.wait(), REPLY_TIMEOUT_S)
+        except TimeoutError:
+            pass
+        elapsed_s = self.clock() - started
+        total = len(handed.prompt_token_ids) + len(handed.output_token_ids)
+        prefilled = max(1, total - min(held_tokens, total - 1))
+        prefill_rate = prefilled / elapsed_s if elapsed_s > 0 else None
+        if prefill_rate is not None and prefilled > MIN_PREFILL_SAMPLE_TOKENS:
+            self.metrics.prefill.set(prefill_rate)
+        try:
+            await self.channel.send({"ok": True, "prefilled_tokens": prefilled, "first_output_s": elapsed_s})
+        except TransportError:
+            # The source cannot know we took it and will resume it itself: one of the two must go.
+            if adopted.task is not None:
+                adopted.task.cancel()
+            raise
+        self.host.nudge_reporter()
+        return True

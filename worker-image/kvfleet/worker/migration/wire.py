@@ -1,0 +1,64 @@
+"""The conversation between a migration's two executors, so that both sides read one description of it.
+
+One migration is one transport channel (transport.py), opened by the source. Each frame is a JSON
+header, the `data` frame with the KV blocks' bytes as its payload:
+
+    source -> destination                            destination -> source
+    {"op": "begin", "request_id", "mode"}            {"ok", "engine", "kv", "block_size_tokens",
+                                                      "kv_bytes_per_token"}  ("kv": it can import KV)
+    {"op": "stage", "first_block", "num_tokens",     {"ok"}  the stage's blocks are reserved
+     "block_size_tokens", "shape", "dtype"}
+    {"op": "data"} + the blocks' bytes               {"ok"}  written
+    {"op": "commit", "handed": HandedRequest}        {"ok", "prefilled_tokens", "first_output_s"}
+    {"op": "abort", "reason"}                        (no reply: the destination frees what it holds)
+
+Any reply may be {"ok": false, "error"} instead: the destination refused (TargetError at the source).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvfleet.worker.engines.capabilities import KVBlocks
+
+# How long a reply (a stage written, a commit done) may take before the source gives up; the
+# destination waits as long for a resumed request's first token before it answers a commit.
+REPLY_TIMEOUT_S = 30.0
+
+
+class TargetError(Exception):
+    """The destination refused or failed a step (its message says why)."""
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes, without a copy (any dtype, bfloat16 included)."""
+    array: Any = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def stage_header(kv: KVBlocks) -> dict[str, Any]:
+    """The `stage` frame announcing these blocks (their bytes follow in a `data` frame)."""
+    return {"op": "stage", "first_block": kv.first_block, "num_tokens": kv.num_tokens,
+            "block_size_tokens": kv.block_size_tokens, "shape": list(kv.data.shape), "dtype": str(kv.data.dtype)}
+
+
+def stage_shape(header: dict[str, Any]) -> tuple[int, ...]:
+    """The announced blocks' tensor shape; its third dimension is the number of blocks."""
+    return tuple(int(d) for d in header["shape"])
+
+
+def empty_stage_tensor(header: dict[str, Any]) -> torch.Tensor:
+    """A CPU tensor of the announced shape and dtype, for the `data` payload to be read into."""
+    name = str(header["dtype"])
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TargetError(f"unknown dtype {name!r}")
+    return torch.empty(stage_shape(header), dtype=dtype)
+
+
+def stage_blocks(request_id: str, header: dict[str, Any], data: torch.Tensor) -> KVBlocks:
+    """The blocks a `stage` header announced, with the bytes its `data` frame carried."""
+    return KVBlocks(request_id, int(header["first_block"]), int(header["num_tokens"]), int(header["block_size_tokens"]),
+                    data)

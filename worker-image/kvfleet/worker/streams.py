@@ -1,0 +1,222 @@
+"""One request's life on this worker's engine, as a stream of text deltas that survives a migration.
+
+Both HTTP shapes (whole JSON and SSE, completion and chat) and a request handed over to this worker
+consume the same stream: `RequestStreams.deltas` turns the engine's token steps into text (the
+detokenizer, stop strings), and when a migration stops the request here it asks the hand-off
+(`migration.handoff`) what follows: the stream rolled back to this engine, the target's continuation
+relayed for a direct client, or `RequestMoved` for a router, which follows the move itself. It also
+keeps the bookkeeping the rest of the agent reads: which requests run here (drain, the executor) and
+how many direct clients' streams are being relayed from elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvfleet.serving.httpapi import REQUEST_ID_HEADER
+from kvfleet.serving.openai_api import APIError, now_s
+from kvfleet.serving.stops import StopStrings
+from kvfleet.worker.engines.base import DuplicateRequest, Engine, EngineError, RequestTooLong, SamplingParams, StepOutput
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.migration.handoff import (
+    Continue,
+    HandedRequest,
+    HandoffError,
+    Handoffs,
+    LiveRequest,
+    Moved,
+    RequestMoved,
+    StreamPosition,
+    TextState,
+    follow,
+)
+from kvfleet.worker.text import Detokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# (text delta, finish reason or None, token ids of this step)
+Delta = tuple[str, str | None, tuple[int, ...]]
+
+
+@dataclass
+class Job:
+    """One admitted request, ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...]
+    model: str = ""
+    created: int = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A request handed over to this worker: the stream its engine continues it in, and where it stood."""
+
+    stream: AsyncIterator[StepOutput]
+    handed: HandedRequest
+
+
+class RequestStreams:
+    """The requests running on this worker's engine, each read as text deltas."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: WorkerMetrics, handoffs: Handoffs,
+                 pool_token: str | None, nudge_reporter: Callable[[], None]) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.handoffs = handoffs
+        self.pool_token = pool_token
+        self.nudge_reporter = nudge_reporter
+        self.live: dict[str, LiveRequest] = {}
+        self.active: set[str] = set()
+        # Direct clients' streams relayed from the worker their request moved to (drain waits for them).
+        self.num_relays = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def collect(self, job: Job) -> tuple[str, str, int]:
+        """The whole text, the finish reason and the number of completion tokens (a direct client's)."""
+        parts: list[str] = []
+        finish = "abort"
+        tokens = 0
+        async for text, reason, ids in self.deltas(job, follow_moves=True):
+            parts.append(text)
+            tokens += len(ids)
+            if reason is not None:
+                finish = reason
+        return "".join(parts), finish, tokens
+
+    async def deltas(self, job: Job, follow_moves: bool = True, resumed: Resumed | None = None
+                     ) -> AsyncGenerator[Delta, None]:
+        """(text delta, finish reason or None, token ids of this step) until the request ends.
+
+        Stop strings end the request here: the engine's stream is closed, which aborts it there.
+        When a migration stops the request on this engine, the executor's outcome decides what
+        follows: the stream the source resumed (rolled back), or the target's continuation, relayed
+        (`follow_moves`, a direct client) or left to the reader (RequestMoved, a router). `resumed`
+        continues a request handed over to this worker from where the source's stream stood.
+        """
+        request_id = job.request_id
+        stream: AsyncIterator[StepOutput]
+        if resumed is None:
+            stream = self.engine.generate(request_id, job.prompt_token_ids, job.params)
+            detok = self.tokenizer.detokenizer(job.prompt_token_ids)
+            stops = StopStrings(job.stops)
+            outputs: list[int] = []
+            self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        else:
+            stream = resumed.stream
+            detok, stops = resumed.handed.text.restore(self.tokenizer, job.stops)
+            outputs = list(resumed.handed.output_token_ids)
+        self.live[request_id] = live = LiveRequest(request_id, job.prompt_token_ids, job.params, job.stops, job.created,
+                                                   job.model, detok, stops, outputs)
+        self.active.add(request_id)
+        self.nudge_reporter()
+        finish: str | None = None
+        relaying = False
+        try:
+            while True:
+                async with aclosing(self._engine_deltas(request_id, stream, detok, stops, outputs)) as steps:
+                    async for delta in steps:
+                        finish = delta[1]
+                        yield delta
+                if finish is not None:
+                    break
+                # The engine's stream ended unfinished: a migration stopped it, or it was aborted.
+                outcome = await self.handoffs.stopped(request_id, StreamPosition(tuple(outputs), TextState.of(detok, stops)))
+                if isinstance(outcome, Continue):
+                    log.info("migration of %s rolled back: it continues here", request_id)
+                    stream = outcome.stream
+                    continue
+                if outcome is None:
+                    break
+                if not follow_moves:
+                    raise RequestMoved(outcome)
+                # The request lives elsewhere now (it may even come back here): only the relay is ours.
+                self._leave(request_id, live)
+                relaying = True
+                self.num_relays += 1
+                async for text, finish, ids in self._relay(outcome):
+                    outputs.extend(ids)
+                    yield text, finish, ids
+                break
+        finally:
+            if relaying:
+                self.num_relays -= 1
+            else:
+                self._leave(request_id, live)
+        if not relaying:  # a relayed request ends on, and is counted by, the worker it moved to
+            self.metrics.requests.labels(finish or "abort").inc()
+
+    async def _engine_deltas(self, request_id: str, stream: AsyncIterator[StepOutput], detok: Detokenizer,
+                             stops: StopStrings, outputs: list[int]) -> AsyncGenerator[Delta, None]:
+        """Deltas of the engine's stream until the request finishes (the last one has the reason) or
+        the stream ends unfinished (a migration stopped it, or it was aborted); appends to `outputs`."""
+        async with aclosing(_checked(stream)) as outs:
+            async for out in outs:
+                ticket = self.handoffs.get(request_id)
+                # An engine that can only stop a request by aborting it (vLLM): that abort is the migration's.
+                handed_over = out.finished and out.finish_reason == "abort" and ticket is not None and ticket.stopping
+                outputs.extend(out.new_token_ids)
+                self.metrics.generated(len(out.new_token_ids))
+                text = stops.feed(detok.add(out.new_token_ids))
+                if stops.stopped:
+                    yield text, "stop", out.new_token_ids
+                    return
+                if out.finished and not handed_over:
+                    yield text + stops.feed(detok.flush()) + stops.finish(), out.finish_reason or "stop", out.new_token_ids
+                    return
+                if text or out.new_token_ids or not handed_over:
+                    yield text, None, out.new_token_ids
+                if handed_over:
+                    return
+
+    def _leave(self, request_id: str, live: LiveRequest) -> None:
+        """The request no longer runs on this engine for this stream (ended, or handed over)."""
+        if self.live.get(request_id) is live:
+            del self.live[request_id]
+            self.handoffs.ended(request_id)
+            self.active.discard(request_id)
+        self.nudge_reporter()
+
+    async def _relay(self, moved: Moved) -> AsyncGenerator[Delta, None]:
+        """A direct client's continuation: the target's stream, read with the pool token, as deltas."""
+        assert self.pool_token is not None  # no token, no migration
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        log.info("relaying %s from %s (%s) from output index %d", moved.request_id, moved.target.pod,
+                 moved.target.address, moved.index)
+        try:
+            async for chunk in follow(self._session, self.pool_token, moved):
+                yield chunk.text, chunk.finish_reason, chunk.token_ids
+                if chunk.finish_reason is not None:
+                    return
+        except HandoffError as err:
+            log.warning("the continuation of %s is lost: %s", moved.request_id, err)
+
+
+async def _checked(stream: AsyncIterator[StepOutput]) -> AsyncGenerator[StepOutput, None]:
+    """The engine's stream with its refusals turned into client errors."""
+    try:
+        async for out in stream:
+            yield out
+    except RequestTooLong as err:
+        raise APIError(400, str(err), code="context_length_exceeded") from None
+    except DuplicateRequest as err:
+        raise APIError(409, str(err), param=REQUEST_ID_HEADER, code="duplicate_request_id") from None
+    except EngineError as err:
+        raise APIError(400, str(err)) from None
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
