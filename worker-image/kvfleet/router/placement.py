@@ -4,16 +4,19 @@ The operator runs MELL once per epoch and publishes, per size class, the worker 
 give the next request (`status.routingTable`). Between epochs the router keeps placing requests, and
 the table can go stale: its worker may have filled up with requests the router sent since, or gone.
 So the router checks the route against its own live view (the workers' KV-load reports plus the
-requests it placed itself and the reports do not show yet) and, when the route does not fit, applies
-the same Allocate rule itself on that view. Placing where MELL would means the next epoch orders no
-migration for the request. Pure: no I/O, no clock, so it is tested with exact small cases.
+requests it placed itself and the reports do not show yet) and, when the route does not fit, asks
+the scheduling core's Allocate on that view (`kvfleet.mell.allocate_one`, the rule's one home) with
+the pool's GPU-priority weights. Placing where MELL would means the next epoch orders no migration
+for the request. Pure: no I/O, no clock, so it is tested with exact small cases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvfleet.mell import GpuLoad, SchedulerConfig, allocate_one, cluster_snapshot
 from kvfleet.mell.models import SizeClass, size_class
 
 # Report and routing-table spellings of the size classes (kvfleet.api.reports, RouteEntry).
@@ -51,6 +54,10 @@ class PoolSnapshot:
     routes: Mapping[str, str]
     # False until the view has read the cluster once: the router is not ready before.
     synced: bool = True
+    # The pool's MELL knobs (kvfleet.api.scheduling.scheduler_config of its spec), so that the
+    # router's Allocate ranks GPUs with the pool's weights; None (pool not read yet): MELL's defaults.
+    # Its capacity is not used: C is what the workers report.
+    config: SchedulerConfig | None = None
 
     def ready_workers(self) -> list[WorkerState]:
         return [w for w in self.workers if w.ready and w.address]
@@ -66,7 +73,9 @@ class Reservation:
 
 
 @dataclass(frozen=True)
-class Placement:
+class RouteChoice:
+    """The worker a new request goes to (not kvfleet.mell.models.Placement: a request on a GPU in MELL's model)."""
+
     pod_name: str
     address: str
     # How it was chosen: "route", "allocate:<step>", "least-loaded" or "queued:<where>" (logged, counted in metrics).
@@ -74,7 +83,7 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class NoPlacement:
+class NoRoute:
     reason: str  # "no-ready-worker" (a request is never refused for want of room: it queues)
     message: str
 
@@ -107,10 +116,9 @@ def request_kv_bytes(prompt_tokens: int, max_tokens: int | None, kv_bytes_per_to
 class _Load:
     worker: WorkerState
     capacity_bytes: int
+    sizes: Mapping[str, int]  # request id -> KV bytes held or reserved
     committed_bytes: int
     num_requests: int
-    category: SizeClass | None  # the largest class it holds (MELL's GPU category); None when empty
-    largest_bytes: int  # the size of that largest request (the L-request of an L-GPU)
 
     @property
     def free_bytes(self) -> int:
@@ -137,59 +145,42 @@ def _loads(snapshot: PoolSnapshot, reservations: Sequence[Reservation], default_
         sizes = {r.request_id: max(r.kv_bytes, mine.get(r.request_id, 0)) for r in w.reported}
         for request_id, kv_bytes in mine.items():
             sizes.setdefault(request_id, kv_bytes)
-        classes = [size_class(b, capacity) for b in sizes.values()]
-        category = max(classes, default=None)
-        largest = max(sizes.values(), default=0)
-        loads.append(_Load(w, capacity, sum(sizes.values()), len(sizes), category, largest))
+        loads.append(_Load(w, capacity, sizes, sum(sizes.values()), len(sizes)))
     return loads
 
 
-def _priority(load: _Load) -> tuple[int, int, str]:
-    """MELL's priority of a GPU for incoming requests: workload only (fewer requests, more free memory
-    first, §VI-C); the name breaks ties so the choice is deterministic."""
-    return (load.num_requests, -load.free_bytes, load.worker.pod_name)
+def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None) -> tuple[_Load, str] | None:
+    """MELL §VI-C, Fig. 10, J.Allocate(i), from the scheduling core, restricted to what a router can
+    do: choose a worker.
 
-
-def _latest(loads: list[_Load]) -> _Load | None:
-    return max(loads, key=lambda load: (load.worker.activation_order, load.worker.pod_name), default=None)
-
-
-def allocate(loads: list[_Load], kv_bytes: int) -> tuple[_Load, str] | None:
-    """MELL §VI-C, Fig. 10, J.Allocate(i), restricted to what a router can do: choose a worker.
-
-    The moves Allocate also orders (departing T-requests from an L-GPU, moving an S/M-request to a new
-    L-GPU) are the operator's next epoch; since the router cannot make them, a worker must also fit
-    the request as it is now.
+    The core restores MELL from the router's view (the workers' requests and activation order) and
+    places the request with the pool's GPU priority. "Activate a new GPU" means a worker holding
+    nothing (the operator keeps warm empty workers, the floor and headroom, for exactly this), the one
+    activated first. The moves Allocate also orders (departing T-requests from an L-GPU, moving an
+    S/M-request to a new L-GPU) are the operator's next epoch; since the router cannot make them, the
+    chosen worker must also fit the request as it is now, or there is no choice (None).
     """
-    capacity = loads[0].capacity_bytes
-    cls = size_class(kv_bytes, capacity)
-    fitting = [load for load in loads if load.fits(kv_bytes)]
-    l_gpus = [load for load in fitting if load.category in (SizeClass.L, SizeClass.X)]
-    empty = [load for load in fitting if load.category is None]
-    if cls in (SizeClass.TINY, SizeClass.T):
-        # 1: an L-GPU with room, highest priority; otherwise the most recently activated T-GPU.
-        if l_gpus:
-            return min(l_gpus, key=_priority), "allocate:T-on-L-GPU"
-        latest = _latest([load for load in fitting if load.category in (SizeClass.TINY, SizeClass.T)])
-        if latest is not None:
-            return latest, "allocate:T-on-latest-T-GPU"
-    elif cls in (SizeClass.S, SizeClass.M):
-        # 2: an L-GPU j with S(i_L) + S(i) < C, highest priority; otherwise the latest S/M-GPU.
-        candidates = [load for load in l_gpus if load.largest_bytes + kv_bytes < load.capacity_bytes]
-        if candidates:
-            return min(candidates, key=_priority), "allocate:SM-on-L-GPU"
-        latest = _latest([load for load in fitting if load.category in (SizeClass.S, SizeClass.M)])
-        if latest is not None:
-            return latest, "allocate:SM-on-latest-SM-GPU"
-    # 3 (and 1, 2 when nothing fits): activate a new GPU, i.e. a worker holding nothing. The
-    # operator keeps warm empty workers (the floor, headroom) for exactly this.
-    if empty:
+    # The core plans with one C; where reports differ, the smallest never overfills a worker.
+    capacity = min(load.capacity_bytes for load in loads)
+    base = config or SchedulerConfig(capacity_bytes=capacity)
+    gpus = [GpuLoad(load.worker.pod_name, load.worker.activation_order, tuple(load.sizes.items()))
+            for load in loads if load.sizes]
+    # A request larger than C takes a whole worker (DistAttention spreads the rest): an L-request of C.
+    decision = allocate_one(cluster_snapshot(gpus, capacity), min(kv_bytes, capacity),
+                            dataclasses.replace(base, capacity_bytes=capacity))
+    if decision.new_gpu:
+        empty = [load for load in loads if not load.sizes and load.fits(kv_bytes)]
+        if not empty:
+            return None
         return min(empty, key=lambda load: (load.worker.activation_order, load.worker.pod_name)), "allocate:new-GPU"
-    return None
+    chosen = next(load for load in loads if load.worker.pod_name == decision.gpu_id)
+    if not chosen.fits(kv_bytes):
+        return None
+    return chosen, f"allocate:{decision.step}"
 
 
 def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, *, default_capacity_bytes: int,
-          exclude: frozenset[str] = frozenset()) -> Placement | NoPlacement:
+          exclude: frozenset[str] = frozenset()) -> RouteChoice | NoRoute:
     """The worker for a new request of `kv_bytes` (its estimated final KV), or why there is none.
 
     In order: the routing table's worker for the request's class if it is Ready and fits; MELL's
@@ -200,27 +191,27 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     """
     loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
     if not loads:
-        return NoPlacement("no-ready-worker", "the pool has no Ready worker; retry shortly")
+        return NoRoute("no-ready-worker", "the pool has no Ready worker; retry shortly")
     by_name = {load.worker.pod_name: load for load in loads}
     route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
     if route is not None and route.fits(kv_bytes):
-        return Placement(route.worker.pod_name, route.worker.address, "route")
-    chosen = allocate(loads, kv_bytes)
+        return RouteChoice(route.worker.pod_name, route.worker.address, "route")
+    chosen = allocate(loads, kv_bytes, snapshot.config)
     if chosen is not None:
-        return Placement(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
+        return RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     fitting = [load for load in loads if load.fits(kv_bytes)]
     if fitting:
         best = max(fitting, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
-        return Placement(best.worker.pod_name, best.worker.address, "least-loaded")
+        return RouteChoice(best.worker.pod_name, best.worker.address, "least-loaded")
     # No worker has room: the request still goes to a worker, where the engine queues it. Refusing
     # it would be worse than late: MELL scales out only for load it can see, and a queued request is
     # in its worker's KV-load report (as queued), so the next epoch allocates it a GPU (a new worker
     # if need be) and the operator moves it there; a request a router kept to itself would never
     # make the pool grow. It queues where MELL would put it (the route), else on the emptiest worker.
     if route is not None:
-        return Placement(route.worker.pod_name, route.worker.address, "queued:route")
+        return RouteChoice(route.worker.pod_name, route.worker.address, "queued:route")
     emptiest = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
-    return Placement(emptiest.worker.pod_name, emptiest.worker.address, "queued:emptiest")
+    return RouteChoice(emptiest.worker.pod_name, emptiest.worker.address, "queued:emptiest")
 
 
 def parse_class(name: str) -> SizeClass:

@@ -17,7 +17,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
+from kvfleet.api.models import LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.scheduling import scheduler_config
+from kvfleet.mell import SchedulerConfig
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState, parse_class
 
 log = logging.getLogger(__name__)
@@ -88,6 +93,20 @@ def routes_of(pool: Mapping[str, Any] | None) -> dict[str, str]:
     return {str(e["sizeClass"]): str(e["worker"]) for e in table if e.get("sizeClass") and e.get("worker")}
 
 
+def config_of(pool: Mapping[str, Any] | None) -> SchedulerConfig | None:
+    """The pool's MELL knobs, mapped from its spec as the operator maps them (kvfleet.api.scheduling),
+    so the router's Allocate weighs GPUs as the operator's epochs do. None without a readable spec
+    (the API server validates it; a newer operator's field this router does not know is the case)."""
+    spec = (pool or {}).get("spec")
+    if not spec:
+        return None
+    try:
+        return scheduler_config(LLMPoolSpec.model_validate(spec))
+    except (ValidationError, ValueError) as err:
+        log.warning("cannot read the pool's scheduling settings, using MELL's defaults: %s", err)
+        return None
+
+
 class KubePoolView:
     """The pool and its workers, kept current by two watches in background threads."""
 
@@ -97,6 +116,9 @@ class KubePoolView:
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}
         self._pool: dict[str, Any] | None = None
+        self._config: SchedulerConfig | None = None
+        # The spec's generation the config was read from: status writes (every epoch) do not change it.
+        self._config_generation: object = None
         self._synced = {"pods": False, "pool": False}
         self._snapshot = PoolSnapshot((), {}, synced=False)
         self._stopped = threading.Event()
@@ -158,6 +180,7 @@ class KubePoolView:
                 self._pods = {p["metadata"]["name"]: p for p in items}
             else:
                 self._pool = items[0] if items else None
+                self._refresh_config()
             self._synced[kind] = True
             self._publish()
 
@@ -170,8 +193,18 @@ class KubePoolView:
                     self._pods[obj["metadata"]["name"]] = obj
             else:
                 self._pool = None if event_type == "DELETED" else obj
+                self._refresh_config()
             self._publish()
+
+    def _refresh_config(self) -> None:
+        """Re-read the scheduling settings when the spec changed, not on every status write (so an
+        unreadable spec is warned about once per generation, not once per epoch)."""
+        generation = ((self._pool or {}).get("metadata") or {}).get("generation") if self._pool else None
+        if self._pool is None or generation is None or generation != self._config_generation:
+            self._config = config_of(self._pool)
+            self._config_generation = generation
 
     def _publish(self) -> None:
         workers = tuple(sorted((worker_state(p) for p in self._pods.values()), key=lambda w: w.pod_name))
-        self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()))
+        self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()),
+                                      config=self._config)
