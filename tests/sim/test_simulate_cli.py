@@ -12,7 +12,11 @@ from kvfleet.cli import main
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 CONV = TRACES / "AzureLLMInferenceTrace_conv.csv"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "azure_conv_600_120_13b.json"
-KEYS = {"peak_gpus", "mean_gpus", "utilization", "migrations_per_s", "migrated_bytes"}
+KEYS = {"peak_gpus", "mean_gpus", "utilization", "migrations_per_s", "migrated_bytes", "active_gpu_hours",
+        "billed_gpu_hours", "peak_pods", "queue_p50_s", "queue_p99_s", "tpot_p50_ms", "tpot_p99_ms",
+        "num_over_capacity_requests", "num_spanning", "lower_bound_peak", "lower_bound_mean", "shared_bound_peak",
+        "shared_bound_mean", "shared_bound_gpu_hours", "mean_vs_own_bound", "active_vs_shared_bound",
+        "billed_vs_shared_bound", "scale_up_s", "scale_down_delay_s"}
 
 
 def simulate_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:
@@ -34,8 +38,14 @@ def test_json_has_every_policy_and_the_lower_bounds(capsys: pytest.CaptureFixtur
         assert KEYS <= set(stats)
         assert stats["capacity_violations"] == 0
         assert stats["max_moves_per_operation"] <= 10 or stats is policies["lb"]
-    assert isinstance(payload["lower_bound_peak"], int) and isinstance(payload["lower_bound_mean"], float)
+    assert isinstance(payload["shared_bound_peak"], int) and isinstance(payload["shared_bound_mean"], float)
+    assert "lower_bound_peak" not in payload  # no policy's own bound stands for the others'
     assert policies["bf"]["migrations_per_s"] == 0 and policies["wf"]["migrations_per_s"] == 0
+    for stats in policies.values():
+        # The shared bound is the workload's: the same beside every policy, and below what each used.
+        assert stats["shared_bound_mean"] == payload["shared_bound_mean"]
+        assert stats["billed_gpu_hours"] >= stats["active_gpu_hours"] >= payload["shared_bound_gpu_hours"]
+        assert stats["scale_up_s"] == 0.0 and stats["scale_down_delay_s"] == 60.0
 
 
 def test_golden_slice_is_reproduced_exactly(capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,7 +54,18 @@ def test_golden_slice_is_reproduced_exactly(capsys: pytest.CaptureFixture[str]) 
     payload = simulate_json(capsys)
     golden = json.loads(GOLDEN.read_text())
     assert payload["policies"] == golden["policies"]
-    assert payload["lower_bound_peak"] == golden["lower_bound_peak"]
+    for key in ("shared_bound_peak", "shared_bound_mean", "shared_bound_gpu_hours", "duration_s", "num_requests"):
+        assert payload[key] == golden[key]
+
+
+def test_scale_flags_reach_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    base = simulate_json(capsys, "--policies", "mell", "--scale-down-delay-s", "0")["policies"]
+    slow = simulate_json(capsys, "--policies", "mell", "--scale-up-s", "60", "--scale-down-delay-s", "5")["policies"]
+    assert isinstance(base, dict) and isinstance(slow, dict)
+    assert (slow["mell"]["scale_up_s"], slow["mell"]["scale_down_delay_s"]) == (60.0, 5.0)
+    # Without a delay a pod is billed exactly while its GPU is held; a 60 s start makes requests wait.
+    assert base["mell"]["billed_gpu_hours"] == base["mell"]["active_gpu_hours"]
+    assert slow["mell"]["queue_p99_s"] >= 60.0 > base["mell"]["queue_p99_s"]
 
 
 def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,7 +75,10 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert code == 0
     out = capsys.readouterr().out
     assert "MELL" in out and "LB" in out and "peak_gpus" in out
-    assert csv_path.read_text().splitlines()[0].startswith("setup,workload,policy,peak_gpus")
+    header = csv_path.read_text().splitlines()[0]
+    assert header.startswith("setup,workload,policy,peak_gpus")
+    assert {"billed_gpu_hours", "queue_p99_s", "tpot_p99_ms", "shared_lb_mean"} <= set(header.split(","))
+    assert "billed_gpu_h" in out and "shared_lb_mean" in out
     pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
     assert pngs[:3] == ["fig11_gpus.png", "fig12_migrations.png", "fig14_utilization.png"]
     assert any(p.startswith("fig15_timeline") for p in pngs)
@@ -67,6 +91,8 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--policies", "mell,random"], "unknown policy"),
         (["--poisson", "-1"], "rate must be positive"),
         (["--trace", str(CONV), "--window", "abc"], "START:DURATION"),
+        (["--trace", str(CONV), "--scale-up-s", "-1"], "--scale-up-s must be >= 0"),
+        (["--trace", str(CONV), "--scale-down-delay-s", "-5"], "--scale-down-delay-s must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from kvfleet.api.models import AutoscalingSpec
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB, derive_capacity
-from kvfleet.sim.simulator import make_setup, simulate
+from kvfleet.sim.simulator import DEFAULT_SCALE_DOWN_DELAY_S, make_setup, nearest_rank, shared_bound, simulate
 from kvfleet.sim.traces import TraceRequest, read_trace, slice_trace
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
@@ -54,3 +55,104 @@ def test_azure_slice_keeps_capacity_and_is_deterministic(policy: str) -> None:
     assert all(g >= lb for g, lb in zip(a.gpus, a.lower_bound))
     if policy in ("bf", "wf"):
         assert a.num_migrations == 0
+
+
+# --- Honest accounting: pods, queueing delay and TPOT, the shared bound -------------------------------
+
+
+def test_a_new_pod_is_billed_from_the_plan_that_asks_for_it_until_its_delay_after_release() -> None:
+    # One request at t=0 (prompt 1000, output 200). The first plan sees it at the end of epoch 1
+    # (t=1) and asks for a pod, ready at 1 + 10 = 11; the request prefills there and decodes from
+    # 11 + prefill, ~4.4 s of decoding, done by t=16, where the plan lets the GPU go; the pod
+    # lingers 30 s: billed from 1 to 46. Its queueing delay: decode start - (arrival + prefill).
+    req = TraceRequest("a", 0.0, 1000, 200)
+    r = simulate([req], SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=30.0)
+    assert r.times_s[-1] == 16.0 and r.gpus[-1] == 0
+    assert r.pod_lifetimes_s == [(1.0, 46.0)]
+    assert r.billed_gpu_hours == 45.0 / 3600
+    assert r.active_gpu_hours == 15.0 / 3600 and r.peak_pods == 1
+    prefill_s = SETUP.prefill_s(1000)
+    assert r.queue_delays_s == [(11.0 + prefill_s) - (0.0 + prefill_s)]  # = 11: 1 s epoch + 10 s pod start
+    # A second request, arriving while the pod is warm (released at 16, taken again at 31 < 16 + 30),
+    # reuses it: one pod, billed once, from 1 until 30 s after its last release (36). It arrives
+    # 0.1 s before the epoch ends and its prefill (0.167 s) runs past it, so nothing makes it wait.
+    late = TraceRequest("b", 30.9, 1000, 200)
+    r2 = simulate([req, late], SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=30.0)
+    assert r2.times_s[-1] == 36.0
+    assert r2.pod_lifetimes_s == [(1.0, 66.0)] and r2.billed_gpu_hours == 65.0 / 3600
+    assert r2.queue_delays_s[1] == 0.0
+
+
+def test_a_pod_released_the_delay_ago_or_more_is_gone() -> None:
+    # No scale-up: the first request is done by t=6 (1 + ~4.4 s of decoding). With a 10 s delay its
+    # pod, released at 6, is deleted at 16, before the second request's plan at 31: a second pod,
+    # billed from 31 until 10 s after the plan at 36 lets it go.
+    reqs = [TraceRequest("a", 0.0, 1000, 200), TraceRequest("b", 30.9, 1000, 200)]
+    r = simulate(reqs, SETUP, "mell", scale_down_delay_s=10.0)
+    assert r.pod_lifetimes_s == [(1.0, 16.0), (31.0, 46.0)]
+    assert r.peak_pods == 1
+
+
+def test_finish_is_interpolated_inside_the_epoch() -> None:
+    # Unloaded, the request waits only for the first plan (t=1) and decodes one token per step;
+    # its TPOT is that step (between the step with its prompt's KV and with all its KV). It finishes
+    # at 1 + 200 x TPOT = ~5.37 s, inside the epoch ending at 6: rounding to the epoch would have
+    # made its decode 5 s.
+    r = simulate([TraceRequest("a", 0.0, 1000, 200)], SETUP, "mell")
+    assert r.queue_delays_s == [1.0 - (0.0 + SETUP.prefill_s(1000))]
+    (tpot_s,) = r.tpots_s
+    assert SETUP.step_s(1, 1000 * 819_200) <= tpot_s <= SETUP.step_s(1, 1200 * 819_200)
+    assert r.times_s[-1] == 6.0 and 5.0 < 1.0 + 200 * tpot_s < 6.0
+
+
+def test_pods_do_not_change_the_replay_without_a_scale_up() -> None:
+    reqs = slice_trace(read_trace(TRACES / "AzureLLMInferenceTrace_conv.csv"), 600.0, 60.0)
+    a = simulate(reqs, SETUP, "mell", scale_down_delay_s=0.0)
+    b = simulate(reqs, SETUP, "mell", scale_down_delay_s=300.0)
+    assert (a.gpus, a.kv_bytes, a.num_migrations, a.queue_delays_s) == (b.gpus, b.kv_bytes, b.num_migrations,
+                                                                        b.queue_delays_s)
+    assert a.billed_gpu_hours == a.active_gpu_hours < b.billed_gpu_hours
+    assert a.shared_bound == b.shared_bound and a.shared_bound.gpu_hours <= a.active_gpu_hours
+
+
+def test_shared_bound_of_one_request() -> None:
+    # Prompt P=1000, output N=200, one token every s = step_s(1, 0) from t0 = prefill(P) (~0.167 s):
+    # during its j-th step it holds P + j whole tokens, so sum_j (P + j) x s = s x (N x P + N(N-1)/2)
+    # token-seconds, x 819,200 bytes per token. It ends at t0 + 200 s = ~4.39 s: 5 epochs.
+    s = SETUP.step_s(1, 0)
+    bound = shared_bound([TraceRequest("a", 0.0, 1000, 200)], SETUP, 1.0)
+    assert bound.kv_byte_seconds == 819_200 * s * (200 * 1000 + 200 * 199 / 2)
+    assert bound.duration_s == 5.0 and bound.peak == 1
+    assert bound.mean == bound.kv_byte_seconds / (SETUP.capacity_bytes * 5.0)
+    assert bound.gpu_hours == bound.kv_byte_seconds / SETUP.capacity_bytes / 3600
+    # At t=1 it has written floor((1 - t0) / s) tokens; a prompt of 2 x C needs 3 GPUs' worth there.
+    big = shared_bound([TraceRequest("big", 0.0, 2 * 15_408, 50)], SETUP, 1.0)
+    assert big.peak == 3
+
+
+def test_requests_larger_than_c_are_counted() -> None:
+    r = simulate([TraceRequest("big", 0.0, 30_000, 50), TraceRequest("small", 0.0, 100, 5)], SETUP, "mell")
+    assert r.num_over_capacity_requests == 1 and r.num_spanning == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "percent", "expected"),
+    [
+        ([3.0, 1.0, 2.0], 50, 2.0),  # rank ceil(1.5) = 2
+        ([3.0, 1.0, 2.0, 4.0], 50, 2.0),  # rank ceil(2) = 2: no interpolation
+        ([float(v) for v in range(1, 101)], 99, 99.0),  # rank 99
+        ([float(v) for v in range(1, 11)], 99, 10.0),  # rank ceil(9.9) = 10
+        ([5.0], 99, 5.0),
+        ([2.0, 1.0], 0, 1.0),
+        ([2.0, 1.0], 100, 2.0),
+        ([], 50, 0.0),
+    ],
+)
+def test_nearest_rank_percentile(values: list[float], percent: float, expected: float) -> None:
+    assert nearest_rank(values, percent) == expected
+
+
+def test_default_scale_down_delay_is_the_llmpool_default() -> None:
+    assert DEFAULT_SCALE_DOWN_DELAY_S == AutoscalingSpec().scale_down_delay_seconds
+    with pytest.raises(ValueError, match=">= 0"):
+        simulate([TraceRequest("a", 0.0, 10, 10)], SETUP, "mell", scale_up_s=-1.0)

@@ -18,7 +18,7 @@ from typing import Any
 from kvfleet.mell.cluster import SchedulerConfig
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
 from kvfleet.sim.report import Scenario, plot, table, to_csv
-from kvfleet.sim.simulator import RunResult, Setup, make_setup, simulate
+from kvfleet.sim.simulator import DEFAULT_SCALE_DOWN_DELAY_S, RunResult, Setup, make_setup, simulate
 from kvfleet.sim.traces import TraceError, TraceRequest, poisson_workload, read_trace, slice_trace
 
 SETUPS = {
@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MELL exactly as Fig. 10, without kvfleet's refinements (docs/mell.md)")
     parser.add_argument("--headroom", type=float, default=0.0,
                         help="share of C MELL keeps free for growth when placing (0, as the paper)")
+    parser.add_argument("--scale-up-s", type=float, default=0.0,
+                        help="seconds a new worker pod takes to be ready (0); set it to your cloud's node + pod "
+                             "start, e.g. 60")
+    parser.add_argument("--scale-down-delay-s", type=float, default=DEFAULT_SCALE_DOWN_DELAY_S,
+                        help="seconds an emptied worker pod stays, warm and billed, before it is deleted "
+                             f"({DEFAULT_SCALE_DOWN_DELAY_S:g}, the LLMPool default)")
     out = parser.add_argument_group("output")
     out.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the table as CSV ('-': stdout)")
     out.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write Fig. 11/12/14/15-style PNGs")
@@ -124,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         setups = _setups(args)
         if args.epoch_s <= 0:
             raise _UsageError("--epoch-s must be positive")
+        if not args.scale_up_s >= 0:  # written so that NaN is refused too
+            raise _UsageError("--scale-up-s must be >= 0")
+        if not args.scale_down_delay_s >= 0:
+            raise _UsageError("--scale-down-delay-s must be >= 0")
     except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
@@ -200,17 +210,17 @@ def _run_setup(
         for pol in policies:
             if bar is not None:
                 bar.set_description(f"{setup.name} {wname} {pol}")
-            results.append(_simulate_with_progress(reqs, setup, pol, args.epoch_s, config, bar))
+            results.append(_simulate_with_progress(reqs, setup, pol, args, config, bar))
         scenarios.append(Scenario(setup.name, wname, setup.capacity_bytes, tuple(results)))
     return scenarios
 
 
 def _simulate_with_progress(
-    reqs: list[TraceRequest], setup: Setup, policy: str, epoch_s: float, config: SchedulerConfig, bar: Any
+    reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: SchedulerConfig, bar: Any
 ) -> RunResult:
     # The bar advances one step per epoch up to the last arrival, then jumps to the end of this run,
     # so its total is known before the run (how long the drain takes is not).
-    limit = _num_epochs(reqs, epoch_s)
+    limit = _num_epochs(reqs, args.epoch_s)
     seen = [0]
 
     def tick(epoch: int) -> None:
@@ -218,7 +228,8 @@ def _simulate_with_progress(
             seen[0] += 1
             bar.update(1)
 
-    result = simulate(reqs, setup, policy, epoch_s, config, tick)
+    result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
+                      scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

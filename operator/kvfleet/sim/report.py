@@ -3,6 +3,10 @@
 Figures follow MELL §VIII-C: GPUs needed per policy and workload (Fig. 11), migration frequency
 (Fig. 12), GPU memory utilization (Fig. 14), and GPUs in use over time (Fig. 15). matplotlib is
 imported only when plots are asked for.
+
+Bounds: each policy is set against its own fluid bound (the KV its run held) and against one bound
+shared by every policy of a scenario, computed from the workload alone (`SharedBound`); no policy's
+run serves as the others' reference.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.sim.simulator import RunResult
+from kvfleet.sim.simulator import RunResult, SharedBound
 
 POLICY_LABELS = {"mell": "MELL", "bf": "BF", "wf": "WF", "lb": "LB"}
 
@@ -28,13 +32,18 @@ class Scenario:
     results: tuple[RunResult, ...]
 
     @property
-    def reference(self) -> RunResult:
-        """The run whose fluid lower bound is reported: MELL's if present (KV trajectories differ a
-        little between policies, as preemption and migration pauses change decode progress)."""
-        for r in self.results:
-            if r.policy == "mell":
-                return r
-        return self.results[0]
+    def shared_bound(self) -> SharedBound:
+        """The workload's bound: every run computed the same one (same requests, setup, epoch)."""
+        return self.results[0].shared_bound if self.results else SharedBound()
+
+    @property
+    def num_requests(self) -> int:
+        return self.results[0].num_requests if self.results else 0
+
+    @property
+    def duration_s(self) -> float:
+        """Until the last policy's run drained."""
+        return max((r.duration_s for r in self.results), default=0.0)
 
     def to_json(self) -> dict[str, object]:
         policies: dict[str, object] = {}
@@ -54,33 +63,63 @@ class Scenario:
                 "capacity_violations": r.num_capacity_violations,
                 "lower_bound_peak": r.lower_bound_peak,
                 "lower_bound_mean": round(r.lower_bound_mean, 4),
+                "duration_s": r.duration_s,
+                "active_gpu_hours": round(r.active_gpu_hours, 6),
+                "billed_gpu_hours": round(r.billed_gpu_hours, 6),
+                "peak_pods": r.peak_pods,
+                "queue_p50_s": round(r.queue_p50_s, 4),
+                "queue_p99_s": round(r.queue_p99_s, 4),
+                "tpot_p50_ms": round(r.tpot_p50_ms, 4),
+                "tpot_p99_ms": round(r.tpot_p99_ms, 4),
+                "num_over_capacity_requests": r.num_over_capacity_requests,
+                "num_spanning": r.num_spanning,
+                "shared_bound_peak": r.shared_bound.peak,
+                "shared_bound_mean": round(r.shared_bound.mean, 4),
+                "shared_bound_gpu_hours": round(r.shared_bound.gpu_hours, 6),
+                "mean_vs_own_bound": round(r.mean_vs_own_bound, 4),
+                "active_vs_shared_bound": round(r.active_vs_shared_bound, 4),
+                "billed_vs_shared_bound": round(r.billed_vs_shared_bound, 4),
+                "scale_up_s": r.scale_up_s,
+                "scale_down_delay_s": r.scale_down_delay_s,
             }
-        ref = self.reference
+        bound = self.shared_bound
         return {
             "setup": self.setup,
             "workload": self.workload,
             "capacity_bytes": self.capacity_bytes,
-            "num_requests": ref.num_requests,
-            "duration_s": ref.duration_s,
+            "num_requests": self.num_requests,
+            "duration_s": self.duration_s,
             "policies": policies,
-            "lower_bound_peak": ref.lower_bound_peak,
-            "lower_bound_mean": round(ref.lower_bound_mean, 4),
+            "shared_bound_peak": bound.peak,
+            "shared_bound_mean": round(bound.mean, 4),
+            "shared_bound_gpu_hours": round(bound.gpu_hours, 6),
+            "shared_bound_duration_s": bound.duration_s,
         }
 
 
+# The table: what fits on a screen. lb_* is the policy's own fluid bound, shared_lb_* the workload's.
 HEADER = ("setup", "workload", "policy", "peak_gpus", "mean_gpus", "utilization", "migrations_per_s",
-          "preemptions_per_s", "migrated_gib", "lb_peak", "lb_mean")
+          "preemptions_per_s", "migrated_gib", "lb_peak", "lb_mean", "billed_gpu_h", "queue_p99_s", "tpot_p99_ms",
+          "shared_lb_mean", "shared_lb_gpu_h")
+# The CSV: everything per run.
+CSV_HEADER = ("setup", "workload", "policy", "peak_gpus", "mean_gpus", "utilization", "migrations_per_s",
+              "preemptions_per_s", "migrated_gib", "lb_peak", "lb_mean", "active_gpu_hours", "billed_gpu_hours",
+              "peak_pods", "queue_p50_s", "queue_p99_s", "tpot_p50_ms", "tpot_p99_ms", "num_over_capacity_requests",
+              "num_spanning", "shared_lb_peak", "shared_lb_mean", "shared_lb_gpu_hours", "mean_vs_own_bound",
+              "billed_vs_shared_bound", "scale_up_s", "scale_down_delay_s")
 
 
 def rows(scenarios: Sequence[Scenario]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for sc in scenarios:
-        ref = sc.reference
+        bound = sc.shared_bound
         for r in sc.results:
             pre = r.num_preemptions / r.duration_s if r.duration_s else 0.0
             out.append((sc.setup, sc.workload, POLICY_LABELS.get(r.policy, r.policy), str(r.peak_gpus),
                         f"{r.mean_gpus:.2f}", f"{r.utilization:.1%}", f"{r.migrations_per_s:.3f}", f"{pre:.3f}",
-                        f"{r.migrated_bytes / 2**30:.1f}", str(ref.lower_bound_peak), f"{ref.lower_bound_mean:.2f}"))
+                        f"{r.migrated_bytes / 2**30:.1f}", str(r.lower_bound_peak), f"{r.lower_bound_mean:.2f}",
+                        f"{r.billed_gpu_hours:.3f}", f"{r.queue_p99_s:.2f}", f"{r.tpot_p99_ms:.1f}",
+                        f"{bound.mean:.2f}", f"{bound.gpu_hours:.3f}"))
     return out
 
 
@@ -97,14 +136,19 @@ def table(scenarios: Sequence[Scenario]) -> str:
 def to_csv(scenarios: Sequence[Scenario]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(HEADER)
+    writer.writerow(CSV_HEADER)
     for sc in scenarios:
-        ref = sc.reference
+        bound = sc.shared_bound
         for r in sc.results:
             pre = r.num_preemptions / r.duration_s if r.duration_s else 0.0
             writer.writerow((sc.setup, sc.workload, r.policy, r.peak_gpus, f"{r.mean_gpus:.4f}",
                              f"{r.utilization:.4f}", f"{r.migrations_per_s:.4f}", f"{pre:.4f}",
-                             f"{r.migrated_bytes / 2**30:.4f}", ref.lower_bound_peak, f"{ref.lower_bound_mean:.4f}"))
+                             f"{r.migrated_bytes / 2**30:.4f}", r.lower_bound_peak, f"{r.lower_bound_mean:.4f}",
+                             f"{r.active_gpu_hours:.6f}", f"{r.billed_gpu_hours:.6f}", r.peak_pods,
+                             f"{r.queue_p50_s:.4f}", f"{r.queue_p99_s:.4f}", f"{r.tpot_p50_ms:.4f}",
+                             f"{r.tpot_p99_ms:.4f}", r.num_over_capacity_requests, r.num_spanning, bound.peak,
+                             f"{bound.mean:.4f}", f"{bound.gpu_hours:.6f}", f"{r.mean_vs_own_bound:.4f}",
+                             f"{r.billed_vs_shared_bound:.4f}", r.scale_up_s, r.scale_down_delay_s))
     return buf.getvalue()
 
 
@@ -135,8 +179,8 @@ def plot(scenarios: Sequence[Scenario], out_dir: Path) -> list[Path]:
                 ax.bar(xs, ys, width, label=POLICY_LABELS.get(pol, pol))
             if metric == "gpus":
                 for i, sc in enumerate(scs):
-                    ax.hlines(sc.reference.lower_bound_peak, i - width / 2, i + 0.8 - width / 2,
-                              colors="black", linestyles="dashed", label="fluid lower bound" if i == 0 else None)
+                    ax.hlines(sc.shared_bound.peak, i - width / 2, i + 0.8 - width / 2, colors="black",
+                              linestyles="dashed", label="shared bound (peak, a reference)" if i == 0 else None)
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scs))])
             ax.set_xticklabels([sc.workload for sc in scs], rotation=20)
             ax.set_ylabel(ylabel)
@@ -155,8 +199,7 @@ def plot(scenarios: Sequence[Scenario], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(8, 4))
         for r in sc.results:
             ax.plot(r.times_s, r.gpus, label=POLICY_LABELS.get(r.policy, r.policy), linewidth=1)
-        ref = sc.reference
-        ax.plot(ref.times_s, ref.lower_bound, label="fluid lower bound", color="black", linestyle="dashed", linewidth=1)
+        ax.axhline(sc.shared_bound.mean, label="shared bound (mean)", color="black", linestyle="dashed", linewidth=1)
         ax.set_xlabel("time (s)")
         ax.set_ylabel("GPUs in use")
         ax.set_title(f"{sc.setup}, {sc.workload}")

@@ -14,6 +14,14 @@ KV once, so step_s = (weight_bytes + kv_bytes) / (bandwidth x efficiency) + batc
 overhead; prefill is compute-bound, 2 x params x tokens / (peak FLOPs x MFU). Migrations cost the
 planner's choice (§V): a KV transfer takes bytes / link bandwidth, a token transfer a re-prefill.
 Deterministic: no clock, no randomness (synthetic workloads take their seed outside).
+
+What a cloud bills is a worker *pod*, from the moment it asks for its GPU until it is deleted, not
+the GPUs a plan holds active: so the replay keeps a pod behind each active GPU, which takes
+`scale_up_s` to become ready when new and lingers, billed and warm, `scale_down_delay_s` after the
+plan lets its GPU go (the LLMPool's `autoscaling.scaleDownDelaySeconds`). Requests wait for their
+pod; what they wait, and how fast they decode, is reported per request (queueing delay, TPOT).
+Two bounds are reported: each run's own fluid bound (the KV that run held) and one shared by every
+policy, computed from the workload alone (`shared_bound`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvfleet.api.models import AutoscalingSpec
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.migration import Boundaries, plan_migrations
 from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Location, Migration, Plan
@@ -60,15 +69,108 @@ def make_setup(name: str, model: ModelShape, gpu: GpuSpec, activation_reserve_by
     return Setup(name, model, gpu, derive_capacity(model, gpu, activation_reserve_bytes))
 
 
+# The LLMPool's default, so that a bare `simulate` bills what a default pool would.
+DEFAULT_SCALE_DOWN_DELAY_S = float(AutoscalingSpec.model_fields["scale_down_delay_seconds"].default)
+
+
+def nearest_rank(values: Iterable[float], percent: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least `percent`% of values <= it.
+
+    Exact (always one of the values, no interpolation), so reports can be checked by hand:
+    rank = ceil(percent / 100 x n), 1-based; percent 0 gives the minimum, an empty list 0.
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    if not 0 <= percent <= 100:
+        raise ValueError("percent must be within [0, 100]")
+    rank = max(1, math.ceil(percent * len(ordered) / 100))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True)
+class SharedBound:
+    """The least KV any policy can hold for a workload: the same for every policy of a scenario.
+
+    Every request is taken to decode at an unloaded GPU's speed (`step_s(1, 0)` per token) from its
+    arrival plus its own prefill, holding its prompt and the tokens written so far (whole tokens).
+    No policy starts a request earlier or decodes it faster, so no policy holds less KV-time.
+    `gpu_hours` (KV-seconds / C) bounds every policy's active and billed GPU-hours; `peak` (the
+    largest ceil(KV / C) at an epoch end along that trajectory) is a reference, not a strict bound
+    (a policy's requests run later, so its peak may fall at other times).
+    """
+
+    kv_byte_seconds: float = 0.0
+    duration_s: float = 0.0
+    capacity_bytes: int = 0
+    peak: int = 0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.kv_byte_seconds / self.capacity_bytes / 3600.0 if self.capacity_bytes else 0.0
+
+    @property
+    def mean(self) -> float:
+        """GPUs on average over the workload's own span (until its last request would finish)."""
+        return self.kv_byte_seconds / (self.capacity_bytes * self.duration_s) if self.duration_s else 0.0
+
+
+def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float) -> SharedBound:
+    """The workload-only bound (see `SharedBound`), in closed form per request.
+
+    A request with prompt P and output N starts at t0 = arrival + prefill(P) and writes one token
+    every s = step_s(1, 0): during its j-th step (j = 0 .. N-1) it holds P + j tokens, so it holds
+    bytes_per_token x s x (N x P + N x (N - 1) / 2) byte-seconds, and releases its KV at t0 + N x s.
+    """
+    step = setup.step_s(1, 0)
+    bpt = setup.model.kv_bytes_per_token
+    kv_byte_seconds = 0.0
+    end_s = 0.0
+    at_epoch: dict[int, int] = {}  # KV bytes held at the end of epoch k (time k x epoch_s)
+    for req in requests:
+        n, p = req.output_tokens, req.prompt_tokens
+        t0 = req.arrival_s + setup.prefill_s(p)
+        t1 = t0 + n * step
+        end_s = max(end_s, t1, req.arrival_s)
+        kv_byte_seconds += bpt * step * (n * p + n * (n - 1) / 2)
+        k = max(1, math.ceil(t0 / epoch_s))
+        while k * epoch_s < t1:
+            written = min(n - 1, math.floor((k * epoch_s - t0) / step))
+            at_epoch[k] = at_epoch.get(k, 0) + (p + written) * bpt
+            k += 1
+    c = setup.capacity_bytes
+    peak = max((math.ceil(kv / c) for kv in at_epoch.values()), default=0)
+    duration_s = math.ceil(end_s / epoch_s) * epoch_s if end_s > 0 else 0.0
+    return SharedBound(kv_byte_seconds, duration_s, c, peak)
+
+
 @dataclass
 class _Live:
-    """A request the replay is decoding: where it runs, how far it got, what the scheduler was told."""
+    """A request the replay is decoding: where it runs, how far it got, what the scheduler was told.
+
+    `earliest_decode_s` (arrival + prefill) is when it could decode had nothing made it wait;
+    `waited_s` adds up what did (the epoch, a pod starting, re-prefills), `decoding_s` the time it
+    decoded: the queueing delay and the TPOT reported when it finishes.
+    """
 
     req: TraceRequest
     gpu_id: str
     decode_from_s: float
     generated: float = 0.0
     reported_bytes: int = 0
+    earliest_decode_s: float = 0.0
+    last_decoded_s: float | None = None
+    waited_s: float = 0.0
+    decoding_s: float = 0.0
+
+
+@dataclass
+class _Pod:
+    """A model worker pod: billed from `created_s` until deleted; `released_s` is set while warm."""
+
+    created_s: float
+    ready_s: float
+    released_s: float | None = None
 
 
 @dataclass
@@ -94,6 +196,15 @@ class RunResult:
     num_item_moves: int = 0  # moves of placed items (a multi-item is one), the unit of Theorem 3
     num_moves_cancelled: int = 0
     capacity_bytes: int = 0
+    scale_up_s: float = 0.0
+    scale_down_delay_s: float = 0.0
+    # (created, deleted) of every pod, in seconds: what the cloud bills.
+    pod_lifetimes_s: list[tuple[float, float]] = field(default_factory=list)
+    # Per finished request: time not spent prefilling or decoding, and decode time per output token.
+    queue_delays_s: list[float] = field(default_factory=list)
+    tpots_s: list[float] = field(default_factory=list)
+    num_over_capacity_requests: int = 0  # requests whose reservation ever passed C (they span GPUs)
+    shared_bound: SharedBound = SharedBound()
 
     @property
     def duration_s(self) -> float:
@@ -125,6 +236,58 @@ class RunResult:
     def lower_bound_mean(self) -> float:
         return sum(self.lower_bound) / len(self.lower_bound) if self.lower_bound else 0.0
 
+    @property
+    def active_gpu_hours(self) -> float:
+        """GPU-epochs the plans held (what `mean_gpus` averages), in hours."""
+        return sum(self.gpus) * self.epoch_s / 3600.0
+
+    @property
+    def billed_gpu_hours(self) -> float:
+        """Sum of pod lifetimes (one GPU per pod), in hours: what the cloud bills."""
+        return sum(end - start for start, end in self.pod_lifetimes_s) / 3600.0
+
+    @property
+    def peak_pods(self) -> int:
+        # A pod deleted at t and one created at t do not overlap: deletions sort first.
+        edges = sorted([(s, 1) for s, _ in self.pod_lifetimes_s] + [(e, -1) for _, e in self.pod_lifetimes_s])
+        live = peak = 0
+        for _, delta in edges:
+            live += delta
+            peak = max(peak, live)
+        return peak
+
+    @property
+    def queue_p50_s(self) -> float:
+        return nearest_rank(self.queue_delays_s, 50)
+
+    @property
+    def queue_p99_s(self) -> float:
+        return nearest_rank(self.queue_delays_s, 99)
+
+    @property
+    def tpot_p50_ms(self) -> float:
+        return nearest_rank(self.tpots_s, 50) * 1000.0
+
+    @property
+    def tpot_p99_ms(self) -> float:
+        return nearest_rank(self.tpots_s, 99) * 1000.0
+
+    @property
+    def mean_vs_own_bound(self) -> float:
+        """mean GPUs / this run's own fluid bound (same epochs, so a ratio of means)."""
+        return self.mean_gpus / self.lower_bound_mean if self.lower_bound_mean else 0.0
+
+    @property
+    def active_vs_shared_bound(self) -> float:
+        """Active GPU-hours / the shared bound's GPU-hours: GPU-hours, as runs drain at different times."""
+        bound = self.shared_bound.gpu_hours
+        return self.active_gpu_hours / bound if bound else 0.0
+
+    @property
+    def billed_vs_shared_bound(self) -> float:
+        bound = self.shared_bound.gpu_hours
+        return self.billed_gpu_hours / bound if bound else 0.0
+
 
 def simulate(
     requests: list[TraceRequest],
@@ -134,17 +297,28 @@ def simulate(
     config: SchedulerConfig | None = None,
     on_epoch: Callable[[int], None] | None = None,
     lookahead_epochs: float = 1.0,
+    scale_up_s: float = 0.0,
+    scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
     Each epoch runs the same steps in this order (the order is part of the results: events reach
     the scheduler as finishes, then growths, then arrivals): decode, report growth, admit arrivals,
-    schedule, apply the plan, record the epoch.
+    schedule, apply the plan, record the epoch. `scale_up_s` is how long a new worker pod takes to
+    be ready (node and pod start); `scale_down_delay_s` how long an emptied one stays, warm and
+    billed. With `scale_up_s=0` the replay is the one without pods: they only add the bill.
     """
     if epoch_s <= 0:
         raise ValueError("epoch_s must be positive")
+    if scale_up_s < 0 or scale_down_delay_s < 0:
+        raise ValueError("scale_up_s and scale_down_delay_s must be >= 0")
     cfg = config or SchedulerConfig(capacity_bytes=setup.capacity_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs)
+    replay.scale_up_s = scale_up_s
+    replay.scale_down_delay_s = scale_down_delay_s
+    replay.result.scale_up_s = scale_up_s
+    replay.result.scale_down_delay_s = scale_down_delay_s
+    replay.result.shared_bound = shared_bound(requests, setup, epoch_s)
     now_s = 0.0
     epoch = 0
     while replay.has_work():
@@ -158,6 +332,7 @@ def simulate(
         replay.record_epoch(plan, now_s)
         if on_epoch is not None:
             on_epoch(epoch)
+    replay.close_pods(now_s)
     return replay.result
 
 
@@ -194,6 +369,11 @@ class _Replay:
         self.result = RunResult(
             policy=policy.name, epoch_s=epoch_s, capacity_bytes=self.capacity_bytes, num_requests=len(requests)
         )
+        self.scale_up_s = 0.0
+        self.scale_down_delay_s = 0.0
+        self.pods: dict[str, _Pod] = {}  # the pod behind each GPU the plans hold
+        self.warm: list[_Pod] = []  # released, not yet deleted, in the order they were released
+        self.over_capacity: set[str] = set()
 
     def has_work(self) -> bool:
         return self.next_arrival < len(self.pending) or bool(self.live)
@@ -216,16 +396,37 @@ class _Replay:
             kv = sum(int(m.req.prompt_tokens + m.generated) * self.kv_bytes_per_token for m in members)
             step = self.setup.step_s(len(members), kv)
             for m in members:
-                busy_s = now_s - max(start_s, m.decode_from_s)
+                begin_s = max(start_s, m.decode_from_s)
+                busy_s = now_s - begin_s
+                before = m.generated
                 if busy_s > 0:
                     m.generated += busy_s / step
+                    # Time since it last decoded (or could first decode) is waiting: exactly 0 when
+                    # it decoded through the previous epoch, since this epoch begins where it ended.
+                    m.waited_s += begin_s - (m.earliest_decode_s if m.last_decoded_s is None else m.last_decoded_s)
+                    m.last_decoded_s = now_s
                 if m.generated >= m.req.output_tokens:
                     events.append(Finish(m.req.request_id))
+                    self._record_finish(m, before, step, busy_s)
+                elif busy_s > 0:
+                    m.decoding_s += busy_s
         finished = {e.request_id for e in events}
         for rid in finished:
             m = self.live.pop(rid)
             del self.on_gpu[m.gpu_id][rid]
         return events
+
+    def _record_finish(self, m: _Live, before: float, step: float, busy_s: float) -> None:
+        """Queueing delay and TPOT of a request done this epoch.
+
+        It finishes inside the epoch, when `generated` reaches its output: its last decode took
+        the remaining tokens x the step, not the whole epoch.
+        """
+        if busy_s > 0:
+            m.decoding_s += (m.req.output_tokens - before) * step
+        self.result.queue_delays_s.append(m.waited_s)
+        if m.req.output_tokens > 0:  # TPOT of a request with no output is undefined
+            self.result.tpots_s.append(m.decoding_s / m.req.output_tokens)
 
     def report_growth(self) -> list[Event]:
         """A Grow for each running request whose reservation passed what the scheduler last heard."""
@@ -235,7 +436,14 @@ class _Replay:
             if want > m.reported_bytes:
                 m.reported_bytes = want
                 events.append(Grow(rid, want))
+                if want > self.capacity_bytes:
+                    self._count_over_capacity(rid)
         return events
+
+    def _count_over_capacity(self, request_id: str) -> None:
+        if request_id not in self.over_capacity:
+            self.over_capacity.add(request_id)
+            self.result.num_over_capacity_requests += 1
 
     def admit_arrivals(self, now_s: float) -> list[Event]:
         """An Arrive for each request that arrived during the epoch ending at `now_s`.
@@ -248,45 +456,109 @@ class _Replay:
             req = self.pending[self.next_arrival]
             self.next_arrival += 1
             m = _Live(req, "", req.arrival_s + self.setup.prefill_s(req.prompt_tokens))
+            m.earliest_decode_s = m.decode_from_s
             m.decode_from_s = max(m.decode_from_s, now_s - self.epoch_s)
             m.reported_bytes = self.reservation_bytes(req.prompt_tokens)
+            if m.reported_bytes > self.capacity_bytes:
+                self._count_over_capacity(req.request_id)
             self.live[req.request_id] = m
             events.append(Arrive(req.request_id, m.reported_bytes))
         return events
 
     def apply_plan(self, plan: Plan, now_s: float) -> None:
-        """Carry out the plan on the replayed cluster, checking it moves what is really there."""
-        self._activate(plan.activate_gpu_ids)
+        """Carry out the plan on the replayed cluster, checking it moves what is really there.
+
+        The pods of GPUs the plan lets go are released first, so that a GPU it activates in the
+        same plan takes one of them, warm, rather than asking for a new one.
+        """
+        self._release_pods(plan.terminate_gpu_ids, now_s)
+        self._activate(plan.activate_gpu_ids, now_s)
         for pl in plan.placements:
             m = self.live[pl.request_id]
             if m.gpu_id:  # a request whose tail passed C starts a new tail elsewhere
                 del self.on_gpu[m.gpu_id][pl.request_id]
-            self._run_on(m, pl.request_id, pl.gpu_id)
+            self._run_on(m, pl.request_id, pl.gpu_id, now_s)
         for mig in (*plan.migrations, *plan.preemptions):
             m = self.live[mig.request_id]
             if m.gpu_id != mig.source_gpu_id:
                 raise AssertionError(f"plan moves {mig.request_id} from {mig.source_gpu_id}, it is on {m.gpu_id}")
             del self.on_gpu[m.gpu_id][mig.request_id]
-            self._run_on(m, mig.request_id, mig.target_gpu_id)
+            self._run_on(m, mig.request_id, mig.target_gpu_id, now_s)
         for mig in plan.preemptions:
             # vLLM recompute: the request re-prefills everything it had before decoding again.
             m = self.live[mig.request_id]
             tokens = m.req.prompt_tokens + int(m.generated)
-            m.decode_from_s = max(m.decode_from_s, now_s + self.setup.prefill_s(tokens))
+            m.decode_from_s = max(m.decode_from_s, self._start_s(m.gpu_id, now_s) + self.setup.prefill_s(tokens))
         if plan.migrations:
             self._cost_migrations(plan.migrations, now_s)
         self._terminate(plan.terminate_gpu_ids)
 
-    def _activate(self, gpu_ids: Iterable[str]) -> None:
+    def _activate(self, gpu_ids: Iterable[str], now_s: float) -> None:
         for gpu_id in gpu_ids:
             self.on_gpu.setdefault(gpu_id, {})
             gpu = self.policy.gpus.get(gpu_id)
             if gpu is not None:
                 self.locations[gpu_id] = gpu.location
+            self._pod_for(gpu_id, now_s)
 
-    def _run_on(self, m: _Live, request_id: str, gpu_id: str) -> None:
+    def _pod_for(self, gpu_id: str, now_s: float) -> _Pod:
+        """The pod behind `gpu_id`: its own, else the last one released less than the delay ago
+        (ready at once, already billed), else a new one, billed now and ready `scale_up_s` later.
+
+        Pods are interchangeable: a warm pod is a GPU slot, whatever the policy calls the GPU.
+        """
+        pod = self.pods.get(gpu_id)
+        if pod is not None:
+            return pod
+        self._expire_warm(now_s)
+        if self.warm:
+            pod = self.warm.pop()
+            pod.released_s = None
+        else:
+            pod = _Pod(created_s=now_s, ready_s=now_s + self.scale_up_s)
+        self.pods[gpu_id] = pod
+        return pod
+
+    def _expire_warm(self, now_s: float) -> None:
+        """Delete the warm pods released `scale_down_delay_s` or more before `now_s`."""
+        keep: list[_Pod] = []
+        for pod in self.warm:
+            assert pod.released_s is not None
+            deleted_s = pod.released_s + self.scale_down_delay_s
+            if deleted_s <= now_s:
+                self.result.pod_lifetimes_s.append((pod.created_s, deleted_s))
+            else:
+                keep.append(pod)
+        self.warm = keep
+
+    def _release_pods(self, gpu_ids: Iterable[str], now_s: float) -> None:
+        for gpu_id in gpu_ids:
+            pod = self.pods.pop(gpu_id, None)
+            if pod is not None:
+                pod.released_s = now_s
+                self.warm.append(pod)
+
+    def close_pods(self, end_s: float) -> None:
+        """At the end of the run: the GPUs still held are let go, and every warm pod lingers its delay."""
+        self._release_pods(list(self.pods), end_s)
+        self._expire_warm(math.inf)
+
+    def _run_on(self, m: _Live, request_id: str, gpu_id: str, now_s: float) -> None:
         m.gpu_id = gpu_id
         self.on_gpu.setdefault(gpu_id, {})[request_id] = None
+        # A request cannot run on a pod that is still starting: one that never decoded prefills
+        # there once it is ready, a moved one resumes then. (Only a pod not ready *now* pushes it:
+        # with scale_up_s=0 decode_from_s is left alone and the replay is the one without pods.)
+        ready_s = self._pod_for(gpu_id, now_s).ready_s
+        if ready_s > now_s:
+            if m.last_decoded_s is None and m.generated == 0:
+                ready_s += self.setup.prefill_s(m.req.prompt_tokens)
+            m.decode_from_s = max(m.decode_from_s, ready_s)
+
+    def _start_s(self, gpu_id: str, now_s: float) -> float:
+        """When work sent to `gpu_id` now can begin: now, or when its pod is ready."""
+        pod = self.pods.get(gpu_id)
+        return now_s if pod is None or pod.ready_s <= now_s else pod.ready_s
 
     def _cost_migrations(self, migrations: tuple[Migration, ...], now_s: float) -> None:
         """Charge each migration the transfer the §V planner picks: KV over its link, or a re-prefill.
@@ -307,7 +579,7 @@ class _Replay:
             secs = setup.prefill_s(cm.num_tokens)
             self.result.migration_time_s += secs
             m = self.live[cm.migration.request_id]
-            m.decode_from_s = max(m.decode_from_s, now_s + secs)
+            m.decode_from_s = max(m.decode_from_s, self._start_s(m.gpu_id, now_s) + secs)
         self.result.num_kv_transfers += len(sched.kv)
         self.result.num_token_transfers += len(sched.token)
         self.result.num_deferred += len(sched.deferred)
