@@ -43,3 +43,19 @@ def test_load_balance_moves_from_most_to_least_loaded_while_the_gap_narrows() ->
         ("a", "gpu-0", "gpu-1", "balance")
     ]
     assert pol2.loads() == {"gpu-0": 200, "gpu-1": 50}
+
+
+def test_load_balance_rebalances_only_when_the_epoch_ends() -> None:
+    """schedule(..., end_of_epoch=False) (the simulator's unbatched mode) leaves the per-epoch
+    rebalancing to the call that ends the epoch, so an operation scheduled on its own does not
+    rebalance the pool after every request."""
+    from kvfleet.mell import Arrive, EventBatch, SchedulerConfig, make_policy
+
+    policy = make_policy("lb", SchedulerConfig(capacity_bytes=100))
+    plans = [policy.schedule(EventBatch(0.0, (Arrive(rid, size),)), end_of_epoch=False)
+             for rid, size in (("a", 30), ("b", 30), ("c", 30), ("d", 20))]
+    assert [p.migrations for p in plans] == [(), (), (), ()]
+    # Worst-fit fills gpu-0 to 90 before d opens gpu-1: a gap of 70, past the 10% the balancer allows.
+    assert policy.loads() == {"gpu-0": 90, "gpu-1": 20}
+    ended = policy.schedule(EventBatch(0.0, ()))
+    assert [(m.source_gpu_id, m.target_gpu_id, m.cause) for m in ended.migrations] == [("gpu-0", "gpu-1", "balance")]

@@ -156,3 +156,18 @@ def test_default_scale_down_delay_is_the_llmpool_default() -> None:
     assert DEFAULT_SCALE_DOWN_DELAY_S == AutoscalingSpec().scale_down_delay_seconds
     with pytest.raises(ValueError, match=">= 0"):
         simulate([TraceRequest("a", 0.0, 10, 10)], SETUP, "mell", scale_up_s=-1.0)
+
+
+def test_merged_plans_keep_the_order_of_what_the_epoch_did() -> None:
+    from kvfleet.mell.models import Migration, Plan, Span
+    from kvfleet.sim.simulator import merge_plans
+
+    first = Plan(5.0, (), (Migration("a", "g0", "g1", 10, "depart"),), (), (Span("x", ("g0", "g1")),), ("g1",), (),
+                 (1,), 0)
+    second = Plan(5.0, (), (Migration("a", "g1", "g0", 10, "depart"),), (), (), (), ("g1",), (1,), 0)
+    merged = merge_plans(5.0, [first, second])
+    # A->B->A: two moves (batching would cancel both), the GPU activated then terminated, and the
+    # spans of the state the epoch ends in.
+    assert [(m.source_gpu_id, m.target_gpu_id) for m in merged.migrations] == [("g0", "g1"), ("g1", "g0")]
+    assert (merged.activate_gpu_ids, merged.terminate_gpu_ids, merged.spans) == (("g1",), ("g1",), ())
+    assert merged.moves_per_operation == (1, 1) and merged.num_moves_cancelled == 0

@@ -107,8 +107,13 @@ class ClusterPolicy(abc.ABC):
 
     # ------------------------------------------------------------------ public API
 
-    def schedule(self, batch: EventBatch) -> Plan:
-        """Algorithm 1 for one epoch, with request operation batching (§VI-C)."""
+    def schedule(self, batch: EventBatch, *, end_of_epoch: bool = True) -> Plan:
+        """Algorithm 1 for one epoch, with request operation batching (§VI-C).
+
+        `end_of_epoch=False` schedules a batch that is not the epoch's last (the simulator's
+        unbatched mode gives each operation a batch of its own): the per-epoch work of `after_batch`
+        (the load-balance baseline's rebalancing) waits for the call that ends the epoch.
+        """
         finishes: list[Finish] = []
         grows: list[Grow] = []
         arrives: list[Arrive] = []
@@ -143,7 +148,8 @@ class ClusterPolicy(abc.ABC):
             self._arrive(arr.request_id, arr.size_bytes)
             self._moves_per_op.append(self._op_moves)
         self._op_moves = 0
-        self.after_batch()
+        if end_of_epoch:
+            self.after_batch()
         if self._op_moves:
             self._moves_per_op.append(self._op_moves)
         return self._end_batch(batch.now_s)

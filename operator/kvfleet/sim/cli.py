@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-down-delay-s", type=float, default=DEFAULT_SCALE_DOWN_DELAY_S,
                         help="seconds an emptied worker pod stays, warm and billed, before it is deleted "
                              f"({DEFAULT_SCALE_DOWN_DELAY_S:g}, the LLMPool default)")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="schedule every request operation on its own, without MELL's request operation "
+                             "batching (Fig. 13): run once with and once without to see the moves it saves")
     out = parser.add_argument_group("output")
     out.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the table as CSV ('-': stdout)")
     out.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write Fig. 11/12/14/15-style PNGs")
@@ -229,7 +232,8 @@ def _simulate_with_progress(
             bar.update(1)
 
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
-                      scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s)
+                      scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
+                      batching=not args.no_batching)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

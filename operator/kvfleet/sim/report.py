@@ -81,6 +81,7 @@ class Scenario:
                 "billed_vs_shared_bound": round(r.billed_vs_shared_bound, 4),
                 "scale_up_s": r.scale_up_s,
                 "scale_down_delay_s": r.scale_down_delay_s,
+                "batching": r.batching,
             }
         bound = self.shared_bound
         return {

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvfleet.api.models import AutoscalingSpec
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
@@ -144,6 +144,22 @@ def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float)
     return SharedBound(kv_byte_seconds, duration_s, c, peak)
 
 
+def merge_plans(now_s: float, plans: list[Plan]) -> Plan:
+    """One epoch's plans as one, in order (what the epoch did in all): moves, placements and GPU
+    changes concatenated, the spans of the last plan (the state the epoch ends in)."""
+    return Plan(
+        now_s,
+        tuple(x for p in plans for x in p.placements),
+        tuple(x for p in plans for x in p.migrations),
+        tuple(x for p in plans for x in p.preemptions),
+        plans[-1].spans if plans else (),
+        tuple(x for p in plans for x in p.activate_gpu_ids),
+        tuple(x for p in plans for x in p.terminate_gpu_ids),
+        tuple(x for p in plans for x in p.moves_per_operation),
+        sum(p.num_moves_cancelled for p in plans),
+    )
+
+
 @dataclass
 class _Live:
     """A request the replay is decoding: where it runs, how far it got, what the scheduler was told.
@@ -205,6 +221,8 @@ class RunResult:
     tpots_s: list[float] = field(default_factory=list)
     num_over_capacity_requests: int = 0  # requests whose reservation ever passed C (they span GPUs)
     shared_bound: SharedBound = SharedBound()
+    # False: every operation was scheduled on its own (MELL Fig. 13's baseline), see simulate().
+    batching: bool = True
 
     @property
     def duration_s(self) -> float:
@@ -299,6 +317,7 @@ def simulate(
     lookahead_epochs: float = 1.0,
     scale_up_s: float = 0.0,
     scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
+    batching: bool = True,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
@@ -307,6 +326,8 @@ def simulate(
     schedule, apply the plan, record the epoch. `scale_up_s` is how long a new worker pod takes to
     be ready (node and pod start); `scale_down_delay_s` how long an emptied one stays, warm and
     billed. With `scale_up_s=0` the replay is the one without pods: they only add the bill.
+    `batching=False` schedules every operation on its own (`_Replay.schedule_unbatched`), the
+    baseline of MELL's Fig. 13.
     """
     if epoch_s <= 0:
         raise ValueError("epoch_s must be positive")
@@ -319,6 +340,7 @@ def simulate(
     replay.result.scale_up_s = scale_up_s
     replay.result.scale_down_delay_s = scale_down_delay_s
     replay.result.shared_bound = shared_bound(requests, setup, epoch_s)
+    replay.result.batching = batching
     now_s = 0.0
     epoch = 0
     while replay.has_work():
@@ -327,8 +349,11 @@ def simulate(
         events = replay.decode_epoch(start_s, now_s)
         events += replay.report_growth()
         events += replay.admit_arrivals(now_s)
-        plan = replay.policy.schedule(EventBatch(now_s, tuple(events)))
-        replay.apply_plan(plan, now_s)
+        if batching:
+            plan = replay.policy.schedule(EventBatch(now_s, tuple(events)))
+            replay.apply_plan(plan, now_s)
+        else:
+            plan = replay.schedule_unbatched(events, now_s)
         replay.record_epoch(plan, now_s)
         if on_epoch is not None:
             on_epoch(epoch)
@@ -465,7 +490,33 @@ class _Replay:
             events.append(Arrive(req.request_id, m.reported_bytes))
         return events
 
-    def apply_plan(self, plan: Plan, now_s: float) -> None:
+    def schedule_unbatched(self, events: list[Event], now_s: float) -> Plan:
+        """Without request operation batching (MELL §VI-C, Fig. 13's baseline): each operation is
+        scheduled, and its moves carried out, on its own, in the order the replay produced them, so
+        no move is reordered or cancelled (A->B->A costs two moves). The epoch's moves are costed
+        together, against one epoch's §V boundaries, as batched ones are. Returns the epoch's plans
+        merged, for recording."""
+        # One batch per operation, then an empty one that ends the epoch: it runs the policy's
+        # per-epoch work (the load balancer's rebalancing, once an epoch as batched) and Algorithm 1's
+        # idle-GPU step even in an epoch without events.
+        batches: list[tuple[Event, ...]] = [(event,) for event in events] + [()]
+        plans: list[Plan] = []
+        for i, batch in enumerate(batches):
+            plan = self.policy.schedule(EventBatch(now_s, batch), end_of_epoch=i == len(batches) - 1)
+            # The replay decoded the whole epoch first, so a request whose Finish comes later in this
+            # epoch's events is already gone here, yet an earlier operation may move it: the move an
+            # unbatched scheduler makes (and batching cancels) is counted and costed, with nothing to
+            # relocate.
+            self.apply_plan(replace(plan, migrations=tuple(m for m in plan.migrations if m.request_id in self.live),
+                                    preemptions=tuple(m for m in plan.preemptions if m.request_id in self.live)),
+                            now_s, cost_migrations=False)
+            plans.append(plan)
+        merged = merge_plans(now_s, plans)
+        if merged.migrations:
+            self._cost_migrations(merged.migrations, now_s)
+        return merged
+
+    def apply_plan(self, plan: Plan, now_s: float, cost_migrations: bool = True) -> None:
         """Carry out the plan on the replayed cluster, checking it moves what is really there.
 
         The pods of GPUs the plan lets go are released first, so that a GPU it activates in the
@@ -489,7 +540,7 @@ class _Replay:
             m = self.live[mig.request_id]
             tokens = m.req.prompt_tokens + int(m.generated)
             m.decode_from_s = max(m.decode_from_s, self._start_s(m.gpu_id, now_s) + self.setup.prefill_s(tokens))
-        if plan.migrations:
+        if plan.migrations and cost_migrations:
             self._cost_migrations(plan.migrations, now_s)
         self._terminate(plan.terminate_gpu_ids)
 
@@ -578,8 +629,9 @@ class _Replay:
         for cm in sched.token:
             secs = setup.prefill_s(cm.num_tokens)
             self.result.migration_time_s += secs
-            m = self.live[cm.migration.request_id]
-            m.decode_from_s = max(m.decode_from_s, self._start_s(m.gpu_id, now_s) + secs)
+            m = self.live.get(cm.migration.request_id)
+            if m is not None:  # None: moved without batching, then finished within the epoch
+                m.decode_from_s = max(m.decode_from_s, self._start_s(m.gpu_id, now_s) + secs)
         self.result.num_kv_transfers += len(sched.kv)
         self.result.num_token_transfers += len(sched.token)
         self.result.num_deferred += len(sched.deferred)
