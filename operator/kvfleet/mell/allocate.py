@@ -15,12 +15,12 @@ Pure: the same view, size and config always give the same decision; nothing surv
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvfleet.mell.cluster import SchedulerConfig
-from kvfleet.mell.mell import MellPolicy
 from kvfleet.mell.models import Arrive, EventBatch, Location, Migration, SizeClass, size_class
+from kvfleet.mell.policy import make_policy
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 # Not a request id any caller uses (ids come from HTTP headers and reports, never with a NUL).
@@ -58,11 +58,33 @@ class AllocateDecision:
     moves: tuple[Migration, ...]
 
 
+def items_of(gpu_id: str, requests: Iterable[tuple[str, int]], capacity_bytes: int) -> list[ItemSnapshot]:
+    """The items of one GPU rebuilt from the requests it holds, in the order given: a tiny request (at
+    most C/8) joins the GPU's open multi-item while that stays within C/4, else opens the next one
+    (MELL §VI-C); any other request is an item of its own. The one rule for every rebuilt state: the
+    operator's after a restart and an observer's (`cluster_snapshot`)."""
+    items: list[ItemSnapshot] = []
+    bundle: list[tuple[str, int]] = []
+    bundle_bytes = 0
+    for request_id, kv_bytes in requests:
+        if size_class(kv_bytes, capacity_bytes) is not SizeClass.TINY:
+            items.append(ItemSnapshot(((request_id, kv_bytes),), False, gpu_id))
+            continue
+        if bundle and 4 * (bundle_bytes + kv_bytes) > capacity_bytes:
+            items.append(ItemSnapshot(tuple(bundle), True, gpu_id))
+            bundle, bundle_bytes = [], 0
+        bundle.append((request_id, kv_bytes))
+        bundle_bytes += kv_bytes
+    if bundle:
+        items.append(ItemSnapshot(tuple(bundle), True, gpu_id))
+    return items
+
+
 def cluster_snapshot(gpus: Sequence[GpuLoad], capacity_bytes: int) -> ClusterSnapshot:
     """The scheduling state of GPUs whose requests are where the observer says (not re-decided).
 
-    Tiny requests (at most C/8) are bundled into multi-items of at most C/4 per GPU, in request-id
-    order (MELL §VI-C), as the operator does when it rebuilds from reports. A request reported on two
+    Tiny requests are bundled into multi-items in request-id order (`items_of`), as the operator does
+    when it rebuilds from reports. A request reported on two
     GPUs (mid-migration) holds memory on both, so each copy is kept, the later one under a derived id.
     Overfull GPUs stay overfull: a GPU without room is one Allocate will not choose.
     """
@@ -71,32 +93,26 @@ def cluster_snapshot(gpus: Sequence[GpuLoad], capacity_bytes: int) -> ClusterSna
     items: list[ItemSnapshot] = []
     seen: set[str] = set()
     for gpu in ordered:
-        bundle: list[tuple[str, int]] = []
-        bundle_bytes = 0
+        requests: list[tuple[str, int]] = []
         for request_id, kv_bytes in sorted(gpu.requests):
             if request_id in seen:
                 request_id = f"{request_id}\0{gpu.gpu_id}"
             seen.add(request_id)
-            if 8 * kv_bytes > capacity_bytes:  # not tiny (MELL §VI-C): an item of its own
-                items.append(ItemSnapshot(((request_id, kv_bytes),), False, gpu.gpu_id))
-                continue
-            if bundle and 4 * (bundle_bytes + kv_bytes) > capacity_bytes:
-                items.append(ItemSnapshot(tuple(bundle), True, gpu.gpu_id))
-                bundle, bundle_bytes = [], 0
-            bundle.append((request_id, kv_bytes))
-            bundle_bytes += kv_bytes
-        if bundle:
-            items.append(ItemSnapshot(tuple(bundle), True, gpu.gpu_id))
+            requests.append((request_id, kv_bytes))
+        items.extend(items_of(gpu.gpu_id, requests, capacity_bytes))
     # GPUs the policy activates are named gpu-<next index>: past every id of that form already given.
     taken = [int(m.group(1)) + 1 for g in ordered if (m := _GPU_ID.match(g.gpu_id))]
     next_index = max([len(ordered), *taken])
     return ClusterSnapshot(gpu_snaps, tuple(items), (), next_index, len(ordered))
 
 
-def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerConfig) -> AllocateDecision:
+def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerConfig,
+                 policy_name: str = "mell") -> AllocateDecision:
     """MELL's Allocate (Fig. 10, §VI-C) for one new request of `size_bytes` on `snapshot`, with the
-    GPU priority of `config` (its weights are the pool's)."""
-    policy = MellPolicy(config)
+    GPU priority of `config` (its weights are the pool's). Another `policy_name` previews that
+    policy's placement instead (the operator's routing table does, for a pool running a baseline);
+    `step` then names the Fig. 10 branch its choice matches."""
+    policy = make_policy(policy_name, config)
     policy.restore(snapshot)
     in_use = {gid: (gpu.category, gpu.seq) for gid, gpu in policy.gpus.items() if not gpu.idle}
     plan = policy.schedule(EventBatch(0.0, (Arrive(_PROBE_ID, size_bytes),)))

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
-from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location, SizeClass, size_class
+from kvfleet.mell.allocate import allocate_one, items_of
+from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 # Reasons of KVMigration (the CRD's enum) for each cause the scheduler records.
@@ -97,30 +98,21 @@ class PoolScheduler:
         for worker in bound:
             assert worker.gpu_id is not None
             requests = sorted(worker.report.requests, key=lambda r: r.id) if worker.report else []
-            bundle: list[tuple[str, int]] = []
+            kept: list[tuple[str, int]] = []
             load_bytes = 0
             for req in requests:
                 if req.id in seen:
                     continue  # reported twice mid-migration: the first (older) pod keeps it
                 seen.add(req.id)
                 if load_bytes + req.kv_bytes > capacity:
-                    # Over capacity (the router overfilled it, or moves were still due): the excess is
-                    # left out, so the first epoch allocates it afresh and orders the moves.
+                    # Over capacity (the router overfilled it, or moves were still due; a request
+                    # larger than C always is: DistAttention spans are not rebuilt from reports yet):
+                    # the excess is left out, so the first epoch allocates it afresh and orders the moves.
                     continue
                 load_bytes += req.kv_bytes
                 self.sizes[req.id] = req.kv_bytes
-                if req.kv_bytes > capacity:
-                    continue  # DistAttention spans are not rebuilt from reports yet; see the issue note
-                if size_class(req.kv_bytes, capacity) == SizeClass.TINY:
-                    # Tiny requests travel in multi-items of at most C/4 (MELL §VI-C).
-                    if 4 * (sum(b for _, b in bundle) + req.kv_bytes) > capacity and bundle:
-                        items.append(ItemSnapshot(tuple(bundle), True, worker.gpu_id))
-                        bundle = []
-                    bundle.append((req.id, req.kv_bytes))
-                else:
-                    items.append(ItemSnapshot(((req.id, req.kv_bytes),), False, worker.gpu_id))
-            if bundle:
-                items.append(ItemSnapshot(tuple(bundle), True, worker.gpu_id))
+                kept.append((req.id, req.kv_bytes))
+            items.extend(items_of(worker.gpu_id, kept, capacity))
         next_index = max((gpu_index(g.gpu_id) for g in gpus), default=-1) + 1
         self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
         self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
@@ -136,14 +128,8 @@ class PoolScheduler:
         capacity = self.config.capacity_bytes
         middles = {"L": capacity * 3 // 4, "M": capacity * 5 // 12, "S": capacity * 7 // 24, "T": capacity * 3 // 16}
         snapshot = self.policy.snapshot()
-        routes: dict[str, str] = {}
-        for name, size_bytes in middles.items():
-            preview = make_policy(self.policy_name, self.config)
-            preview.restore(snapshot)
-            probe_id = f"\0route-{name}"
-            preview.schedule(EventBatch(0.0, (Arrive(probe_id, size_bytes),)))
-            routes[name] = preview.gpu_of(probe_id)
-        return routes
+        return {name: allocate_one(snapshot, size_bytes, self.config, self.policy_name).gpu_id
+                for name, size_bytes in middles.items()}
 
     def epoch(self, workers: Iterable[WorkerView], in_flight: Mapping[str, str], now_s: float) -> EpochOutcome:
         """Feed the changes since the last epoch to the policy and order the moves to match it.
