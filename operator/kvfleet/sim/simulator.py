@@ -334,12 +334,8 @@ def simulate(
     if scale_up_s < 0 or scale_down_delay_s < 0:
         raise ValueError("scale_up_s and scale_down_delay_s must be >= 0")
     cfg = config or SchedulerConfig(capacity_bytes=setup.capacity_bytes)
-    replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs)
-    replay.scale_up_s = scale_up_s
-    replay.scale_down_delay_s = scale_down_delay_s
-    replay.result.scale_up_s = scale_up_s
-    replay.result.scale_down_delay_s = scale_down_delay_s
-    replay.result.shared_bound = shared_bound(requests, setup, epoch_s)
+    replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
+                     scale_down_delay_s)
     replay.result.batching = batching
     now_s = 0.0
     epoch = 0
@@ -369,7 +365,8 @@ class _Replay:
     """
 
     def __init__(
-        self, requests: list[TraceRequest], setup: Setup, policy: ClusterPolicy, epoch_s: float, lookahead_epochs: float
+        self, requests: list[TraceRequest], setup: Setup, policy: ClusterPolicy, epoch_s: float, lookahead_epochs: float,
+        scale_up_s: float, scale_down_delay_s: float,
     ) -> None:
         self.setup = setup
         self.policy = policy
@@ -392,10 +389,12 @@ class _Replay:
         self.pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         self.next_arrival = 0
         self.result = RunResult(
-            policy=policy.name, epoch_s=epoch_s, capacity_bytes=self.capacity_bytes, num_requests=len(requests)
+            policy=policy.name, epoch_s=epoch_s, capacity_bytes=self.capacity_bytes, num_requests=len(requests),
+            scale_up_s=scale_up_s, scale_down_delay_s=scale_down_delay_s,
+            shared_bound=shared_bound(requests, setup, epoch_s),
         )
-        self.scale_up_s = 0.0
-        self.scale_down_delay_s = 0.0
+        self.scale_up_s = scale_up_s
+        self.scale_down_delay_s = scale_down_delay_s
         self.pods: dict[str, _Pod] = {}  # the pod behind each GPU the plans hold
         self.warm: list[_Pod] = []  # released, not yet deleted, in the order they were released
         self.over_capacity: set[str] = set()
