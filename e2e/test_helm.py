@@ -46,7 +46,8 @@ OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/com
 # A Lease this short makes the replacement pod of an upgrade lead within seconds.
 INSTALL_ARGS = ("--set", "leaderElection.leaseDurationSeconds=3", "--wait", "--timeout", "120s")
 # What an operator log line says when the API server refused it (kopf's and the Kube adapter's wording).
-REFUSALS = re.compile(r"\b403\b|Forbidden|forbidden|Not enough permissions|Failed to post an event")
+# "403" as a status code, not the milliseconds of a log line's timestamp ("18:07:40,403").
+REFUSALS = re.compile(r"(?<![,.])\b403\b|Forbidden|forbidden|Not enough permissions|Failed to post an event")
 
 
 def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

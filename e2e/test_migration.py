@@ -2,8 +2,10 @@
 
 A pool of real workers (builtin engine, the tiny model, float32 on the CPU) has a KV capacity of 4 MiB
 per worker: 2,048 tokens, so MELL's size classes are a few hundred tokens wide and requests cross
-them while they decode. Two requests are sent straight to one worker (a careless client, no router);
-MELL places them by class as their reports show them arrive and grow, and every request reported
+them while they decode. The pool runs MELL's Fig. 10 (`mell-paper`), whose class rules move requests
+that cross classes (the default policy leaves two requests that fit one worker where they are). Two
+requests are sent straight to one worker (a careless client, no router); MELL places them by class
+as their reports show them arrive and grow, and every request reported
 somewhere other than where MELL wants it becomes a KVMigration that the source worker executes
 (watcher, KV copy, hand-off). The clients are direct: the source relays the continuation, so each
 client's stream must come back whole and equal to the unmigrated greedy output, computed here with
@@ -80,7 +82,7 @@ def pool(model_dir: Path) -> dict[str, Any]:
         "engine": "builtin",
         "capacity": {"kvCapacityPerWorker": KV_CAPACITY},
         "workers": {"min": 2, "max": 3},
-        "scheduling": {"epochSeconds": 1},
+        "scheduling": {"policy": "mell-paper", "epochSeconds": 1},
         "migration": {"mode": "kv"},
         "autoscaling": {"scaleDownDelaySeconds": 30},
         "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "KVFLEET_MIN_STEP_S", "value": "0.01"}]},

@@ -1,8 +1,9 @@
-"""MELL's Allocate as the router applies it (MELL §VI-C, Fig. 10), with exact small cases.
+"""A pool policy's Allocate as the router applies it, with exact small cases: MELL's Fig. 10 (§VI-C,
+the `mell-paper` policy) and the default's best fit.
 
 The rule is the scheduling core's (kvfleet.mell.allocate_one); these cases check what the router
 adds around it (the route first, "fits now", the new-GPU worker, fallbacks) and that the pool's
-weights reach it. C is 120 bytes, so the classes are L (60, 120], M (40, 60], S (30, 40], T (15, 30],
+policy and weights reach it. C is 120 bytes, so the classes are L (60, 120], M (40, 60], S (30, 40], T (15, 30],
 tiny up to 15.
 """
 
@@ -37,9 +38,22 @@ def worker(name: str, order: int, *sizes: int, ready: bool = True) -> WorkerStat
 
 def choose(workers: list[WorkerState], kv_bytes: int, routes: dict[str, str] | None = None,
            reservations: tuple[Reservation, ...] = (), exclude: frozenset[str] = frozenset(),
-           config: SchedulerConfig | None = None) -> RouteChoice | NoRoute:
-    return place(PoolSnapshot(tuple(workers), routes or {}, config=config), reservations, kv_bytes,
+           config: SchedulerConfig | None = None, policy: str = "mell-paper") -> RouteChoice | NoRoute:
+    return place(PoolSnapshot(tuple(workers), routes or {}, config=config, policy=policy), reservations, kv_bytes,
                  default_capacity_bytes=C, exclude=exclude)
+
+
+def test_the_default_policy_places_on_the_fullest_worker_that_fits_with_headroom() -> None:
+    # C = 120, headroom 5% = 6; a holds 90, b 60, c nothing.
+    workers = [worker("a", 0, 90), worker("b", 1, 60), worker("c", 2)]
+    chosen = choose(workers, 20, policy="mell")  # 90 + 20 + 6 <= 120: the fullest
+    assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("a", "allocate:best-fit")
+    chosen = choose(workers, 26, policy="mell")  # 90 + 26 + 6 > 120 and 60 + 26 + 6 <= 120
+    assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("b", "allocate:best-fit")
+    chosen = choose(workers, 58, policy="mell")  # fits b only without headroom (60 + 58 <= 120)
+    assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("b", "allocate:best-fit-in-headroom")
+    chosen = choose(workers, 70, policy="mell")  # fits nowhere busy: the empty worker
+    assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("c", "allocate:new-GPU")
 
 
 def test_class_names_follow_mell_with_tiny_as_t_and_oversize_as_l() -> None:

@@ -82,11 +82,28 @@ def test_given_capacity_wins() -> None:
         ({"model": {"name": "tiny", "path": "relative"}}, "path"),
         ({"model": {"name": "t", "path": "/m", "volume": {}}}, "exactly one of persistentVolumeClaim or hostPath"),
         ({"surprise": 1}, "Extra inputs are not permitted"),
+        ({"slo": {"tpotMilliseconds": 30}}, "needs slo.gpuMemoryBandwidth and capacity.modelWeights"),
+        ({"capacity": {"gpuMemory": "40Gi", "modelWeights": "26G"}, "scheduling": {"policy": "best-fit"},
+          "slo": {"tpotMilliseconds": 30, "gpuMemoryBandwidth": "1555G"}}, "kept by the default policy"),
+        ({"capacity": {"gpuMemory": "40Gi", "modelWeights": "26G"},
+          "slo": {"tpotMilliseconds": 10, "gpuMemoryBandwidth": "1555G"}}, "below one request's decode step"),
+        ({"slo": {"tpotMilliseconds": 0}}, "greater than 0"),
     ],
 )
 def test_spec_refuses_what_the_api_server_refuses(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         LLMPoolSpec.model_validate(spec(**overrides))
+
+
+def test_a_tpot_objective_becomes_the_default_policys_load_cap() -> None:
+    from kvfleet.api.scheduling import scheduler_config
+
+    pool = LLMPoolSpec.model_validate(spec(capacity={"gpuMemory": "40Gi", "modelWeights": "26G"},
+                                           slo={"tpotMilliseconds": 30, "gpuMemoryBandwidth": "1555G"}))
+    config = scheduler_config(pool)
+    # step = (26e9 + KV) / (1555e9 x 0.8) + 200 us x n <= 30 ms  <=>  KV + n x 248.8e6 <= 11.32e9.
+    assert (config.max_load_bytes, config.load_bytes_per_request) == (11_320_000_000, 248_800_000)
+    assert scheduler_config(LLMPoolSpec.model_validate(spec())).max_load_bytes is None
 
 
 def test_migration_needs_two_pods() -> None:

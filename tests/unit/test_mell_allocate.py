@@ -1,4 +1,4 @@
-"""MELL's Allocate for one request on an observer's view (kvfleet.mell.allocate), with exact small cases.
+"""MELL's Allocate (mell-paper, Fig. 10) for one request on an observer's view (kvfleet.mell.allocate), with exact small cases.
 
 C is 120 bytes: L (60, 120], M (40, 60], S (30, 40], T (15, 30], tiny up to 15 (MELL §VI-C).
 """
@@ -15,7 +15,7 @@ CONFIG = SchedulerConfig(capacity_bytes=C)
 
 
 def decide(gpus: list[GpuLoad], size_bytes: int, config: SchedulerConfig = CONFIG) -> AllocateDecision:
-    return allocate_one(cluster_snapshot(gpus, C), size_bytes, config)
+    return allocate_one(cluster_snapshot(gpus, C), size_bytes, config, "mell-paper")
 
 
 def test_t_goes_on_the_l_gpu_of_highest_priority() -> None:

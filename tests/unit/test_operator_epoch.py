@@ -70,17 +70,28 @@ def test_growth_is_an_update_and_stale_smaller_reports_are_ignored() -> None:
 
 
 def test_rebuild_bundles_tiny_requests_and_keeps_activation_order() -> None:
+    # MELL's multi-items (§VI-C) are Fig. 10's: the paper's policy keeps them; the default splits them.
     workers = [worker(3, ("x", 100), ("y", 100), ("z", 100)), worker(1, ("l", 700))]
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), workers)
+    sched = PoolScheduler.rebuild("mell-paper", SchedulerConfig(capacity_bytes=C), workers)
     snap = sched.policy.snapshot()
     assert [g.gpu_id for g in snap.gpus] == ["gpu-1", "gpu-3"]  # creation order, not list order
     bundles = sorted(tuple(r for r, _ in i.members) for i in snap.items if i.is_bundle)
     assert bundles == [("x", "y", "z")]  # 300 <= C/4
     assert snap.next_gpu_index == 4
+    default = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), workers).policy.snapshot()
+    assert not any(i.is_bundle for i in default.items) and len(default.items) == 4
+
+
+def test_the_default_policys_routes_are_best_fit_with_headroom() -> None:
+    # C = 1000: gpu-0 holds 700, gpu-1 450. A T-request (187) fits gpu-0 with 5% headroom (the fullest
+    # that does); an M-request (416) only gpu-1; an L-request (750) none: a new GPU.
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("big", 700)), worker(1, ("m", 450))])
+    routes = sched.routes()
+    assert routes == {"T": "gpu-0", "S": "gpu-0", "M": "gpu-1", "L": "gpu-2"}
 
 
 def test_routes_preview_allocate_without_changing_the_state() -> None:
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("big", 700)), worker(1, ("m", 450))])
+    sched = PoolScheduler.rebuild("mell-paper", SchedulerConfig(capacity_bytes=C), [worker(0, ("big", 700)), worker(1, ("m", 450))])
     before = sched.policy.snapshot()
     routes = sched.routes()
     assert sched.policy.snapshot() == before
@@ -106,7 +117,9 @@ def test_the_pools_priority_weights_scale_mells_defaults() -> None:
             "model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
             "scheduling": scheduling}))
 
-    default = SchedulerConfig(capacity_bytes=2**30)
+    # The default policy plans within the pool's communication boundary (10G/s x a 5 s epoch).
+    default = SchedulerConfig(capacity_bytes=2**30, intra_node_move_budget_bytes=50 * 10**9,
+                              inter_node_move_budget_bytes=50 * 10**9)
     assert config() == default
     tuned = config(workloadWeight=2.0, distanceWeight=0.0)
     assert (tuned.weight_free, tuned.weight_requests) == (2 * default.weight_free, 2 * default.weight_requests)

@@ -116,14 +116,21 @@ def test_pods_do_not_change_the_replay_without_a_scale_up() -> None:
 
 
 def test_shared_bound_of_one_request() -> None:
-    # Prompt P=1000, output N=200, one token every s = step_s(1, 0) from t0 = prefill(P) (~0.167 s):
-    # during its j-th step it holds P + j whole tokens, so sum_j (P + j) x s = s x (N x P + N(N-1)/2)
-    # token-seconds, x 819,200 bytes per token. It ends at t0 + 200 s = ~4.39 s: 5 epochs.
+    # Prompt P=1000, output N=200, arriving at 0: placed at the first epoch end (t=1), after its prefill
+    # (~0.167 s), so it decodes from t0 = 1 at one token every s = step_s(1, 0): during its j-th step it
+    # holds P + j whole tokens, so sum_j (P + j) x s = s x (N x P + N(N-1)/2) token-seconds, x 819,200
+    # bytes per token. It ends at 1 + 200 s = ~5.22 s: 6 epochs.
     s = SETUP.step_s(1, 0)
     bound = shared_bound([TraceRequest("a", 0.0, 1000, 200)], SETUP, 1.0)
     assert bound.kv_byte_seconds == 819_200 * s * (200 * 1000 + 200 * 199 / 2)
-    assert bound.duration_s == 5.0 and bound.peak == 1
-    assert bound.mean == bound.kv_byte_seconds / (SETUP.capacity_bytes * 5.0)
+    assert bound.duration_s == 6.0 and bound.peak == 1
+    assert bound.mean == bound.kv_byte_seconds / (SETUP.capacity_bytes * 6.0)
+    # One whose prefill runs past the epoch end is placed then and holds its prompt until it ends.
+    prefill_s = SETUP.prefill_s(1000)
+    late = shared_bound([TraceRequest("a", 0.9, 1000, 200)], SETUP, 1.0)
+    held_s = 0.9 + prefill_s - 1.0
+    assert held_s > 0
+    assert late.kv_byte_seconds == 819_200 * (1000 * held_s + s * (200 * 1000 + 200 * 199 / 2))
     assert bound.gpu_hours == bound.kv_byte_seconds / SETUP.capacity_bytes / 3600
     # At t=1 it has written floor((1 - t0) / s) tokens; a prompt of 2 x C needs 3 GPUs' worth there.
     big = shared_bound([TraceRequest("big", 0.0, 2 * 15_408, 50)], SETUP, 1.0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.sim.traces import TraceError, poisson_workload, read_trace, slice_trace
+from kvfleet.sim.traces import TraceError, long_context_workload, poisson_workload, read_trace, slice_trace
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 
@@ -76,3 +76,35 @@ def test_poisson_workload_is_seeded_and_scaled() -> None:
     assert 150 < mean_out < 280  # LMSYS-Chat-1M: 214.5
     with pytest.raises(ValueError):
         poisson_workload(1.0, 10, lengths="reddit")
+
+
+def test_unsorted_and_duplicate_timestamps_are_replayed_in_time_order(tmp_path: Path) -> None:
+    # Documented handling, not an error: time order, ties in the file's order, extra columns ignored.
+    path = tmp_path / "t.csv"
+    path.write_text("timestamp,prompt,output,user\n3,30,1,x\n1,10,1,y\n3,31,1,z\n1,11,1,w\n")
+    reqs = read_trace(path)
+    assert [(r.arrival_s, r.prompt_tokens) for r in reqs] == [(0.0, 10), (0.0, 11), (2.0, 30), (2.0, 31)]
+
+
+def test_a_request_longer_than_the_models_context_is_refused_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 3000, "output_length": 96, "extra": [1]},
+            {"timestamp": 5, "input_length": 4000, "output_length": 97}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert len(read_trace(path)) == 2  # no limit by default: requests larger than C span GPUs
+    assert len(read_trace(path, max_context_tokens=4097)) == 2
+    with pytest.raises(TraceError, match=r"t.jsonl:2: prompt 4000 \+ output 97 tokens exceed the model's context of 4096"):
+        read_trace(path, max_context_tokens=4096)
+
+
+def test_long_context_workload_matches_its_stated_shape() -> None:
+    reqs = long_context_workload(3.0, 2000.0, seed=1)
+    assert reqs == long_context_workload(3.0, 2000.0, seed=1)
+    assert 5400 < len(reqs) < 6600  # about 6000 arrivals
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    mean = sum(prompts) / len(prompts)
+    p99 = prompts[int(0.99 * len(prompts))]
+    assert 10_500 < mean < 13_500 and 65_000 < p99 < 105_000  # mean 12K, p99 85K
+    assert 300 < sum(r.output_tokens for r in reqs) / len(reqs) < 400  # mean 350
+    # About a quarter of the prompts alone exceed C of LLaMA-2-13B on an A100-40GB (15,408 tokens).
+    assert 0.18 < sum(p > 15_408 for p in prompts) / len(prompts) < 0.30

@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from kvfleet.api.quantity import parse_quantity, quantity_bytes
 from kvfleet.mell.migration import MoveMode
-from kvfleet.mell.models import kv_capacity_bytes
+from kvfleet.mell.models import kv_capacity_bytes, tpot_load_cap
 
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
@@ -139,7 +139,9 @@ class CapacitySpec(_Model):
 class SchedulingSpec(_Model):
     """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
 
-    policy: Literal["mell", "best-fit", "worst-fit", "load-balance"] = "mell"
+    policy: Literal["mell", "mell-paper", "best-fit", "worst-fit", "load-balance"] = Field(
+        default="mell", description="mell: kvfleet's default (MELL with consolidation, docs/mell.md); mell-paper: "
+        "MELL's Fig. 10 exactly as the paper states it; or a baseline.")
     epoch_seconds: float = Field(default=5.0, gt=0, le=3600, description="Seconds between scheduling epochs.")
     workload_weight: float = Field(default=1.0, ge=0, description="Weight of GPU load in MELL's GPU priority.")
     distance_weight: float = Field(
@@ -189,6 +191,27 @@ class MigrationSpec(_Model):
     timeout_seconds: int = Field(default=120, gt=0, le=86400, description="A migration not finished by then fails.")
     ttl_seconds_after_finished: int = Field(
         default=600, ge=0, le=7 * 86400, description="Finished KVMigration objects are deleted after this."
+    )
+
+
+class SloSpec(_Model):
+    """Service-level objectives the scheduler keeps (docs/mell.md, "TPOT objective").
+
+    A decode step reads the weights and the batch's KV once: step = (modelWeights + KV) / (bandwidth
+    x efficiency) + requests x per-sequence overhead. With `tpotMilliseconds` the default policy never
+    packs a worker past the KV load at which that step would exceed it (kvfleet.mell.tpot_load_cap).
+    """
+
+    tpot_milliseconds: float | None = Field(
+        default=None, gt=0, le=60000,
+        description="Time per output token no worker may exceed; needs gpuMemoryBandwidth and capacity.modelWeights.",
+    )
+    gpu_memory_bandwidth: Quantity | None = Field(
+        default=None, description="Memory bandwidth of one worker in bytes per second (e.g. 1555G for an A100-40GB)."
+    )
+    bandwidth_efficiency: float = Field(default=0.8, gt=0, le=1, description="Share of the bandwidth a decode step reaches.")
+    per_sequence_overhead_microseconds: float = Field(
+        default=200.0, ge=0, le=1e6, description="Decode step time each request in the batch adds."
     )
 
 
@@ -253,6 +276,14 @@ class LLMPoolSpec(_Model):
                     "fieldPath": ".replicas",
                 },
                 {
+                    "rule": "!has(self.slo) || !has(self.slo.tpotMilliseconds) || (has(self.slo.gpuMemoryBandwidth) "
+                    "&& has(self.capacity.modelWeights) && (!has(self.scheduling) || !has(self.scheduling.policy) || "
+                    "self.scheduling.policy == 'mell'))",
+                    "message": "slo.tpotMilliseconds needs slo.gpuMemoryBandwidth, capacity.modelWeights and "
+                    "scheduling.policy mell",
+                    "fieldPath": ".slo",
+                },
+                {
                     "rule": "has(self.capacity.kvCapacityPerWorker) || has(self.capacity.modelWeights)",
                     "message": "set capacity.kvCapacityPerWorker, or capacity.modelWeights so it can be derived",
                     "fieldPath": ".capacity",
@@ -291,6 +322,7 @@ class LLMPoolSpec(_Model):
     )
     migration: MigrationSpec = Field(default_factory=MigrationSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
     worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
 
     @model_validator(mode="after")
@@ -298,7 +330,21 @@ class LLMPoolSpec(_Model):
         if self.replicas is not None and self.replicas > self.workers.max:
             raise ValueError("replicas must not exceed workers.max")
         self.kv_capacity_per_worker_bytes()  # raises when it cannot be derived
+        self.tpot_load_cap()  # raises when the objective cannot be turned into a load cap
         return self
+
+    def tpot_load_cap(self) -> tuple[int, int] | None:
+        """(max_load_bytes, load_bytes_per_request) of the TPOT objective (see SloSpec), or None."""
+        slo = self.slo
+        if slo.tpot_milliseconds is None:
+            return None
+        if self.scheduling.policy != "mell":
+            raise ValueError("slo.tpotMilliseconds is kept by the default policy (scheduling.policy: mell) only")
+        if slo.gpu_memory_bandwidth is None or self.capacity.model_weights is None:
+            raise ValueError("slo.tpotMilliseconds needs slo.gpuMemoryBandwidth and capacity.modelWeights")
+        bandwidth = quantity_bytes(slo.gpu_memory_bandwidth) * self.gpus_per_worker * slo.bandwidth_efficiency
+        return tpot_load_cap(slo.tpot_milliseconds / 1000.0, quantity_bytes(self.capacity.model_weights), bandwidth,
+                             slo.per_sequence_overhead_microseconds / 1e6)
 
     def kv_capacity_per_worker_bytes(self) -> int:
         """MELL's C for this pool, given or derived (see CapacitySpec)."""
@@ -413,8 +459,9 @@ class KVMigrationSpec(_Model):
     )
     expected_bytes: int | None = Field(default=None, ge=0, description="KV bytes the copy should move.")
     expected_tokens: int | None = Field(default=None, ge=0, description="Tokens the destination holds after the move.")
-    reason: Literal["Allocate", "Depart", "Update", "Rebalance", "Drain", "Retry"] = Field(
-        description="The scheduler operation that planned the move (MELL Fig. 10, or the baseline's rebalance)."
+    reason: Literal["Allocate", "Depart", "Update", "Rebalance", "Consolidate", "Drain", "Retry"] = Field(
+        description="The scheduler operation that planned the move (MELL Fig. 10, the default policy's "
+        "consolidation, or the baseline's rebalance)."
     )
     epoch: int | None = Field(default=None, ge=0, description="The scheduling epoch that planned it.")
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.mell.fleet import FleetPolicy
 from kvfleet.mell.models import Arrive, EventBatch, Location, Migration, SizeClass, size_class
 from kvfleet.mell.policy import make_policy
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
@@ -51,8 +52,10 @@ class AllocateDecision:
     gpu_id: str
     # Allocate activated a GPU for the request (Fig. 10 case 3, or cases 1 and 2 with nothing fitting).
     new_gpu: bool
-    # The branch of Fig. 10: "T-on-L-GPU", "T-on-latest-T-GPU", "T-on-underfilled-T-GPU",
-    # "tiny-in-multi-item", "T-on-SM-GPU", "SM-on-L-GPU", "SM-on-latest-SM-GPU" or "new-GPU".
+    # The rule that chose: the default policy's (fleet.py) "best-fit", "best-fit-in-headroom" or
+    # "new-GPU"; for mell-paper the branch of Fig. 10: "T-on-L-GPU", "T-on-latest-T-GPU",
+    # "T-on-underfilled-T-GPU", "tiny-in-multi-item", "T-on-SM-GPU", "SM-on-L-GPU", "SM-on-latest-SM-GPU"
+    # or "new-GPU".
     step: str
     # Moves the plan also ordered (causes as in Plan.migrations: "evict-t", "pull-sm", "refill-sm").
     moves: tuple[Migration, ...]
@@ -108,10 +111,10 @@ def cluster_snapshot(gpus: Sequence[GpuLoad], capacity_bytes: int) -> ClusterSna
 
 def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerConfig,
                  policy_name: str = "mell") -> AllocateDecision:
-    """MELL's Allocate (Fig. 10, §VI-C) for one new request of `size_bytes` on `snapshot`, with the
-    GPU priority of `config` (its weights are the pool's). Another `policy_name` previews that
-    policy's placement instead (the operator's routing table does, for a pool running a baseline);
-    `step` then names the Fig. 10 branch its choice matches."""
+    """Allocate for one new request of `size_bytes` on `snapshot` under the pool's policy (the
+    default's rule 1, fleet.py; MELL's Fig. 10 for `mell-paper`, with the GPU priority of `config`,
+    whose weights are the pool's; a baseline's dispatch). For a baseline `step` names the Fig. 10
+    branch its choice matches."""
     policy = make_policy(policy_name, config)
     policy.restore(snapshot)
     in_use = {gid: (gpu.category, gpu.seq) for gid, gpu in policy.gpus.items() if not gpu.idle}
@@ -122,6 +125,8 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerCo
     before = in_use.get(gpu_id)
     if before is None:
         return AllocateDecision(gpu_id, True, "new-GPU", moves)
+    if isinstance(policy, FleetPolicy):
+        return AllocateDecision(gpu_id, False, policy.last_allocate_step, moves)
     category, seq = before
     cls = size_class(size_bytes, config.capacity_bytes)
     small = cls in (SizeClass.TINY, SizeClass.T)

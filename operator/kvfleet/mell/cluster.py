@@ -69,6 +69,27 @@ class SchedulerConfig:
     growth_headroom_fraction: float = 0.0
     # Load balance (Llumnix-style baseline): migrate only while the pair's gap exceeds this share of C.
     lb_gap_fraction: float = 0.1
+    # (kvfleet default policy, fleet.py) share of C kept free for growth when placing and consolidating.
+    fleet_headroom_fraction: float = 0.05
+    # (fleet.py) empty the least loaded GPU when the others take its requests; at most this many a epoch,
+    # and only while all KV fits in one GPU fewer filled to this share of C.
+    # (fleet.py) an epoch's arrivals are placed largest first (best-fit decreasing), not in arrival order.
+    fleet_arrivals_largest_first: bool = True
+    # (fleet.py) a request that fits nowhere with headroom may use a GPU's headroom before a GPU starts.
+    fleet_fill_without_headroom: bool = True
+    # (fleet.py) a request shed by an overloaded GPU goes to the emptiest GPU (room to grow), not the fullest.
+    fleet_relieve_to_emptiest: bool = True
+    fleet_consolidate: bool = True
+    fleet_max_consolidations_per_epoch: int = 1
+    fleet_consolidate_fill: float = 0.9
+    # A TPOT objective as a load cap (fleet.py): a GPU holds at most max_load_bytes less
+    # load_bytes_per_request per request it serves (the decode step model, see models.DecodeSpeed).
+    max_load_bytes: int | None = None
+    load_bytes_per_request: int = 0
+    # The §V communication boundary of one epoch per link (None: unbounded); the default policy plans
+    # only moves within it, so none is deferred.
+    intra_node_move_budget_bytes: int | None = None
+    inter_node_move_budget_bytes: int | None = None
 
 
 class ClusterPolicy(abc.ABC):
@@ -85,6 +106,10 @@ class ClusterPolicy(abc.ABC):
         self.gpus: dict[str, Gpu] = {}
         self.item_of: dict[str, Item] = {}
         self._next_gpu_index = 0
+        # GPUs per node, and nodes that may have a free GPU slot (lowest first), for `_new_location`.
+        self._node_gpus: dict[str, int] = {}
+        self._open_nodes: list[int] = []
+        self._next_node = 0
         self._next_seq = 0
         self._next_item_id = 0
         self._next_arrival = 0
@@ -186,6 +211,7 @@ class ClusterPolicy(abc.ABC):
         for gs in snap.gpus:
             gpu = Gpu(gs.gpu_id, gs.index, gs.seq, gs.location)
             self.gpus[gpu.gpu_id] = gpu
+            self._count_node(gpu.location, +1)
             heapq.heappush(self._latest, (-gpu.seq, gpu.gpu_id))
             if self.uses_free_index:
                 insort(self._free_index, (self.capacity_bytes, gpu.seq, gpu.gpu_id))
@@ -235,12 +261,58 @@ class ClusterPolicy(abc.ABC):
     def _free(self, gpu: Gpu) -> int:
         return self.capacity_bytes - gpu.load_bytes
 
-    def _activate(self) -> Gpu:
-        """Start a GPU. One emptied earlier in this epoch is reused (its pod still exists)."""
+    def _count_node(self, location: Location, delta: int) -> None:
+        node = location.node_id
+        count = self._node_gpus.get(node, 0) + delta
+        self._node_gpus[node] = count
+        if node.startswith("node-") and node[5:].isdigit():
+            number = int(node[5:])
+            self._next_node = max(self._next_node, number + 1)
+            if count < self.cfg.gpus_per_node:
+                heapq.heappush(self._open_nodes, number)
+
+    def _new_location(self, near: Gpu | None) -> Location:
+        """Where a new GPU is: on `near`'s node if it has a free GPU slot, else on the lowest-numbered
+        node with one, else on a new node (the Kubernetes scheduler binds a pod to a node with a free
+        GPU, and the cluster autoscaler adds a node only when none has one)."""
+        per_node = self.cfg.gpus_per_node
+        if near is not None and self._node_gpus.get(near.location.node_id, 0) < per_node:
+            return near.location
+        while self._open_nodes:
+            number = self._open_nodes[0]
+            if self._node_gpus.get(f"node-{number}", 0) < per_node:
+                break
+            heapq.heappop(self._open_nodes)
+        else:
+            number = self._next_node
+        return Location(f"node-{number}", f"zone-{number // self.cfg.nodes_per_zone}")
+
+    def _idle_to_reuse(self, near: Gpu | None) -> int:
+        """The index in `_idle` of the GPU `_activate(near)` reuses, or -1 for a new one."""
+        pick = len(self._idle) - 1
+        if near is not None and self._idle:
+            node = near.location.node_id
+            same = next((i for i in range(pick, -1, -1) if self._idle[i].location.node_id == node), None)
+            # Rather a new GPU beside `near` than an emptied one on another node.
+            if same is not None:
+                return same
+            if self._node_gpus.get(node, 0) < self.cfg.gpus_per_node:
+                return -1
+        return pick
+
+    def _activation_location(self, near: Gpu | None) -> Location:
+        """Where the GPU `_activate(near)` would give is, without activating it."""
+        pick = self._idle_to_reuse(near)
+        return self._idle[pick].location if pick >= 0 else self._new_location(near)
+
+    def _activate(self, near: Gpu | None = None) -> Gpu:
+        """Start a GPU. One emptied earlier in this epoch is reused (its pod still exists); a new one
+        goes on `near`'s node when it has room (see `_new_location`)."""
         seq = self._next_seq
         self._next_seq += 1
-        if self._idle:
-            gpu = self._idle.pop()
+        pick = self._idle_to_reuse(near)
+        if pick >= 0:
+            gpu = self._idle.pop(pick)
             if self.uses_free_index:
                 self._free_index_remove(gpu)
             gpu.idle = False
@@ -248,10 +320,9 @@ class ClusterPolicy(abc.ABC):
         else:
             index = self._next_gpu_index
             self._next_gpu_index += 1
-            node = index // self.cfg.gpus_per_node
-            zone = node // self.cfg.nodes_per_zone
-            gpu = Gpu(f"gpu-{index}", index, seq, Location(f"node-{node}", f"zone-{zone}"))
+            gpu = Gpu(f"gpu-{index}", index, seq, self._new_location(near))
             self.gpus[gpu.gpu_id] = gpu
+            self._count_node(gpu.location, +1)
             self._activated[gpu.gpu_id] = None
         if self.uses_free_index:
             insort(self._free_index, (self._free(gpu), gpu.seq, gpu.gpu_id))
@@ -486,6 +557,7 @@ class ClusterPolicy(abc.ABC):
         terminate: list[str] = []
         for gpu in self._idle:
             del self.gpus[gpu.gpu_id]
+            self._count_node(gpu.location, -1)
             if gpu.gpu_id in self._activated:
                 del self._activated[gpu.gpu_id]
             else:

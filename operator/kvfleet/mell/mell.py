@@ -34,7 +34,7 @@ TINY, T, S, M, L = SizeClass.TINY, SizeClass.T, SizeClass.S, SizeClass.M, SizeCl
 
 
 class MellPolicy(ClusterPolicy):
-    name = "mell"
+    name = "mell-paper"
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)

@@ -31,6 +31,27 @@ def kv_capacity_bytes(memory_bytes: int, weight_bytes: int, activation_reserve_b
     return (raw_bytes // block_bytes) * block_bytes
 
 
+def tpot_load_cap(tpot_s: float, weight_bytes: int, bandwidth_bytes_per_s: float,
+                  per_sequence_s: float) -> tuple[int, int]:
+    """A TPOT objective as a KV load cap: (max_load_bytes, load_bytes_per_request).
+
+    A decode step reads the weights and the batch's KV once and pays a per-sequence overhead:
+    step_s = (weights + kv) / bandwidth + n x per_sequence_s. It is within `tpot_s` exactly when
+    kv + n x per_request <= max_load, with max_load = tpot x bandwidth - weights and per_request =
+    per_sequence_s x bandwidth (rounded so the cap never allows a slower step). The one home of that
+    arithmetic: the LLMPool's slo (kvfleet.api) and the simulator's setups (kvfleet.sim) both call it.
+    """
+    if tpot_s <= 0 or bandwidth_bytes_per_s <= 0 or per_sequence_s < 0:
+        raise ValueError("tpot_s and bandwidth_bytes_per_s must be positive and per_sequence_s >= 0")
+    max_load = math.floor(tpot_s * bandwidth_bytes_per_s - weight_bytes)
+    per_request = math.ceil(per_sequence_s * bandwidth_bytes_per_s)
+    if max_load < per_request:
+        unloaded_ms = (weight_bytes / bandwidth_bytes_per_s + per_sequence_s) * 1000
+        raise ValueError(f"a TPOT objective of {tpot_s * 1000:g} ms is below one request's decode step "
+                         f"({unloaded_ms:.1f} ms with no KV)")
+    return max_load, per_request
+
+
 class SizeClass(enum.IntEnum):
     """MELL §VI-C size classes, ordered so that a GPU's category is the max over its items."""
 

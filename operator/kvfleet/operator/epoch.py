@@ -26,7 +26,8 @@ from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 # Reasons of KVMigration (the CRD's enum) for each cause the scheduler records.
-_REASONS = {"allocate": "Allocate", "depart": "Depart", "update": "Update", "rebalance": "Rebalance", "preempt": "Rebalance"}
+_REASONS = {"allocate": "Allocate", "depart": "Depart", "update": "Update", "rebalance": "Rebalance", "preempt": "Rebalance",
+            "overload": "Update", "consolidate": "Consolidate"}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ A100-40GB, LLaMA-2-7B on RTX 4090-24GB), under MELL, BF, WF and LB.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -18,9 +19,24 @@ from typing import Any
 from kvfleet.mell.cluster import SchedulerConfig
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
 from kvfleet.sim.report import Scenario, plot, table, to_csv
-from kvfleet.sim.simulator import DEFAULT_SCALE_DOWN_DELAY_S, RunResult, Setup, make_setup, simulate
-from kvfleet.sim.traces import TraceError, TraceRequest, poisson_workload, read_trace, slice_trace
+from kvfleet.sim.simulator import (
+    DEFAULT_SCALE_DOWN_DELAY_S,
+    RunResult,
+    Setup,
+    make_setup,
+    simulate,
+    tpot_load_cap,
+)
+from kvfleet.sim.traces import (
+    TraceError,
+    TraceRequest,
+    long_context_workload,
+    poisson_workload,
+    read_trace,
+    slice_trace,
+)
 
+POLICY_NAMES = ("mell", "mell-paper", "bf", "wf", "lb")
 SETUPS = {
     "13b-a100": (LLAMA2_13B, A100_40GB),
     "7b-4090": (LLAMA2_7B, RTX4090_24GB),
@@ -49,22 +65,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--window", default=None, metavar="START:DURATION",
                     help="replay only this window of each trace, in seconds")
     wl.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads (0)")
+    wl.add_argument("--max-context-tokens", type=int, default=None, metavar="N",
+                    help="refuse a trace with a request whose prompt + output exceed N tokens (the model's context); "
+                         "by default any length is replayed, requests larger than C spanning GPUs")
+    wl.add_argument("--long-context", action="append", type=float, default=[], metavar="RATE",
+                    help="generated long-context arrivals at RATE requests/s (prompts mean 12K, p99 85K tokens); "
+                         "repeatable")
     parser.add_argument("--setup", action="append", choices=(*SETUPS, "all"), default=[],
                         help="model on GPU; repeatable (default: all)")
     parser.add_argument("--activation-reserve-gib", type=float, default=None,
                         help="memory kept for activations (default: 10%% of GPU memory)")
-    parser.add_argument("--policies", default="mell,bf,wf,lb", help="comma-separated (mell,bf,wf,lb)")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES),
+                        help=f"comma-separated, from {','.join(POLICY_NAMES)} (all): mell is kvfleet's default, "
+                             "mell-paper MELL's Fig. 10 as written")
     parser.add_argument("--epoch-s", type=float, default=1.0, help="scheduling epoch (1.0 s)")
     parser.add_argument("--paper-strict", action="store_true",
-                        help="MELL exactly as Fig. 10, without kvfleet's refinements (docs/mell.md)")
-    parser.add_argument("--headroom", type=float, default=0.0,
-                        help="share of C MELL keeps free for growth when placing (0, as the paper)")
+                        help="run MELL exactly as Fig. 10 (mell-paper) in place of kvfleet's default (mell)")
+    parser.add_argument("--headroom", type=float, default=None,
+                        help="share of C the default policy keeps free for growth "
+                             f"({SchedulerConfig.fleet_headroom_fraction:g})")
     parser.add_argument("--scale-up-s", type=float, default=0.0,
                         help="seconds a new worker pod takes to be ready (0); set it to your cloud's node + pod "
                              "start, e.g. 60")
     parser.add_argument("--scale-down-delay-s", type=float, default=DEFAULT_SCALE_DOWN_DELAY_S,
                         help="seconds an emptied worker pod stays, warm and billed, before it is deleted "
                              f"({DEFAULT_SCALE_DOWN_DELAY_S:g}, the LLMPool default)")
+    parser.add_argument("--tpot-ms", type=float, default=None,
+                        help="a TPOT objective (the LLMPool's slo.tpotMilliseconds): the default policy never packs "
+                             "a GPU past the load whose decode step would break it")
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
@@ -89,10 +117,11 @@ def _default_trace_dir() -> Path:
 def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]:
     traces: list[Path] = list(args.trace)
     rates: list[float] = list(args.poisson)
-    if args.azure or (not traces and not rates):
+    long_rates: list[float] = list(args.long_context)
+    if args.azure or (not traces and not rates and not long_rates):
         trace_dir = args.trace_dir or _default_trace_dir()
         traces += [trace_dir / name for name in AZURE_TRACES]
-    if not args.trace and not args.poisson and not args.azure:
+    if not args.trace and not args.poisson and not args.azure and not long_rates:
         rates = list(PAPER_RATES)
     window: tuple[float, float] | None = None
     if args.window:
@@ -102,8 +131,10 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
             raise TraceError(f"--window {args.window!r}: expected START:DURATION in seconds") from None
         window = (start, dur)
     out: list[tuple[str, list[TraceRequest]]] = []
+    if args.max_context_tokens is not None and args.max_context_tokens <= 0:
+        raise TraceError(f"--max-context-tokens {args.max_context_tokens}: must be positive")
     for path in traces:
-        reqs = read_trace(path)
+        reqs = read_trace(path, args.max_context_tokens)
         if window:
             reqs = slice_trace(reqs, *window)
             if not reqs:
@@ -119,6 +150,10 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
             raise TraceError(f"--poisson {rate}: the rate must be positive")
         reqs = poisson_workload(rate, args.duration_s, args.lengths, args.length_scale, args.seed)
         out.append((f"poisson-{rate:g}", reqs))
+    for rate in long_rates:
+        if rate <= 0:
+            raise TraceError(f"--long-context {rate}: the rate must be positive")
+        out.append((f"long-context-{rate:g}", long_context_workload(rate, args.duration_s, args.seed)))
     return out
 
 
@@ -137,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--scale-up-s must be >= 0")
         if not args.scale_down_delay_s >= 0:
             raise _UsageError("--scale-down-delay-s must be >= 0")
+        for setup in setups:
+            _scheduler_config(args, setup)  # a TPOT objective no GPU can meet is refused before any replay
     except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
@@ -151,8 +188,10 @@ def run(args: argparse.Namespace) -> int:
 def _policies(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in ("mell", "bf", "wf", "lb"):
-            raise _UsageError(f"unknown policy {p!r} (mell, bf, wf, lb)")
+        if p not in POLICY_NAMES:
+            raise _UsageError(f"unknown policy {p!r} ({', '.join(POLICY_NAMES)})")
+    if args.paper_strict:
+        policies = list(dict.fromkeys("mell-paper" if p == "mell" else p for p in policies))
     return policies
 
 
@@ -187,10 +226,16 @@ def _progress_bar(epoch_s: float, workloads: list[tuple[str, list[TraceRequest]]
 
 
 def _scheduler_config(args: argparse.Namespace, setup: Setup) -> SchedulerConfig:
-    if args.paper_strict:
-        return SchedulerConfig(capacity_bytes=setup.capacity_bytes, refill_underfilled_t=False,
-                               refill_source_max_fill=1.0, growth_headroom_fraction=args.headroom)
-    return SchedulerConfig(capacity_bytes=setup.capacity_bytes, growth_headroom_fraction=args.headroom)
+    config = SchedulerConfig(capacity_bytes=setup.capacity_bytes)
+    if args.headroom is not None:
+        config = dataclasses.replace(config, fleet_headroom_fraction=args.headroom)
+    if args.tpot_ms is not None:
+        try:
+            max_load, per_request = tpot_load_cap(setup, args.tpot_ms / 1000.0)
+        except ValueError as err:
+            raise _UsageError(str(err)) from None
+        config = dataclasses.replace(config, max_load_bytes=max_load, load_bytes_per_request=per_request)
+    return config
 
 
 def _run_setup(

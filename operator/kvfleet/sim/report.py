@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvfleet.sim.simulator import RunResult, SharedBound
 
-POLICY_LABELS = {"mell": "MELL", "bf": "BF", "wf": "WF", "lb": "LB"}
+POLICY_LABELS = {"mell": "MELL", "mell-paper": "MELL-paper", "bf": "BF", "wf": "WF", "lb": "LB"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Scenario:
                 "shared_bound_mean": round(r.shared_bound.mean, 4),
                 "shared_bound_gpu_hours": round(r.shared_bound.gpu_hours, 6),
                 "mean_vs_own_bound": round(r.mean_vs_own_bound, 4),
+                "own_bound_billed_gpu_hours": round(r.own_bound_billed_gpu_hours, 6),
+                "num_preemptions": r.num_preemptions,
                 "active_vs_shared_bound": round(r.active_vs_shared_bound, 4),
                 "billed_vs_shared_bound": round(r.billed_vs_shared_bound, 4),
                 "scale_up_s": r.scale_up_s,

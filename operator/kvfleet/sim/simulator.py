@@ -27,6 +27,7 @@ policy, computed from the workload alone (`shared_bound`).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -34,6 +35,7 @@ from kvfleet.api.models import AutoscalingSpec
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.migration import Boundaries, plan_migrations
 from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Location, Migration, Plan
+from kvfleet.mell.models import tpot_load_cap as core_tpot_load_cap
 from kvfleet.mell.policy import make_policy
 from kvfleet.sim.hardware import BLOCK_SIZE_TOKENS, CapacityDerivation, GpuSpec, ModelShape, derive_capacity
 from kvfleet.sim.traces import TraceRequest
@@ -65,6 +67,17 @@ class Setup:
         return 2.0 * self.model.num_params * tokens / (self.gpu.peak_flops * self.mfu)
 
 
+def tpot_load_cap(setup: Setup, tpot_s: float) -> tuple[int, int]:
+    """A TPOT objective as the default policy's load cap (SchedulerConfig.max_load_bytes and
+    load_bytes_per_request) on this setup's speed model (`Setup.step_s`, the core's formula)."""
+    try:
+        return core_tpot_load_cap(tpot_s, setup.model.weight_bytes,
+                                  setup.gpu.mem_bandwidth_bytes_per_s * setup.bandwidth_efficiency,
+                                  setup.per_sequence_overhead_s)
+    except ValueError as err:
+        raise ValueError(f"{setup.name}: {err}") from None
+
+
 def make_setup(name: str, model: ModelShape, gpu: GpuSpec, activation_reserve_bytes: int | None = None) -> Setup:
     return Setup(name, model, gpu, derive_capacity(model, gpu, activation_reserve_bytes))
 
@@ -92,9 +105,11 @@ def nearest_rank(values: Iterable[float], percent: float) -> float:
 class SharedBound:
     """The least KV any policy can hold for a workload: the same for every policy of a scenario.
 
-    Every request is taken to decode at an unloaded GPU's speed (`step_s(1, 0)` per token) from its
-    arrival plus its own prefill, holding its prompt and the tokens written so far (whole tokens).
-    No policy starts a request earlier or decodes it faster, so no policy holds less KV-time.
+    Every request is taken to be placed at the first epoch end after it arrives (the scheduler's
+    first chance, for every policy), to hold its prompt from then, and to decode at an unloaded GPU's
+    speed (`step_s(1, 0)` per token) from then or from its arrival plus its own prefill, whichever is
+    later, holding its prompt and the tokens written so far (whole tokens). No policy places a request
+    earlier or decodes it faster, so no policy holds less KV-time.
     `gpu_hours` (KV-seconds / C) bounds every policy's active and billed GPU-hours; `peak` (the
     largest ceil(KV / C) at an epoch end along that trajectory) is a reference, not a strict bound
     (a policy's requests run later, so its peak may fall at other times).
@@ -118,9 +133,11 @@ class SharedBound:
 def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float) -> SharedBound:
     """The workload-only bound (see `SharedBound`), in closed form per request.
 
-    A request with prompt P and output N starts at t0 = arrival + prefill(P) and writes one token
-    every s = step_s(1, 0): during its j-th step (j = 0 .. N-1) it holds P + j tokens, so it holds
-    bytes_per_token x s x (N x P + N x (N - 1) / 2) byte-seconds, and releases its KV at t0 + N x s.
+    A request with prompt P and output N is placed at ta, the first epoch end after its arrival, and
+    holds P tokens until it starts decoding at t0 = max(ta, arrival + prefill(P)); it then writes one
+    token every s = step_s(1, 0): during its j-th step (j = 0 .. N-1) it holds P + j tokens, so it
+    holds bytes_per_token x (P x (t0 - ta) + s x (N x P + N x (N - 1) / 2)) byte-seconds, and
+    releases its KV at t0 + N x s.
     """
     step = setup.step_s(1, 0)
     bpt = setup.model.kv_bytes_per_token
@@ -129,19 +146,30 @@ def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float)
     at_epoch: dict[int, int] = {}  # KV bytes held at the end of epoch k (time k x epoch_s)
     for req in requests:
         n, p = req.output_tokens, req.prompt_tokens
-        t0 = req.arrival_s + setup.prefill_s(p)
+        k = math.floor(req.arrival_s / epoch_s) + 1  # admitted at the end of the epoch it arrives in
+        placed_s = k * epoch_s
+        t0 = max(placed_s, req.arrival_s + setup.prefill_s(p))
         t1 = t0 + n * step
-        end_s = max(end_s, t1, req.arrival_s)
-        kv_byte_seconds += bpt * step * (n * p + n * (n - 1) / 2)
-        k = max(1, math.ceil(t0 / epoch_s))
-        while k * epoch_s < t1:
-            written = min(n - 1, math.floor((k * epoch_s - t0) / step))
+        end_s = max(end_s, t1, placed_s)
+        kv_byte_seconds += bpt * (p * (t0 - placed_s) + step * (n * p + n * (n - 1) / 2))
+        while k * epoch_s < t1 or k * epoch_s == placed_s:
+            written = max(0, min(n - 1, math.floor((k * epoch_s - t0) / step)))
             at_epoch[k] = at_epoch.get(k, 0) + (p + written) * bpt
             k += 1
     c = setup.capacity_bytes
     peak = max((math.ceil(kv / c) for kv in at_epoch.values()), default=0)
     duration_s = math.ceil(end_s / epoch_s) * epoch_s if end_s > 0 else 0.0
     return SharedBound(kv_byte_seconds, duration_s, c, peak)
+
+
+def migration_boundaries(setup: Setup, epoch_s: float) -> Boundaries:
+    """The §V boundaries of one epoch on `setup`: each link carries its bandwidth x epoch, each instance
+    re-prefills a tenth of what it could in an epoch (the rest is its decode batch's)."""
+    return Boundaries(
+        intra_node_link_bytes=int(setup.intra_node_bytes_per_s * epoch_s),
+        inter_node_link_bytes=int(setup.inter_node_bytes_per_s * epoch_s),
+        instance_prefill_tokens=int(epoch_s / setup.prefill_s(1) * 0.1),
+    )
 
 
 def merge_plans(now_s: float, plans: list[Plan]) -> Plan:
@@ -291,6 +319,28 @@ class RunResult:
         return nearest_rank(self.tpots_s, 99) * 1000.0
 
     @property
+    def own_bound_billed_gpu_hours(self) -> float:
+        """This run's fluid bound as a cloud bills it: a lower bound on `billed_gpu_hours` for this run.
+
+        A pod holding a GPU at time s is still billed at any t <= s + scale_down_delay_s (it is held,
+        or released and lingering), so the pods billed at t are at least the most GPUs held over
+        [t - delay, t], and those at least ceil(KV / C) (`lower_bound`) at each epoch end. Summed over
+        epochs: what even a perfect packer of this run's KV would be billed. It depends on the run
+        (its KV depends on how fast its GPUs decode), so it is reported per policy.
+        """
+        window = max(1, math.ceil(self.scale_down_delay_s / self.epoch_s) + 1)
+        held: deque[tuple[int, int]] = deque()  # (epoch, bound), bounds decreasing: a sliding maximum
+        total = 0
+        for k, bound in enumerate(self.lower_bound):
+            while held and held[-1][1] <= bound:
+                held.pop()
+            held.append((k, bound))
+            if held[0][0] <= k - window:
+                held.popleft()
+            total += held[0][1]
+        return total * self.epoch_s / 3600.0
+
+    @property
     def mean_vs_own_bound(self) -> float:
         """mean GPUs / this run's own fluid bound (same epochs, so a ratio of means)."""
         return self.mean_gpus / self.lower_bound_mean if self.lower_bound_mean else 0.0
@@ -334,6 +384,11 @@ def simulate(
     if scale_up_s < 0 or scale_down_delay_s < 0:
         raise ValueError("scale_up_s and scale_down_delay_s must be >= 0")
     cfg = config or SchedulerConfig(capacity_bytes=setup.capacity_bytes)
+    bounds = migration_boundaries(setup, epoch_s)
+    if cfg.intra_node_move_budget_bytes is None and cfg.inter_node_move_budget_bytes is None:
+        # The policy plans within the §V boundaries the replay costs its moves against.
+        cfg = replace(cfg, intra_node_move_budget_bytes=bounds.intra_node_link_bytes,
+                      inter_node_move_budget_bytes=bounds.inter_node_link_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
                      scale_down_delay_s)
     replay.result.batching = batching
@@ -376,11 +431,7 @@ class _Replay:
         self.block_bytes = BLOCK_SIZE_TOKENS * self.kv_bytes_per_token
         # Look-ahead: tokens a request can write in one epoch at the fastest step (batch 1, no KV).
         self.lookahead_tokens = math.ceil(lookahead_epochs * epoch_s / setup.step_s(1, 0))
-        self.boundaries = Boundaries(
-            intra_node_link_bytes=int(setup.intra_node_bytes_per_s * epoch_s),
-            inter_node_link_bytes=int(setup.inter_node_bytes_per_s * epoch_s),
-            instance_prefill_tokens=int(epoch_s / setup.prefill_s(1) * 0.1),
-        )
+        self.boundaries = migration_boundaries(setup, epoch_s)
         # Where each GPU the plans activated is, kept after the policy forgets a GPU it terminated.
         self.locations: dict[str, Location] = {}
         self.live: dict[str, _Live] = {}

@@ -2,7 +2,12 @@
 
 Readers accept the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`, wall
 clock timestamps), any CSV with timestamp / prompt / output columns, and JSONL with `timestamp`
-(milliseconds), `input_length`, `output_length`. A bad file raises TraceError naming file and line.
+(milliseconds), `input_length`, `output_length`; other columns and fields are ignored. A bad file
+raises TraceError naming file and line: a trace with no requests, a length that is not a whole number
+>= 0, a timestamp that cannot be read, and (with `max_context_tokens`) a request whose prompt and output
+exceed the model's context. Documented handling, not errors: rows out of time order are replayed in
+time order (ties keep the file's order: duplicate timestamps are simultaneous arrivals), timestamps
+are re-based so the first request arrives at 0, and a length of 0 counts as 1 token.
 
 The Poisson workloads follow MELL §VIII-B: arrivals at lambda 0.5 / 0.8 / 1.1 requests per second and
 conversation lengths like LMSYS-Chat-1M and WildChat, scaled up ten times. The datasets are not
@@ -66,18 +71,24 @@ def _parse_tokens(value: str, what: str, path: Path, line: int) -> int:
     return int(number)
 
 
-def _finish(rows: list[tuple[float, int, int]], path: Path) -> list[TraceRequest]:
+def _finish(rows: list[tuple[float, int, int, int]], path: Path, max_context_tokens: int | None) -> list[TraceRequest]:
+    """Requests in time order (a stable sort: ties keep the file's order) from (time, prompt, output, line)."""
     if not rows:
         raise TraceError(f"{path}: no requests in the trace")
+    if max_context_tokens is not None:
+        for _, prompt, output, line in rows:
+            if prompt + output > max_context_tokens:
+                raise TraceError(f"{path}:{line}: prompt {prompt} + output {output} tokens exceed the model's context "
+                                 f"of {max_context_tokens} tokens")
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [
         TraceRequest(f"r{i}", t - t0, max(1, prompt), max(1, output))
-        for i, (t, prompt, output) in enumerate(rows)
+        for i, (t, prompt, output, _) in enumerate(rows)
     ]
 
 
-def read_csv(path: Path, time_unit_s: float | None = None) -> list[TraceRequest]:
+def read_csv(path: Path, time_unit_s: float | None = None, max_context_tokens: int | None = None) -> list[TraceRequest]:
     """Azure CSV or any CSV with timestamp/prompt/output columns (numeric timestamps in seconds
     unless `time_unit_s` says otherwise; wall-clock timestamps are accepted too)."""
     try:
@@ -101,7 +112,7 @@ def read_csv(path: Path, time_unit_s: float | None = None) -> list[TraceRequest]
             raise TraceError(f"{path}:1: no {what} column (expected one of {', '.join(options)}; found {', '.join(header)})")
 
         ti, pi, oi = column(_TIME_COLS, "timestamp"), column(_PROMPT_COLS, "prompt"), column(_OUTPUT_COLS, "output")
-        rows: list[tuple[float, int, int]] = []
+        rows: list[tuple[float, int, int, int]] = []
         try:
             for line, record in enumerate(reader, start=2):
                 if not record or all(not f.strip() for f in record):
@@ -112,13 +123,13 @@ def read_csv(path: Path, time_unit_s: float | None = None) -> list[TraceRequest]
                 if not wall and time_unit_s is not None:
                     t *= time_unit_s
                 rows.append((t, _parse_tokens(record[pi], "prompt", path, line),
-                             _parse_tokens(record[oi], "output", path, line)))
+                             _parse_tokens(record[oi], "output", path, line), line))
         except (csv.Error, UnicodeDecodeError) as err:
             raise TraceError(f"{path}: not a readable CSV: {err}") from err
-    return _finish(rows, path)
+    return _finish(rows, path, max_context_tokens)
 
 
-def read_jsonl(path: Path) -> list[TraceRequest]:
+def read_jsonl(path: Path, max_context_tokens: int | None = None) -> list[TraceRequest]:
     """JSONL: one object per line with `timestamp` (ms), `input_length`, `output_length`."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -126,7 +137,7 @@ def read_jsonl(path: Path) -> list[TraceRequest]:
         raise TraceError(f"{path}: cannot open: {err.strerror}") from err
     except UnicodeDecodeError as err:
         raise TraceError(f"{path}: not UTF-8 text") from err
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, int]] = []
     for line, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -143,16 +154,17 @@ def read_jsonl(path: Path) -> list[TraceRequest]:
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise TraceError(f"{path}:{line}: timestamp must be a number of milliseconds")
         rows.append((float(ts) / 1000.0, _parse_tokens(str(obj["input_length"]), "input_length", path, line),
-                     _parse_tokens(str(obj["output_length"]), "output_length", path, line)))
-    return _finish(rows, path)
+                     _parse_tokens(str(obj["output_length"]), "output_length", path, line), line))
+    return _finish(rows, path, max_context_tokens)
 
 
-def read_trace(path: Path) -> list[TraceRequest]:
+def read_trace(path: Path, max_context_tokens: int | None = None) -> list[TraceRequest]:
+    """A trace file by its suffix (.jsonl/.ndjson/.json: JSONL; anything else: CSV); see the module doc."""
     if not path.exists():
         raise TraceError(f"{path}: no such file")
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
-        return read_jsonl(path)
-    return read_csv(path)
+        return read_jsonl(path, max_context_tokens)
+    return read_csv(path, max_context_tokens=max_context_tokens)
 
 
 # ---- synthetic workloads (§VIII-B) ----
@@ -196,6 +208,41 @@ def poisson_workload(
         prompt = min(prompt, MAX_CONTEXT_TOKENS - 1)
         output = min(output, MAX_CONTEXT_TOKENS - prompt)
         out.append(TraceRequest(f"r{len(out)}", t, round(prompt * scale), round(output * scale)))
+    return out
+
+
+# A long-context workload (documents, code bases, agents' histories): prompts log-normal with mean
+# 12,000 and 99th percentile 85,000 tokens, outputs log-normal with mean 350, capped at a 128K context.
+# sigma solves exp(mu + 2.326 sigma) = 85000 with exp(mu + sigma^2 / 2) = 12000 (the smaller root).
+LONG_CONTEXT_PROMPT_MEAN, LONG_CONTEXT_PROMPT_P99 = 12_000, 85_000
+LONG_CONTEXT_OUTPUT_MEAN, LONG_CONTEXT_OUTPUT_SIGMA = 350, 0.9
+LONG_CONTEXT_MAX_TOKENS = 131_072
+_Z99 = 2.3263478740408408
+
+
+def _long_context_sigma() -> float:
+    gap = math.log(LONG_CONTEXT_PROMPT_P99 / LONG_CONTEXT_PROMPT_MEAN)
+    return _Z99 - math.sqrt(_Z99 * _Z99 - 2 * gap)
+
+
+def long_context_workload(rate_per_s: float, duration_s: float, seed: int = 0) -> list[TraceRequest]:
+    """Poisson arrivals of long-context requests (see LONG_CONTEXT_*): on the paper's setups about a
+    quarter of the prompts alone exceed one GPU's KV capacity, so those requests span GPUs."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate and duration must be positive")
+    rng = random.Random(seed)
+    sigma = _long_context_sigma()
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t > duration_s:
+            break
+        prompt = max(1, round(_lognormal(rng, LONG_CONTEXT_PROMPT_MEAN, sigma)))
+        output = max(1, round(_lognormal(rng, LONG_CONTEXT_OUTPUT_MEAN, LONG_CONTEXT_OUTPUT_SIGMA)))
+        prompt = min(prompt, LONG_CONTEXT_MAX_TOKENS - 1)
+        output = min(output, LONG_CONTEXT_MAX_TOKENS - prompt)
+        out.append(TraceRequest(f"r{len(out)}", t, prompt, output))
     return out
 
 

@@ -58,6 +58,8 @@ class PoolSnapshot:
     # router's Allocate ranks GPUs with the pool's weights; None (pool not read yet): MELL's defaults.
     # Its capacity is not used: C is what the workers report.
     config: SchedulerConfig | None = None
+    # The pool's scheduling.policy: the router previews the same policy's Allocate as the operator runs.
+    policy: str = "mell"
 
     def ready_workers(self) -> list[WorkerState]:
         return [w for w in self.workers if w.ready and w.address]
@@ -149,12 +151,14 @@ def _loads(snapshot: PoolSnapshot, reservations: Sequence[Reservation], default_
     return loads
 
 
-def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None) -> tuple[_Load, str] | None:
-    """MELL §VI-C, Fig. 10, J.Allocate(i), from the scheduling core, restricted to what a router can
-    do: choose a worker.
+def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None,
+             policy: str = "mell") -> tuple[_Load, str] | None:
+    """The pool policy's Allocate (the default's best fit with headroom; for `mell-paper` MELL §VI-C,
+    Fig. 10, J.Allocate(i)), from the scheduling core, restricted to what a router can do: choose a
+    worker.
 
-    The core restores MELL from the router's view (the workers' requests and activation order) and
-    places the request with the pool's GPU priority. "Activate a new GPU" means a worker holding
+    The core restores the policy from the router's view (the workers' requests and activation order)
+    and places the request with the pool's knobs. "Activate a new GPU" means a worker holding
     nothing (the operator keeps warm empty workers, the floor and headroom, for exactly this), the one
     activated first. The moves Allocate also orders (departing T-requests from an L-GPU, moving an
     S/M-request to a new L-GPU) are the operator's next epoch; since the router cannot make them, the
@@ -167,7 +171,7 @@ def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None) 
             for load in loads if load.sizes]
     # A request larger than C takes a whole worker (DistAttention spreads the rest): an L-request of C.
     decision = allocate_one(cluster_snapshot(gpus, capacity), min(kv_bytes, capacity),
-                            dataclasses.replace(base, capacity_bytes=capacity))
+                            dataclasses.replace(base, capacity_bytes=capacity), policy)
     if decision.new_gpu:
         empty = [load for load in loads if not load.sizes and load.fits(kv_bytes)]
         if not empty:
@@ -196,7 +200,7 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
     if route is not None and route.fits(kv_bytes):
         return RouteChoice(route.worker.pod_name, route.worker.address, "route")
-    chosen = allocate(loads, kv_bytes, snapshot.config)
+    chosen = allocate(loads, kv_bytes, snapshot.config, snapshot.policy)
     if chosen is not None:
         return RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     fitting = [load for load in loads if load.fits(kv_bytes)]

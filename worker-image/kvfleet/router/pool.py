@@ -107,6 +107,12 @@ def config_of(pool: Mapping[str, Any] | None) -> SchedulerConfig | None:
         return None
 
 
+def policy_of(pool: Mapping[str, Any] | None) -> str:
+    """The pool's scheduling.policy (the LLMPool default, `mell`, when unset or unreadable)."""
+    policy = (((pool or {}).get("spec") or {}).get("scheduling") or {}).get("policy")
+    return policy if isinstance(policy, str) and policy else "mell"
+
+
 class KubePoolView:
     """The pool and its workers, kept current by two watches in background threads."""
 
@@ -207,4 +213,4 @@ class KubePoolView:
     def _publish(self) -> None:
         workers = tuple(sorted((worker_state(p) for p in self._pods.values()), key=lambda w: w.pod_name))
         self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()),
-                                      config=self._config)
+                                      config=self._config, policy=policy_of(self._pool))

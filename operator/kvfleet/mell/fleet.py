@@ -1,0 +1,257 @@
+"""kvfleet's default policy (`mell`): MELL's epochs, batching and migration, with a consolidating packer.
+
+MELL's Fig. 10 (mell.py, the `mell-paper` policy) places each request by its size class, so that a
+bounded number of GPUs is ever partly full (Theorem 1). Measured on the paper's own workloads
+(docs/mell.md, bench/policies.py) that is not enough to beat plain best-fit: the newest T/S/M GPUs
+stay partly filled, class changes of growing requests cause moves, and at the scale of real traces
+(4-8 GPUs) one or two partly filled GPUs are the whole difference. This policy keeps everything of
+MELL that pays (epochs, request operation batching §VI-C, the §V migration planner and boundaries,
+DistAttention spans for requests larger than C, all in cluster.py) and replaces the placement rules:
+
+1. Allocate (batched): an epoch's arrivals are placed largest first (best-fit decreasing, which packs
+   a batch better than arrival order), each on the fullest GPU that holds it with growth headroom
+   left, else the fullest that holds it at all, and only else on a new GPU.
+2. Update: a request grows in place. A GPU whose reservations pass its capacity sheds the fewest
+   requests that bring it back under capacity less headroom (one request when one suffices, the
+   smallest such), each placed as in 1.
+3. Consolidate: at the end of the epoch, the least loaded GPU is emptied when the other GPUs can take
+   every request on it with headroom left, within the epoch's migration budget (the §V communication
+   boundary of each link), so that no move is ever deferred.
+4. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
+   break it (`SchedulerConfig.max_load_bytes` and `load_bytes_per_request`).
+
+Every rule is a SchedulerConfig knob; docs/mell.md gives the measurement behind each default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_left
+
+from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
+from kvfleet.mell.migration import link_of
+from kvfleet.mell.models import Arrive, EventBatch, Location, Plan, SizeClass, size_class
+from kvfleet.mell.state import ClusterSnapshot, Gpu, Item, ItemSnapshot
+
+
+class FleetPolicy(ClusterPolicy):
+    name = "mell"
+    uses_free_index = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._headroom = int(config.fleet_headroom_fraction * config.capacity_bytes)
+        self._overloaded: dict[str, Gpu] = {}
+        self._link_used: dict[str, int] = {}
+        # The Fig. 10-like branch the last Allocate took, for allocate_one's AllocateDecision.step.
+        self.last_allocate_step = ""
+
+    def restore(self, snap: ClusterSnapshot) -> None:
+        """Every request is an item of its own here (multi-items are Fig. 10's, §VI-C), so a rebuilt
+        state's multi-items are split; a GPU restored over its cap is relieved at the next epoch."""
+        items = tuple(ItemSnapshot((member,), False, it.gpu_id) for it in snap.items for member in it.members)
+        super().restore(dataclasses.replace(snap, items=items))
+        for gpu in self.gpus.values():
+            if not gpu.idle and gpu.load_bytes > self._cap(gpu, 0):
+                self._overloaded[gpu.gpu_id] = gpu
+
+    # ================================================================ epoch
+
+    def schedule(self, batch: EventBatch, *, end_of_epoch: bool = True) -> Plan:
+        # Best-fit decreasing over the epoch's arrivals: the larger requests are placed first.
+        arrivals = [e for e in batch.events if isinstance(e, Arrive)]
+        if self.cfg.fleet_arrivals_largest_first:
+            arrivals.sort(key=lambda e: -e.size_bytes)
+        others = [e for e in batch.events if not isinstance(e, Arrive)]
+        plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
+        if end_of_epoch:
+            self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
+        return plan
+
+    def on_arrive(self, request_id: str, size_bytes: int) -> None:
+        self._relieve()
+        item = self._new_item(size_class(size_bytes, self.capacity_bytes), {request_id: size_bytes}, False)
+        self._put(item, self._target(item.size_bytes, None), "allocate", None)
+
+    def on_finish(self, request_id: str) -> None:
+        item = self.item_of.pop(request_id, None)
+        if item is None:
+            raise ValueError(f"unknown request {request_id!r} finished")
+        gpu = self._remove(item)
+        if gpu.load_bytes <= self._cap(gpu, 0):
+            self._overloaded.pop(gpu.gpu_id, None)
+
+    def on_grow(self, request_id: str, size_bytes: int) -> None:
+        item = self.item_of.get(request_id)
+        if item is None:
+            raise ValueError(f"unknown request {request_id!r} grew")
+        if size_bytes <= item.size_bytes:
+            return  # KV only grows (§VI-A): a stale report changes nothing
+        item.members[request_id] = size_bytes
+        self._resize(item, size_bytes, size_class(size_bytes, self.capacity_bytes))
+        gpu = item.gpu
+        assert gpu is not None
+        if gpu.load_bytes > self._cap(gpu, 0):
+            self._overloaded[gpu.gpu_id] = gpu
+
+    def after_batch(self) -> None:
+        self._relieve()
+        if self.cfg.fleet_consolidate:
+            for _ in range(self.cfg.fleet_max_consolidations_per_epoch):
+                if not self._consolidate_one():
+                    break
+
+    # ================================================================ rules
+
+    def _cap(self, gpu: Gpu, extra_requests: int) -> int:
+        """The load `gpu` may hold with `extra_requests` more requests: C, or less under a TPOT objective."""
+        cfg = self.cfg
+        if cfg.max_load_bytes is None:
+            return self.capacity_bytes
+        cap = cfg.max_load_bytes - (gpu.num_requests + extra_requests) * cfg.load_bytes_per_request
+        return min(self.capacity_bytes, cap)
+
+    def _fits(self, gpu: Gpu, size: int, headroom: bool) -> bool:
+        return gpu.load_bytes + size + (self._headroom if headroom else 0) <= self._cap(gpu, 1)
+
+    def _best_fit(self, size: int, headroom: bool, exclude: set[str], src: Gpu | None) -> Gpu | None:
+        """The fullest usable GPU that holds `size` more bytes (with its headroom to spare if asked)."""
+        index = self._free_index
+        pos = bisect_left(index, (size + (self._headroom if headroom else 0), -1, ""))
+        while pos < len(index):
+            gpu = self.gpus[index[pos][2]]
+            pos += 1
+            if gpu.gpu_id in exclude or gpu.idle or gpu.category is SizeClass.X or gpu is src:
+                continue
+            if not self._fits(gpu, size, headroom):
+                continue
+            if src is not None and not self._link_allows(src, gpu, size):
+                continue
+            return gpu
+        return None
+
+    def _emptiest(self, size: int, src: Gpu) -> Gpu | None:
+        """The emptiest usable GPU that holds `size` more bytes with headroom, within the link budget."""
+        index = self._free_index
+        for pos in range(len(index) - 1, -1, -1):
+            if index[pos][0] < size + self._headroom:
+                return None
+            gpu = self.gpus[index[pos][2]]
+            if gpu.idle or gpu.category is SizeClass.X or gpu is src:
+                continue
+            if self._fits(gpu, size, True) and self._link_allows(src, gpu, size):
+                return gpu
+        return None
+
+    def _target(self, size: int, src: Gpu | None, exclude: frozenset[str] = frozenset()) -> Gpu:
+        """Rule 1: the fullest GPU that holds `size` with headroom, else without, else a new GPU."""
+        excl = set(exclude)
+        gpu = self._best_fit(size, True, excl, src)
+        self.last_allocate_step = "best-fit"
+        if gpu is None and self.cfg.fleet_fill_without_headroom:
+            gpu = self._best_fit(size, False, excl, src)
+            self.last_allocate_step = "best-fit-in-headroom"
+        if gpu is None:
+            gpu = self._activate(src)
+            self.last_allocate_step = "new-GPU"
+        return gpu
+
+    def _link_allows(self, src: Gpu, dst: Gpu, size: int) -> bool:
+        return self._link_allows_to(src, dst.location, size)
+
+    def _link_allows_to(self, src: Gpu, dst: Location, size: int) -> bool:
+        """Whether the epoch's budget of the link from `src` to `dst` still carries `size` bytes (§V)."""
+        budget = self._link_budget(src.location, dst)
+        return budget is None or self._link_used.get(link_of(src.location, dst), 0) + size <= budget
+
+    def _link_budget(self, src: Location, dst: Location) -> int | None:
+        if src.node_id == dst.node_id:
+            return self.cfg.intra_node_move_budget_bytes
+        return self.cfg.inter_node_move_budget_bytes
+
+    def _move_item(self, item: Item, dst: Gpu, cause: str) -> None:
+        src = item.gpu
+        assert src is not None
+        link = link_of(src.location, dst.location)
+        self._link_used[link] = self._link_used.get(link, 0) + item.size_bytes
+        self._move(item, dst, cause)
+
+    def _relieve(self) -> None:
+        """Rule 2: every overloaded GPU sheds requests until it is under capacity less headroom.
+
+        Fewest moves first: the smallest request that alone clears the excess, else the largest ones.
+        A request moves only where its copy fits the epoch's link budget (an existing GPU, or a new
+        one on the same node), so no migration is ever deferred."""
+        while self._overloaded:
+            _, gpu = self._overloaded.popitem()
+            while not gpu.idle and len(gpu.items) > 1 and gpu.load_bytes > self._cap(gpu, 0):
+                excess = gpu.load_bytes - (self._cap(gpu, 0) - self._headroom)
+                items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
+                order = [it for it in items if it.size_bytes >= excess] + [it for it in reversed(items)
+                                                                             if it.size_bytes < excess]
+                for it in order:
+                    dst = self._within_budget(it.size_bytes, gpu)
+                    if dst is not None:
+                        self._move_item(it, dst, "overload")
+                        break
+                else:
+                    # No link carries any of them this epoch: the smallest that clears the excess is
+                    # recomputed at its new GPU instead (vLLM's recompute preemption; a re-prefill,
+                    # reported as a preemption, never a deferred migration).
+                    victim = order[0]
+                    self._move(victim, self._target(victim.size_bytes, None, frozenset({gpu.gpu_id})), "preempt")
+
+    def _within_budget(self, size: int, src: Gpu) -> Gpu | None:
+        """A GPU that takes `size` bytes from `src` within the link budget: best fit (with headroom,
+        then without), else a new GPU on a node the copy may reach this epoch; None if there is none."""
+        excl = {src.gpu_id}
+        dst = self._emptiest(size, src) if self.cfg.fleet_relieve_to_emptiest else None
+        if dst is None:
+            dst = self._best_fit(size, True, excl, src)
+        if dst is None and self.cfg.fleet_fill_without_headroom:
+            dst = self._best_fit(size, False, excl, src)
+        if dst is not None:
+            return dst
+        if self._link_allows_to(src, self._activation_location(src), size):
+            return self._activate(src)
+        return None
+
+    def _consolidate_one(self) -> bool:
+        """Rule 3: empty the least loaded GPU if the others take all of it with headroom, within budget."""
+        candidates = [g for g in self.gpus.values() if not g.idle and g.category is not SizeClass.X and g.items]
+        if len(candidates) < 2:
+            return False
+        total = sum(g.load_bytes for g in candidates)
+        if total > self.cfg.fleet_consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
+            return False
+        victim = min(candidates, key=lambda g: (g.load_bytes, -g.seq))
+        # Dry run: the largest items first, each to the fullest other GPU that holds it with headroom.
+        tentative: dict[str, int] = {}
+        tentative_n: dict[str, int] = {}
+        link_used = dict(self._link_used)
+        plan: list[tuple[Item, Gpu]] = []
+        for item in sorted(victim.items.values(), key=lambda it: (-it.size_bytes, it.item_id)):
+            best: Gpu | None = None
+            for g in candidates:
+                if g is victim:
+                    continue
+                load = g.load_bytes + tentative.get(g.gpu_id, 0)
+                n_extra = tentative_n.get(g.gpu_id, 0) + 1
+                if load + item.size_bytes + self._headroom > self._cap(g, n_extra):
+                    continue
+                budget = self._link_budget(victim.location, g.location)
+                link = link_of(victim.location, g.location)
+                if budget is not None and link_used.get(link, 0) + item.size_bytes > budget:
+                    continue
+                if best is None or load > best.load_bytes + tentative.get(best.gpu_id, 0):
+                    best = g
+            if best is None:
+                return False
+            tentative[best.gpu_id] = tentative.get(best.gpu_id, 0) + item.size_bytes
+            tentative_n[best.gpu_id] = tentative_n.get(best.gpu_id, 0) + 1
+            link = link_of(victim.location, best.location)
+            link_used[link] = link_used.get(link, 0) + item.size_bytes
+            plan.append((item, best))
+        for item, dst in plan:
+            self._move_item(item, dst, "consolidate")
+        return True

@@ -1,0 +1,102 @@
+"""kvfleet's default policy (`mell`, kvfleet.mell.fleet): each rule on an exact small case.
+
+C is 100 bytes and the headroom 5% of it (5 bytes), so the numbers can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Migration, Placement, SchedulerConfig, make_policy
+from kvfleet.mell.cluster import ClusterPolicy
+from kvfleet.mell.models import Location
+from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
+
+C = 100
+CONFIG = SchedulerConfig(capacity_bytes=C)
+
+
+def policy(**knobs: object) -> ClusterPolicy:
+    return make_policy("mell", dataclasses.replace(CONFIG, **knobs))  # type: ignore[arg-type]
+
+
+def where(pol: ClusterPolicy) -> dict[str, str]:
+    return {rid: pol.gpu_of(rid) for rid in pol.item_of}
+
+
+def test_an_epochs_arrivals_are_placed_largest_first_on_the_fullest_gpu_that_holds_them() -> None:
+    pol = policy()
+    plan = pol.schedule(EventBatch(1.0, (Arrive("s", 30), Arrive("l", 70), Arrive("m", 60))))
+    # 70 opens gpu-0, 60 does not fit beside it (gpu-1), 30 fits gpu-0 only without headroom (70 + 30 + 5
+    # > 100) and gpu-1 with it: gpu-1.
+    assert plan.placements == (Placement("l", "gpu-0"), Placement("m", "gpu-1"), Placement("s", "gpu-1"))
+    assert plan.activate_gpu_ids == ("gpu-0", "gpu-1")
+
+
+def test_a_request_uses_a_gpus_headroom_before_a_new_gpu_is_started() -> None:
+    pol = policy()
+    pol.schedule(EventBatch(1.0, (Arrive("a", 70),)))
+    plan = pol.schedule(EventBatch(2.0, (Arrive("b", 28),)))  # 70 + 28 <= 100, but not with 5 to spare
+    assert plan.placements == (Placement("b", "gpu-0"),) and plan.activate_gpu_ids == ()
+    strict = policy(fleet_fill_without_headroom=False)
+    strict.schedule(EventBatch(1.0, (Arrive("a", 70),)))
+    assert strict.schedule(EventBatch(2.0, (Arrive("b", 28),))).activate_gpu_ids == ("gpu-1",)
+
+
+def test_an_overloaded_gpu_sheds_the_smallest_request_that_clears_it_to_the_emptiest_gpu() -> None:
+    pol = policy(fleet_consolidate=False)
+    pol.schedule(EventBatch(1.0, (Arrive("a", 50), Arrive("b", 30), Arrive("c", 15))))
+    pol.schedule(EventBatch(2.0, (Arrive("d", 50), Arrive("e", 10))))
+    assert where(pol) == {"a": "gpu-0", "b": "gpu-0", "c": "gpu-0", "d": "gpu-1", "e": "gpu-1"}
+    # b grows by 15: gpu-0 holds 110; to be back at 95 it must shed 15: c (15) is the smallest that does.
+    plan = pol.schedule(EventBatch(3.0, (Grow("b", 45),)))
+    assert plan.migrations == (Migration("c", "gpu-0", "gpu-1", 15, "overload"),)
+    assert pol.loads() == {"gpu-0": 95, "gpu-1": 75}
+
+
+def test_the_least_loaded_gpu_is_emptied_when_the_others_hold_it_with_headroom() -> None:
+    pol = policy()
+    pol.schedule(EventBatch(1.0, (Arrive("a", 60), Arrive("b", 50), Arrive("c", 20))))
+    assert where(pol) == {"a": "gpu-0", "b": "gpu-1", "c": "gpu-0"}
+    plan = pol.schedule(EventBatch(2.0, (Finish("a"),)))
+    # gpu-0 holds c (20), gpu-1 b (50): 70 <= 0.9 x 100 fits one GPU fewer, and 50 + 20 + 5 <= 100.
+    assert plan.migrations == (Migration("c", "gpu-0", "gpu-1", 20, "consolidate"),)
+    assert plan.terminate_gpu_ids == ("gpu-0",)
+
+
+def test_consolidation_waits_when_the_link_cannot_carry_the_move_this_epoch() -> None:
+    pol = policy(intra_node_move_budget_bytes=10, inter_node_move_budget_bytes=10)
+    pol.schedule(EventBatch(1.0, (Arrive("a", 60), Arrive("b", 50), Arrive("c", 20))))
+    plan = pol.schedule(EventBatch(2.0, (Finish("a"),)))
+    assert plan.migrations == () and plan.terminate_gpu_ids == ()
+
+
+def test_a_tpot_objective_caps_each_gpus_load_by_its_request_count() -> None:
+    # Load + 10 x requests must stay within 80 (a step-time cap, kvfleet.mell.tpot_load_cap).
+    pol = policy(max_load_bytes=80, load_bytes_per_request=10, fleet_headroom_fraction=0.0)
+    pol.schedule(EventBatch(1.0, (Arrive("a", 40), Arrive("b", 20))))
+    # a and b: 60 + 2 x 10 = 80, full; a third request of any size needs a new GPU.
+    assert where(pol) == {"a": "gpu-0", "b": "gpu-0"}
+    pol.schedule(EventBatch(2.0, (Arrive("c", 1),)))
+    assert where(pol)["c"] == "gpu-1"
+
+
+def test_a_rebuilt_states_multi_items_are_split_into_requests() -> None:
+    gpu = GpuSnapshot("gpu-0", 0, 0, Location("node-0", "zone-0"))
+    snap = ClusterSnapshot((gpu,), (ItemSnapshot((("x", 5), ("y", 5)), True, "gpu-0"),), (), 1, 1)
+    pol = policy()
+    pol.restore(snap)
+    assert pol.item_of["x"] is not pol.item_of["y"]
+    pol.schedule(EventBatch(1.0, (Finish("x"),)))
+    assert where(pol) == {"y": "gpu-0"} and pol.loads() == {"gpu-0": 5}
+
+
+def test_new_gpus_fill_a_node_before_another_is_used() -> None:
+    pol = policy(gpus_per_node=2, fleet_consolidate=False)
+    pol.schedule(EventBatch(1.0, tuple(Arrive(f"r{i}", 90) for i in range(3))))
+    nodes = {gid: g.location.node_id for gid, g in pol.gpus.items()}
+    assert nodes == {"gpu-0": "node-0", "gpu-1": "node-0", "gpu-2": "node-1"}
+    # gpu-0 empties and is deleted: its slot on node-0 is the next GPU's.
+    pol.schedule(EventBatch(2.0, (Finish("r0"),)))
+    pol.schedule(EventBatch(3.0, (Arrive("r3", 90),)))
+    assert pol.gpus["gpu-3"].location.node_id == "node-0"
