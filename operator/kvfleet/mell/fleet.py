@@ -4,7 +4,7 @@ MELL's Fig. 10 (mell.py, the `mell-paper` policy) places each request by its siz
 bounded number of GPUs is ever partly full (Theorem 1). Measured on the paper's own workloads
 (docs/mell.md, bench/policies.py) that is not enough to beat plain best-fit: the newest T/S/M GPUs
 stay partly filled, class changes of growing requests cause moves, and at the scale of real traces
-(4-8 GPUs) one or two partly filled GPUs are the whole difference. This policy keeps everything of
+(4-16 GPUs) one or two partly filled GPUs are the whole difference. This policy keeps everything of
 MELL that pays (epochs, request operation batching §VI-C, the §V migration planner and boundaries,
 DistAttention spans for requests larger than C, all in cluster.py) and replaces the placement rules:
 
@@ -13,13 +13,17 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
    left, else the fullest that holds it at all, and only else on a new GPU.
 2. Update: a request grows in place. A GPU whose reservations pass its capacity sheds the fewest
    requests that bring it back under capacity less headroom (one request when one suffices, the
-   smallest such), each placed as in 1.
+   smallest such), each to the emptiest GPU that holds it with headroom (room to grow), else as in 1.
 3. Consolidate: at the end of the epoch, the least loaded GPU is emptied when the other GPUs can take
-   every request on it with headroom left, within the epoch's migration budget (the §V communication
-   boundary of each link), so that no move is ever deferred.
-4. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
+   every request on it with headroom left.
+4. Only moves the links carry: every move (and every GPU started for one) fits the epoch's §V
+   communication boundary of its link, and no request moves twice in an epoch (so the link a move is
+   charged to is the one its copy takes): no migration is ever deferred. When no link can carry any
+   request of an overloaded GPU, the smallest that clears it is recomputed elsewhere (a preemption).
+5. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
    break it (`SchedulerConfig.max_load_bytes` and `load_bytes_per_request`).
 
+Pure between epochs, as every policy: all it keeps across them is the state a snapshot holds.
 Every rule is a SchedulerConfig knob; docs/mell.md gives the measurement behind each default.
 """
 
@@ -43,7 +47,10 @@ class FleetPolicy(ClusterPolicy):
         self._headroom = int(config.fleet_headroom_fraction * config.capacity_bytes)
         self._overloaded: dict[str, Gpu] = {}
         self._link_used: dict[str, int] = {}
-        # The Fig. 10-like branch the last Allocate took, for allocate_one's AllocateDecision.step.
+        # Items moved this epoch: none moves twice, so the link each migration is charged to is the
+        # one its copy takes (a second move would make the plan's move origin -> final, uncharged).
+        self._moved_items: set[int] = set()
+        # The rule the last Allocate took (rule 1), for allocate_one's AllocateDecision.step.
         self.last_allocate_step = ""
 
     def restore(self, snap: ClusterSnapshot) -> None:
@@ -66,6 +73,7 @@ class FleetPolicy(ClusterPolicy):
         plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
+            self._moved_items = set()
         return plan
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
@@ -174,6 +182,7 @@ class FleetPolicy(ClusterPolicy):
         assert src is not None
         link = link_of(src.location, dst.location)
         self._link_used[link] = self._link_used.get(link, 0) + item.size_bytes
+        self._moved_items.add(item.item_id)
         self._move(item, dst, cause)
 
     def _relieve(self) -> None:
@@ -189,7 +198,8 @@ class FleetPolicy(ClusterPolicy):
                 items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
                 order = [it for it in items if it.size_bytes >= excess] + [it for it in reversed(items)
                                                                              if it.size_bytes < excess]
-                for it in order:
+                movable = [it for it in order if it.item_id not in self._moved_items]
+                for it in movable:
                     dst = self._within_budget(it.size_bytes, gpu)
                     if dst is not None:
                         self._move_item(it, dst, "overload")
@@ -200,6 +210,10 @@ class FleetPolicy(ClusterPolicy):
                     # reported as a preemption, never a deferred migration).
                     victim = order[0]
                     self._move(victim, self._target(victim.size_bytes, None, frozenset({gpu.gpu_id})), "preempt")
+                    for rid in victim.members:
+                        move = self._moves.get(rid)
+                        if move is not None:
+                            move[3] = "preempt"  # moved earlier this epoch: the whole way is a recompute
 
     def _within_budget(self, size: int, src: Gpu) -> Gpu | None:
         """A GPU that takes `size` bytes from `src` within the link budget: best fit (with headroom,
@@ -224,7 +238,10 @@ class FleetPolicy(ClusterPolicy):
         total = sum(g.load_bytes for g in candidates)
         if total > self.cfg.fleet_consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
             return False
-        victim = min(candidates, key=lambda g: (g.load_bytes, -g.seq))
+        eligible = [g for g in candidates if not any(it.item_id in self._moved_items for it in g.items.values())]
+        if not eligible:
+            return False
+        victim = min(eligible, key=lambda g: (g.load_bytes, -g.seq))
         # Dry run: the largest items first, each to the fullest other GPU that holds it with headroom.
         tentative: dict[str, int] = {}
         tentative_n: dict[str, int] = {}
