@@ -34,21 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
+from _machine import cpu_model  # noqa: E402
+
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, SchedulerConfig, make_policy  # noqa: E402
 from kvfleet.mell.cluster import ClusterPolicy  # noqa: E402
 from kvfleet.sim.hardware import A100_40GB, LLAMA2_13B, derive_capacity  # noqa: E402
 
 Event = Arrive | Finish | Grow
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def draw_size(rng: random.Random, c: int) -> int:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
+from _machine import cpu_model  # noqa: E402
+
 from kvfleet.mell.cluster import SchedulerConfig  # noqa: E402
 from kvfleet.sim.cli import AZURE_TRACES, PAPER_RATES, SETUPS  # noqa: E402
 from kvfleet.sim.simulator import RunResult, Setup, make_setup, simulate, tpot_load_cap  # noqa: E402
@@ -51,16 +53,6 @@ POLICIES = ("mell", "mell-paper", "bf", "wf", "lb")
 BASELINES = ("bf", "wf", "lb")
 LONG_CONTEXT_RATE = 3.0
 TRACES = Path(os.environ.get("KVFLEET_TRACES", Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def workloads(quick: bool) -> list[tuple[str, list[TraceRequest]]]:

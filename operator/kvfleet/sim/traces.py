@@ -21,7 +21,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -197,18 +197,28 @@ def poisson_workload(
             raise ValueError(f"unknown length profile {lengths!r} (lmsys, wildchat, mixed)")
     rng = random.Random(seed)
     out: list[TraceRequest] = []
+    for t in _arrivals(rng, rate_per_s, duration_s):
+        pm, ps, om, osg = LENGTH_PROFILES[profiles[rng.randrange(len(profiles))]]
+        prompt, output = _within_context(_lognormal(rng, pm, ps), _lognormal(rng, om, osg), MAX_CONTEXT_TOKENS)
+        out.append(TraceRequest(f"r{len(out)}", t, round(prompt * scale), round(output * scale)))
+    return out
+
+
+def _arrivals(rng: random.Random, rate_per_s: float, duration_s: float) -> Iterator[float]:
+    """Poisson arrival times in (0, duration_s]; the caller draws each request's lengths in between,
+    so the random stream (and every seeded workload) is the same as one loop drawing both."""
     t = 0.0
     while True:
         t += rng.expovariate(rate_per_s)
         if t > duration_s:
-            break
-        pm, ps, om, osg = LENGTH_PROFILES[profiles[rng.randrange(len(profiles))]]
-        prompt = max(1, round(_lognormal(rng, pm, ps)))
-        output = max(1, round(_lognormal(rng, om, osg)))
-        prompt = min(prompt, MAX_CONTEXT_TOKENS - 1)
-        output = min(output, MAX_CONTEXT_TOKENS - prompt)
-        out.append(TraceRequest(f"r{len(out)}", t, round(prompt * scale), round(output * scale)))
-    return out
+            return
+        yield t
+
+
+def _within_context(prompt: float, output: float, context_tokens: int) -> tuple[int, int]:
+    """Whole token counts of at least 1, the prompt cut to leave one output token, the output to the rest."""
+    p = min(max(1, round(prompt)), context_tokens - 1)
+    return p, min(max(1, round(output)), context_tokens - p)
 
 
 # A long-context workload (documents, code bases, agents' histories): prompts log-normal with mean
@@ -233,15 +243,10 @@ def long_context_workload(rate_per_s: float, duration_s: float, seed: int = 0) -
     rng = random.Random(seed)
     sigma = _long_context_sigma()
     out: list[TraceRequest] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate_per_s)
-        if t > duration_s:
-            break
-        prompt = max(1, round(_lognormal(rng, LONG_CONTEXT_PROMPT_MEAN, sigma)))
-        output = max(1, round(_lognormal(rng, LONG_CONTEXT_OUTPUT_MEAN, LONG_CONTEXT_OUTPUT_SIGMA)))
-        prompt = min(prompt, LONG_CONTEXT_MAX_TOKENS - 1)
-        output = min(output, LONG_CONTEXT_MAX_TOKENS - prompt)
+    for t in _arrivals(rng, rate_per_s, duration_s):
+        prompt, output = _within_context(_lognormal(rng, LONG_CONTEXT_PROMPT_MEAN, sigma),
+                                         _lognormal(rng, LONG_CONTEXT_OUTPUT_MEAN, LONG_CONTEXT_OUTPUT_SIGMA),
+                                         LONG_CONTEXT_MAX_TOKENS)
         out.append(TraceRequest(f"r{len(out)}", t, prompt, output))
     return out
 
