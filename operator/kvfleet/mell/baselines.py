@@ -80,7 +80,7 @@ class BestFitPolicy(_NoMigrationPolicy):
     name = "bf"
 
     def choose(self, size_bytes: int, exclude: Gpu | None) -> Gpu | None:
-        index = self._free_index
+        index = self._sync_free_index()
         pos = bisect_left(index, (size_bytes, -1, ""))
         while pos < len(index):
             gpu = self.gpus[index[pos][2]]
@@ -94,7 +94,7 @@ class WorstFitPolicy(_NoMigrationPolicy):
     name = "wf"
 
     def choose(self, size_bytes: int, exclude: Gpu | None) -> Gpu | None:
-        index = self._free_index
+        index = self._sync_free_index()
         pos = len(index) - 1
         while pos >= 0 and index[pos][0] >= size_bytes:
             gpu = self.gpus[index[pos][2]]

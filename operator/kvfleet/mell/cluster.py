@@ -119,6 +119,9 @@ class ClusterPolicy(abc.ABC):
         self._latest: list[tuple[int, str]] = []
         self._idle: list[Gpu] = []
         self._free_index: list[tuple[int, int, str]] = []
+        # GPUs whose load changed while index updates were deferred, with the key the index still holds.
+        self._stale_free: dict[str, tuple[int, int, str]] = {}
+        self._defer_free_index = False
         self._heads: dict[str, list[Gpu]] = {}
         self._respanned: dict[str, str] = {}
         # per-batch recording
@@ -158,12 +161,19 @@ class ClusterPolicy(abc.ABC):
             if self._moves.pop(fin.request_id, None) is not None:
                 self._num_hops += 1
             self._moves_per_op.append(self._op_moves)
-        for grow in grows:
-            self._op_moves = 0
-            if grow.request_id not in self.item_of:
-                raise ValueError(f"unknown request {grow.request_id!r} grew")
-            self._grow(grow.request_id, grow.size_bytes)
-            self._moves_per_op.append(self._op_moves)
+        # Growth reports are most of an epoch's events: the free-bytes index is brought up to date
+        # once per GPU after them (or when a policy reads it), not re-sorted on every report.
+        self._defer_free_index = self.uses_free_index
+        try:
+            for grow in grows:
+                self._op_moves = 0
+                if grow.request_id not in self.item_of:
+                    raise ValueError(f"unknown request {grow.request_id!r} grew")
+                self._grow(grow.request_id, grow.size_bytes)
+                self._moves_per_op.append(self._op_moves)
+        finally:
+            self._defer_free_index = False
+        self._sync_free_index()
         for arr in arrives:
             if arr.request_id in self.item_of:
                 raise ValueError(f"request {arr.request_id!r} arrived twice")
@@ -334,6 +344,10 @@ class ClusterPolicy(abc.ABC):
 
     def _set_load(self, gpu: Gpu, new_load: int) -> None:
         if self.uses_free_index and not gpu.idle:
+            if self._defer_free_index:
+                self._stale_free.setdefault(gpu.gpu_id, (self._free(gpu), gpu.seq, gpu.gpu_id))
+                gpu.load_bytes = new_load
+                return
             self._free_index_remove(gpu)
             gpu.load_bytes = new_load
             insort(self._free_index, (self._free(gpu), gpu.seq, gpu.gpu_id))
@@ -341,10 +355,19 @@ class ClusterPolicy(abc.ABC):
             gpu.load_bytes = new_load
 
     def _free_index_remove(self, gpu: Gpu) -> None:
-        key = (self._free(gpu), gpu.seq, gpu.gpu_id)
+        key = self._stale_free.pop(gpu.gpu_id, None) or (self._free(gpu), gpu.seq, gpu.gpu_id)
         pos = bisect_left(self._free_index, key)
         if pos < len(self._free_index) and self._free_index[pos] == key:
             del self._free_index[pos]
+
+    def _sync_free_index(self) -> list[tuple[int, int, str]]:
+        """The GPUs in use by free bytes (least first), with every deferred load change applied: what a
+        policy reads its best or worst fit from."""
+        for gpu_id in list(self._stale_free):
+            gpu = self.gpus[gpu_id]
+            self._free_index_remove(gpu)
+            insort(self._free_index, (self._free(gpu), gpu.seq, gpu.gpu_id))
+        return self._free_index
 
     def _load_on_primary(self, item: Item) -> int:
         return item.size_bytes

@@ -124,7 +124,7 @@ class FleetPolicy(ClusterPolicy):
 
     def _best_fit(self, size: int, headroom: bool, exclude: set[str], src: Gpu | None) -> Gpu | None:
         """The fullest usable GPU that holds `size` more bytes (with its headroom to spare if asked)."""
-        index = self._free_index
+        index = self._sync_free_index()
         pos = bisect_left(index, (size + (self._headroom if headroom else 0), -1, ""))
         while pos < len(index):
             gpu = self.gpus[index[pos][2]]
@@ -140,7 +140,7 @@ class FleetPolicy(ClusterPolicy):
 
     def _emptiest(self, size: int, src: Gpu) -> Gpu | None:
         """The emptiest usable GPU that holds `size` more bytes with headroom, within the link budget."""
-        index = self._free_index
+        index = self._sync_free_index()
         for pos in range(len(index) - 1, -1, -1):
             if index[pos][0] < size + self._headroom:
                 return None
