@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Migration, Placement, SchedulerConfig, make_policy
 from kvfleet.mell.cluster import ClusterPolicy
 from kvfleet.mell.models import Location
@@ -100,3 +102,17 @@ def test_new_gpus_fill_a_node_before_another_is_used() -> None:
     pol.schedule(EventBatch(2.0, (Finish("r0"),)))
     pol.schedule(EventBatch(3.0, (Arrive("r3", 90),)))
     assert pol.gpus["gpu-3"].location.node_id == "node-0"
+
+
+@pytest.mark.parametrize("name", ["mell", "bf"])
+def test_an_empty_gpu_of_a_restored_state_is_let_go_and_forgotten(name: str) -> None:
+    # A rebuilt state with a worker that reports nothing: its GPU is terminated at the first epoch's
+    # end and must leave the free index with it (a later best fit read it and failed).
+    loc = Location("node-0", "zone-0")
+    snap = ClusterSnapshot((GpuSnapshot("gpu-0", 0, 0, loc), GpuSnapshot("gpu-1", 1, 1, loc)),
+                           (ItemSnapshot((("a", 50),), False, "gpu-0"),), (), 2, 2)
+    pol = make_policy(name, CONFIG)
+    pol.restore(snap)
+    assert pol.schedule(EventBatch(1.0, ())).terminate_gpu_ids == ("gpu-1",)
+    plan = pol.schedule(EventBatch(2.0, (Arrive("b", 60),)))
+    assert plan.activate_gpu_ids == ("gpu-2",) and set(pol.gpus) == {"gpu-0", "gpu-2"}

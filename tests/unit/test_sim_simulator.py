@@ -178,3 +178,12 @@ def test_merged_plans_keep_the_order_of_what_the_epoch_did() -> None:
     assert [(m.source_gpu_id, m.target_gpu_id) for m in merged.migrations] == [("g0", "g1"), ("g1", "g0")]
     assert (merged.activate_gpu_ids, merged.terminate_gpu_ids, merged.spans) == (("g1",), ("g1",), ())
     assert merged.moves_per_operation == (1, 1) and merged.num_moves_cancelled == 0
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5, 1.5, 3.2, 60.0])
+def test_a_run_is_never_billed_less_than_its_own_bound_as_billed(delay_s: float) -> None:
+    # Isolated requests, so pods come and go: the window is floor(delay / epoch) + 1 epoch ends (a
+    # pod let go at the next epoch end lingers the delay), whatever the delay's fraction of an epoch.
+    reqs = [TraceRequest(f"r{i}", 10.0 * i, 2000, 30) for i in range(4)]
+    r = simulate(reqs, SETUP, "mell", scale_down_delay_s=delay_s)
+    assert r.billed_gpu_hours >= r.own_bound_billed_gpu_hours > 0

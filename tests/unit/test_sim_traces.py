@@ -95,6 +95,11 @@ def test_a_request_longer_than_the_models_context_is_refused_with_its_line(tmp_p
     assert len(read_trace(path, max_context_tokens=4097)) == 2
     with pytest.raises(TraceError, match=r"t.jsonl:2: prompt 4000 \+ output 97 tokens exceed the model's context of 4096"):
         read_trace(path, max_context_tokens=4096)
+    # Lengths are checked as replayed: a prompt of 0 counts as 1 token (and is reported so).
+    empty_prompt = tmp_path / "e.jsonl"
+    empty_prompt.write_text(json.dumps({"timestamp": 0, "input_length": 0, "output_length": 4096}) + "\n")
+    with pytest.raises(TraceError, match=r"e.jsonl:1: prompt 1 \+ output 4096"):
+        read_trace(empty_prompt, max_context_tokens=4096)
 
 
 def test_long_context_workload_matches_its_stated_shape() -> None:

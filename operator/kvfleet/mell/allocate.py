@@ -118,7 +118,9 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerCo
     policy = make_policy(policy_name, config)
     policy.restore(snapshot)
     in_use = {gid: (gpu.category, gpu.seq) for gid, gpu in policy.gpus.items() if not gpu.idle}
-    plan = policy.schedule(EventBatch(0.0, (Arrive(_PROBE_ID, size_bytes),)))
+    # Allocate alone: not the end of an epoch, so no policy's per-epoch work (the default's relief and
+    # consolidation, the load balancer's rebalancing) moves the probe after it was placed.
+    plan = policy.schedule(EventBatch(0.0, (Arrive(_PROBE_ID, size_bytes),)), end_of_epoch=False)
     gpu_id = policy.gpu_of(_PROBE_ID)
     item = policy.item_of[_PROBE_ID]
     moves = tuple(m for m in plan.migrations if m.request_id != _PROBE_ID)

@@ -109,6 +109,7 @@ class ClusterPolicy(abc.ABC):
         # GPUs per node, and nodes that may have a free GPU slot (lowest first), for `_new_location`.
         self._node_gpus: dict[str, int] = {}
         self._open_nodes: list[int] = []
+        self._open_node_set: set[int] = set()  # what _open_nodes holds, so each node is in it once
         self._next_node = 0
         self._next_seq = 0
         self._next_item_id = 0
@@ -237,9 +238,7 @@ class ClusterPolicy(abc.ABC):
                 self._make_head(head, sp.request_id)
             self._heads[sp.request_id] = heads
         for gpu in self.gpus.values():
-            if not gpu.items and gpu.span_owner is None:
-                gpu.idle = True
-                self._idle.append(gpu)
+            self._maybe_idle(gpu)  # out of the free index too: the epoch's end deletes it
 
     # ------------------------------------------------------------------ hooks for policies
 
@@ -278,7 +277,8 @@ class ClusterPolicy(abc.ABC):
         if node.startswith("node-") and node[5:].isdigit():
             number = int(node[5:])
             self._next_node = max(self._next_node, number + 1)
-            if count < self.cfg.gpus_per_node:
+            if count < self.cfg.gpus_per_node and number not in self._open_node_set:
+                self._open_node_set.add(number)
                 heapq.heappush(self._open_nodes, number)
 
     def _new_location(self, near: Gpu | None) -> Location:
@@ -292,7 +292,7 @@ class ClusterPolicy(abc.ABC):
             number = self._open_nodes[0]
             if self._node_gpus.get(f"node-{number}", 0) < per_node:
                 break
-            heapq.heappop(self._open_nodes)
+            self._open_node_set.discard(heapq.heappop(self._open_nodes))
         else:
             number = self._next_node
         return Location(f"node-{number}", f"zone-{number // self.cfg.nodes_per_zone}")

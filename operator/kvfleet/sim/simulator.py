@@ -322,13 +322,15 @@ class RunResult:
     def own_bound_billed_gpu_hours(self) -> float:
         """This run's fluid bound as a cloud bills it: a lower bound on `billed_gpu_hours` for this run.
 
-        A pod holding a GPU at time s is still billed at any t <= s + scale_down_delay_s (it is held,
-        or released and lingering), so the pods billed at t are at least the most GPUs held over
-        [t - delay, t], and those at least ceil(KV / C) (`lower_bound`) at each epoch end. Summed over
-        epochs: what even a perfect packer of this run's KV would be billed. It depends on the run
+        A pod holding a GPU at an epoch end is let go at the next epoch end at the earliest and then
+        lingers `scale_down_delay_s`, so through each epoch at least the most GPUs held at the epoch
+        ends of the last floor(delay / epoch) + 1 epochs are billed, and those at least ceil(KV / C)
+        (`lower_bound`). Summed over epochs: what even a perfect packer of this run's KV would be billed. It depends on the run
         (its KV depends on how fast its GPUs decode), so it is reported per policy.
         """
-        window = max(1, math.ceil(self.scale_down_delay_s / self.epoch_s) + 1)
+        # A GPU held at epoch end j is let go at j + 1 at the earliest and its pod billed until
+        # delay later: it covers the whole epoch ending at i only if (i - j) x epoch <= delay.
+        window = math.floor(self.scale_down_delay_s / self.epoch_s) + 1
         held: deque[tuple[int, int]] = deque()  # (epoch, bound), bounds decreasing: a sliding maximum
         total = 0
         for k, bound in enumerate(self.lower_bound):

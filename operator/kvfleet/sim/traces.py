@@ -77,6 +77,7 @@ def _finish(rows: list[tuple[float, int, int, int]], path: Path, max_context_tok
         raise TraceError(f"{path}: no requests in the trace")
     if max_context_tokens is not None:
         for _, prompt, output, line in rows:
+            prompt, output = max(1, prompt), max(1, output)  # as replayed: a length of 0 counts as 1
             if prompt + output > max_context_tokens:
                 raise TraceError(f"{path}:{line}: prompt {prompt} + output {output} tokens exceed the model's context "
                                  f"of {max_context_tokens} tokens")
