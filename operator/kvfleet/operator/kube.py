@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import kopf
 from kubernetes import client, config
@@ -22,6 +22,8 @@ from kubernetes.client.exceptions import ApiException
 
 from kvfleet.api.models import GROUP, VERSION
 from kvfleet.operator import resources
+
+T = TypeVar("T")
 
 FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
@@ -103,6 +105,18 @@ class KubeApi(Protocol):
         ...
 
 
+def _or_none_on(status: int, call: Callable[[], T]) -> T | None:
+    """`call()`, or None when the API server answers `status`: 404 for a read of something missing or a
+    delete or patch of something already gone, 409 for a create of something a previous pass (or a
+    peer) made. Any other error is raised."""
+    try:
+        return call()
+    except ApiException as err:
+        if err.status == status:
+            return None
+        raise
+
+
 def load_config() -> None:
     """The service account's credentials inside a pod, else the kubeconfig (a developer's machine, the e2e)."""
     # The kubernetes client's config loaders carry no annotations.
@@ -139,13 +153,9 @@ class Kube:
         counts[kind] = counts.get(kind, 0) + 1
 
     def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            # CustomObjectsApi returns the decoded JSON, which its annotations call `object`.
-            return cast(dict[str, Any], self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+        # CustomObjectsApi returns the decoded JSON, which its annotations call `object`.
+        return cast(dict[str, Any] | None,
+                    _or_none_on(404, lambda: self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)))
 
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         listing = self.core.list_namespaced_pod(namespace, label_selector=resources.worker_selector(pool_name))
@@ -167,15 +177,9 @@ class Kube:
             "PriorityClass": lambda _namespace, body, **kw: self.scheduling.create_priority_class(body, **kw),
         }
         create = creates[kind]
-        try:
-            self.record_write(f"create_{kind.lower()}")
-            # A dict body goes to the API server as it is; the client's annotations ask for its models.
-            create(namespace, obj, field_manager=FIELD_MANAGER)
-            return True
-        except ApiException as err:
-            if err.status == 409:  # a previous pass or operator made it
-                return False
-            raise
+        self.record_write(f"create_{kind.lower()}")
+        # A dict body goes to the API server as it is; the client's annotations ask for its models.
+        return _or_none_on(409, lambda: create(namespace, obj, field_manager=FIELD_MANAGER)) is not None
 
     def exists(self, namespace: str, kind: str, name: str) -> bool:
         reads: dict[str, Callable[[str, str], object]] = {
@@ -187,32 +191,20 @@ class Kube:
             "PriorityClass": lambda name, _namespace: self.scheduling.read_priority_class(name),
         }
         read = reads[kind]
-        try:
-            read(name, namespace)
-            return True
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
+        return _or_none_on(404, lambda: read(name, namespace)) is not None
 
     def deployment_replicas(self, namespace: str, name: str) -> int | None:
-        try:
-            deployment = self.apps.read_namespaced_deployment(name, namespace)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+        deployment = _or_none_on(404, lambda: self.apps.read_namespaced_deployment(name, namespace))
+        if deployment is None:
+            return None
         # The API server always returns a Deployment's spec (a missing replicas field reads as 0).
         assert deployment.spec is not None
         return int(deployment.spec.replicas or 0)
 
     def deployment_image_and_ready(self, namespace: str, name: str) -> tuple[str, int] | None:
-        try:
-            deployment = self.apps.read_namespaced_deployment(name, namespace)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+        deployment = _or_none_on(404, lambda: self.apps.read_namespaced_deployment(name, namespace))
+        if deployment is None:
+            return None
         # The API server always returns a Deployment's spec with its pod template's spec, and a status.
         assert deployment.spec is not None and deployment.spec.template.spec is not None and deployment.status is not None
         return str(deployment.spec.template.spec.containers[0].image), int(deployment.status.ready_replicas or 0)
@@ -229,19 +221,11 @@ class Kube:
 
     def delete_deployment(self, namespace: str, name: str) -> None:
         self.record_write("delete_deployment")
-        try:
-            self.apps.delete_namespaced_deployment(name, namespace)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        _or_none_on(404, lambda: self.apps.delete_namespaced_deployment(name, namespace))
 
     def delete_pod(self, namespace: str, name: str) -> None:
         self.record_write("delete_pod")
-        try:
-            self.core.delete_namespaced_pod(name, namespace)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        _or_none_on(404, lambda: self.core.delete_namespaced_pod(name, namespace))
 
     def node_zones(self) -> dict[str, str]:
         zone_label = "topology.kubernetes.io/zone"
@@ -257,11 +241,7 @@ class Kube:
         if annotations:
             body["metadata"]["annotations"] = dict(annotations)
         self.record_write("patch_pod")
-        try:
-            self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        _or_none_on(404, lambda: self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER))
 
     def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
@@ -270,14 +250,8 @@ class Kube:
 
     def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
         self.record_write("create_kvmigration")
-        try:
-            self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", body,
-                                                        field_manager=FIELD_MANAGER)
-            return True
-        except ApiException as err:
-            if err.status == 409:
-                return False
-            raise
+        return _or_none_on(409, lambda: self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, "kvmigrations", body, field_manager=FIELD_MANAGER)) is not None
 
     def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.record_write("patch_kvmigration_status")
@@ -286,11 +260,7 @@ class Kube:
 
     def delete_migration(self, namespace: str, name: str) -> None:
         self.record_write("delete_kvmigration")
-        try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        _or_none_on(404, lambda: self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name))
 
     def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
         """Posted by kopf (its event queue), so it needs kopf's context: call it from a handler's thread."""
