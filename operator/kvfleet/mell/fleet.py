@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left
+from collections.abc import Mapping
 
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.migration import link_of
@@ -79,7 +80,7 @@ class FleetPolicy(ClusterPolicy):
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
         self._relieve()
         item = self._new_item(size_class(size_bytes, self.capacity_bytes), {request_id: size_bytes}, False)
-        self._put(item, self._target(item.size_bytes, None), "allocate", None)
+        self._put(item, self._target(item.size_bytes), "allocate", None)
 
     def on_finish(self, request_id: str) -> None:
         item = self.item_of.pop(request_id, None)
@@ -122,55 +123,57 @@ class FleetPolicy(ClusterPolicy):
     def _fits(self, gpu: Gpu, size: int, headroom: bool) -> bool:
         return gpu.load_bytes + size + (self._headroom if headroom else 0) <= self._cap(gpu, 1)
 
-    def _best_fit(self, size: int, headroom: bool, exclude: set[str], src: Gpu | None) -> Gpu | None:
-        """The fullest usable GPU that holds `size` more bytes (with its headroom to spare if asked)."""
+    def _takes(self, gpu: Gpu, size: int, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
+        """Whether `gpu` can take `size` more bytes from `src` (None: a new request): it is in use, no
+        span head, not `src`, holds them (with its headroom if asked) and, if `budgeted`, the link from
+        `src` still carries them this epoch."""
+        return (not gpu.idle and gpu.category is not SizeClass.X and gpu is not src
+                and self._fits(gpu, size, headroom)
+                and (src is None or not budgeted or self._link_allows(src, gpu, size)))
+
+    def _best_fit(self, size: int, headroom: bool, src: Gpu | None, budgeted: bool = True) -> Gpu | None:
+        """The fullest GPU that takes `size` more bytes from `src` (see `_takes`)."""
         index = self._sync_free_index()
         pos = bisect_left(index, (size + (self._headroom if headroom else 0), -1, ""))
-        while pos < len(index):
-            gpu = self.gpus[index[pos][2]]
-            pos += 1
-            if gpu.gpu_id in exclude or gpu.idle or gpu.category is SizeClass.X or gpu is src:
-                continue
-            if not self._fits(gpu, size, headroom):
-                continue
-            if src is not None and not self._link_allows(src, gpu, size):
-                continue
-            return gpu
-        return None
-
-    def _emptiest(self, size: int, src: Gpu) -> Gpu | None:
-        """The emptiest usable GPU that holds `size` more bytes with headroom, within the link budget."""
-        index = self._sync_free_index()
-        for pos in range(len(index) - 1, -1, -1):
-            if index[pos][0] < size + self._headroom:
-                return None
-            gpu = self.gpus[index[pos][2]]
-            if gpu.idle or gpu.category is SizeClass.X or gpu is src:
-                continue
-            if self._fits(gpu, size, True) and self._link_allows(src, gpu, size):
+        for i in range(pos, len(index)):  # not a slice: no copy of the index per request
+            gpu = self.gpus[index[i][2]]
+            if self._takes(gpu, size, headroom, src, budgeted):
                 return gpu
         return None
 
-    def _target(self, size: int, src: Gpu | None, exclude: frozenset[str] = frozenset()) -> Gpu:
-        """Rule 1: the fullest GPU that holds `size` with headroom, else without, else a new GPU."""
-        excl = set(exclude)
-        gpu = self._best_fit(size, True, excl, src)
+    def _emptiest(self, size: int, src: Gpu) -> Gpu | None:
+        """The emptiest GPU that takes `size` more bytes from `src` with headroom, within the link budget."""
+        index = self._sync_free_index()
+        for free, _, gpu_id in reversed(index):
+            if free < size + self._headroom:
+                return None
+            gpu = self.gpus[gpu_id]
+            if self._takes(gpu, size, True, src, True):
+                return gpu
+        return None
+
+    def _target(self, size: int, away_from: Gpu | None = None) -> Gpu:
+        """Rule 1: the fullest GPU (other than `away_from`) that holds `size` with headroom, else
+        without, else a new GPU. No link is involved: a new request, or one recomputed elsewhere."""
+        gpu = self._best_fit(size, True, away_from, budgeted=False)
         self.last_allocate_step = "best-fit"
         if gpu is None and self.cfg.fleet_fill_without_headroom:
-            gpu = self._best_fit(size, False, excl, src)
+            gpu = self._best_fit(size, False, away_from, budgeted=False)
             self.last_allocate_step = "best-fit-in-headroom"
         if gpu is None:
-            gpu = self._activate(src)
+            gpu = self._activate()
             self.last_allocate_step = "new-GPU"
         return gpu
 
     def _link_allows(self, src: Gpu, dst: Gpu, size: int) -> bool:
         return self._link_allows_to(src, dst.location, size)
 
-    def _link_allows_to(self, src: Gpu, dst: Location, size: int) -> bool:
-        """Whether the epoch's budget of the link from `src` to `dst` still carries `size` bytes (§V)."""
+    def _link_allows_to(self, src: Gpu, dst: Location, size: int, used: Mapping[str, int] | None = None) -> bool:
+        """Whether the epoch's budget of the link from `src` to `dst` still carries `size` bytes (§V),
+        given the bytes already sent on each link (`used`, the epoch's so far by default)."""
         budget = self._link_budget(src.location, dst)
-        return budget is None or self._link_used.get(link_of(src.location, dst), 0) + size <= budget
+        sent = (self._link_used if used is None else used).get(link_of(src.location, dst), 0)
+        return budget is None or sent + size <= budget
 
     def _link_budget(self, src: Location, dst: Location) -> int | None:
         if src.node_id == dst.node_id:
@@ -209,21 +212,21 @@ class FleetPolicy(ClusterPolicy):
                     # recomputed at its new GPU instead (vLLM's recompute preemption; a re-prefill,
                     # reported as a preemption, never a deferred migration).
                     victim = order[0]
-                    self._move(victim, self._target(victim.size_bytes, None, frozenset({gpu.gpu_id})), "preempt")
+                    self._move(victim, self._target(victim.size_bytes, away_from=gpu), "preempt")
                     for rid in victim.members:
                         move = self._moves.get(rid)
                         if move is not None:
                             move[3] = "preempt"  # moved earlier this epoch: the whole way is a recompute
 
     def _within_budget(self, size: int, src: Gpu) -> Gpu | None:
-        """A GPU that takes `size` bytes from `src` within the link budget: best fit (with headroom,
-        then without), else a new GPU on a node the copy may reach this epoch; None if there is none."""
-        excl = {src.gpu_id}
+        """A GPU that takes `size` bytes from `src` within the link budget: the emptiest with headroom
+        (`fleet_relieve_to_emptiest`), else best fit with headroom, then without, else a new GPU on a
+        node the copy may reach this epoch; None if there is none."""
         dst = self._emptiest(size, src) if self.cfg.fleet_relieve_to_emptiest else None
         if dst is None:
-            dst = self._best_fit(size, True, excl, src)
+            dst = self._best_fit(size, True, src)
         if dst is None and self.cfg.fleet_fill_without_headroom:
-            dst = self._best_fit(size, False, excl, src)
+            dst = self._best_fit(size, False, src)
         if dst is not None:
             return dst
         if self._link_allows_to(src, self._activation_location(src), size):
@@ -256,9 +259,7 @@ class FleetPolicy(ClusterPolicy):
                 n_extra = tentative_n.get(g.gpu_id, 0) + 1
                 if load + item.size_bytes + self._headroom > self._cap(g, n_extra):
                     continue
-                budget = self._link_budget(victim.location, g.location)
-                link = link_of(victim.location, g.location)
-                if budget is not None and link_used.get(link, 0) + item.size_bytes > budget:
+                if not self._link_allows_to(victim, g.location, item.size_bytes, link_used):
                     continue
                 if best is None or load > best.load_bytes + tentative.get(best.gpu_id, 0):
                     best = g

@@ -172,13 +172,14 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--scale-up-s must be >= 0")
         if not args.scale_down_delay_s >= 0:
             raise _UsageError("--scale-down-delay-s must be >= 0")
-        for setup in setups:
-            _scheduler_config(args, setup)  # a TPOT objective no GPU can meet is refused before any replay
+        # Before any replay, so a TPOT objective no GPU can meet is refused at once.
+        configs = [_scheduler_config(args, setup) for setup in setups]
     except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
     bar = None if args.no_progress else _progress_bar(args.epoch_s, workloads, len(setups) * len(policies))
-    scenarios = [scenario for setup in setups for scenario in _run_setup(args, setup, workloads, policies, bar)]
+    scenarios = [scenario for setup, config in zip(setups, configs)
+                 for scenario in _run_setup(args, setup, config, workloads, policies, bar)]
     if bar is not None:
         bar.close()
     _write_outputs(args, scenarios)
@@ -241,6 +242,7 @@ def _scheduler_config(args: argparse.Namespace, setup: Setup) -> SchedulerConfig
 def _run_setup(
     args: argparse.Namespace,
     setup: Setup,
+    config: SchedulerConfig,
     workloads: list[tuple[str, list[TraceRequest]]],
     policies: list[str],
     bar: Any,
@@ -251,7 +253,6 @@ def _run_setup(
         print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
               f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
               f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
-    config = _scheduler_config(args, setup)
     scenarios: list[Scenario] = []
     for wname, reqs in workloads:
         results: list[RunResult] = []
