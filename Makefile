@@ -35,7 +35,7 @@ controlplane-demo:
 	bash $(CONTROLPLANE_BUILD) --without-helm
 
 # Every package of the distribution, --strict (pyproject.toml says where and why Triton's kernels bend it).
-TYPED_PACKAGES := mell sim api operator serving worker router kernels localcluster demo
+TYPED_PACKAGES := mell sim api operator replay serving worker router kernels localcluster demo
 
 lint: venv
 	$(VENV)/bin/ruff check .

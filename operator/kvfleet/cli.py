@@ -15,6 +15,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("kvfleet.api.generate", "write crds/*.yaml from the pydantic models (or --check them)"),
     "simulate": ("kvfleet.sim.cli", "replay a trace under MELL and the baselines; print GPUs needed"),
+    "replay": ("kvfleet.replay.cli", "send a trace slice through a pool's router; record GPUs, moves and latency"),
     "model": ("kvfleet.worker.model.cli", "build a small local model (make-tiny) for tests and the demo"),
 }
 
