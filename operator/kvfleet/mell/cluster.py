@@ -71,17 +71,21 @@ class SchedulerConfig:
     lb_gap_fraction: float = 0.1
     # (kvfleet default policy, fleet.py) share of C kept free for growth when placing and consolidating.
     fleet_headroom_fraction: float = 0.05
-    # (fleet.py) empty the least loaded GPU when the others take its requests; at most this many a epoch,
-    # and only while all KV fits in one GPU fewer filled to this share of C.
     # (fleet.py) an epoch's arrivals are placed largest first (best-fit decreasing), not in arrival order.
     fleet_arrivals_largest_first: bool = True
     # (fleet.py) a request that fits nowhere with headroom may use a GPU's headroom before a GPU starts.
     fleet_fill_without_headroom: bool = True
     # (fleet.py) a request shed by an overloaded GPU goes to the emptiest GPU (room to grow), not the fullest.
     fleet_relieve_to_emptiest: bool = True
+    # (fleet.py) empty the least loaded GPU when the others take its requests; at most this many a epoch,
+    # and only while all KV fits in one GPU fewer filled to this share of C.
     fleet_consolidate: bool = True
     fleet_max_consolidations_per_epoch: int = 1
     fleet_consolidate_fill: float = 0.9
+    # (fleet.py) a request moved less than this long ago is not moved again by choice (consolidation,
+    # or relief while another request can clear the overload): each move costs its request a pause
+    # and a copy, and a live pool's reports lag its moves, so a quick second move is the likeliest to fail.
+    fleet_min_move_interval_s: float = 30.0
     # A TPOT objective as a load cap (fleet.py): a GPU holds at most max_load_bytes less
     # load_bytes_per_request per request it serves (the decode step model, see models.DecodeSpeed).
     max_load_bytes: int | None = None

@@ -51,6 +51,9 @@ class FleetPolicy(ClusterPolicy):
         # Items moved this epoch: none moves twice, so the link each migration is charged to is the
         # one its copy takes (a second move would make the plan's move origin -> final, uncharged).
         self._moved_items: set[int] = set()
+        # When each item last moved (epoch time), for fleet_min_move_interval_s; pruned as it expires.
+        self._moved_at_s: dict[int, float] = {}
+        self._now_s = 0.0
         # The rule the last Allocate took (rule 1), for allocate_one's AllocateDecision.step.
         self.last_allocate_step = ""
 
@@ -59,9 +62,19 @@ class FleetPolicy(ClusterPolicy):
         state's multi-items are split; a GPU restored over its cap is relieved at the next epoch."""
         items = tuple(ItemSnapshot((member,), False, it.gpu_id) for it in snap.items for member in it.members)
         super().restore(dataclasses.replace(snap, items=items))
+        for request_id, moved_s in snap.moved_at_s:
+            item = self.item_of.get(request_id)
+            if item is not None:
+                self._moved_at_s[item.item_id] = moved_s
         for gpu in self.gpus.values():
             if not gpu.idle and gpu.load_bytes > self._cap(gpu, 0):
                 self._overloaded[gpu.gpu_id] = gpu
+
+    def snapshot(self) -> ClusterSnapshot:
+        snap = super().snapshot()
+        moved = tuple(sorted((rid, self._moved_at_s[item.item_id]) for rid, item in self.item_of.items()
+                             if item.item_id in self._moved_at_s))
+        return dataclasses.replace(snap, moved_at_s=moved)
 
     # ================================================================ epoch
 
@@ -71,11 +84,20 @@ class FleetPolicy(ClusterPolicy):
         if self.cfg.fleet_arrivals_largest_first:
             arrivals.sort(key=lambda e: -e.size_bytes)
         others = [e for e in batch.events if not isinstance(e, Arrive)]
+        self._now_s = batch.now_s
         plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
             self._moved_items = set()
+            horizon_s = batch.now_s - self.cfg.fleet_min_move_interval_s
+            self._moved_at_s = {i: t for i, t in self._moved_at_s.items() if t > horizon_s}
         return plan
+
+    def _settling(self, item: Item) -> bool:
+        """Moved this epoch, or too recently to be moved again by choice (fleet_min_move_interval_s)."""
+        moved_s = self._moved_at_s.get(item.item_id)
+        return item.item_id in self._moved_items or (
+            moved_s is not None and self._now_s - moved_s < self.cfg.fleet_min_move_interval_s)
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
         self._relieve()
@@ -86,6 +108,7 @@ class FleetPolicy(ClusterPolicy):
         item = self.item_of.pop(request_id, None)
         if item is None:
             raise ValueError(f"unknown request {request_id!r} finished")
+        self._moved_at_s.pop(item.item_id, None)
         gpu = self._remove(item)
         if gpu.load_bytes <= self._cap(gpu, 0):
             self._overloaded.pop(gpu.gpu_id, None)
@@ -186,6 +209,7 @@ class FleetPolicy(ClusterPolicy):
         link = link_of(src.location, dst.location)
         self._link_used[link] = self._link_used.get(link, 0) + item.size_bytes
         self._moved_items.add(item.item_id)
+        self._moved_at_s[item.item_id] = self._now_s
         self._move(item, dst, cause)
 
     def _relieve(self) -> None:
@@ -199,9 +223,13 @@ class FleetPolicy(ClusterPolicy):
             while not gpu.idle and len(gpu.items) > 1 and gpu.load_bytes > self._cap(gpu, 0):
                 excess = gpu.load_bytes - (self._cap(gpu, 0) - self._headroom)
                 items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
-                order = [it for it in items if it.size_bytes >= excess] + [it for it in reversed(items)
-                                                                             if it.size_bytes < excess]
-                movable = [it for it in order if it.item_id not in self._moved_items]
+                clears = [it for it in items if it.size_bytes >= excess]
+                order = clears + [it for it in reversed(items) if it.size_bytes < excess]
+                # One move that clears it, by a settled request if one can; a request moved moments ago
+                # only where fewer moves need it (an overloaded engine would otherwise preempt), and
+                # none twice in one epoch.
+                movable = [it for it in clears if not self._settling(it)] + [
+                    it for it in order if it.item_id not in self._moved_items]
                 for it in movable:
                     dst = self._within_budget(it.size_bytes, gpu)
                     if dst is not None:
@@ -241,10 +269,9 @@ class FleetPolicy(ClusterPolicy):
         total = sum(g.load_bytes for g in candidates)
         if total > self.cfg.fleet_consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
             return False
-        eligible = [g for g in candidates if not any(it.item_id in self._moved_items for it in g.items.values())]
-        if not eligible:
-            return False
-        victim = min(eligible, key=lambda g: (g.load_bytes, -g.seq))
+        victim = min(candidates, key=lambda g: (g.load_bytes, -g.seq))
+        if any(self._settling(it) for it in victim.items.values()):
+            return False  # it waits for its requests to settle (a fuller GPU instead would move more)
         # Dry run: the largest items first, each to the fullest other GPU that holds it with headroom.
         tentative: dict[str, int] = {}
         tentative_n: dict[str, int] = {}

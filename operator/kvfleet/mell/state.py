@@ -81,6 +81,9 @@ class ClusterSnapshot:
     spans: tuple[SpanSnapshot, ...]
     next_gpu_index: int
     next_seq: int
+    # (request id, epoch time it last moved) for requests moved recently: the default policy does not
+    # move them again by choice for a while (SchedulerConfig.fleet_min_move_interval_s).
+    moved_at_s: tuple[tuple[str, float], ...] = ()
 
 
 class SortedIndex:
