@@ -18,12 +18,14 @@ from typing import Any
 
 from kvfleet.mell.cluster import SchedulerConfig
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
+from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.simulator import (
     DEFAULT_SCALE_DOWN_DELAY_S,
     RunResult,
     Setup,
     make_setup,
+    profile_setup,
     simulate,
     tpot_load_cap,
 )
@@ -75,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model on GPU; repeatable (default: all)")
     parser.add_argument("--activation-reserve-gib", type=float, default=None,
                         help="memory kept for activations (default: 10%% of GPU memory)")
+    parser.add_argument("--speed-profile", type=Path, default=None, metavar="FILE",
+                        help="replay at the speed workers measured (a SpeedProfile JSON, as `kvfleet replay` "
+                             "writes it) instead of a --setup's GPU model: one setup, profile-<model>, with the "
+                             "profile's C")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES),
                         help=f"comma-separated, from {','.join(POLICY_NAMES)} (all): mell is kvfleet's default, "
                              "mell-paper MELL's Fig. 10 as written")
@@ -197,7 +203,17 @@ def _policies(args: argparse.Namespace) -> list[str]:
 
 
 def _setups(args: argparse.Namespace) -> list[Setup]:
-    """The --setup choices, in the order given, each once; checked before any replay starts."""
+    """The --setup choices, in the order given, each once, or the --speed-profile's one setup;
+    checked before any replay starts."""
+    if args.speed_profile is not None:
+        if args.setup:
+            raise _UsageError("--speed-profile replaces --setup: give one or the other")
+        if args.activation_reserve_gib is not None:
+            raise _UsageError("--activation-reserve-gib does not apply with --speed-profile: C is the profile's")
+        try:
+            return [profile_setup(load_profile(args.speed_profile))]
+        except ProfileError as err:
+            raise _UsageError(str(err)) from None
     names = list(SETUPS) if not args.setup or "all" in args.setup else list(dict.fromkeys(args.setup))
     reserve = None if args.activation_reserve_gib is None else int(args.activation_reserve_gib * GIB)
     setups: list[Setup] = []
@@ -239,6 +255,22 @@ def _scheduler_config(args: argparse.Namespace, setup: Setup) -> SchedulerConfig
     return config
 
 
+def _capacity_line(setup: Setup) -> str:
+    """Where C (and the speed) of a setup come from, for the person reading the table."""
+    cap = setup.capacity
+    if cap is not None:
+        return (f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB "
+                f"weights - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = "
+                f"{cap.capacity_bytes / GIB:.2f} GiB = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B")
+    line = (f"# {setup.name}: C = {setup.capacity_bytes / GIB:.2f} GiB from the speed profile = "
+            f"{setup.capacity_bytes // setup.kv_bytes_per_token} tokens of {setup.kv_bytes_per_token} B")
+    if isinstance(setup.speed, ProfileSpeed):
+        speed = setup.speed
+        line += (f"; speed measured by {speed.engine} over {speed.num_samples} samples "
+                 f"({len(speed.decode_points)} decode, {len(speed.prefill.xs)} prefill points)")
+    return line
+
+
 def _run_setup(
     args: argparse.Namespace,
     setup: Setup,
@@ -249,10 +281,7 @@ def _run_setup(
 ) -> list[Scenario]:
     """Every workload under every policy on one setup: one scenario per workload."""
     if not args.json:
-        cap = setup.capacity
-        print(f"# {setup.name}: C = {cap.memory_bytes / GIB:.1f} GiB memory - {cap.weight_bytes / GIB:.2f} GiB weights"
-              f" - {cap.activation_reserve_bytes / GIB:.2f} GiB activation reserve = {cap.capacity_bytes / GIB:.2f} GiB"
-              f" = {cap.capacity_tokens} tokens of {cap.kv_bytes_per_token} B", file=sys.stderr)
+        print(_capacity_line(setup), file=sys.stderr)
     scenarios: list[Scenario] = []
     for wname, reqs in workloads:
         results: list[RunResult] = []

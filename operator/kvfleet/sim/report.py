@@ -78,6 +78,7 @@ class Scenario:
                 "shared_bound_gpu_hours": round(r.shared_bound.gpu_hours, 6),
                 "mean_vs_own_bound": round(r.mean_vs_own_bound, 4),
                 "own_bound_billed_gpu_hours": round(r.own_bound_billed_gpu_hours, 6),
+                "num_migrations": r.num_migrations,
                 "num_preemptions": r.num_preemptions,
                 "active_vs_shared_bound": round(r.active_vs_shared_bound, 4),
                 "billed_vs_shared_bound": round(r.billed_vs_shared_bound, 4),

@@ -13,6 +13,8 @@ Performance model (per GPU type and batch size): a decode step reads the weights
 KV once, so step_s = (weight_bytes + kv_bytes) / (bandwidth x efficiency) + batch x per-sequence
 overhead; prefill is compute-bound, 2 x params x tokens / (peak FLOPs x MFU). Migrations cost the
 planner's choice (§V): a KV transfer takes bytes / link bandwidth, a token transfer a re-prefill.
+A setup may instead run at a speed its workers measured (`profile_setup`, kvfleet.sim.profile): the
+replay asks the same two questions, step and prefill time, and is otherwise the same.
 Deterministic: no clock, no randomness (synthetic workloads take their seed outside).
 
 What a cloud bills is a worker *pod*, from the moment it asks for its GPU until it is deleted, not
@@ -32,54 +34,109 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvfleet.api.models import AutoscalingSpec
+from kvfleet.api.speed import SpeedProfile
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.migration import Boundaries, plan_migrations
 from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Location, Migration, Plan
 from kvfleet.mell.models import tpot_load_cap as core_tpot_load_cap
 from kvfleet.mell.policy import make_policy
 from kvfleet.sim.hardware import BLOCK_SIZE_TOKENS, CapacityDerivation, GpuSpec, ModelShape, derive_capacity
+from kvfleet.sim.profile import ProfileSpeed
 from kvfleet.sim.traces import TraceRequest
+
+# The §VIII-B links, for setups whose own are unknown (every hardware setup; a profile without them).
+INTRA_NODE_BYTES_PER_S = 25e9  # PCIe 4.0 x16
+INTER_NODE_BYTES_PER_S = 1.25e9  # 10 Gbps
 
 
 @dataclass(frozen=True)
-class Setup:
-    """A model on a GPU type, with the KV capacity C derived from them."""
+class BandwidthSpeed:
+    """The datasheet speed model (module docstring): a decode step reads the weights and the batch's
+    KV at a share of the GPU's bandwidth, a prefill is compute-bound at a share of its peak FLOPs."""
 
-    name: str
     model: ModelShape
     gpu: GpuSpec
-    capacity: CapacityDerivation
     bandwidth_efficiency: float = 0.8
     per_sequence_overhead_s: float = 0.0002
     mfu: float = 0.5
-    intra_node_bytes_per_s: float = 25e9  # PCIe 4.0 x16 (§VIII-B)
-    inter_node_bytes_per_s: float = 1.25e9  # 10 Gbps (§VIII-B)
 
     @property
-    def capacity_bytes(self) -> int:
-        return self.capacity.capacity_bytes
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.gpu.mem_bandwidth_bytes_per_s * self.bandwidth_efficiency
 
     def step_s(self, batch: int, kv_bytes: int) -> float:
-        bandwidth = self.gpu.mem_bandwidth_bytes_per_s * self.bandwidth_efficiency
-        return (self.model.weight_bytes + kv_bytes) / bandwidth + batch * self.per_sequence_overhead_s
+        return (self.model.weight_bytes + kv_bytes) / self.bandwidth_bytes_per_s + batch * self.per_sequence_overhead_s
 
     def prefill_s(self, tokens: int) -> float:
         return 2.0 * self.model.num_params * tokens / (self.gpu.peak_flops * self.mfu)
 
 
+# Where a setup's speed comes from: the datasheet, or what workers measured (kvfleet.sim.profile).
+SpeedModel = BandwidthSpeed | ProfileSpeed
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a replay runs on: a worker's KV capacity C, its speed, and the links between workers.
+
+    `make_setup` builds one from a model on a GPU type (C derived from them, kept in `capacity` for
+    reports), `profile_setup` from a measured speed profile (C as the profile states it).
+    """
+
+    name: str
+    speed: SpeedModel
+    capacity_bytes: int
+    kv_bytes_per_token: int
+    capacity: CapacityDerivation | None = None  # how C was derived, for a hardware setup
+    intra_node_bytes_per_s: float = INTRA_NODE_BYTES_PER_S
+    inter_node_bytes_per_s: float = INTER_NODE_BYTES_PER_S
+
+    def step_s(self, batch: int, kv_bytes: int) -> float:
+        return self.speed.step_s(batch, kv_bytes)
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.speed.prefill_s(tokens)
+
+
 def tpot_load_cap(setup: Setup, tpot_s: float) -> tuple[int, int]:
     """A TPOT objective as the default policy's load cap (SchedulerConfig.max_load_bytes and
-    load_bytes_per_request) on this setup's speed model (`Setup.step_s`, the core's formula)."""
+    load_bytes_per_request) on this setup's speed model (`Setup.step_s`, the core's formula).
+
+    The core's step is linear, (weights + kv) / bandwidth + batch x per-sequence; a measured profile
+    is fitted to one, step = a + b x batch + c x kv (`ProfileSpeed.linear_decode`), read as bandwidth
+    1 / c, weights a / c (rounded up, so the cap never allows a slower step) and per-sequence b (at
+    least 0: a fit in which more requests step faster would loosen the cap on noise).
+    """
+    speed = setup.speed
     try:
-        return core_tpot_load_cap(tpot_s, setup.model.weight_bytes,
-                                  setup.gpu.mem_bandwidth_bytes_per_s * setup.bandwidth_efficiency,
-                                  setup.per_sequence_overhead_s)
+        if isinstance(speed, BandwidthSpeed):
+            return core_tpot_load_cap(tpot_s, speed.model.weight_bytes, speed.bandwidth_bytes_per_s,
+                                      speed.per_sequence_overhead_s)
+        fit = speed.linear_decode()
+        if fit.per_kv_byte_s <= 0:
+            raise ValueError(f"the speed profile's decode steps do not grow with KV (fitted {fit.per_kv_byte_s:.3g} "
+                             "s per byte): no load keeps a TPOT objective")
+        return core_tpot_load_cap(tpot_s, math.ceil(fit.intercept_s / fit.per_kv_byte_s), 1.0 / fit.per_kv_byte_s,
+                                  max(fit.per_sequence_s, 0.0))
     except ValueError as err:
         raise ValueError(f"{setup.name}: {err}") from None
 
 
 def make_setup(name: str, model: ModelShape, gpu: GpuSpec, activation_reserve_bytes: int | None = None) -> Setup:
-    return Setup(name, model, gpu, derive_capacity(model, gpu, activation_reserve_bytes))
+    capacity = derive_capacity(model, gpu, activation_reserve_bytes)
+    return Setup(name, BandwidthSpeed(model, gpu), capacity.capacity_bytes, model.kv_bytes_per_token, capacity)
+
+
+def profile_setup(profile: SpeedProfile) -> Setup:
+    """A setup that runs at a measured speed: `profile-<model>`, C and bytes per token as the profile
+    states them, both links at its measured link speed where it has one."""
+    link = profile.link_bytes_per_second
+    return Setup(
+        f"profile-{profile.model}", ProfileSpeed.from_profile(profile), profile.capacity_bytes,
+        profile.kv_bytes_per_token,
+        intra_node_bytes_per_s=INTRA_NODE_BYTES_PER_S if link is None else link,
+        inter_node_bytes_per_s=INTER_NODE_BYTES_PER_S if link is None else link,
+    )
 
 
 # The LLMPool's default, so that a bare `simulate` bills what a default pool would.
@@ -140,7 +197,7 @@ def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float)
     releases its KV at t0 + N x s.
     """
     step = setup.step_s(1, 0)
-    bpt = setup.model.kv_bytes_per_token
+    bpt = setup.kv_bytes_per_token
     kv_byte_seconds = 0.0
     end_s = 0.0
     at_epoch: dict[int, int] = {}  # KV bytes held at the end of epoch k (time k x epoch_s)
@@ -429,7 +486,7 @@ class _Replay:
         self.policy = policy
         self.epoch_s = epoch_s
         self.capacity_bytes = setup.capacity_bytes
-        self.kv_bytes_per_token = setup.model.kv_bytes_per_token
+        self.kv_bytes_per_token = setup.kv_bytes_per_token
         self.block_bytes = BLOCK_SIZE_TOKENS * self.kv_bytes_per_token
         # Look-ahead: tokens a request can write in one epoch at the fastest step (batch 1, no KV).
         self.lookahead_tokens = math.ceil(lookahead_epochs * epoch_s / setup.step_s(1, 0))
