@@ -99,6 +99,24 @@ def test_a_succeeded_move_stays_in_flight_while_either_report_lags() -> None:
     assert view([back, *move], spec(), now_s, {"r": ["w1"]}).in_flight == {"r": "w0"}
 
 
+def test_a_failed_move_leaves_its_request_alone_until_the_reports_are_fresh() -> None:
+    from kvfleet.operator.migrations import parse_time, retry_backoff_s, view
+
+    failed = {**succeeded("r", "w0", "w1", "p-r-1"), "status": {"phase": "Failed", "completionTime": "2026-01-01T00:00:01Z"}}
+    done_s = parse_time("2026-01-01T00:00:01Z") or 0.0
+    backoff_s = retry_backoff_s(spec())
+    # Two epochs (a worker writes a report per epoch at most), at least 2 s.
+    assert backoff_s == max(2.0, 2 * spec().scheduling.epoch_seconds)
+    # Within the backoff the request is where the failure left it (the source), so no retry is ordered
+    # from the report the failure disproved; after it, it is nobody's in-flight move.
+    assert view([failed], spec(), done_s + backoff_s - 0.1, {"r": ["w0"]}).in_flight == {"r": "w0"}
+    assert view([failed], spec(), done_s + backoff_s, {"r": ["w0"]}).in_flight == {}
+    # A newer move of the same request has the last word.
+    retry = {**succeeded("r", "w0", "w2", "p-r-2"), "status": {},
+             "metadata": {"name": "p-r-2", "creationTimestamp": "2026-01-01T00:00:02Z"}}
+    assert view([retry, failed], spec(), done_s + 1, {"r": ["w0"]}).in_flight == {"r": "w2"}
+
+
 def holding(*requests: tuple[str, int, bool], capacity: int = 1000) -> KVLoadReport:
     loads = [RequestLoad(id=rid, kv_bytes=size, tokens=size // 10, size_class="T", queued=queued)
              for rid, size, queued in requests]
@@ -126,6 +144,18 @@ def test_moves_already_heading_to_a_target_hold_its_room_until_it_reports_them()
     assert admitted == [] and waiting == 1  # 1000 - 600 - 300 (m1, not yet reported) < 200
     admitted, _ = admit_by_room([move("r1", "a", 100)], reports, in_flight, sizes)
     assert [o.request_id for o in admitted] == ["r1"]  # x is counted once: a already reports it
+
+
+def test_a_target_keeps_a_block_per_running_request_for_its_growth() -> None:
+    # 10 B a token, 16-token blocks (160 B): x runs (20 tokens, 2 blocks), q is queued (no blocks).
+    report = KVLoadReport(capacity_bytes=1000, used_bytes=320, sequence=1, block_size_tokens=16, requests=[
+        RequestLoad(id="x", kv_bytes=320, tokens=20, size_class="T"),
+        RequestLoad(id="q", kv_bytes=160, tokens=10, size_class="T", queued=True)])
+    # Free: 1000 - 320 - 160 = 520, less one block for x's growth = 360.
+    admitted, waiting = admit_by_room([move("r1", "a", 361)], {"a": report}, {}, {})
+    assert admitted == [] and waiting == 1
+    admitted, _ = admit_by_room([move("r1", "a", 360)], {"a": report}, {}, {})
+    assert [o.request_id for o in admitted] == ["r1"]
 
 
 def test_a_target_without_a_report_is_not_gated() -> None:

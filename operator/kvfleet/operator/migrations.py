@@ -60,6 +60,7 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     """
     reported_on = reported_on or {}
     settle_s = max(10.0, 3 * spec.scheduling.epoch_seconds)
+    retry_after_s = retry_backoff_s(spec)
     in_flight: dict[str, str] = {}
     timed_out: list[str] = []
     expired: list[str] = []
@@ -82,6 +83,11 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
                 # Until the target reports the request and the source has stopped reporting it
                 # (each writes at most once an interval), the target is where it is.
                 in_flight[request_id] = obj["spec"]["targetPod"]
+            elif phase(obj) == "Failed" and now_s - finished_s < retry_after_s:
+                # The request stayed on the source; the report that made this move may be the one the
+                # failure disproved (it finished there, or its room was gone). No retry until the
+                # workers have written anew: ordering again from the same stale report fails again.
+                in_flight[request_id] = obj["spec"]["sourcePod"]
             continue
         created_s = parse_time(obj["metadata"].get("creationTimestamp")) or now_s
         if now_s - created_s >= spec.migration.timeout_seconds:
@@ -89,6 +95,12 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
             continue
         in_flight[request_id] = obj["spec"]["targetPod"]
     return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished)
+
+
+def retry_backoff_s(spec: LLMPoolSpec) -> float:
+    """How long a failed move's request is left alone: two report intervals (a worker writes at most
+    one report per epoch), so the retry, if any, is planned from reports written after the failure."""
+    return max(2.0, 2 * spec.scheduling.epoch_seconds)
 
 
 def migration_name(pool_name: str, request_id: str, attempt: int) -> str:
@@ -130,10 +142,15 @@ def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadRepor
     reported capacity less the KV of every request it reports (running and queued: queued work takes
     the next free blocks first) and less the moves already heading to it that it does not report
     yet; the orders are admitted in turn while they fit. A target without a report is not gated.
+
+    The report is up to an epoch old when the move lands, and every request running there has kept
+    decoding: where the report gives the block size, one block per running request is kept back for
+    that growth (a request needs a new block every block-size tokens), so a move is not ordered into
+    room that the target's own requests are about to take (the target would refuse it).
     """
     reported = {pod: {r.id for r in report.requests} for pod, report in reports.items() if report is not None}
     room: dict[str, int] = {
-        pod: report.capacity_bytes - sum(r.kv_bytes for r in report.requests)
+        pod: report.capacity_bytes - sum(r.kv_bytes for r in report.requests) - _growth_margin_bytes(report)
         for pod, report in reports.items() if report is not None
     }
     for request_id, target in in_flight.items():
@@ -151,6 +168,16 @@ def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadRepor
         else:
             waiting += 1
     return admitted, waiting
+
+
+def _growth_margin_bytes(report: KVLoadReport) -> int:
+    """One KV block for each request the report shows running (queued ones hold no blocks yet)."""
+    running = [r for r in report.requests if not r.queued and r.tokens > 0]
+    if report.block_size_tokens is None or not running:
+        return 0
+    kv_bytes_per_token = max(r.kv_bytes // max(1, -(-r.tokens // report.block_size_tokens) * report.block_size_tokens)
+                             for r in running)
+    return len(running) * report.block_size_tokens * kv_bytes_per_token
 
 
 def choose_modes(spec: LLMPoolSpec, orders: Sequence[MoveOrder], node_of_pod: Mapping[str, str],
