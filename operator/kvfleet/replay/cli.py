@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     written = write_record(out, record, [(s.sent_s, s.request) for s in streams], observer.profiles)
     if args.json:
         figures = record.to_json()
-        del figures["pods"], figures["samples"]
+        del figures["pods"], figures["samples"], figures["migrations"]["moves"]
         print(json.dumps(figures))
     else:
         print(summary(record))

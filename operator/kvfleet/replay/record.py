@@ -58,15 +58,16 @@ class MigrationFacts:
     failed: int
     total: int
     failure_causes: dict[str, int]
-    quick_removes: int  # moves of a request within REMOVE_WINDOW_S of its previous one, not from a draining worker
+    quick_removes: int  # moves ordered within REMOVE_WINDOW_S of the request's last successful move, not draining
     succeeded_downtime_ms: dict[str, float | None]
+    moves: list[dict[str, Any]]  # one row per KVMigration, oldest first, for a closer look
 
 
 def migration_facts(migrations: list[dict[str, Any]]) -> MigrationFacts:
     by_mode_phase: Counter[str] = Counter()
     causes: Counter[str] = Counter()
     downtimes: list[float] = []
-    moves_of: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    moves_of: dict[str, list[tuple[float, str, str]]] = defaultdict(list)  # (created, reason, phase)
     for m in migrations:
         spec, status = m.get("spec") or {}, m.get("status") or {}
         phase = status.get("phase", "Pending")
@@ -77,16 +78,26 @@ def migration_facts(migrations: list[dict[str, Any]]) -> MigrationFacts:
             downtimes.append(float(status["downtimeSeconds"]))
         created = m["metadata"].get("creationTimestamp")
         if created:
-            moves_of[spec.get("requestId", "")].append((timestamp_s(created), spec.get("reason", "")))
+            moves_of[spec.get("requestId", "")].append((timestamp_s(created), spec.get("reason", ""), phase))
     quick = 0
     for moves in moves_of.values():
         moves.sort()
-        for (before_s, _), (after_s, reason) in zip(moves, moves[1:]):
-            if after_s - before_s < REMOVE_WINDOW_S and reason != "Drain":
+        moved_s: float | None = None  # when it last moved for real (a Succeeded move was ordered)
+        for created_s, reason, phase in moves:
+            if moved_s is not None and created_s - moved_s < REMOVE_WINDOW_S and reason != "Drain":
                 quick += 1
+            if phase == "Succeeded":
+                moved_s = created_s
     failed = sum(n for key, n in by_mode_phase.items() if key.endswith("/Failed"))
+    rows = sorted(({"name": m["metadata"]["name"], "created": m["metadata"].get("creationTimestamp"),
+                    "request": (m.get("spec") or {}).get("requestId"), "from": (m.get("spec") or {}).get("sourcePod"),
+                    "to": (m.get("spec") or {}).get("targetPod"), "mode": (m.get("spec") or {}).get("mode"),
+                    "reason": (m.get("spec") or {}).get("reason"),
+                    "phase": (m.get("status") or {}).get("phase", "Pending"),
+                    "message": (m.get("status") or {}).get("message", "")} for m in migrations),
+                  key=lambda r: (r["created"] or "", r["name"]))
     return MigrationFacts(dict(sorted(by_mode_phase.items())), failed, len(migrations), dict(causes.most_common()),
-                          quick, percentiles_ms(downtimes))
+                          quick, percentiles_ms(downtimes), rows)
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,8 @@ class Record:
                            "byModeAndPhase": self.migrations.by_mode_phase,
                            "failureCauses": self.migrations.failure_causes,
                            "movedAgainWithin30s": self.migrations.quick_removes,
-                           "succeededDowntimeMs": self.migrations.succeeded_downtime_ms},
+                           "succeededDowntimeMs": self.migrations.succeeded_downtime_ms,
+                           "moves": self.migrations.moves},
             "ttftMs": self.ttft_ms, "perTokenMs": self.per_token_ms, "podReadySeconds": self.pod_ready_s,
             "speedProfileWorkers": self.speed_profile_workers,
             "pods": [{"name": p.name, "uid": p.uid, "gpus": p.gpus, "createdSeconds": round(p.created_s, 3),
