@@ -48,6 +48,20 @@ def test_misplaced_arrival_is_moved_where_allocate_puts_it() -> None:
         ("t", "p-worker-1", "p-worker-0", 200, "Allocate")]
 
 
+def test_a_router_misplaced_arrival_counts_as_moved_for_the_default_policy() -> None:
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+                                  [worker(0, ("big", 700)), worker(1, ("other", 300))])
+    # The router put t on worker 1; Allocate (best fit) holds it on worker 0: a move is ordered, and the
+    # policy treats t as just moved (not moved again by choice for fleet_min_move_interval_s).
+    out = sched.epoch([worker(0, ("big", 700)), worker(1, ("other", 300), ("t", 400))], {}, now_s=7.0)
+    assert [(m.request_id, m.target_pod, m.reason) for m in out.moves] == [("t", "p-worker-0", "Allocate")]
+    assert sched.policy.snapshot().moved_at_s == (("t", 7.0),)
+    # A request placed where Allocate wants it (worker 0 is full once t lands there) is not marked.
+    out = sched.epoch([worker(0, ("big", 700)), worker(1, ("other", 300), ("t", 400), ("u", 100))],
+                      {"t": "p-worker-0"}, now_s=8.0)
+    assert out.moves == () and sched.policy.snapshot().moved_at_s == (("t", 7.0),)
+
+
 def test_in_flight_requests_are_neither_finished_nor_moved_again() -> None:
     sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 700)), worker(1, ("b", 200))])
     # b is being moved to worker 0 and neither pod reports it this epoch.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import heapq
 from bisect import bisect_left, insort
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvfleet.mell.models import (
@@ -260,6 +261,11 @@ class ClusterPolicy(abc.ABC):
 
     def after_batch(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Called after all allocates (the load-balance baseline migrates here)."""
+
+    def note_moved(self, request_ids: Iterable[str], now_s: float) -> None:  # noqa: B027 - optional, as above
+        """Requests that moved although this policy did not move them: a live pool's router placed them
+        elsewhere than Allocate did, so reaching Allocate's GPU is a migration (the default policy then
+        leaves them alone for a while, as after its own moves)."""
 
     # ------------------------------------------------------------------ primitives
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
 from kvfleet.mell.migration import link_of
@@ -92,6 +92,12 @@ class FleetPolicy(ClusterPolicy):
             horizon_s = batch.now_s - self.cfg.fleet_min_move_interval_s
             self._moved_at_s = {i: t for i, t in self._moved_at_s.items() if t > horizon_s}
         return plan
+
+    def note_moved(self, request_ids: Iterable[str], now_s: float) -> None:
+        for request_id in request_ids:
+            item = self.item_of.get(request_id)
+            if item is not None:
+                self._moved_at_s[item.item_id] = now_s
 
     def _settling(self, item: Item) -> bool:
         """Moved this epoch, or too recently to be moved again by choice (fleet_min_move_interval_s)."""

@@ -146,6 +146,8 @@ class PoolScheduler:
         placed_now = {p.request_id for p in plan.placements}
         pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
         moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu)
+        # The router placed these elsewhere than Allocate: their first move is ordered now.
+        self.policy.note_moved((o.request_id for o in moves if o.request_id in placed_now), now_s)
 
         live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}
         holding = {w.pod_name for w in workers if w.report and w.report.requests}
