@@ -17,6 +17,7 @@ import pytest
 from router_testing import MODEL, TOKEN, Server, serve, start_worker
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
+from kvfleet.api.speed import SpeedProfile, merge_profiles
 from kvfleet.mell.models import SizeClass
 from kvfleet.router import app as app_module
 from kvfleet.router.app import Router, RouterConfig
@@ -126,6 +127,28 @@ def test_the_router_sizes_requests_with_the_workers_kv_facts(routed: tuple[Route
     # 2 KV heads x 64 dims x 2 layers x K,V x 4 bytes (worker_testing), read from /internal/requests.
     assert info is not None and info.kv_bytes_per_token == 2048 and info.capacity_bytes == TEST_KV_CAPACITY_BYTES
     assert router_obj.metrics.placements.labels("allocate:new-GPU")._value.get() >= 1
+
+
+def test_the_pools_speed_profile_is_each_workers_own_and_their_merge(workers: list[Server],
+                                                                   routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    for worker in workers:  # each has run steps, whatever the tests before did
+        assert worker.post("/v1/completions", completion(max_tokens=4))[0] == 200
+    time.sleep(0.2)  # a step is recorded once its period ends, just after its last token left
+    own = []
+    for worker in workers:
+        status, _, raw = worker.request("GET", "/kvfleet/speed-profile")
+        assert status == 200, raw
+        own.append(json.loads(raw))
+    status, _, raw = router.request("GET", "/kvfleet/speed-profile")
+    assert status == 200, raw
+    body = json.loads(raw)
+    # The workers are idle: what the router relays is what each serves itself, by pod name.
+    assert body["workers"] == {"w0": own[0], "w1": own[1]} and body["unreachable"] == [] and body["unmeasured"] == {}
+    assert own[0]["engine"] == "builtin" and own[0]["model"] == MODEL and own[0]["capacityBytes"] == TEST_KV_CAPACITY_BYTES
+    merged = SpeedProfile.model_validate(body["merged"])
+    assert merged == merge_profiles(SpeedProfile.model_validate(p) for p in own)
+    assert merged.num_samples == sum(SpeedProfile.model_validate(p).num_samples for p in own) >= 2 * 4
 
 
 def test_no_ready_worker_is_a_503_with_retry_after(engine_loop: EngineLoop) -> None:

@@ -73,6 +73,32 @@ def test_capabilities_are_declared_not_inferred_from_the_type(any_engine: Starte
     assert (capabilities.migration is not None) == (any_engine.name == "builtin")
 
 
+def test_speed_is_measured_or_declared_unmeasured(any_engine: StartedEngine) -> None:
+    """The builtin engine times every step (engines/speed.py); vLLM measures none and says so in its info."""
+    engine, info = any_engine.engine, any_engine.info
+    assert info.measures_speed == (any_engine.name == "builtin")
+    before = engine.speed_profile()
+    any_engine.loop.run(collect(engine, rid("speed"), PROMPTS[0], greedy(3)))
+    if not info.measures_speed:
+        assert before is None and engine.speed_profile() is None
+        return
+    samples_before = before.num_samples if before is not None else 0
+
+    async def recorded() -> Any:  # the last step counts once its period ends, just after its token left
+        for _ in range(100):
+            profile = engine.speed_profile()
+            if profile is not None and profile.num_samples == samples_before + 3:
+                return profile
+            await asyncio.sleep(0.01)
+        return engine.speed_profile()
+
+    profile = any_engine.loop.run(recorded())
+    assert profile is not None and profile.num_samples == samples_before + 3  # a prefill and two decodes
+    assert (profile.engine, profile.model, profile.kv_bytes_per_token, profile.capacity_bytes) == (
+        info.engine, info.model_path, info.kv_bytes_per_token, info.kv_capacity_bytes)
+    assert_empty(any_engine)
+
+
 def test_generates_exactly_max_tokens_greedy_and_streams_them(any_engine: StartedEngine) -> None:
     e = any_engine
     outs = e.loop.run(collect(e.engine, rid("len"), PROMPTS[0], greedy(12)))

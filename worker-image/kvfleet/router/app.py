@@ -8,6 +8,8 @@ router mode (relay.py) and answered in the shape the client asked for (responses
 Backpressure: at most `max_in_flight` requests are relayed at once; the next gets 429 with
 Retry-After. A pool with no Ready worker, or none with room for the request's KV, gets 503 with
 Retry-After, in OpenAI's error format.
+
+`GET /kvfleet/speed-profile` gathers the workers' measured speed for `kvfleet replay` (speed.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvfleet.router.placement import (
 from kvfleet.router.pool import PoolView
 from kvfleet.router.relay import OnWorker, Place, Relay, Timeouts
 from kvfleet.router.responses import respond
+from kvfleet.router.speed import SPEED_PROFILE_PATH, gather_profiles
 from kvfleet.serving import httpapi
 from kvfleet.serving.openai_api import (
     MAX_BODY_BYTES,
@@ -62,6 +65,9 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     # Workers a request may fail on before the client gets an error.
     max_attempts: int = 4
+    # How long `GET /kvfleet/speed-profile` waits for each worker (asked in parallel): a worker is an
+    # aiohttp handler away from its answer, so one slower than this is busy or gone.
+    speed_profile_timeout_s: float = 2.0
 
 
 class Router:
@@ -84,6 +90,7 @@ class Router:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get(SPEED_PROFILE_PATH, self._speed_profile)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -113,6 +120,11 @@ class Router:
         if info is None:
             raise APIError(503, "the pool has no Ready worker; retry shortly", error_type="server_error", code="no_ready_worker")
         return web.json_response(model_list(info.model_name, info.max_model_len))
+
+    async def _speed_profile(self, _: web.Request) -> web.Response:
+        # Every worker the view knows, Ready or not: a draining worker's numbers are still its own.
+        workers = self.view.snapshot().workers
+        return web.json_response(await gather_profiles(self.session, workers, self.config.speed_profile_timeout_s))
 
     # ------------------------------------------------------------------------------- OpenAI routes
 

@@ -7,6 +7,8 @@ SIGTERM) and wires the parts that serve it, each in its own module:
 - `streams`: a request's text deltas from the engine, across a migration;
 - `adoption`: requests handed over to this worker, served at `/internal/requests/{id}/stream`;
 - `reporter`: the KV-load reports the operator packs pods by;
+- `/kvfleet/speed-profile`: the engine's measured step speed (engines/speed.py), which the router
+  gathers from the pool for `kvfleet replay` and the simulator;
 - kvfleet.serving.httpapi: the probes (`/healthz` is "the process and the engine are alive",
   `/readyz` is "the model is loaded, send traffic"), `/metrics`, OpenAI-format errors, and the pool
   token that guards `/internal/*`.
@@ -42,6 +44,10 @@ from kvfleet.worker.streams import RequestStreams
 from kvfleet.worker.text import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Not under /internal: a speed profile is no secret (no prompt, no request), and a replay reads it
+# through the router without the pool token.
+SPEED_PROFILE_ROUTE = "/kvfleet/speed-profile"
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class Agent:
         app.router.add_get("/readyz", httpapi.readyz(self._not_ready))
         app.router.add_get("/metrics", httpapi.metrics(self.metrics.registry, self.metrics.refresh_gpu))
         self.openai.add_to(app)
+        app.router.add_get(SPEED_PROFILE_ROUTE, self._speed_profile)
         app.router.add_get("/internal/requests", self._internal_requests)
         app.router.add_post("/internal/requests/{request_id}/abort", self._internal_abort)
         app.router.add_post("/internal/requests/{request_id}/migrate", self._internal_migrate)
@@ -242,6 +249,27 @@ class Agent:
 
     def adopt(self, handed: HandedRequest, stream: AsyncIterator[StepOutput]) -> Adopted:
         return self.adoptions.adopt(handed, stream)
+
+    # ------------------------------------------------------------------------------------ speed
+
+    async def _speed_profile(self, _: web.Request) -> web.Response:
+        """The engine's measured speed, named by the model clients know, with the migration
+        executor's latest link measurement; 404 naming why there is none. A draining worker still
+        answers: its numbers are as good as ever, and a replay wants the last of them."""
+        info = self._info
+        if info is None:
+            raise APIError(404, self._failure or "the model is still loading: no step has run yet",
+                           error_type="not_found_error", code="no_speed_profile")
+        if not info.measures_speed:
+            raise APIError(404, f"the {info.engine} engine does not measure its step speed",
+                           error_type="not_found_error", code="speed_not_measured")
+        profile = self.engine.speed_profile()
+        if profile is None:
+            raise APIError(404, f"the {info.engine} engine has run no step yet: nothing measured",
+                           error_type="not_found_error", code="no_speed_profile")
+        link = measured_from(self.metrics.registry)().link_bytes_per_s
+        profile = profile.model_copy(update={"model": self.config.model_name, "link_bytes_per_second": link})
+        return web.json_response(profile.model_dump(mode="json", by_alias=True))
 
     # ------------------------------------------------------------------------------------ internal
 

@@ -11,6 +11,9 @@ elastic capacity, lending KV blocks, a prefix cache) is not in this contract but
 engine as a capability: `engine.capabilities` is an `EngineCapabilities` whose fields are each
 feature's implementation or None (capabilities.py says how to add one). Callers use the capability,
 never the engine's type.
+
+An engine may also measure its own speed (`speed_profile`: step periods against batch and context,
+engines/speed.py); one that does not returns None, and the worker says so to whoever asks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from kvfleet.api.speed import SpeedProfile
 
 if TYPE_CHECKING:
     # capabilities.py builds on this module's types; only the annotation below points back.
@@ -117,6 +122,9 @@ class EngineInfo:
     kv_bytes_per_token: int
     kv_capacity_bytes: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Whether `speed_profile` ever returns one (the engine times its steps), so that a caller can
+    # tell "does not measure" from "has run no step yet".
+    measures_speed: bool = False
 
 
 @runtime_checkable
@@ -165,6 +173,12 @@ class Engine(Protocol):
         """The requests of num_waiting(), sorted by id: the tokens each will hold once admitted and
         the whole blocks that takes. The worker reports them so that MELL sees demand a full worker
         cannot take yet (and allocates it a GPU) instead of the queue hiding it."""
+        ...
+
+    def speed_profile(self) -> SpeedProfile | None:
+        """The step speed measured since start (engines/speed.py), its `model` the engine's model
+        path; None from an engine that does not measure (`info.measures_speed` False), before start,
+        or before its first step."""
         ...
 
 

@@ -14,6 +14,7 @@ This module holds the engine's life cycle and its step loop; the parts it drives
 | builtin_scheduler.py | the requests, admission, preemption, continuous batching, kv_usage() |
 | builtin_sampling.py | greedy and seeded (seed, position) sampling |
 | builtin_migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
+| speed.py | the step periods measured, bucketed by batch and context (`speed_profile`) |
 
 Threads: one background asyncio task runs the steps; the torch work of a step runs in a one-thread
 executor, so the event loop (shared with the HTTP server) stays responsive, and every tensor
@@ -36,6 +37,7 @@ from typing import TypeVar
 
 import torch
 
+from kvfleet.api.speed import SpeedProfile
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
     EngineConfig,
@@ -51,6 +53,7 @@ from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, rea
 from kvfleet.worker.engines.builtin_sampling import next_tokens
 from kvfleet.worker.engines.builtin_scheduler import ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities
+from kvfleet.worker.engines.speed import SpeedRecorder
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +77,7 @@ class BuiltinEngine:
         self._sched = Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
+        self._speed = SpeedRecorder("builtin")
 
     # -- the Engine contract -------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class BuiltinEngine:
             kv_bytes_per_token=kv_bytes_per_token,
             kv_capacity_bytes=num_blocks * block_bytes,
             eos_token_ids=arch.eos_token_ids,
+            measures_speed=True,
         )
         self._task = asyncio.create_task(self._run(), name="kvfleet-builtin-scheduler")
         logger.info("builtin engine: %s, %d KV blocks (%d bytes), max_model_len %d, %s on %s",
@@ -160,6 +165,12 @@ class BuiltinEngine:
         """Tokens prefilled so far, prompts and re-prefills after preemption or a resume."""
         return self._sched.num_prefilled_tokens
 
+    def speed_profile(self) -> SpeedProfile | None:
+        info = self._info
+        if info is None:
+            return None
+        return self._speed.profile(info.model_path, info.kv_bytes_per_token, info.kv_capacity_bytes)
+
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         sched = self._sched
         if request_id in sched.requests or request_id in sched.staged:
@@ -200,10 +211,12 @@ class BuiltinEngine:
             async with self._step_lock:
                 step = sched.schedule()
                 started_s = time.monotonic()
+                succeeded = False
                 if step is not None:
                     try:
                         tokens = await self._in_executor(functools.partial(self._execute, step))
                         sched.process(step, tokens)
+                        succeeded = True
                     except Exception as err:  # a failed step fails its requests, not the engine
                         logger.exception("builtin engine step failed")
                         sched.fail(step, EngineError(f"engine step failed: {err}"))
@@ -212,6 +225,22 @@ class BuiltinEngine:
             else:
                 # Let suspend/abort/HTTP handlers in between steps (for the rest of a paced step).
                 await asyncio.sleep(max(0.0, self.config.min_step_s - (time.monotonic() - started_s)))
+                if succeeded:
+                    # The period up to here, pacing included: how fast the batch's requests progress.
+                    # Waiting for work (or for a migration's hold on the step lock) is not the step's.
+                    self._record_speed(step, time.monotonic() - started_s)
+
+    def _record_speed(self, step: Step, step_seconds: float) -> None:
+        """The step's shape as the recorder takes it: a request's KV after the step is the tokens it
+        had cached plus those the step wrote; an entry of more than one new token is a prefill (a
+        prompt, or a re-prefill after a preemption or a token-mode resume), all of whose tokens count."""
+        context_tokens = prefill_tokens = 0
+        for entry in step.entries:
+            num_new = len(entry.token_ids)
+            context_tokens += entry.start_position + num_new
+            if num_new > 1:
+                prefill_tokens += num_new
+        self._speed.record_step(len(step.entries), context_tokens, prefill_tokens, step_seconds)
 
     def _execute(self, step: Step) -> list[int]:
         """The step's torch work, on the executor thread: one forward, then one token per request."""

@@ -64,6 +64,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from kvfleet.api.speed import SpeedProfile
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
     EngineConfig,
@@ -388,6 +389,10 @@ class VLLMEngine:
             return
         request.abort_requested = True
         await self._llm.abort(request_id)
+
+    def speed_profile(self) -> SpeedProfile | None:
+        # AsyncLLM runs its steps in its own engine core, out of our sight: no step to time here.
+        return None
 
     def kv_usage(self) -> list[RequestKV]:
         if self._geometry is None:
