@@ -71,6 +71,16 @@ def test_scale_flags_reach_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert slow["mell"]["queue_p99_s"] >= 60.0 > base["mell"]["queue_p99_s"]
 
 
+def test_lookahead_flag_reaches_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # Told only the KV a request holds (0, as live workers report), best-fit packs tighter than when
+    # told an epoch of growth ahead (the default 1): fewer GPUs on average, more preemptions.
+    ahead = simulate_json(capsys, "--policies", "bf")["policies"]
+    held = simulate_json(capsys, "--policies", "bf", "--lookahead-epochs", "0")["policies"]
+    assert isinstance(ahead, dict) and isinstance(held, dict)
+    assert held["bf"]["mean_gpus"] < ahead["bf"]["mean_gpus"]
+    assert held["bf"]["num_preemptions"] > ahead["bf"]["num_preemptions"]
+
+
 def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path = tmp_path / "out.csv"
     code = main(["simulate", "--trace", str(CONV), "--window", "600:60", "--setup", "7b-4090",
@@ -99,6 +109,7 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--trace", str(CONV), "--window", "abc"], "START:DURATION"),
         (["--trace", str(CONV), "--scale-up-s", "-1"], "--scale-up-s must be >= 0"),
         (["--trace", str(CONV), "--scale-down-delay-s", "-5"], "--scale-down-delay-s must be >= 0"),
+        (["--trace", str(CONV), "--lookahead-epochs", "-1"], "--lookahead-epochs must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

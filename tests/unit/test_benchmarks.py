@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_benchmark_has_a_test_that_runs_it() -> None:
     benches = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
     assert benches, "no benchmarks found: is bench/ where this test thinks?"
-    tests = {p: p.read_text() for p in (ROOT / "tests").rglob("test_*.py") if p.resolve() != Path(__file__).resolve()}
+    # tests/ and e2e/ (a benchmark of the live pool needs the control plane the e2e tests have).
+    tests = {p: p.read_text() for where in ("tests", "e2e") for p in (ROOT / where).rglob("test_*.py")
+             if p.resolve() != Path(__file__).resolve()}
     unrun = [name for name in benches if not any(f'"bench" / "{name}"' in text for text in tests.values())]
     assert not unrun, f"benchmarks no test runs (add a quick run, as tests/worker/test_bench_engine.py does): {unrun}"

@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-ms", type=float, default=None,
                         help="a TPOT objective (the LLMPool's slo.tpotMilliseconds): the default policy never packs "
                              "a GPU past the load whose decode step would break it")
+    parser.add_argument("--lookahead-epochs", type=float, default=1.0,
+                        help="what the scheduler is told a request holds: its KV blocks plus what it can write in "
+                             "this many epochs at the fastest decode speed (1; 0 is what a live pool's workers "
+                             "report, the KV they hold)")
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
@@ -174,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         setups = _setups(args)
         if args.epoch_s <= 0:
             raise _UsageError("--epoch-s must be positive")
+        if not args.lookahead_epochs >= 0:
+            raise _UsageError("--lookahead-epochs must be >= 0")
         if not args.scale_up_s >= 0:  # written so that NaN is refused too
             raise _UsageError("--scale-up-s must be >= 0")
         if not args.scale_down_delay_s >= 0:
@@ -307,8 +313,8 @@ def _simulate_with_progress(
             bar.update(1)
 
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
-                      scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
-                      batching=not args.no_batching)
+                      lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
+                      scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

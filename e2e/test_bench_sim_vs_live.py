@@ -1,0 +1,34 @@
+"""bench/sim_vs_live.py runs end to end in its quick mode on a local control plane of its own and ends
+with its JSON line (part of `make test`, so the live-vs-simulated comparison does not rot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "sim_vs_live.py"
+
+
+def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("machine: ")
+    assert any(line.startswith("targets: ") for line in lines)
+    summary = json.loads(lines[-1])
+    assert summary["bench"] == "sim_vs_live" and summary["window"] == "0:20"
+    assert set(summary["policies"]) == {"mell", "bf"}
+    for policy, f in summary["policies"].items():
+        # Every stream came back whole through whatever the pool did, and both sides billed something.
+        assert f["streams_whole"] == f["streams"] > 0, policy
+        assert f["live_gpu_s"] > 0 and f["sim_gpu_s"] > 0
+        assert f["ratio"] == round(f["sim_gpu_s"] / f["live_gpu_s"], 3) or abs(
+            f["ratio"] - f["sim_gpu_s"] / f["live_gpu_s"]) < 0.002
+        assert set(f["migrations"]) == {"live", "live_failed", "simulated"}
+        # The simulator replayed exactly what was sent, at the speed the workers measured.
+        assert (tmp_path / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
+        assert json.loads((tmp_path / policy / "speed-profile.json").read_text())["kind"] == "SpeedProfile"
+    assert summary["policies"]["bf"]["migrations"]["simulated"] == 0  # best-fit never migrates
