@@ -62,6 +62,34 @@ def test_a_router_misplaced_arrival_counts_as_moved_for_the_default_policy() -> 
     assert out.moves == () and sched.policy.snapshot().moved_at_s == (("t", 7.0),)
 
 
+def test_a_request_about_to_finish_is_not_moved() -> None:
+    def view(index: int, *requests: tuple[str, int, int, int | None]) -> WorkerView:
+        reqs = [RequestLoad(id=rid, kv_bytes=size, tokens=tokens, size_class="T", remaining_tokens=left)
+                for rid, size, tokens, left in requests]
+        return WorkerView(f"p-worker-{index}", f"gpu-{index}", index, "node-0", "zone-0", True,
+                          KVLoadReport(capacity_bytes=C, used_bytes=sum(r.kv_bytes for r in reqs), requests=reqs, sequence=1))
+
+    def fresh() -> PoolScheduler:
+        return PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [view(0, ("big", 700, 70, None)),
+                                     view(1, ("other", 300, 30, None))], finishing_window_s=2.0)
+
+    # t (misplaced, as in the test above) writes 10 tokens a second: 15 left is 1.5 s, inside the 2 s window.
+    sched = fresh()
+    sched.epoch([view(0, ("big", 700, 70, None)), view(1, ("other", 300, 30, None), ("t", 400, 40, 25))], {}, now_s=1.0)
+    out = sched.epoch([view(0, ("big", 700, 70, None)), view(1, ("other", 300, 30, None), ("t", 400, 50, 15))], {},
+                      now_s=2.0)
+    assert out.moves == () and out.num_deferred_moves == 1
+    # 25 left at 10 a second (2.5 s) is worth moving; so is a request whose rate is not known yet.
+    sched = fresh()
+    sched.epoch([view(0, ("big", 700, 70, None)), view(1, ("other", 300, 30, None), ("t", 400, 40, 35))], {}, now_s=1.0)
+    out = sched.epoch([view(0, ("big", 700, 70, None)), view(1, ("other", 300, 30, None), ("t", 400, 50, 25))], {},
+                      now_s=2.0)
+    assert [m.request_id for m in out.moves] == ["t"]
+    out = fresh().epoch([view(0, ("big", 700, 70, None)), view(1, ("other", 300, 30, None), ("t", 400, 40, 1))], {},
+                        now_s=1.0)
+    assert [m.request_id for m in out.moves] == ["t"]
+
+
 def test_in_flight_requests_are_neither_finished_nor_moved_again() -> None:
     sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, ("a", 700)), worker(1, ("b", 200))])
     # b is being moved to worker 0 and neither pod reports it this epoch.

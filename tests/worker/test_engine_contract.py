@@ -179,9 +179,12 @@ def test_kv_usage_counts_tokens_and_whole_blocks_while_running(any_engine: Start
                 break
             usage = {r.request_id: r for r in e.engine.kv_usage()}
             seen.append((out.num_tokens, usage[request_id].tokens, usage[request_id].kv_bytes))
+            # What it may still write: max_tokens less the output it holds (the operator's "about to finish").
+            remaining.append(usage[request_id].remaining_tokens == 20 - (usage[request_id].tokens - len(PROMPTS[4])))
 
+    remaining: list[bool] = []
     e.loop.run(run())
-    assert seen
+    assert seen and all(remaining)
     for step_tokens, usage_tokens, kv_bytes in seen:
         # The engine may already be one step further than the output the test holds.
         assert step_tokens <= usage_tokens <= step_tokens + 1

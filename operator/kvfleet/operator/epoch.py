@@ -77,9 +77,14 @@ def gpu_index(gpu_id: str) -> int:
 class PoolScheduler:
     """The scheduling state of one pool, kept in memory between epochs and rebuildable from pods."""
 
-    def __init__(self, policy_name: str, config: SchedulerConfig) -> None:
+    def __init__(self, policy_name: str, config: SchedulerConfig, finishing_window_s: float = 0.0) -> None:
         self.policy_name = policy_name
         self.config = config
+        # A request expected to end within this long is not moved: the move would land after it ended
+        # (a Failed KVMigration, "not running on the source"). 0: every move is ordered.
+        self.finishing_window_s = finishing_window_s
+        # Where each request's decoding was first seen (epoch time, tokens), for its tokens per second.
+        self.first_seen: dict[str, tuple[float, int]] = {}
         self.policy: ClusterPolicy = make_policy(policy_name, config)
         self.sizes: dict[str, int] = {}
         # Why a request is out of place, from the epoch that decided it, kept until it is in place:
@@ -87,9 +92,10 @@ class PoolScheduler:
         self.causes: dict[str, str] = {}
 
     @classmethod
-    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
+    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView],
+                finishing_window_s: float = 0.0) -> PoolScheduler:
         """The state a restarted operator starts from: requests where the reports put them."""
-        self = cls(policy_name, config)
+        self = cls(policy_name, config, finishing_window_s)
         bound = sorted((w for w in workers if w.gpu_id is not None), key=lambda w: w.created_order)
         gpus = tuple(GpuSnapshot(w.gpu_id, gpu_index(w.gpu_id), seq, Location(w.node_name, w.zone))
                      for seq, w in enumerate(bound) if w.gpu_id is not None)
@@ -145,7 +151,9 @@ class PoolScheduler:
         causes = {m.request_id: m.cause for m in plan.migrations}
         placed_now = {p.request_id for p in plan.placements}
         pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
-        moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu)
+        self._track_progress(actual, now_s)
+        finishing = self._finishing(actual, now_s)
+        moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu, finishing)
         # The router placed these elsewhere than Allocate: their first move is ordered now.
         self.policy.note_moved((o.request_id for o in moves if o.request_id in placed_now), now_s)
 
@@ -169,7 +177,32 @@ class PoolScheduler:
             active_gpus=len(live_gpus),
         )
 
-    def _events(self, actual: Mapping[str, tuple[WorkerView, int, int]], in_flight: Mapping[str, str]) -> list[Event]:
+    def _track_progress(self, actual: Mapping[str, Reported], now_s: float) -> None:
+        for rid, seen in actual.items():
+            self.first_seen.setdefault(rid, (now_s, seen.tokens))
+        for rid in [rid for rid in self.first_seen if rid not in actual]:
+            del self.first_seen[rid]
+
+    def _finishing(self, actual: Mapping[str, Reported], now_s: float) -> set[str]:
+        """Requests whose remaining output, at the tokens per second they have shown, ends within the
+        finishing window. A request too new to have a rate of its own is judged at the median rate."""
+        if self.finishing_window_s <= 0:
+            return set()
+        rates: dict[str, float] = {}
+        for rid, seen in actual.items():
+            since_s, tokens = self.first_seen[rid]
+            if now_s > since_s and seen.tokens > tokens:
+                rates[rid] = (seen.tokens - tokens) / (now_s - since_s)
+        ordered = sorted(rates.values())
+        typical = ordered[len(ordered) // 2] if ordered else None
+        finishing = set()
+        for rid, seen in actual.items():
+            rate = rates.get(rid, typical)
+            if seen.remaining_tokens is not None and rate and seen.remaining_tokens / rate < self.finishing_window_s:
+                finishing.add(rid)
+        return finishing
+
+    def _events(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str]) -> list[Event]:
         """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date."""
         events: list[Event] = []
         for rid in list(self.sizes):
@@ -177,7 +210,8 @@ class PoolScheduler:
                 events.append(Finish(rid))
                 del self.sizes[rid]
                 self.causes.pop(rid, None)
-        for rid, (_, size_bytes, _) in actual.items():
+        for rid, seen in actual.items():
+            size_bytes = seen.size_bytes
             known = self.sizes.get(rid)
             if known is None:
                 events.append(Arrive(rid, size_bytes))
@@ -187,14 +221,16 @@ class PoolScheduler:
                 self.sizes[rid] = size_bytes
         return events
 
-    def _moves(self, actual: Mapping[str, tuple[WorkerView, int, int]], in_flight: Mapping[str, str],
+    def _moves(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str],
                causes: Mapping[str, str], placed_now: set[str],
-               pod_of_gpu: Mapping[str, WorkerView]) -> tuple[list[MoveOrder], int]:
+               pod_of_gpu: Mapping[str, WorkerView], finishing: set[str]) -> tuple[list[MoveOrder], int]:
         """A move for every request reported away from where the policy holds it and not already moving,
-        and how many wait for their target pod; `causes` keeps why each is out of place."""
+        and how many wait (for their target pod, or to finish where they are); `causes` keeps why each
+        is out of place."""
         moves: list[MoveOrder] = []
         deferred = 0
-        for rid, (worker, size_bytes, tokens) in actual.items():
+        for rid, seen in actual.items():
+            worker, size_bytes, tokens = seen.worker, seen.size_bytes, seen.tokens
             if rid in in_flight or rid not in self.policy.item_of:
                 continue
             want = self.policy.gpu_of(rid)
@@ -206,7 +242,7 @@ class PoolScheduler:
             elif rid in placed_now:
                 self.causes[rid] = "Allocate"  # the router placed it elsewhere than MELL's Allocate would
             target = pod_of_gpu.get(want)
-            if target is None or not target.ready:
+            if target is None or not target.ready or rid in finishing:
                 deferred += 1
                 continue
             # Without a recorded cause, an earlier move of this request failed or was lost.
@@ -215,14 +251,24 @@ class PoolScheduler:
         return moves, deferred
 
 
-def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, tuple[WorkerView, int, int]]:
-    """Request id -> (the worker reporting it, its KV bytes, its tokens), as the reports say."""
-    actual: dict[str, tuple[WorkerView, int, int]] = {}
+@dataclass(frozen=True)
+class Reported:
+    """A request as the reports say: the worker reporting it, its KV bytes, tokens and remaining output."""
+
+    worker: WorkerView
+    size_bytes: int
+    tokens: int
+    remaining_tokens: int | None
+
+
+def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, Reported]:
+    """Request id -> where and how big it is, as the reports say."""
+    actual: dict[str, Reported] = {}
     for worker in sorted(workers, key=lambda w: w.created_order):
         for req in worker.report.requests if worker.report else []:
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
-                actual[req.id] = (worker, req.kv_bytes, req.tokens)
+                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, req.remaining_tokens)
     return actual
 
 

@@ -72,7 +72,8 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
         entries = sorted(entries, key=lambda e: (-e[0].kv_bytes, e[0].request_id))[:MAX_REQUESTS_PER_REPORT]
     entries.sort(key=lambda e: e[0].request_id)
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
-                         size_class=size_class_name(r.kv_bytes, capacity_bytes)) for r, waiting in entries]
+                         size_class=size_class_name(r.kv_bytes, capacity_bytes), remaining_tokens=r.remaining_tokens)
+             for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
                         prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens)

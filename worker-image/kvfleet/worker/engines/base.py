@@ -108,6 +108,9 @@ class RequestKV:
     request_id: str
     tokens: int
     kv_bytes: int
+    # Output tokens it may still write (max_tokens less those written): with the tokens reported at two
+    # epochs the operator tells a request about to finish, whose move would land after it ended.
+    remaining_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,8 @@ class Scheduler:
         for req in self.requests.values():
             if req.blocks:
                 tokens = req.num_cached if req.state is RequestState.WAITING else req.num_tokens
-                usage.append(RequestKV(req.request_id, tokens, len(req.blocks) * block_bytes))
+                usage.append(RequestKV(req.request_id, tokens, len(req.blocks) * block_bytes,
+                                       max(0, req.params.max_tokens - len(req.output))))
         for request_id, staged in self.staged.items():
             if staged.blocks:
                 usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))

@@ -101,8 +101,13 @@ class _Request:
 
     request_id: str
     prompt_tokens: int
+    max_tokens: int | None = None
     generated_tokens: int = 0
     abort_requested: bool = False
+
+    @property
+    def remaining_tokens(self) -> int | None:
+        return None if self.max_tokens is None else max(0, self.max_tokens - self.generated_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -325,7 +330,7 @@ class VLLMEngine:
         # Checked again: two generate() calls with one id may both have passed the first check.
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
-        request = _Request(request_id, prompt_tokens=len(prompt_token_ids))
+        request = _Request(request_id, prompt_tokens=len(prompt_token_ids), max_tokens=params.max_tokens)
         self._requests[request_id] = request
         outputs = llm.generate(tokens_input(prompt_token_ids), self._sampling_params(params), request_id)
         finished = False
@@ -399,7 +404,7 @@ class VLLMEngine:
             return []
         block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
         return [
-            RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token))
+            RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token), r.remaining_tokens)
             for r in sorted(self._requests.values(), key=lambda r: r.request_id)
             if r.generated_tokens > 0
         ]
