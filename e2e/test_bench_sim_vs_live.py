@@ -1,5 +1,8 @@
 """bench/sim_vs_live.py runs end to end in its quick mode on a local control plane of its own and ends
-with its JSON line (part of `make test`, so the live-vs-simulated comparison does not rot)."""
+with its JSON line (part of `make test`, so the live-vs-simulated comparison does not rot).
+
+A smoke test of the machinery, not of the targets: the bench prints those as PASS/MISS (20 s of trace
+on two cores is one GPU's work, too little to judge the simulator by)."""
 
 from __future__ import annotations
 
@@ -25,8 +28,6 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
         # Every stream came back whole through whatever the pool did, and both sides billed something.
         assert f["streams_whole"] == f["streams"] > 0, policy
         assert f["live_gpu_s"] > 0 and f["sim_gpu_s"] > 0
-        assert f["ratio"] == round(f["sim_gpu_s"] / f["live_gpu_s"], 3) or abs(
-            f["ratio"] - f["sim_gpu_s"] / f["live_gpu_s"]) < 0.002
         assert set(f["migrations"]) == {"live", "live_failed", "simulated"}
         # The simulator replayed exactly what was sent, at the speed the workers measured.
         assert (tmp_path / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1

@@ -17,17 +17,23 @@ import os
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from kvfleet.api.models import SchedulingSpec
 from kvfleet.replay.observe import PoolObserver
 from kvfleet.replay.record import Record, build_record, write_record
 from kvfleet.replay.streams import Clock, Stream, run_stream
 from kvfleet.sim.traces import TraceError, TraceRequest, read_trace, slice_trace
 
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
+POOL_POLICIES = tuple(get_args(SchedulingSpec.model_fields["policy"].annotation))
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def replay(observer: PoolObserver, router_url: str, model: str, requests: list[T
     drain_until = clock.now_s() + drain_timeout_s
     while clock.now_s() < drain_until:
         samples = observer.samples
-        live_pods = [p for p in observer.pods.values() if p.gone_s is None]
+        live_pods = [p for p in observer.pod_lives() if p.gone_s is None]
         if samples and samples[-1].gpus_in_use == 0 and len(live_pods) <= min_workers:
             break
         time.sleep(0.5)
@@ -189,8 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     """The requests to send and the window's label, or UsageError."""
     trace = args.trace or default_trace()
-    if args.time_scale <= 0:
+    if not args.time_scale > 0:  # written so that NaN is refused too
         raise UsageError("--time-scale must be positive")
+    if args.policy is not None and args.policy not in POOL_POLICIES:
+        raise UsageError(f"--policy {args.policy!r}: an LLMPool's policy is one of {', '.join(POOL_POLICIES)}")
     if args.every < 1:
         raise UsageError("--every must be at least 1")
     if args.prompt_scale <= 0 or args.output_scale <= 0:
@@ -218,8 +226,13 @@ def run(args: argparse.Namespace) -> int:
         router_url = args.router_url or observer.find_router_url()
         if router_url is None:
             raise UsageError(f"LLMPool {args.namespace}/{args.pool} has no ready router pod; pass --router-url")
+        check_router(router_url)
     except UsageError as err:
         print(f"kvfleet replay: error: {err}", file=sys.stderr)
+        return 2
+    except (ConfigException, ApiException) as err:  # no kubeconfig, no access, no CRD
+        print(f"kvfleet replay: error: cannot read LLMPool {args.namespace}/{args.pool}: {_api_error(err)}",
+              file=sys.stderr)
         return 2
     record, streams = run_replay(observer, pool, router_url, requests, trace, args)
     out = args.out or Path(f"replay-{args.pool}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -246,9 +259,7 @@ def run_replay(observer: PoolObserver, pool: dict[str, Any], router_url: str, re
     drain_timeout_s = args.drain_timeout_s if args.drain_timeout_s is not None else delay_s + 60
     model = args.model or (spec.get("model") or {}).get("name", "model")
     observer.router_url = router_url
-    if args.policy and args.policy != previous_policy:
-        observer.set_policy(args.policy)
-        time.sleep(2 * epoch_s)  # the operator and the router read the new policy at their next epoch
+    switched = bool(args.policy and args.policy != previous_policy)
     bar = _Bar(len(requests), not args.no_progress)
 
     def tick(p: Progress) -> None:
@@ -256,20 +267,43 @@ def run_replay(observer: PoolObserver, pool: dict[str, Any], router_url: str, re
         if on_tick is not None:
             on_tick(p)
 
-    observer.start()
     try:
+        if switched:
+            observer.set_policy(args.policy)
+            time.sleep(2 * epoch_s)  # the operator and the router read the new policy at their next epoch
+            observer.clock = Clock()  # the trace's clock starts once the pool runs the policy
+        observer.start()
         streams, end_s = replay(observer, router_url, model, requests, args.time_scale,
                                 drain_timeout_s=drain_timeout_s, min_workers=int((spec.get("workers") or {}).get("min", 1)),
                                 on_tick=tick, tick_s=1.0 if on_tick is None else 4.0)
     finally:
-        observer.stop()
-        bar.close()
-        if args.policy and args.policy != previous_policy:
-            observer.set_policy(previous_policy)
+        try:
+            observer.stop()
+        finally:
+            bar.close()
+            if switched:
+                observer.set_policy(previous_policy)
     record = build_record(pool=args.pool, policy=policy, trace=trace, window=args.window, time_scale=args.time_scale,
-                          started_wall_s=observer.clock.started_wall_s, end_s=end_s, streams=streams, pods=list(observer.pods.values()), samples=observer.samples,
-                          migrations=list(observer.migrations.values()), profiles=observer.profiles)
+                          started_wall_s=observer.clock.started_wall_s, end_s=end_s, streams=streams,
+                          pods=observer.pod_lives(), samples=list(observer.samples),
+                          migrations=list(observer.migrations.values()), profiles=dict(observer.profiles))
     return record, streams
+
+
+def check_router(router_url: str) -> None:
+    """The router answers (GET /v1/models) within a few seconds, or UsageError with what to do."""
+    try:
+        with urllib.request.urlopen(f"{router_url}/v1/models", timeout=5):
+            pass
+    except (OSError, ValueError) as err:
+        raise UsageError(f"the router at {router_url} does not answer ({err}); from outside the cluster run "
+                         "`kubectl port-forward svc/POOL-router 8000` and pass --router-url http://127.0.0.1:8000") from None
+
+
+def _api_error(err: Exception) -> str:
+    if isinstance(err, ApiException):
+        return f"HTTP {err.status} {err.reason}"
+    return str(err)
 
 
 def summary(record: Record) -> str:

@@ -92,6 +92,7 @@ class PoolObserver:
         self.profiles: dict[str, SpeedProfile] = {}  # by worker pod: its latest
         self.in_flight: Callable[[], int] = lambda: 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.errors = 0
 
@@ -135,8 +136,17 @@ class PoolObserver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.poll_once()  # the last word: pods and moves as they are at the end
-        self.poll_profiles()
+        try:
+            self.poll_once()  # the last word: pods and moves as they are at the end
+            self.poll_profiles()
+        except Exception as err:  # the record keeps what the last good poll saw
+            self.errors += 1
+            logger.warning("replay observer, last poll: %s", err)
+
+    def pod_lives(self) -> list[PodLife]:
+        """The pods seen so far (a copy: the polling thread adds to them)."""
+        with self._lock:
+            return list(self.pods.values())
 
     def _run(self) -> None:
         ticks = 0
@@ -167,7 +177,8 @@ class PoolObserver:
             seen.add(uid)
             if uid not in self.pods:
                 created = self.clock.at_wall_s(timestamp_s(meta["creationTimestamp"]))
-                self.pods[uid] = PodLife(meta["name"], uid, pod_gpus(pod), created)
+                with self._lock:
+                    self.pods[uid] = PodLife(meta["name"], uid, pod_gpus(pod), created)
             life = self.pods[uid]
             if life.ready_s is None:
                 for c in (pod.get("status") or {}).get("conditions") or []:
@@ -196,7 +207,10 @@ class PoolObserver:
             logger.info("no speed profile from the router: %s", err)
             return
         for worker, profile in (body.get("workers") or {}).items():
-            self.profiles[worker] = SpeedProfile.model_validate(profile)
+            try:
+                self.profiles[worker] = SpeedProfile.model_validate(profile)
+            except ValueError as err:  # a worker of another version: its speed is left out
+                logger.info("speed profile of %s unreadable: %s", worker, err)
 
 
 def _in_cluster() -> bool:

@@ -10,6 +10,7 @@ a cloud bills them; GPUs in use and the fluid lower bound are the operator's own
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,12 @@ def write_record(out_dir: Path, record: Record, sent: list[tuple[float, TraceReq
     written[0].write_text(json.dumps(record.to_json(), indent=1) + "\n")
     write_sent_csv(written[1], sent)
     if profiles:
-        path = out_dir / "speed-profile.json"
-        path.write_text(merge_profiles(profiles.values()).model_dump_json(by_alias=True, indent=1) + "\n")
-        written.append(path)
+        try:
+            merged = merge_profiles(profiles.values())
+        except ValueError as err:  # workers of different engines, models or C (a rollout mid-replay)
+            print(f"no speed-profile.json: {err}", file=sys.stderr)
+        else:
+            path = out_dir / "speed-profile.json"
+            path.write_text(merged.model_dump_json(by_alias=True, indent=1) + "\n")
+            written.append(path)
     return written
