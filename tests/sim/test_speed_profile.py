@@ -229,3 +229,16 @@ def test_cli_names_a_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[s
     missing = tmp_path / "nope.json"
     assert main(["simulate", "--speed-profile", str(missing), "--trace", str(trace_path), "--no-progress"]) == 2
     assert capsys.readouterr().err.startswith(f"kvfleet simulate: error: {missing}: cannot read the speed profile")
+
+
+def test_a_measured_setups_reprefill_budget_is_its_fastest_prefill() -> None:
+    from kvfleet.api.speed import DecodePoint, PrefillPoint, SpeedProfile
+    from kvfleet.sim.simulator import migration_boundaries, profile_setup
+
+    # A paced engine: 40 tokens in 40 ms, 200 in 80 ms. One token costs a whole step (40 ms), but a
+    # re-prefill runs at up to 2,500 tokens a second; a tenth of an epoch's worth is the §V budget.
+    profile = SpeedProfile(engine="builtin", model="tiny", kv_bytes_per_token=2048, capacity_bytes=1 << 20,
+                           decode=[DecodePoint(batch=1, context_tokens=10, step_seconds=0.03, samples=1)],
+                           prefill=[PrefillPoint(tokens=40, step_seconds=0.04, samples=1),
+                                    PrefillPoint(tokens=200, step_seconds=0.08, samples=1)])
+    assert migration_boundaries(profile_setup(profile), 1.0).instance_prefill_tokens == 250

@@ -151,3 +151,29 @@ def test_a_report_without_measurements_is_the_old_format() -> None:
     assert KVLoadReport.model_validate_json(text) == report
     old = '{"capacityBytes":10,"usedBytes":0,"requests":[],"sequence":3}'
     assert KVLoadReport.model_validate_json(old).link_bytes_per_second is None
+
+
+def test_a_request_about_to_end_is_news_marked_finishing() -> None:
+    usage = [RequestKV("a", tokens=10, kv_bytes=20_000, remaining_tokens=400), RequestKV("b", tokens=10, kv_bytes=20_000)]
+    written: list[KVLoadReport] = []
+    clock = Clock()
+    steps: list[float | None] = [0.05]
+
+    async def write(annotation: str) -> None:
+        assert '"finishing":false' not in annotation and "remaining" not in annotation  # only a true flag is written
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=1.0, clock=clock, step_s=lambda: steps[0])
+    assert check(reporter)
+    assert [(r.id, r.finishing) for r in written[-1].requests] == [("a", None), ("b", None)]
+    # Two intervals at 50 ms a step are 40 tokens: a with 40 left is finishing (and that is worth a
+    # write); b, whose engine cannot tell what is left, never is.
+    clock.now_s = 10
+    usage[0] = RequestKV("a", tokens=370, kv_bytes=20_000, remaining_tokens=40)
+    assert check(reporter)
+    assert [(r.id, r.finishing) for r in written[-1].requests] == [("a", True), ("b", None)]
+    # Unmeasured speed: nothing is judged finishing (the step period is read again after an interval).
+    clock.now_s = 20
+    steps[0] = None
+    assert check(reporter)
+    assert [r.finishing for r in written[-1].requests] == [None, None]

@@ -47,9 +47,10 @@ class RequestLoad(_Model):
     # Waiting on this worker for KV blocks: kv_bytes is what it will hold once admitted. MELL
     # allocates it like any arrival; it holds no KV yet, so a move of it is a token move.
     queued: bool = False
-    # Output tokens it may still write (max_tokens less those written); None where the engine cannot
-    # tell. The operator does not order a move that would land after the request ended.
-    remaining_tokens: int | None = Field(default=None, ge=0)
+    # The worker expects it to end within two report intervals (its remaining output at the worker's
+    # measured step period): a move would land after it ended, so the operator orders none. Written
+    # only when true, so a report reads the same to an operator from before this field.
+    finishing: Literal[True] | None = None
 
 
 class KVLoadReport(_Model):

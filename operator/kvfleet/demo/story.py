@@ -23,12 +23,16 @@ from typing import Any
 
 from kvfleet.localcluster.cluster import Cluster, local_cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process
+from kvfleet.mell.cluster import SchedulerConfig
 from kvfleet.replay.cli import Progress, prepare, run_replay
 from kvfleet.replay.cli import add_arguments as add_replay_arguments
 from kvfleet.replay.cli import summary as replay_summary
 from kvfleet.replay.observe import PoolObserver
 from kvfleet.replay.record import Record, write_record
 from kvfleet.replay.streams import Clock
+from kvfleet.sim.profile import load_profile
+from kvfleet.sim.simulator import RunResult, profile_setup, simulate
+from kvfleet.sim.traces import read_trace
 from kvfleet.worker.model.tiny import make_tiny
 
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -37,6 +41,8 @@ POOL = "demo"
 # requests come in every MELL size class and a handful of them fill a worker.
 KV_CAPACITY = "1536Ki"
 KV_CAPACITY_TOKENS = 768
+EPOCH_S = 1.0
+SCALE_DOWN_DELAY_S = 3
 # The trace's requests, shrunk to the tiny model and a 2-core machine: prompts / 8, outputs / 2.
 PROMPT_SCALE, OUTPUT_SCALE = 8, 2
 
@@ -47,9 +53,9 @@ def pool_manifest(model_dir: Path) -> dict[str, Any]:
         "engine": "builtin",
         "capacity": {"kvCapacityPerWorker": KV_CAPACITY},
         "workers": {"min": 1, "max": 6},
-        "scheduling": {"policy": "mell", "epochSeconds": 1},
+        "scheduling": {"policy": "mell", "epochSeconds": EPOCH_S},
         "migration": {"mode": "adaptive"},
-        "autoscaling": {"scaleDownDelaySeconds": 3},
+        "autoscaling": {"scaleDownDelaySeconds": SCALE_DOWN_DELAY_S},
         # Up to six workers share this machine's cores: one thread each, as a pod with a CPU limit of one
         # would have (torch's default, a thread per core spinning between steps, starves the others),
         # and a decoding step of at least 30 ms, about a 13B model's on a GPU, so a request lives for
@@ -93,7 +99,36 @@ def live_table(cluster: Cluster, progress: Progress) -> None:
         print("\n".join("  " + line for line in migs[:1] + migs[1:][-4:]), flush=True)
 
 
-def plot(record: Record, path: Path) -> None:
+SIMULATED = ("mell", "bf")
+
+
+def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
+    """The slice the replay sent, simulated under the default policy and best-fit at the speed the
+    workers measured, with the pool's C, epoch and scale-down delay and the pods' measured start."""
+    profile_path = out / "speed-profile.json"
+    if not profile_path.exists():
+        print("(the workers measured no speed: no simulated comparison)")
+        return {}
+    setup = profile_setup(load_profile(profile_path))
+    requests = read_trace(out / "sent.csv")
+    config = SchedulerConfig(capacity_bytes=setup.capacity_bytes)
+    scale_up_s = record.pod_ready_s.get("median") or 0.0
+    return {policy: simulate(requests, setup, policy, EPOCH_S, config, scale_up_s=scale_up_s,
+                             scale_down_delay_s=SCALE_DOWN_DELAY_S) for policy in SIMULATED}
+
+
+def comparison(record: Record, sims: dict[str, RunResult]) -> str:
+    lines = [f"live ({record.policy}): {record.billed_gpu_seconds:.0f} GPU-seconds billed, peak {record.peak_gpus_in_use} "
+             f"GPUs in use; fluid lower bound mean {record.mean_lower_bound_gpus:.2f} GPUs"]
+    names = {"mell": "kvfleet default", "bf": "best-fit"}
+    for policy, run in sims.items():
+        lines.append(f"simulated {names[policy]} on the same requests at the measured speed: "
+                     f"{run.billed_gpu_hours * 3600:.0f} GPU-seconds billed, peak {run.peak_gpus} GPUs, "
+                     f"{run.num_migrations} migrations")
+    return "\n".join(lines)
+
+
+def plot(record: Record, path: Path, sims: dict[str, RunResult] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,6 +139,10 @@ def plot(record: Record, path: Path) -> None:
     ax.step(t, [s.gpus_in_use for s in record.samples], where="post", label=f"GPUs in use ({record.policy})")
     ax.step(t, [s.workers for s in record.samples], where="post", label="worker pods", linestyle="--")
     ax.step(t, [s.lower_bound_gpus for s in record.samples], where="post", label="fluid lower bound", linestyle=":")
+    for policy, run in (sims or {}).items():
+        if policy != record.policy:  # the live run's own policy is the solid line
+            ax.step([(k + 1) * EPOCH_S for k in range(len(run.gpus))], run.gpus, where="post", alpha=0.7,
+                    label=f"GPUs in use, {policy} (simulated, measured speed)")
     ax.set_xlabel("seconds")
     ax.set_ylabel("GPUs / pods")
     ax2 = ax.twinx()
@@ -157,8 +196,10 @@ def run_story(cluster: Cluster, args: argparse.Namespace) -> int:
         written = write_record(rargs.out, record, [(s.sent_s, s.request) for s in streams], observer.profiles)
         print("\n=== summary (kvfleet replay's record: " + ", ".join(str(p) for p in written) + ") ===")
         print(replay_summary(record))
+        sims = simulate_slice(rargs.out, record)
+        print(comparison(record, sims))
         png = cache / "demo" / "gpus-over-time.png"
-        plot(record, png)
+        plot(record, png, sims)
         print(f"plot: {png}")
         return 0 if record.streams_whole == record.streams else 1
     finally:

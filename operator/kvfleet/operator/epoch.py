@@ -77,14 +77,9 @@ def gpu_index(gpu_id: str) -> int:
 class PoolScheduler:
     """The scheduling state of one pool, kept in memory between epochs and rebuildable from pods."""
 
-    def __init__(self, policy_name: str, config: SchedulerConfig, finishing_window_s: float = 0.0) -> None:
+    def __init__(self, policy_name: str, config: SchedulerConfig) -> None:
         self.policy_name = policy_name
         self.config = config
-        # A request expected to end within this long is not moved: the move would land after it ended
-        # (a Failed KVMigration, "not running on the source"). 0: every move is ordered.
-        self.finishing_window_s = finishing_window_s
-        # Where each request's decoding was first seen (epoch time, tokens), for its tokens per second.
-        self.first_seen: dict[str, tuple[float, int]] = {}
         self.policy: ClusterPolicy = make_policy(policy_name, config)
         self.sizes: dict[str, int] = {}
         # Why a request is out of place, from the epoch that decided it, kept until it is in place:
@@ -92,10 +87,9 @@ class PoolScheduler:
         self.causes: dict[str, str] = {}
 
     @classmethod
-    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView],
-                finishing_window_s: float = 0.0) -> PoolScheduler:
+    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
         """The state a restarted operator starts from: requests where the reports put them."""
-        self = cls(policy_name, config, finishing_window_s)
+        self = cls(policy_name, config)
         bound = sorted((w for w in workers if w.gpu_id is not None), key=lambda w: w.created_order)
         gpus = tuple(GpuSnapshot(w.gpu_id, gpu_index(w.gpu_id), seq, Location(w.node_name, w.zone))
                      for seq, w in enumerate(bound) if w.gpu_id is not None)
@@ -151,8 +145,8 @@ class PoolScheduler:
         causes = {m.request_id: m.cause for m in plan.migrations}
         placed_now = {p.request_id for p in plan.placements}
         pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
-        self._track_progress(actual, now_s)
-        finishing = self._finishing(actual, now_s)
+        # A request its worker expects to end within two epochs stays: its move would land after it ended.
+        finishing = {rid for rid, seen in actual.items() if seen.finishing}
         moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu, finishing)
         # The router placed these elsewhere than Allocate: their first move is ordered now.
         self.policy.note_moved((o.request_id for o in moves if o.request_id in placed_now), now_s)
@@ -176,31 +170,6 @@ class PoolScheduler:
             lower_bound_gpus=math.ceil(used / self.config.capacity_bytes),
             active_gpus=len(live_gpus),
         )
-
-    def _track_progress(self, actual: Mapping[str, Reported], now_s: float) -> None:
-        for rid, seen in actual.items():
-            self.first_seen.setdefault(rid, (now_s, seen.tokens))
-        for rid in [rid for rid in self.first_seen if rid not in actual]:
-            del self.first_seen[rid]
-
-    def _finishing(self, actual: Mapping[str, Reported], now_s: float) -> set[str]:
-        """Requests whose remaining output, at the tokens per second they have shown, ends within the
-        finishing window. A request too new to have a rate of its own is judged at the median rate."""
-        if self.finishing_window_s <= 0:
-            return set()
-        rates: dict[str, float] = {}
-        for rid, seen in actual.items():
-            since_s, tokens = self.first_seen[rid]
-            if now_s > since_s and seen.tokens > tokens:
-                rates[rid] = (seen.tokens - tokens) / (now_s - since_s)
-        ordered = sorted(rates.values())
-        typical = ordered[len(ordered) // 2] if ordered else None
-        finishing = set()
-        for rid, seen in actual.items():
-            rate = rates.get(rid, typical)
-            if seen.remaining_tokens is not None and rate and seen.remaining_tokens / rate < self.finishing_window_s:
-                finishing.add(rid)
-        return finishing
 
     def _events(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str]) -> list[Event]:
         """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date."""
@@ -253,12 +222,12 @@ class PoolScheduler:
 
 @dataclass(frozen=True)
 class Reported:
-    """A request as the reports say: the worker reporting it, its KV bytes, tokens and remaining output."""
+    """A request as the reports say: the worker reporting it, its KV bytes and tokens, whether it ends soon."""
 
     worker: WorkerView
     size_bytes: int
     tokens: int
-    remaining_tokens: int | None
+    finishing: bool
 
 
 def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, Reported]:
@@ -268,7 +237,7 @@ def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> di
         for req in worker.report.requests if worker.report else []:
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
-                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, req.remaining_tokens)
+                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing))
     return actual
 
 

@@ -187,9 +187,7 @@ def scheduler_state(ctx: PassContext, workers: list[epoch.WorkerView]) -> PoolSt
     key = (ctx.spec.scheduling.policy, scheduler_config(ctx.spec))
     state = _states.get((ctx.namespace, ctx.name))
     if state is None or state.uid != ctx.pool["metadata"]["uid"] or state.key != key:
-        # A move takes up to an epoch to be ordered (reports are that old) and about one to run.
-        finishing_s = 2 * ctx.spec.scheduling.epoch_seconds
-        state = PoolState(ctx.pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], key[1], workers, finishing_s))
+        state = PoolState(ctx.pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], key[1], workers))
         _states[(ctx.namespace, ctx.name)] = state
         ctx.logger.info("scheduler state rebuilt from %d workers", len(workers))
     return state

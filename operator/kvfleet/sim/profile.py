@@ -146,6 +146,11 @@ class ProfileSpeed:
     def prefill_s(self, tokens: int) -> float:
         return self.prefill.at(tokens)
 
+    def prefill_tokens_per_s(self) -> float:
+        """The fastest prefill measured, in tokens a second: a paced step's floor makes one token cost a
+        whole step, so 1 / prefill_s(1) would understate what a re-prefill of many tokens runs at."""
+        return max(x / y for x, y in zip(self.prefill.xs, self.prefill.ys))
+
     def linear_decode(self) -> LinearDecode:
         """The least-squares line through the decode points (see the module docstring).
 

@@ -70,6 +70,9 @@ class BandwidthSpeed:
     def prefill_s(self, tokens: int) -> float:
         return 2.0 * self.model.num_params * tokens / (self.gpu.peak_flops * self.mfu)
 
+    def prefill_tokens_per_s(self) -> float:
+        return 1.0 / self.prefill_s(1)
+
 
 # Where a setup's speed comes from: the datasheet, or what workers measured (kvfleet.sim.profile).
 SpeedModel = BandwidthSpeed | ProfileSpeed
@@ -96,6 +99,9 @@ class Setup:
 
     def prefill_s(self, tokens: int) -> float:
         return self.speed.prefill_s(tokens)
+
+    def prefill_tokens_per_s(self) -> float:
+        return self.speed.prefill_tokens_per_s()
 
 
 def tpot_load_cap(setup: Setup, tpot_s: float) -> tuple[int, int]:
@@ -225,7 +231,7 @@ def migration_boundaries(setup: Setup, epoch_s: float) -> Boundaries:
     return Boundaries(
         intra_node_link_bytes=int(setup.intra_node_bytes_per_s * epoch_s),
         inter_node_link_bytes=int(setup.inter_node_bytes_per_s * epoch_s),
-        instance_prefill_tokens=int(epoch_s / setup.prefill_s(1) * 0.1),
+        instance_prefill_tokens=int(epoch_s * setup.prefill_tokens_per_s() * 0.1),
     )
 
 

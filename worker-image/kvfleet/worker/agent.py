@@ -186,6 +186,14 @@ class Agent:
 
     # ---------------------------------------------------------------------------- KV-load reports
 
+    def _decode_step_s(self) -> float | None:
+        """The engine's mean decode step period so far (its speed profile), or None unmeasured."""
+        profile = self.engine.speed_profile()
+        if profile is None or not profile.decode:
+            return None
+        samples = sum(p.samples for p in profile.decode)
+        return sum(p.step_seconds * p.samples for p in profile.decode) / samples
+
     def _start_reporter(self, info: EngineInfo, write: WriteReport) -> None:
         async def counted(annotation: str) -> None:
             await write(annotation)
@@ -194,7 +202,7 @@ class Agent:
         self.reporter = LoadReporter(self._reported_usage, info.kv_capacity_bytes, counted,
                                      interval_s=self.config.report_interval_s, queued=self.engine.queued,
                                      measured=measured_from(self.metrics.registry),
-                                     block_size_tokens=info.block_size_tokens)
+                                     block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s)
         self._tasks.append(asyncio.create_task(self.reporter.run()))
 
     def _reported_usage(self) -> list[Any]:

@@ -34,7 +34,7 @@ WriteReport = Callable[[str], Awaitable[None]]
 class ReportKey:
     """What decides whether a new report is worth a write: the requests and their size classes."""
 
-    classes: tuple[tuple[str, str, str], ...]
+    classes: tuple[tuple[str, str, str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def measured_from(registry: CollectorRegistry) -> Callable[[], Measured]:
 
 def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                  queued: list[RequestKV] | None = None, measured: Measured | None = None,
-                 block_size_tokens: int | None = None) -> KVLoadReport:
+                 block_size_tokens: int | None = None, finishing_tokens: float | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
@@ -72,28 +72,40 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
         entries = sorted(entries, key=lambda e: (-e[0].kv_bytes, e[0].request_id))[:MAX_REQUESTS_PER_REPORT]
     entries.sort(key=lambda e: e[0].request_id)
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
-                         size_class=size_class_name(r.kv_bytes, capacity_bytes), remaining_tokens=r.remaining_tokens)
+                         size_class=size_class_name(r.kv_bytes, capacity_bytes),
+                         finishing=True if _finishing(r, waiting, finishing_tokens) else None)
              for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
                         prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens)
 
 
+def _finishing(r: RequestKV, queued: bool, finishing_tokens: float | None) -> bool:
+    """It runs and has at most `finishing_tokens` left to write (what the worker decodes in the window)."""
+    return (not queued and finishing_tokens is not None and r.remaining_tokens is not None
+            and r.remaining_tokens <= finishing_tokens)
+
+
 def report_key(report: KVLoadReport) -> ReportKey:
-    return ReportKey(tuple((r.id, r.size_class, str(r.queued)) for r in report.requests))
+    return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests))
 
 
 class LoadReporter:
     """Ticks every `tick_s`; writes a report when the key changed and the last write is an interval old.
 
-    The key is each request's id, size class and whether it is queued: admission is news to MELL (the
-    request now holds KV), growth within a class is not."""
+    The key is each request's id, size class, whether it is queued and whether it is finishing:
+    admission is news to MELL (the request now holds KV), and so is a request about to end (no move
+    should be ordered for it); growth within a class is not. A request is finishing when its remaining
+    output takes at most two intervals at `step_s()`, the worker's measured decode step period."""
 
     def __init__(self, usage: Callable[[], list[RequestKV]], capacity_bytes: int, write: WriteReport, *,
                  interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  queued: Callable[[], list[RequestKV]] | None = None,
-                 measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None) -> None:
+                 measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None,
+                 step_s: Callable[[], float | None] | None = None) -> None:
         self._usage = usage
+        self._step_s = step_s
+        self._step_s_cached: tuple[float, float | None] = (float("-inf"), None)  # (when read, value)
         self._queued = queued
         self._measured = measured
         self._block_size_tokens = block_size_tokens
@@ -115,9 +127,11 @@ class LoadReporter:
 
     async def maybe_write(self) -> bool:
         """One check; True when a report was written."""
+        step_s = self._decode_step_s()
         report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1,
                               self._queued() if self._queued else None,
-                              self._measured() if self._measured else None, self._block_size_tokens)
+                              self._measured() if self._measured else None, self._block_size_tokens,
+                              finishing_tokens=2 * self.interval_s / step_s if step_s else None)
         key = report_key(report)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False
@@ -132,6 +146,16 @@ class LoadReporter:
         self._last_write_s = self._clock()
         self.writes += 1
         return True
+
+    def _decode_step_s(self) -> float | None:
+        """The measured decode step period, read at most once an interval (it changes slowly)."""
+        if self._step_s is None:
+            return None
+        read_s, value = self._step_s_cached
+        if self._clock() - read_s >= self.interval_s:
+            value = self._step_s()
+            self._step_s_cached = (self._clock(), value)
+        return value
 
     async def run(self) -> None:
         while True:
