@@ -55,11 +55,13 @@ def test_a_router_misplaced_arrival_counts_as_moved_for_the_default_policy() -> 
     # policy treats t as just moved (not moved again by choice for fleet_min_move_interval_s).
     out = sched.epoch([worker(0, ("big", 700)), worker(1, ("other", 300), ("t", 400))], {}, now_s=7.0)
     assert [(m.request_id, m.target_pod, m.reason) for m in out.moves] == [("t", "p-worker-0", "Allocate")]
-    assert sched.policy.snapshot().moved_at_s == (("t", 7.0),)
+    assert sched.policy.snapshot().moved_at_s == ()  # planned, not yet ordered
+    sched.ordered([m.request_id for m in out.moves], 7.5)  # its KVMigration was made
+    assert sched.policy.snapshot().moved_at_s == (("t", 7.5),)
     # A request placed where Allocate wants it (worker 0 is full once t lands there) is not marked.
     out = sched.epoch([worker(0, ("big", 700)), worker(1, ("other", 300), ("t", 400), ("u", 100))],
                       {"t": "p-worker-0"}, now_s=8.0)
-    assert out.moves == () and sched.policy.snapshot().moved_at_s == (("t", 7.0),)
+    assert out.moves == () and sched.policy.snapshot().moved_at_s == (("t", 7.5),)
 
 
 def test_a_request_its_worker_says_is_finishing_is_not_moved() -> None:

@@ -148,8 +148,6 @@ class PoolScheduler:
         # A request its worker expects to end within two epochs stays: its move would land after it ended.
         finishing = {rid for rid, seen in actual.items() if seen.finishing}
         moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu, finishing)
-        # The router placed these elsewhere than Allocate: their first move is ordered now.
-        self.policy.note_moved((o.request_id for o in moves if o.request_id in placed_now), now_s)
 
         live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}
         holding = {w.pod_name for w in workers if w.report and w.report.requests}
@@ -170,6 +168,12 @@ class PoolScheduler:
             lower_bound_gpus=math.ceil(used / self.config.capacity_bytes),
             active_gpus=len(live_gpus),
         )
+
+    def ordered(self, request_ids: Iterable[str], now_s: float) -> None:
+        """Moves were ordered (their KVMigrations made) now: the policy counts them as moved from now,
+        whatever epoch planned them (a move waits for its target pod, or for room) and whether or not
+        the policy itself moved them (the router placed them elsewhere than Allocate)."""
+        self.policy.note_moved(request_ids, now_s)
 
     def _events(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str]) -> list[Event]:
         """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date."""

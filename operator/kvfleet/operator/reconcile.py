@@ -223,13 +223,16 @@ def write_migrations(ctx: PassContext, state: PoolState, observed: Observed, out
     chosen, num_deferred = migrations.choose_modes(ctx.spec, orders, observed.node_of_pod,
                                                    ctx.spec.scheduling.epoch_seconds, reports)
     targets = set(view.in_flight.values())
+    made: list[str] = []
     for order, mode in chosen:
         attempt = view.attempts.get(order.request_id, 0) + 1
         if ctx.api.create_migration(ctx.namespace, migrations.migration_body(ctx.pool, order, mode, attempt, state.epoch)):
+            made.append(order.request_id)
             targets.add(order.target_pod)
             metrics.MIGRATIONS_PLANNED.labels(ctx.namespace, ctx.name, mode, order.reason).inc()
             ctx.api.post_event(ctx.pool, "MigrationPlanned",
                                f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
+    state.scheduler.ordered(made, observed.now_s)  # the 30 s between a request's moves count from here
     return PlannedMoves(chosen, targets, num_deferred, num_waiting_room)
 
 
