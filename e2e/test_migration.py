@@ -36,8 +36,9 @@ from kvfleet.worker.text import Tokenizer
 KV_CAPACITY = "4Mi"
 # (request id, prompt tokens, output tokens): "grows" starts as a T-request and crosses into S, M and L
 # while it decodes; "stays" is a T-request throughout. Together they never exceed the capacity. The
-# workers pace their steps to 10 ms (KVFLEET_MIN_STEP_S), so "grows" decodes for at least 9 s, several
-# epochs, however fast the machine: the control loop gets time to act.
+# workers pace their steps to 30 ms (KVFLEET_MIN_STEP_S), so "grows" decodes for at least 27 s and
+# "stays" for 6 s, several epochs, however fast the machine: the control loop gets time to act, and a
+# move of either is ordered while its worker does not yet report it finishing (within two epochs).
 REQUESTS = [("grows", 480, 900), ("stays", 270, 200)]
 
 
@@ -85,7 +86,7 @@ def pool(model_dir: Path) -> dict[str, Any]:
         "scheduling": {"policy": "mell-paper", "epochSeconds": 1},
         "migration": {"mode": "kv"},
         "autoscaling": {"scaleDownDelaySeconds": 30},
-        "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "KVFLEET_MIN_STEP_S", "value": "0.01"}]},
+        "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "KVFLEET_MIN_STEP_S", "value": "0.03"}]},
     }}
 
 
