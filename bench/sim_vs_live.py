@@ -43,6 +43,7 @@ from kvfleet.demo.story import (  # noqa: E402
     SCALE_DOWN_DELAY_S,
     TRACE,
     pool_manifest,
+    ready,
 )
 from kvfleet.localcluster.cluster import Cluster, local_cluster, start_operator, wait_for  # noqa: E402
 from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process  # noqa: E402
@@ -55,10 +56,6 @@ from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
 POLICIES = ("mell", "bf")  # the simulator's names; an LLMPool spells them as below
 POOL_POLICY = {"mell": "mell", "bf": "best-fit"}
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def live_run(cluster: Cluster, model_dir: Path, policy: str, window: str, every: int, out: Path) -> Record:

@@ -19,6 +19,7 @@ from typing import Any
 from kvfleet.api.speed import SpeedProfile, merge_profiles
 from kvfleet.replay.observe import PodLife, Sample, timestamp_s
 from kvfleet.replay.streams import Stream
+from kvfleet.sim.simulator import nearest_rank
 from kvfleet.sim.traces import TraceRequest
 
 # A request moved again within this many seconds of its last move counts as a re-move (issue: "no
@@ -26,20 +27,9 @@ from kvfleet.sim.traces import TraceRequest
 REMOVE_WINDOW_S = 30.0
 
 
-def nearest_rank(values: list[float], percent: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * percent // 100))
-    return ordered[int(rank) - 1]
-
-
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for p in (50, 90, 99):
-        v = nearest_rank(values, p)
-        out[f"p{p}"] = None if v is None else round(v * 1000.0, 1)
-    return out
+    """p50/p90/p99 in ms (the simulator's nearest rank), None for each when there are no values."""
+    return {f"p{p}": round(nearest_rank(values, p) * 1000.0, 1) if values else None for p in (50, 90, 99)}
 
 
 def billed_gpu_seconds(pods: list[PodLife], end_s: float) -> float:
@@ -174,7 +164,7 @@ def build_record(*, pool: str, policy: str, trace: str, window: str, time_scale:
         pods=sorted(pods, key=lambda p: p.created_s), samples=samples, migrations=migration_facts(migrations),
         ttft_ms=percentiles_ms([t for s in streams if (t := s.ttft_s) is not None]),
         per_token_ms=percentiles_ms([t for s in streams if (t := s.per_token_s) is not None]),
-        pod_ready_s={"median": nearest_rank(readies, 50), "max": max(readies, default=None)},
+        pod_ready_s={"median": nearest_rank(readies, 50) if readies else None, "max": max(readies, default=None)},
         speed_profile_workers=len(profiles),
     )
 
