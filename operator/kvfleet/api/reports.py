@@ -69,6 +69,9 @@ class KVLoadReport(_Model):
     prefill_tokens_per_second: float | None = Field(default=None, ge=0)
     # The engine's KV block: a hybrid move copies only full blocks and re-prefills the rest.
     block_size_tokens: int | None = Field(default=None, gt=0)
+    # An elastic worker (docs/elastic-memory.md): KV of its waiting or preempted requests parked in
+    # host memory. Its capacity_bytes is then what KV can hold now, which moves with activations.
+    cpu_buffer_bytes: int | None = Field(default=None, ge=0)
 
     def to_annotation(self) -> str:
         # Unset optional fields are left out, so a report without measurements is exactly what

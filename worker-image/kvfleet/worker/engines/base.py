@@ -64,6 +64,21 @@ class EngineConfig:
     # slower accelerator, so that on a fast CPU a tiny model's requests live long enough for the
     # control loop (epochs of seconds) to act on them: the migration e2e test and the demo use it.
     min_step_s: float = 0.0
+    # Elastic memory (eLLM, docs/elastic-memory.md; builtin engine). With a memory budget the engine
+    # keeps KV cache and activations in one pool of physical chunks (kvfleet.worker.elastic) instead
+    # of sizing the KV cache by kv_capacity_bytes: `elastic_memory` False splits the budget statically
+    # (an activation reserve sized for the longest prefill, as vLLM does), True lets each side take
+    # what the step needs (§4.3.1). None: no pool, the KV cache is kv_capacity_bytes of plain tensors.
+    memory_budget_bytes: int | None = None
+    elastic_memory: bool = False
+    # The pool's unit (rounded up to a multiple of the backend's granularity and of one KV block).
+    memory_chunk_bytes: int = 2 * 1024 * 1024
+    # Host memory that holds the KV of waiting or preempted requests instead of recomputing it (§4.3.2);
+    # 0 disables the buffer (preemption recomputes, as vLLM v1 does).
+    cpu_buffer_bytes: int = 0
+    # Latency objectives that steer the buffer's logical size (Algorithm 2); None: no objective.
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,29 @@ class KVMigratable(Protocol):
 
 
 @dataclass(frozen=True)
+class MemoryState:
+    """An elastic engine's memory at one moment, as its KV-load report carries it."""
+
+    # What KV can hold now without offloading: the pool less what activations hold (eLLM §4.3.1);
+    # MELL plans with it (the worker reports it as its capacity).
+    kv_capacity_bytes: int
+    # KV of waiting or preempted requests parked in host memory (§4.3.2), and the buffer's size.
+    cpu_buffer_bytes: int
+    cpu_buffer_capacity_bytes: int
+    # Chunks the activation side holds now, and the whole pool (KV + activations).
+    activation_bytes: int
+    budget_bytes: int
+
+
+class ElasticMemory(Protocol):
+    """An engine whose KV capacity moves with its activations and a CPU buffer (eLLM)."""
+
+    def memory_state(self) -> MemoryState:
+        """The pool now (on the event loop; cheap: read on every report tick)."""
+        ...
+
+
+@dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
 
@@ -160,3 +183,5 @@ class EngineCapabilities:
 
     # Export and import a running request's KV (live migration in KV and hybrid mode).
     migration: KVMigratable | None = None
+    # Report a KV capacity that moves with activations, and KV parked in a CPU buffer (eLLM).
+    elastic_memory: ElasticMemory | None = None
