@@ -177,3 +177,27 @@ def test_a_request_about_to_end_is_news_marked_finishing() -> None:
     steps[0] = None
     assert check(reporter)
     assert [r.finishing for r in written[-1].requests] == [None, None]
+
+
+def test_an_elastic_worker_reports_its_moving_capacity_and_cpu_buffer() -> None:
+    from kvfleet.worker.engines.capabilities import MemoryState
+
+    state = [MemoryState(kv_capacity_bytes=CAPACITY, cpu_buffer_bytes=0, cpu_buffer_capacity_bytes=10 * CAPACITY,
+                         activation_bytes=0, budget_bytes=CAPACITY)]
+    written: list[KVLoadReport] = []
+    clock = Clock()
+
+    async def write(annotation: str) -> None:
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    reporter = LoadReporter(lambda: [], CAPACITY, write, interval_s=5.0, clock=clock, memory=lambda: state[0])
+    assert check(reporter)
+    assert (written[-1].capacity_bytes, written[-1].cpu_buffer_bytes) == (CAPACITY, 0)
+    clock.now_s = 10
+    state[0] = MemoryState(CAPACITY - 20_000, 300_000, 10 * CAPACITY, 20_000, CAPACITY)
+    assert not check(reporter), "a 2% move and parked bytes alone are not worth a write"
+    state[0] = MemoryState(CAPACITY - 60_000, 300_000, 10 * CAPACITY, 60_000, CAPACITY)
+    assert check(reporter), "a move across a 5% step is"
+    assert (written[-1].capacity_bytes, written[-1].cpu_buffer_bytes) == (CAPACITY - 60_000, 300_000)
+    # A static worker's report reads as before (no cpuBufferBytes key at all).
+    assert "cpuBuffer" not in build_report([], CAPACITY, 1).to_annotation()

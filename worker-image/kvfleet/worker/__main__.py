@@ -23,6 +23,11 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m kvfleet.worker", description=__doc__.splitlines()[0])
@@ -42,6 +47,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--min-step-s", type=float, default=float(env("KVFLEET_MIN_STEP_S", "0")),
                         help="builtin engine: a floor on one step's time, emulating a slower accelerator (tests, demos)")
+    parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
+                        help="builtin engine: one pool for KV cache and activations (docs/elastic-memory.md); "
+                             "static split unless --elastic-memory")
+    parser.add_argument("--elastic-memory", action=argparse.BooleanOptionalAction,
+                        default=env("KVFLEET_ELASTIC_MEMORY", "0") == "1",
+                        help="builtin engine: KV and activations take what each step needs from the budget (eLLM)")
+    parser.add_argument("--memory-chunk-bytes", type=int, default=_env_int("KVFLEET_MEMORY_CHUNK_BYTES"))
+    parser.add_argument("--cpu-buffer-bytes", type=int, default=_env_int("KVFLEET_CPU_BUFFER_BYTES") or 0,
+                        help="host memory for the KV of waiting or preempted requests (elastic memory)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=_env_float("KVFLEET_TTFT_SLO_MS"))
+    parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"))
     parser.add_argument("--report-interval-s", type=float, default=float(env("KVFLEET_REPORT_INTERVAL_S", "5")))
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
@@ -49,8 +65,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("no model: set KVFLEET_MODEL_PATH or --model-path")
     if not (args.model_path / "config.json").is_file():
         parser.error(f"{args.model_path} holds no config.json: point --model-path at an HF-format model directory")
-    if args.kv_capacity_bytes is not None and args.kv_capacity_bytes <= 0:
-        parser.error("--kv-capacity-bytes must be positive")
+    for name in ("kv_capacity_bytes", "memory_budget_bytes", "memory_chunk_bytes", "ttft_slo_ms", "tpot_slo_ms"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.cpu_buffer_bytes < 0:
+        parser.error("--cpu-buffer-bytes must not be negative")
+    if args.elastic_memory and args.memory_budget_bytes is None:
+        parser.error("--elastic-memory needs --memory-budget-bytes (KVFLEET_MEMORY_BUDGET_BYTES): the pool to share")
     args.model_name = args.model_name or args.model_path.name
     return args
 
@@ -71,7 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s))
+        max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
+        memory_budget_bytes=args.memory_budget_bytes, elastic_memory=args.elastic_memory,
+        cpu_buffer_bytes=args.cpu_buffer_bytes,
+        ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
+        tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
+        **({"memory_chunk_bytes": args.memory_chunk_bytes} if args.memory_chunk_bytes else {})))
     pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
     writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
     if writer is None:

@@ -199,10 +199,12 @@ class Agent:
             await write(annotation)
             self.metrics.report_writes.inc()
 
+        elastic = self.engine.capabilities.elastic_memory
         self.reporter = LoadReporter(self._reported_usage, info.kv_capacity_bytes, counted,
                                      interval_s=self.config.report_interval_s, queued=self.engine.queued,
                                      measured=measured_from(self.metrics.registry),
-                                     block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s)
+                                     block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s,
+                                     memory=elastic.memory_state if elastic is not None else None)
         self._tasks.append(asyncio.create_task(self.reporter.run()))
 
     def _reported_usage(self) -> list[Any]:

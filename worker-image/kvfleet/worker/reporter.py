@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad, size_class_name
 from kvfleet.worker.engines.base import RequestKV
+from kvfleet.worker.engines.capabilities import MemoryState
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,16 @@ WriteReport = Callable[[str], Awaitable[None]]
 
 @dataclass(frozen=True)
 class ReportKey:
-    """What decides whether a new report is worth a write: the requests and their size classes."""
+    """What decides whether a new report is worth a write: the requests and their size classes, and
+    an elastic worker's capacity in steps of CAPACITY_STEP_FRACTION of its capacity at rest."""
 
     classes: tuple[tuple[str, str, str, str], ...]
+    capacity_step: int = 0
+
+
+# An elastic worker's capacity moves with its activations; a change of this fraction is news to MELL
+# (the operator re-plans at 5%, operator/kvfleet/operator/epoch.py), smaller ones ride on the next write.
+CAPACITY_STEP_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ def measured_from(registry: CollectorRegistry) -> Callable[[], Measured]:
 
 def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                  queued: list[RequestKV] | None = None, measured: Measured | None = None,
-                 block_size_tokens: int | None = None, finishing_tokens: float | None = None) -> KVLoadReport:
+                 block_size_tokens: int | None = None, finishing_tokens: float | None = None,
+                 cpu_buffer_bytes: int | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
@@ -77,7 +86,8 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
              for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
-                        prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens)
+                        prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens,
+                        cpu_buffer_bytes=cpu_buffer_bytes)
 
 
 def _finishing(r: RequestKV, queued: bool, finishing_tokens: float | None) -> bool:
@@ -86,8 +96,9 @@ def _finishing(r: RequestKV, queued: bool, finishing_tokens: float | None) -> bo
             and r.remaining_tokens <= finishing_tokens)
 
 
-def report_key(report: KVLoadReport) -> ReportKey:
-    return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests))
+def report_key(report: KVLoadReport, rest_capacity_bytes: int | None = None) -> ReportKey:
+    step = round(report.capacity_bytes / (rest_capacity_bytes * CAPACITY_STEP_FRACTION)) if rest_capacity_bytes else 0
+    return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests), step)
 
 
 class LoadReporter:
@@ -96,14 +107,18 @@ class LoadReporter:
     The key is each request's id, size class, whether it is queued and whether it is finishing:
     admission is news to MELL (the request now holds KV), and so is a request about to end (no move
     should be ordered for it); growth within a class is not. A request is finishing when its remaining
-    output takes at most two intervals at `step_s()`, the worker's measured decode step period."""
+    output takes at most two intervals at `step_s()`, the worker's measured decode step period.
+    An elastic engine's `memory()` gives the capacity to report (it moves, see ReportKey) and the KV
+    parked in its CPU buffer."""
 
     def __init__(self, usage: Callable[[], list[RequestKV]], capacity_bytes: int, write: WriteReport, *,
                  interval_s: float, tick_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  queued: Callable[[], list[RequestKV]] | None = None,
                  measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None,
-                 step_s: Callable[[], float | None] | None = None) -> None:
+                 step_s: Callable[[], float | None] | None = None,
+                 memory: Callable[[], MemoryState] | None = None) -> None:
         self._usage = usage
+        self._memory = memory
         self._step_s = step_s
         self._step_s_cached: tuple[float, float | None] = (float("-inf"), None)  # (when read, value)
         self._queued = queued
@@ -128,11 +143,13 @@ class LoadReporter:
     async def maybe_write(self) -> bool:
         """One check; True when a report was written."""
         step_s = self._decode_step_s()
-        report = build_report(self._usage(), self._capacity_bytes, self.sequence + 1,
-                              self._queued() if self._queued else None,
+        memory = self._memory() if self._memory else None
+        report = build_report(self._usage(), memory.kv_capacity_bytes if memory else self._capacity_bytes,
+                              self.sequence + 1, self._queued() if self._queued else None,
                               self._measured() if self._measured else None, self._block_size_tokens,
-                              finishing_tokens=2 * self.interval_s / step_s if step_s else None)
-        key = report_key(report)
+                              finishing_tokens=2 * self.interval_s / step_s if step_s else None,
+                              cpu_buffer_bytes=memory.cpu_buffer_bytes if memory else None)
+        key = report_key(report, self._capacity_bytes if memory else None)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False
         try:

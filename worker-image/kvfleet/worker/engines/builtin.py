@@ -14,6 +14,8 @@ This module holds the engine's life cycle and its step loop; the parts it drives
 | builtin_scheduler.py | the requests, admission, preemption, continuous batching, kv_usage() |
 | builtin_sampling.py | greedy and seeded (seed, position) sampling |
 | builtin_migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
+| builtin_elastic.py | elastic memory (eLLM): one chunk pool for KV and activations, the CPU buffer |
+| builtin_elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
 | speed.py | the step periods measured, bucketed by batch and context (`speed_profile`) |
 
 Threads: one background asyncio task runs the steps; the torch work of a step runs in a one-thread
@@ -31,13 +33,15 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
 from kvfleet.api.speed import SpeedProfile
+from kvfleet.worker.elastic import ChunkPool, PhysicalMemory, granularity_bytes, open_memory
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
     EngineConfig,
@@ -47,12 +51,22 @@ from kvfleet.worker.engines.base import (
     SamplingParams,
     StepOutput,
 )
-from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS, BlockPool
+from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS, BlockPool, blocks_for
+from kvfleet.worker.engines.builtin_elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
 from kvfleet.worker.engines.builtin_migration import BuiltinKVMigration
-from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, read_architecture, torch_dtype
+from kvfleet.worker.engines.builtin_model import (
+    ACTIVATION_BASE_BYTES,
+    LlamaArchitecture,
+    LlamaForward,
+    PagedKVCache,
+    activation_bytes,
+    block_major_shape,
+    read_architecture,
+    torch_dtype,
+)
 from kvfleet.worker.engines.builtin_sampling import next_tokens
-from kvfleet.worker.engines.builtin_scheduler import ModelLimits, Scheduler, Step
-from kvfleet.worker.engines.capabilities import EngineCapabilities
+from kvfleet.worker.engines.builtin_scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
+from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState
 from kvfleet.worker.engines.speed import SpeedRecorder
 
 logger = logging.getLogger(__name__)
@@ -74,7 +88,13 @@ class BuiltinEngine:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._step_lock: asyncio.Lock | None = None
-        self._sched = Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
+        self._elastic: ElasticScheduler | None = None
+        self._memory: PhysicalMemory | None = None
+        if config.memory_budget_bytes is not None and config.elastic_memory:
+            self._elastic = ElasticScheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed, ElasticSettings(
+                cpu_buffer_bytes=config.cpu_buffer_bytes, threshold_bytes=0,
+                ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s))
+        self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
         self._speed = SpeedRecorder("builtin")
@@ -93,22 +113,51 @@ class BuiltinEngine:
             raise EngineError(f"max_model_len {max_model_len} exceeds the model's {arch.max_position_embeddings} positions")
         kv_bytes_per_token = arch.kv_bytes_per_token(dtype)
         block_bytes = BLOCK_SIZE_TOKENS * kv_bytes_per_token
-        capacity_bytes = config.kv_capacity_bytes if config.kv_capacity_bytes is not None else DEFAULT_KV_CAPACITY_BYTES
+        budget_bytes = config.memory_budget_bytes
+        if budget_bytes is not None and not config.elastic_memory:
+            # The static split of the same budget: KV gets what the worst step's activations leave.
+            reserve_bytes = static_activation_reserve_bytes(arch, dtype, max_model_len, config.max_num_seqs)
+            capacity_bytes = budget_bytes - reserve_bytes
+            if capacity_bytes < block_bytes:
+                raise EngineError(f"a memory budget of {budget_bytes} bytes leaves no KV block after the activation "
+                                  f"reserve of {reserve_bytes} bytes that its largest step needs (a {max_model_len}-token prefill, or "
+                                  f"{config.max_num_seqs} requests decoding at that context)")
+        else:
+            capacity_bytes = config.kv_capacity_bytes if config.kv_capacity_bytes is not None else DEFAULT_KV_CAPACITY_BYTES
         num_blocks = capacity_bytes // block_bytes
         if num_blocks < 1:
             raise EngineError(f"a KV capacity of {capacity_bytes} bytes holds no block of {block_bytes} bytes")
         loop = asyncio.get_running_loop()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-builtin")
+        elastic = self._elastic
+        if elastic is not None:
+            assert budget_bytes is not None
+            memory, kv, activations = self._open_pool(budget_bytes, block_bytes, device)
+            num_blocks = kv.num_blocks
+            storage = kv.tensor.view(dtype, block_major_shape(arch, num_blocks, BLOCK_SIZE_TOKENS))
+        else:
+            storage = None
 
         def load() -> tuple[LlamaForward, PagedKVCache]:
             model = LlamaForward.load(config.model_path, dtype, device, max_model_len)
-            return model, PagedKVCache(arch, num_blocks, BLOCK_SIZE_TOKENS, dtype, device)
+            return model, PagedKVCache(arch, num_blocks, BLOCK_SIZE_TOKENS, dtype, device, storage=storage)
 
-        model, cache = await loop.run_in_executor(self._executor, load)
+        try:
+            model, cache = await loop.run_in_executor(self._executor, load)
+        except BaseException:
+            self._close_pool()
+            raise
         self._model, self._cache = model, cache
-        self._sched.open(BlockPool(num_blocks, block_bytes),
-                         ModelLimits(max_model_len, model.arch.vocab_size, kv_bytes_per_token),
-                         frozenset(arch.eos_token_ids))
+        limits = ModelLimits(max_model_len, model.arch.vocab_size, kv_bytes_per_token)
+        if elastic is not None:
+            elastic.open(kv, limits, frozenset(arch.eos_token_ids))
+            elastic.attach(kv, activations,
+                           functools.partial(_activation_of, arch, dtype),
+                           ACTIVATION_BASE_BYTES, self._copy_out, self._copy_in, self._new_sink)
+            capacity_bytes = elastic.memory_state().kv_capacity_bytes
+            num_blocks = capacity_bytes // block_bytes
+        else:
+            self._sched.open(BlockPool(num_blocks, block_bytes), limits, frozenset(arch.eos_token_ids))
         self._step_lock = asyncio.Lock()
         self._migration.open(cache, self._executor, self._step_lock)
         self._info = EngineInfo(
@@ -117,6 +166,8 @@ class BuiltinEngine:
             max_model_len=max_model_len,
             block_size_tokens=BLOCK_SIZE_TOKENS,
             kv_bytes_per_token=kv_bytes_per_token,
+            # An elastic engine's is what KV can hold when activations are at rest; it reports the
+            # moving figure through `capabilities.elastic_memory`.
             kv_capacity_bytes=num_blocks * block_bytes,
             eos_token_ids=arch.eos_token_ids,
             measures_speed=True,
@@ -143,6 +194,7 @@ class BuiltinEngine:
         self._cache = None
         self._migration.close()
         self._sched.close()
+        self._close_pool()
         self._info = None
 
     @property
@@ -153,7 +205,17 @@ class BuiltinEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(migration=self._migration)
+        return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None)
+
+    def memory_state(self) -> MemoryState:
+        """The elastic pool now (capabilities.ElasticMemory); only asked of an elastic engine."""
+        assert self._elastic is not None
+        return self._elastic.memory_state()
+
+    @property
+    def elastic(self) -> ElasticScheduler | None:
+        """The elastic scheduler, for its counters (the bench, metrics); None for a static engine."""
+        return self._elastic
 
     @property
     def num_preemptions(self) -> int:
@@ -193,6 +255,53 @@ class BuiltinEngine:
 
     def queued(self) -> list[RequestKV]:
         return self._sched.queued()
+
+    # -- elastic memory ------------------------------------------------------------------------------
+
+    def _open_pool(self, budget_bytes: int, block_bytes: int,
+                   device: torch.device) -> tuple[PhysicalMemory, ElasticKVBlocks, ActivationChunks]:
+        """The unified pool (eLLM §4.2.2): whole chunks of whole KV blocks, on the device's backend."""
+        kind: Literal["host", "cuda"] = "cuda" if device.type == "cuda" else "host"
+        unit = math.lcm(granularity_bytes(kind, device), block_bytes)
+        chunk_bytes = -(-self.config.memory_chunk_bytes // unit) * unit
+        num_chunks = budget_bytes // chunk_bytes
+        if num_chunks < 2:
+            raise EngineError(f"a memory budget of {budget_bytes} bytes holds fewer than 2 chunks of {chunk_bytes} bytes")
+        memory = self._memory = open_memory(kind, num_chunks, chunk_bytes, device)
+        chunks = ChunkPool(num_chunks, chunk_bytes)
+        return memory, ElasticKVBlocks(chunks, memory, block_bytes), ActivationChunks(chunks, memory)
+
+    def _close_pool(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None and self._elastic is not None and self._elastic.kv is not None:
+            self._elastic.kv.tensor.close()
+            assert self._elastic.activations is not None
+            self._elastic.activations.tensor.close()
+        if memory is not None:
+            memory.close()
+
+    def _copy_out(self, block_ids: list[int]) -> tuple[torch.Tensor, concurrent.futures.Future[None]]:
+        """Queue a copy of blocks to the CPU buffer (host memory; pinned next to a GPU)."""
+        cache, executor = self._cache, self._executor
+        assert cache is not None and executor is not None
+        host = torch.empty((len(cache.layers), 2, len(block_ids), *cache.block_shape), dtype=cache.layers[0].dtype,
+                           pin_memory=cache.layers[0].is_cuda)
+        def copy() -> None:
+            host.copy_(cache.read_blocks(block_ids))
+
+        return host, executor.submit(copy)
+
+    def _copy_in(self, block_ids: list[int], host: torch.Tensor) -> concurrent.futures.Future[None]:
+        cache, executor = self._cache, self._executor
+        assert cache is not None and executor is not None
+        return executor.submit(cache.write_blocks, block_ids, host)
+
+    def _new_sink(self, num_tokens: int) -> torch.Tensor:
+        cache = self._cache
+        assert cache is not None
+        tokens = blocks_for(num_tokens, BLOCK_SIZE_TOKENS) * BLOCK_SIZE_TOKENS
+        return torch.empty((len(cache.layers), 2, tokens, *cache.block_shape[1:]), dtype=cache.layers[0].dtype,
+                           pin_memory=cache.layers[0].is_cuda)
 
     # -- the step loop -----------------------------------------------------------------------------
 
@@ -246,3 +355,18 @@ class BuiltinEngine:
         """The step's torch work, on the executor thread: one forward, then one token per request."""
         assert self._model is not None and self._cache is not None
         return next_tokens(self._model.forward(step.entries, self._cache), step.samplings)
+
+
+def _activation_of(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: int, context_tokens: int) -> int:
+    return activation_bytes(arch, dtype, new_tokens, context_tokens, BLOCK_SIZE_TOKENS)
+
+
+def static_activation_reserve_bytes(arch: LlamaArchitecture, dtype: torch.dtype, max_model_len: int,
+                                    max_num_seqs: int) -> int:
+    """The activation reserve of a static split, as vLLM sizes it (a profiling run of the largest
+    step): the most any step of this engine can need, a prompt of max_model_len alone, or a full
+    prefill budget beside max_num_seqs - 1 decodes at the longest context."""
+    alone = _activation_of(arch, dtype, max_model_len, max_model_len)
+    prefill = min(PREFILL_TOKENS_PER_STEP, max_model_len)
+    mixed = _activation_of(arch, dtype, prefill, prefill) + (max_num_seqs - 1) * _activation_of(arch, dtype, 1, max_model_len)
+    return ACTIVATION_BASE_BYTES + max(alone, mixed)

@@ -74,10 +74,7 @@ class BuiltinKVMigration:
             req = sched.requests.get(request_id)
             if req is None or req.state not in (RequestState.WAITING, RequestState.RUNNING):
                 raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
-            if req.state is RequestState.WAITING:
-                sched.waiting.remove(req)
-            else:
-                sched.running.remove(req)
+            sched.detach(req)
             req.state = RequestState.SUSPENDED
             req.queue.put_nowait(None)
             sched.wake()
@@ -92,7 +89,7 @@ class BuiltinKVMigration:
     async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> KVBlocks:
         """Copy blocks [first_block, end_block) of the request's KV to the CPU (see KVMigratable in capabilities.py)."""
         req = self._sched.requests.get(request_id)
-        if req is None or not req.blocks:
+        if req is None or not (req.blocks or req.parked is not None):
             raise MigrationError(f"request {request_id!r} holds no KV on this engine")
         bs = self._sched.block_size_tokens
         cached = req.num_cached
@@ -105,8 +102,13 @@ class BuiltinKVMigration:
         block_ids = req.blocks[first_block:end_block]
         num_tokens = max(0, min(cached, end_block * bs) - first_block * bs)
         cache = self._require_cache()
-        # Queued behind any step in flight, so the copy sees every token counted in `cached`.
-        data = await self._in_executor(lambda: cache.read_blocks(block_ids).cpu())
+        parked = req.parked
+        # Queued behind any step in flight, so the copy sees every token counted in `cached` (and
+        # behind the copy that parks a request's KV in the CPU buffer, which is queued the same way).
+        if parked is not None:
+            data = await self._in_executor(lambda: parked[:, :, first_block:end_block].clone())
+        else:
+            data = await self._in_executor(lambda: cache.read_blocks(block_ids).cpu())
         return KVBlocks(request_id, first_block, num_tokens, bs, data)
 
     def reserve_kv(self, request_id: str, num_blocks: int) -> None:
@@ -146,7 +148,7 @@ class BuiltinKVMigration:
         sched = self._sched
         staged = sched.staged.get(request_id) or StagedKV()
         num_new = max(0, num_blocks - len(staged.blocks))
-        if num_new > len(sched.pool.free):
+        if not sched.ensure_free(num_new):
             raise MigrationError(f"no room for {num_new} KV blocks of {request_id!r}: {len(sched.pool.free)} free")
         staged.blocks.extend(sched.pool.allocate(num_new))
         sched.staged[request_id] = staged
@@ -163,8 +165,8 @@ class BuiltinKVMigration:
             raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
         req = sched.new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
         if own is not None:
-            req.blocks, req.num_cached = own.blocks, own.num_cached
-            own.blocks, own.state = [], RequestState.FINISHED
+            req.blocks, req.num_cached, req.parked = own.blocks, own.num_cached, own.parked
+            own.blocks, own.parked, own.state = [], None, RequestState.FINISHED
         elif request_id in sched.staged:
             staged = sched.staged.pop(request_id)
             req.blocks, req.num_cached = staged.blocks, staged.num_tokens
@@ -180,8 +182,6 @@ class BuiltinKVMigration:
         if req is not None:
             if req.state is not RequestState.SUSPENDED:
                 raise MigrationError(f"request {request_id!r} is {req.state.value}: abort it instead")
-            sched.pool.release(req.blocks)
-            req.blocks, req.state = [], RequestState.FINISHED
-            del sched.requests[request_id]
+            sched.finish(req)
         sched.release_staged(request_id)
         sched.wake()

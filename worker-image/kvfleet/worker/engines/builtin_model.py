@@ -194,21 +194,73 @@ class SeqBatchEntry:
     token_ids: Sequence[int]
     start_position: int
     block_table: Sequence[int]
+    # Elastic memory's offloaded prefill (eLLM §4.3.2): the sequence's K and V go here, [layers, 2,
+    # tokens, kv_heads, head_dim] in host memory, instead of into the paged cache (it then has no
+    # blocks: block_table is empty and start_position 0), and its attention reads them from the layer.
+    offload_to: torch.Tensor | None = None
+
+
+# What any step allocates whatever its batch (index tensors, rotary tables' slices, the allocator's
+# rounding), on top of the per-sequence shares below.
+ACTIVATION_BASE_BYTES = 512 * 1024
+
+
+def activation_bytes(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: int, context_tokens: int,
+                     block_size_tokens: int) -> int:
+    """An upper bound of the transient memory one sequence adds to a `forward` step (eLLM's
+    requiredAct(r), §4.4.1), from the step's real shapes and what `forward` below allocates for them.
+
+    Per new token, in the model's dtype: the residual stream, its norm and the sum (3 x hidden), the
+    fused QKV and rotary temporaries (3 x (heads + 2 x kv_heads) x head_dim), the attention output
+    (heads x head_dim) and the MLP (gate, up, silu, product: 4 x intermediate); per sequence one row
+    of logits in the dtype and in float32. Attention is transient per layer: a decode gathers its
+    blocks (K and V, and SDPA's contiguous copies of them: 4 x padded context x kv_heads x head_dim)
+    and a mask; a prefill gathers K and V likewise and builds its causal mask as bool and float32
+    (5 bytes per query x key pair), plus SDPA's float32 output. Checked against torch's profiler
+    (tests/worker/test_elastic_engine.py): at most 1.6x what the CPU really allocates, never less.
+    """
+    s = dtype.itemsize
+    h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    per_token = s * (3 * arch.hidden_size + 3 * (h + 2 * kvh) * d + h * d + 4 * arch.intermediate_size)
+    logits = arch.vocab_size * (s + 4)
+    if new_tokens == 1:
+        padded = -(-context_tokens // block_size_tokens) * block_size_tokens
+        attention = 4 * padded * kvh * d * s + 5 * padded
+    else:
+        attention = 4 * context_tokens * kvh * d * s + 5 * new_tokens * context_tokens + 2 * new_tokens * h * d * 4
+    return new_tokens * per_token + logits + attention
+
+
+def block_major_shape(arch: LlamaArchitecture, num_blocks: int, block_size_tokens: int) -> tuple[int, ...]:
+    """The shape of a cache whose blocks each hold all layers' K and V in one contiguous run:
+    [num_blocks, layers, 2, block_size, kv_heads, head_dim]. Elastic memory maps such a cache a chunk
+    of whole blocks at a time (a per-layer layout would spread a block over 2 x layers places)."""
+    return (num_blocks, arch.num_layers, 2, block_size_tokens, arch.num_kv_heads, arch.head_dim)
 
 
 class PagedKVCache:
     """One tensor of blocks per layer, K and V together: [2, num_blocks, block_size, kv_heads, head_dim].
 
-    Allocation (which blocks belong to whom) is the engine's business; this is only the storage.
+    Allocation (which blocks belong to whom) is the engine's business; this is only the storage:
+    its own zeroed tensors, or with `storage` (shaped `block_major_shape`) views of a tensor someone
+    else owns, such as elastic memory's KV eTensor, whose unmapped blocks read as zero.
     """
 
-    def __init__(self, arch: LlamaArchitecture, num_blocks: int, block_size_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: LlamaArchitecture, num_blocks: int, block_size_tokens: int, dtype: torch.dtype,
+                 device: torch.device, storage: torch.Tensor | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size_tokens = block_size_tokens
-        self.layers = [
-            torch.zeros((2, num_blocks, block_size_tokens, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
-            for _ in range(arch.num_layers)
-        ]
+        if storage is None:
+            self.layers = [
+                torch.zeros((2, num_blocks, block_size_tokens, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
+                for _ in range(arch.num_layers)
+            ]
+        else:
+            if tuple(storage.shape) != block_major_shape(arch, num_blocks, block_size_tokens):
+                raise ValueError(f"cache storage of shape {tuple(storage.shape)}, expected "
+                                 f"{block_major_shape(arch, num_blocks, block_size_tokens)}")
+            # Strided views with the same indexing as the tensors above.
+            self.layers = [storage[:, layer].transpose(0, 1) for layer in range(arch.num_layers)]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -222,7 +274,7 @@ class PagedKVCache:
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
         for layer, layer_data in zip(self.layers, data.to(device=self.layers[0].device, dtype=self.layers[0].dtype)):
-            layer.index_copy_(1, index, layer_data)
+            layer[:, index] = layer_data
 
 
 class LlamaForward:
@@ -298,11 +350,23 @@ class LlamaForward:
             raise ValueError("every sequence needs at least one new token")
         flat_ids = [t for s in seqs for t in s.token_ids]
         flat_positions = [s.start_position + i for s in seqs for i in range(len(s.token_ids))]
-        slots = [s.block_table[p // bs] * bs + p % bs
-                 for s in seqs for p in range(s.start_position, s.start_position + len(s.token_ids))]
+        # Where each new token's K and V go: (block, offset) of the cache, for every sequence that
+        # keeps its KV there (an offloaded prefill writes to its own host tensor instead).
+        cached_rows, slot_blocks, slot_offsets = [], [], []
+        row = 0
+        for s in seqs:
+            for p in range(s.start_position, s.start_position + len(s.token_ids)):
+                if s.offload_to is None:
+                    cached_rows.append(row)
+                    slot_blocks.append(s.block_table[p // bs])
+                    slot_offsets.append(p % bs)
+                row += 1
         ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         positions = torch.tensor(flat_positions, dtype=torch.long, device=device)
-        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        all_cached = len(cached_rows) == len(flat_ids)
+        cached_index = torch.tensor(cached_rows, dtype=torch.long, device=device)
+        block_index = torch.tensor(slot_blocks, dtype=torch.long, device=device)
+        offset_index = torch.tensor(slot_offsets, dtype=torch.long, device=device)
         cos = self.rope_cos[positions].to(self.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
         context_lengths = [s.start_position + n for s, n in zip(seqs, lengths)]
@@ -323,7 +387,7 @@ class LlamaForward:
 
         h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         x = self.embed[ids]
-        for layer, kv in zip(self.layers, cache.layers):
+        for layer_index, (layer, kv) in enumerate(zip(self.layers, cache.layers)):
             normed = self._rms_norm(x, layer.input_norm)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
             q = qkv[:, : h * d].view(-1, h, d)
@@ -331,8 +395,12 @@ class LlamaForward:
             v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
-            kv[0].view(-1, kvh, d).index_copy_(0, slot_index, k)
-            kv[1].view(-1, kvh, d).index_copy_(0, slot_index, v)
+            if all_cached:
+                kv[0][block_index, offset_index] = k
+                kv[1][block_index, offset_index] = v
+            elif cached_rows:
+                kv[0][block_index, offset_index] = k[cached_index]
+                kv[1][block_index, offset_index] = v[cached_index]
             attn = torch.empty_like(q)
             if decode:
                 # [B, kv_heads, context, head_dim] gathered through the block tables.
@@ -343,12 +411,21 @@ class LlamaForward:
                 attn[decode_rows] = out[:, :, 0, :]
             for i in prefill:
                 start, n, context = seqs[i].start_position, lengths[i], context_lengths[i]
-                table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
-                keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
-                values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                rows = slice(offsets[i], offsets[i] + n)
+                sink = seqs[i].offload_to
+                if sink is not None:
+                    # Its whole context is this step's tokens (start 0): attend over them from the
+                    # layer and send them to host memory (the copy on a GPU overlaps what follows).
+                    sink[layer_index, 0, :n].copy_(k[rows], non_blocking=True)
+                    sink[layer_index, 1, :n].copy_(v[rows], non_blocking=True)
+                    keys = k[rows].transpose(0, 1)[None]
+                    values = v[rows].transpose(0, 1)[None]
+                else:
+                    table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
+                    keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                    values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
                 query_positions = torch.arange(start, start + n, device=device)
                 mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
-                rows = slice(offsets[i], offsets[i] + n)
                 out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
                                                      attn_mask=mask[None, None], enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)

@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from kvfleet.worker.engines.base import (
     EngineError,
     FinishReason,
@@ -74,6 +76,9 @@ class Request:
     # Tokens whose K and V are written in `blocks`.
     num_cached: int = 0
     admitted_seq: int = -1
+    # Elastic memory's CPU buffer (builtin_elastic.py): the request's KV parked in host memory, in
+    # PagedKVCache.read_blocks' layout, while it holds no blocks; None when it is not parked.
+    parked: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -194,13 +199,17 @@ class Scheduler:
             if req.state in (RequestState.WAITING, RequestState.RUNNING):
                 self.abort(req)
 
-    def abort(self, req: Request) -> None:
-        if req.state is RequestState.FINISHED:
-            return
+    def detach(self, req: Request) -> None:
+        """Take a waiting or running request out of its queue (it is being aborted or suspended)."""
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
+
+    def abort(self, req: Request) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        self.detach(req)
         if req.state is not RequestState.SUSPENDED:  # a suspended request's stream has ended already
             req.queue.put_nowait(StepOutput(req.request_id, (), finished=True, finish_reason="abort",
                                             num_tokens=req.num_tokens))
@@ -209,6 +218,7 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         self.pool.release(req.blocks)
         req.blocks = []
+        req.parked = None
         req.state = RequestState.FINISHED
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
@@ -305,10 +315,21 @@ class Scheduler:
             if req.state is not RequestState.RUNNING:  # preempted below for an older request
                 continue
             num_new_blocks = blocks_for(req.num_tokens, bs) - len(req.blocks)
+            if num_new_blocks > len(free):
+                self._make_room(num_new_blocks)
             while num_new_blocks > len(free) and req.state is RequestState.RUNNING:
                 self._preempt(self.running[-1])
             if req.state is RequestState.RUNNING and num_new_blocks > 0:
                 req.blocks.extend(self.pool.allocate(num_new_blocks))
+
+    def ensure_free(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks are free, after growing the cache if it can (elastic memory)."""
+        if num_blocks > len(self.pool.free):
+            self._make_room(num_blocks)
+        return num_blocks <= len(self.pool.free)
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Try to have `num_blocks` free blocks before preempting (a static cache cannot grow)."""
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)

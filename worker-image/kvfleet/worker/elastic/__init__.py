@@ -1,0 +1,13 @@
+"""Elastic memory's physical layer (eLLM §4.2): a pool of chunks, virtual tensors over it, backends.
+
+chunks.py keeps who owns each chunk, memory.py the backends' protocol (host.py: memfd and mmap;
+cuda.py: CUDA's VMM), etensor.py the virtual tensors that map chunks on demand. The builtin engine's
+elastic scheduler (engines/builtin_elastic.py) is their user; docs/elastic-memory.md says why.
+"""
+
+from kvfleet.worker.elastic.chunks import ChunkPool, Owner, OwnershipError, PoolExhausted
+from kvfleet.worker.elastic.etensor import ETensor
+from kvfleet.worker.elastic.memory import MapError, PhysicalMemory, VirtualRange, granularity_bytes, open_memory
+
+__all__ = ["ChunkPool", "ETensor", "MapError", "Owner", "OwnershipError", "PhysicalMemory", "PoolExhausted",
+           "VirtualRange", "granularity_bytes", "open_memory"]

@@ -1,0 +1,156 @@
+"""The host backend of elastic memory: memfd chunks mapped with mmap over a reserved range.
+
+What CUDA's VMM does on a GPU (memory.py), done with Linux calls so the pool runs where CI does: the
+physical memory is one memfd, chunk i at offset i x chunk_bytes; a range is reserved with
+mmap(PROT_NONE); mapping a chunk is mmap(MAP_SHARED | MAP_FIXED) of its offset over the slot, which
+replaces what was there in one call. Unmapped slots map a zero chunk read-only (a second memfd that
+is never written), so they read as zero, as kvcached's shared zero page does on a GPU, and a write
+to one faults instead of landing anywhere. Python's mmap module cannot map at a fixed address, hence
+ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from kvfleet.worker.elastic.memory import MapError, check_view
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+MAP_FIXED = 0x10
+PROT_NONE = 0
+
+
+def _libc() -> ctypes.CDLL:
+    if not sys.platform.startswith("linux"):
+        raise OSError("the host memory backend needs Linux (memfd_create, mmap MAP_FIXED)")
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mmap(libc: ctypes.CDLL, address: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    result = libc.mmap(address, length, prot, flags, fd, offset)
+    if result is None or result == _MAP_FAILED or (address is not None and result != address):
+        err = ctypes.get_errno()
+        raise MapError(f"mmap of {length} bytes at {address if address is not None else 'any address'} failed: "
+                       f"{os.strerror(err) if err else 'placed elsewhere'}")
+    return int(result)
+
+
+class HostRange:
+    """A reserved run of slots in this process's address space."""
+
+    def __init__(self, memory: HostMemory, num_slots: int) -> None:
+        self._memory = memory
+        self.num_slots = num_slots
+        self.slot_bytes = memory.chunk_bytes
+        libc = memory.libc
+        self.base = _mmap(libc, None, num_slots * self.slot_bytes, PROT_NONE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        self._mapped: dict[int, int] = {}
+        self._buffer: ctypes.Array[ctypes.c_char] | None = None
+        self._released = False
+        try:
+            for slot in range(num_slots):
+                self._map_zero(slot)
+        except MapError:
+            libc.munmap(self.base, num_slots * self.slot_bytes)
+            raise
+
+    def _address(self, slot: int) -> int:
+        return self.base + slot * self.slot_bytes
+
+    def _map_zero(self, slot: int) -> None:
+        _mmap(self._memory.libc, self._address(slot), self.slot_bytes, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED,
+              self._memory.zero_fd, 0)
+
+    def map(self, slot: int, chunk_id: int) -> None:
+        if self._released:
+            raise MapError("the range was released")
+        if not 0 <= slot < self.num_slots:
+            raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
+        if not 0 <= chunk_id < self._memory.num_chunks:
+            raise MapError(f"chunk {chunk_id} does not exist (the memory has {self._memory.num_chunks})")
+        if slot in self._mapped:
+            raise MapError(f"slot {slot} already maps chunk {self._mapped[slot]}")
+        if chunk_id in self._mapped.values():
+            raise MapError(f"chunk {chunk_id} is already mapped in this range")
+        try:
+            _mmap(self._memory.libc, self._address(slot), self.slot_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                  mmap.MAP_SHARED | MAP_FIXED, self._memory.fd, chunk_id * self.slot_bytes)
+        except MapError:
+            self._map_zero(slot)  # whatever MAP_FIXED left there, the slot reads zero again
+            raise
+        self._mapped[slot] = chunk_id
+
+    def unmap(self, slot: int) -> None:
+        if self._released or self._mapped.pop(slot, None) is None:
+            return
+        self._map_zero(slot)
+
+    def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        check_view(self.num_slots, self.slot_bytes, dtype, shape)
+        if self._buffer is None:
+            self._buffer = (ctypes.c_char * (self.num_slots * self.slot_bytes)).from_address(self.base)
+        return torch.frombuffer(self._buffer, dtype=torch.uint8).view(dtype).view(tuple(shape))
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._mapped.clear()
+        self._buffer = None
+        self._memory.libc.munmap(self.base, self.num_slots * self.slot_bytes)
+
+
+class HostMemory:
+    """Physical chunks in a memfd (pages are allocated when first written, and kept)."""
+
+    name = "host"
+
+    def __init__(self, num_chunks: int, chunk_bytes: int) -> None:
+        self.libc = _libc()
+        self.device = torch.device("cpu")
+        self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
+        self.fd = os.memfd_create("kvfleet-elastic-chunks")
+        self.zero_fd = os.memfd_create("kvfleet-elastic-zero")
+        try:
+            os.ftruncate(self.fd, num_chunks * chunk_bytes)
+            os.ftruncate(self.zero_fd, chunk_bytes)
+        except OSError:
+            os.close(self.fd)
+            os.close(self.zero_fd)
+            raise
+        self._ranges: list[HostRange] = []
+        self._closed = False
+
+    def reserve(self, num_slots: int) -> HostRange:
+        if self._closed:
+            raise MapError("the memory was closed")
+        if num_slots < 1:
+            raise ValueError("a range needs at least one slot")
+        virtual = HostRange(self, num_slots)
+        self._ranges.append(virtual)
+        return virtual
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for virtual in self._ranges:
+            virtual.release()
+        self._ranges.clear()
+        os.close(self.fd)
+        os.close(self.zero_fd)

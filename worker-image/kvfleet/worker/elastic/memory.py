@@ -1,0 +1,101 @@
+"""Physical memory behind elastic tensors: one protocol, a host and a CUDA backend (eLLM §4.2).
+
+An eTensor is a reserved range of virtual addresses whose slots map physical chunks on demand. GPUs
+do this with CUDA's virtual memory management (cuda.py); the host backend (host.py) does the same
+with a memfd and mmap, so the pool, its policies and the engine that uses them run and are tested on
+machines without a GPU, through the same calls. Semantics both keep:
+- chunks are created once and kept (creating physical memory is the slow part: ~190 us per 2 MB
+  chunk with cuMemCreate, against ~1.5 us to map one; kvcached creates and releases per map and
+  pays for it);
+- a slot maps at most one chunk, and reads as zero while it maps none;
+- one chunk may be mapped in several ranges at once: all see the same bytes (that is how a chunk
+  changes tensors without a copy);
+- a failed map leaves the slot unmapped.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+
+
+class MapError(Exception):
+    """A slot could not be mapped (bad slot or chunk, or the OS or driver refused)."""
+
+
+class VirtualRange(Protocol):
+    """A reserved run of `num_slots` slots of `slot_bytes` each."""
+
+    num_slots: int
+    slot_bytes: int
+
+    def map(self, slot: int, chunk_id: int) -> None:
+        """Map a chunk at an unmapped slot; MapError (slot left unmapped) when it cannot."""
+        ...
+
+    def unmap(self, slot: int) -> None:
+        """The slot reads zero again; a no-op on an unmapped slot."""
+        ...
+
+    def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A view of the whole range (no copy): shape's bytes must equal the range's."""
+        ...
+
+    def release(self) -> None:
+        """Unmap everything and give the addresses back; idempotent. Drop tensors first."""
+        ...
+
+
+class PhysicalMemory(Protocol):
+    """`num_chunks` physical chunks of `chunk_bytes` on `device`, and ranges to map them into."""
+
+    name: str
+    device: torch.device
+    chunk_bytes: int
+    num_chunks: int
+
+    def reserve(self, num_slots: int) -> VirtualRange:
+        """A new range whose every slot reads zero until mapped."""
+        ...
+
+    def close(self) -> None:
+        """Release every range and the chunks; idempotent."""
+        ...
+
+
+def granularity_bytes(kind: Literal["host", "cuda"], device: torch.device) -> int:
+    """The unit chunks come in: the page size on the host, the driver's granularity on a GPU."""
+    if kind == "host":
+        return mmap.PAGESIZE
+    from kvfleet.worker.elastic.cuda import cuda_granularity_bytes
+
+    return cuda_granularity_bytes(device)
+
+
+def open_memory(kind: Literal["host", "cuda"], num_chunks: int, chunk_bytes: int, device: torch.device) -> PhysicalMemory:
+    """The backend's physical memory: every chunk created now."""
+    unit = granularity_bytes(kind, device)
+    if chunk_bytes < unit or chunk_bytes % unit:
+        raise ValueError(f"a chunk of {chunk_bytes} bytes is not a positive multiple of the {kind} backend's "
+                         f"granularity ({unit} bytes)")
+    if num_chunks < 1:
+        raise ValueError(f"{num_chunks} chunks: the pool needs at least one")
+    if kind == "host":
+        from kvfleet.worker.elastic.host import HostMemory
+
+        return HostMemory(num_chunks, chunk_bytes)
+    from kvfleet.worker.elastic.cuda import CudaMemory
+
+    return CudaMemory(num_chunks, chunk_bytes, device)
+
+
+def check_view(num_slots: int, slot_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> None:
+    """as_tensor's precondition, with a message that says what was asked."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes != num_slots * slot_bytes:
+        raise ValueError(f"a {tuple(shape)} {dtype} view is {nbytes} bytes; the range is {num_slots * slot_bytes}")

@@ -1,0 +1,539 @@
+"""Elastic memory in the builtin engine (eLLM): KV cache and activations in one pool of chunks, and a
+CPU buffer for the KV of requests that wait.
+
+A statically split worker keeps an activation reserve sized for its longest prefill, idle most of
+the time, while requests queue for KV blocks (`../shared/papers/ellm.txt` §3). Here the two share
+one `ChunkPool` (kvfleet.worker.elastic): the KV cache is a virtual tensor (`ETensor`, §4.2.1) whose
+chunks are mapped when blocks are needed and unmapped when a chunk's blocks are all free, and each
+step's activations are charged from its real shapes (`builtin_model.activation_bytes`) against the
+same pool, so the KV side grows into whatever activations leave (inflation and deflation, §4.3.1).
+The KV of a request that cannot stay in the pool goes to a CPU buffer and comes back before it
+decodes, instead of being recomputed (§4.3.2). What to run each step is Algorithm 1 and the
+buffer's size Algorithm 2, both pure functions in builtin_elastic_policy.py; this module does what
+they decide.
+
+| piece | what it owns |
+|---|---|
+| `ElasticKVBlocks` | the KV eTensor and the free list of the blocks in its mapped chunks |
+| `ActivationChunks` | the activation eTensor: the chunks the step's activations are charged to |
+| `ElasticScheduler` | the requests (builtin_scheduler.Scheduler) plus parked ones, Algorithms 1 and 2 |
+
+The activations themselves are allocated by torch; the pool charges them (a chunk the activation
+side holds is mapped into its eTensor and the KV side cannot use it), which is what decides how much
+KV a step may hold. On a GPU, placing them in those chunks would need torch's allocator to map
+through the pool (eLLM patches PyTorch's caching allocator for that, §5.2); kvfleet does not.
+
+KV copies to and from the CPU buffer run on the engine's one executor thread, queued the moment the
+scheduler decides them, so every copy out of a block precedes any later write to it (a step, or a
+migration importing KV), and every copy in precedes the step that reads it. On the host backend they
+do not overlap compute (both are the CPU); an offloaded prefill's copies on a GPU are non-blocking.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.worker.elastic import ChunkPool, ETensor, Owner, PhysicalMemory, PoolExhausted
+from kvfleet.worker.engines.base import EngineError, RequestKV, RequestTooLong, SamplingParams, StepOutput, kv_blocks_bytes
+from kvfleet.worker.engines.builtin_blocks import BlockPool, blocks_for
+from kvfleet.worker.engines.builtin_elastic_policy import (
+    Admission,
+    Demand,
+    PoolState,
+    SloWindow,
+    plan_batch,
+    scale_logical_buffer,
+)
+from kvfleet.worker.engines.builtin_model import SeqBatchEntry
+from kvfleet.worker.engines.builtin_sampling import Sampling
+from kvfleet.worker.engines.builtin_scheduler import PREFILL_TOKENS_PER_STEP, Request, RequestState, Scheduler, Step
+from kvfleet.worker.engines.capabilities import MemoryState
+
+logger = logging.getLogger(__name__)
+
+# Activations' bytes for (new tokens, context tokens) of one sequence (builtin_model.activation_bytes).
+ActivationOf = Callable[[int, int], int]
+# Queue a copy of blocks to host memory on the executor: the host tensor (filled once it ran) and the copy.
+CopyOut = Callable[[list[int]], tuple[torch.Tensor, "Future[None]"]]
+# Queue a copy of host KV into blocks on the executor.
+CopyIn = Callable[[list[int], torch.Tensor], "Future[None]"]
+# Steps whose activation peaks make up the reported capacity (a report interval's worth or so).
+CAPACITY_WINDOW_STEPS = 32
+
+
+class ElasticKVBlocks(BlockPool):
+    """The KV eTensor's blocks: `free` holds the free blocks of mapped chunks, lowest id last (so
+    allocation fills low chunks first and high ones empty out, to be unmapped for activations)."""
+
+    def __init__(self, chunks: ChunkPool, memory: PhysicalMemory, block_bytes: int) -> None:
+        if chunks.chunk_bytes % block_bytes:
+            raise ValueError(f"a chunk of {chunks.chunk_bytes} bytes is not whole blocks of {block_bytes} bytes")
+        super().__init__(0, block_bytes)
+        self.chunks = chunks
+        self.blocks_per_chunk = chunks.chunk_bytes // block_bytes
+        self.tensor = ETensor(chunks, memory, Owner.KV, chunks.num_chunks)
+        # Every block the pool could ever map: the block ids' range (and the most one request may hold).
+        self.num_blocks = chunks.num_chunks * self.blocks_per_chunk
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.tensor.mapped_bytes
+
+    def _blocks_of(self, slot: int) -> range:
+        return range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk)
+
+    def grow(self, num_chunks: int) -> int:
+        """Inflation (§4.3.1 ❸❹): map up to `num_chunks` FREE chunks at the lowest unmapped slots."""
+        num_chunks = min(num_chunks, self.chunks.count(Owner.FREE))
+        if num_chunks <= 0:
+            return 0
+        mapped = self.tensor.mapped_slots
+        slots = [slot for slot in range(self.tensor.num_slots) if slot not in mapped][:num_chunks]
+        try:
+            self.tensor.map_slots(slots)
+        except PoolExhausted:
+            return 0
+        for slot in slots:
+            self.free.extend(self._blocks_of(slot))
+        self.free.sort(reverse=True)
+        return len(slots)
+
+    def shrink(self, num_chunks: int) -> int:
+        """Deflation: unmap up to `num_chunks` chunks whose blocks are all free, highest first."""
+        if num_chunks <= 0:
+            return 0
+        free = set(self.free)
+        empty = [slot for slot in sorted(self.tensor.mapped_slots, reverse=True)
+                 if all(b in free for b in self._blocks_of(slot))][:num_chunks]
+        if not empty:
+            return 0
+        self.tensor.unmap_slots(empty)
+        gone = {b for slot in empty for b in self._blocks_of(slot)}
+        self.free = [b for b in self.free if b not in gone]
+        return len(empty)
+
+    def release(self, block_ids: list[int]) -> None:
+        super().release(block_ids)
+        self.free.sort(reverse=True)
+
+
+class ActivationChunks:
+    """The activation eTensor (§4.2.1): chunks charged to steps' activations. Chunks stay mapped after
+    a step (the pool's reuse, §4.2.2) until the KV side needs them (`reclaim`, the GC of §4.3.1 ❷)."""
+
+    def __init__(self, chunks: ChunkPool, memory: PhysicalMemory) -> None:
+        self.chunks = chunks
+        self.tensor = ETensor(chunks, memory, Owner.ACTIVATION, chunks.num_chunks)
+
+    @property
+    def held_chunks(self) -> int:
+        return len(self.tensor.mapped_slots)
+
+    def hold(self, num_chunks: int) -> bool:
+        """Hold at least `num_chunks` chunks, taking FREE ones; False if the pool has too few."""
+        missing = num_chunks - self.held_chunks
+        if missing <= 0:
+            return True
+        if self.chunks.count(Owner.FREE) < missing:
+            return False
+        mapped = self.tensor.mapped_slots
+        self.tensor.map_slots([slot for slot in range(self.tensor.num_slots) if slot not in mapped][:missing])
+        return True
+
+    def reclaim(self, keep_chunks: int, num_chunks: int) -> int:
+        """Unmap up to `num_chunks` held chunks beyond the `keep_chunks` the current step needs."""
+        idle = max(0, min(num_chunks, self.held_chunks - keep_chunks))
+        if idle:
+            self.tensor.unmap_slots(sorted(self.tensor.mapped_slots, reverse=True)[:idle])
+        return idle
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """The worker's elastic-memory settings (EngineConfig), in the units the scheduler uses."""
+
+    cpu_buffer_bytes: int
+    threshold_bytes: int
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+
+
+class ElasticScheduler(Scheduler):
+    """The builtin scheduler with eLLM's memory: Algorithm 1 picks each step's batch over one pool,
+    waiting KV parks in the CPU buffer, Algorithm 2 sizes the buffer (module docstring)."""
+
+    def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None, settings: ElasticSettings) -> None:
+        super().__init__(max_num_seqs, block_size_tokens, seed)
+        self.settings = settings
+        # Requests whose KV is in the CPU buffer (state WAITING, no blocks), in decoding order.
+        self.parked: collections.deque[Request] = collections.deque()
+        self.kv: ElasticKVBlocks | None = None
+        self.activations: ActivationChunks | None = None
+        self._activation_of: ActivationOf = lambda new, context: 0
+        self._base_activation_bytes = 0
+        self._copy_out: CopyOut | None = None
+        self._copy_in: CopyIn | None = None
+        self._new_sink: Callable[[int], torch.Tensor] | None = None
+        # The executor's copies to and from the buffer, by request, until they are known to have worked.
+        self._copies_out: dict[str, Future[None]] = {}
+        self._copies_in: dict[str, Future[None]] = {}
+        # Offloaded prefills of the step in flight, and the host tensors their KV goes to.
+        self._offloaded_now: set[str] = set()
+        self._sink_of: dict[str, torch.Tensor] = {}
+        # Algorithm 2's logical buffer: the whole buffer without objectives (nothing to trade), one
+        # chunk to start with them (the paper's initial 1).
+        with_slo = settings.ttft_slo_s is not None or settings.tpot_slo_s is not None
+        self.logical_buffer_bytes = settings.cpu_buffer_bytes
+        self._with_slo = with_slo
+        self._slo_window = SloWindow()
+        self._arrived_s: dict[str, float] = {}
+        self._last_token_s: dict[str, float] = {}
+        self._recent_activation: collections.deque[int] = collections.deque(maxlen=CAPACITY_WINDOW_STEPS)
+        # Counters (metrics, the bench): KV parked, fetched back, prefills admitted offloaded, chunks
+        # moved by the balloon each way.
+        self.num_parked = 0
+        self.num_fetched = 0
+        self.num_offloaded_prefills = 0
+        self.inflated_chunks = 0
+        self.deflated_chunks = 0
+        self.max_batch = 0
+
+    def attach(self, kv: ElasticKVBlocks, activations: ActivationChunks, activation_of: ActivationOf,
+               base_activation_bytes: int, copy_out: CopyOut, copy_in: CopyIn,
+               new_sink: Callable[[int], torch.Tensor]) -> None:
+        """Take the started engine's pool and the tensor work the scheduler queues (`open` takes `kv` too).
+
+        `copy_out(blocks)` queues a copy of the blocks' KV to host memory; `copy_in` one of such KV
+        into blocks; `new_sink(tokens)` makes the host tensor an offloaded prefill writes its KV to
+        ([layers, 2, whole blocks of tokens, kv_heads, head_dim]).
+        """
+        self.kv, self.activations = kv, activations
+        self._activation_of, self._base_activation_bytes = activation_of, base_activation_bytes
+        self._copy_out, self._copy_in, self._new_sink = copy_out, copy_in, new_sink
+        if self._with_slo:
+            self.logical_buffer_bytes = min(kv.chunks.chunk_bytes, self.settings.cpu_buffer_bytes)
+
+    # -- memory figures -------------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        assert self.kv is not None
+        return self.kv.chunks.num_chunks * self.kv.chunks.chunk_bytes
+
+    def buffer_held_bytes(self) -> int:
+        return sum(req.parked.shape[2] * self.pool.block_bytes for req in self.requests.values() if req.parked is not None)
+
+    def memory_state(self) -> MemoryState:
+        if self.kv is None or self.activations is None:
+            return MemoryState(0, 0, self.settings.cpu_buffer_bytes, 0, 0)
+        # What KV can count on: the pool less θ and the largest activation of the recent steps.
+        chunk_bytes = self.kv.chunks.chunk_bytes
+        resting = -(-self._base_activation_bytes // chunk_bytes) * chunk_bytes  # what any step holds
+        recent = max(self._recent_activation, default=resting)
+        capacity = self.total_bytes - self.settings.threshold_bytes - recent
+        capacity = max(self.pool.block_bytes, capacity // self.pool.block_bytes * self.pool.block_bytes)
+        return MemoryState(kv_capacity_bytes=capacity, cpu_buffer_bytes=self.buffer_held_bytes(),
+                           cpu_buffer_capacity_bytes=self.settings.cpu_buffer_bytes,
+                           activation_bytes=self.activations.held_chunks * chunk_bytes,
+                           budget_bytes=self.total_bytes)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
+        req = super().new_request(request_id, prompt, output, params)
+        # Beyond the KV check: its prefill's activations (KV offloaded) and its last decode (KV in the
+        # pool) must each fit the pool, or it would wait forever.
+        most_tokens = len(prompt) + params.max_tokens
+        most_kv = blocks_for(most_tokens, self.block_size_tokens) * self.pool.block_bytes
+        room = self.total_bytes - self.settings.threshold_bytes - self._base_activation_bytes
+        prefill = self._activation_of(len(prompt) + len(output), len(prompt) + len(output))
+        decode = most_kv + self._activation_of(1, most_tokens)
+        if max(prefill, decode) > room:
+            raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need "
+                                 f"{max(prefill, decode)} bytes of KV and activations at once; this engine's "
+                                 f"memory pool has {room}")
+        self._arrived_s[request_id] = time.monotonic()
+        return req
+
+    def enqueue(self, req: Request, *, front: bool = False) -> AsyncIterator[StepOutput]:
+        if req.parked is None:
+            return super().enqueue(req, front=front)
+        # A request resumed with its KV still in the buffer (a migration rolled back) waits parked.
+        self.requests[req.request_id] = req
+        if front:
+            self.parked.appendleft(req)
+        else:
+            self.parked.append(req)
+        self.wake()
+        return self._stream(req)
+
+    def detach(self, req: Request) -> None:
+        if req.state is RequestState.WAITING and req in self.parked:
+            self.parked.remove(req)
+        else:
+            super().detach(req)
+
+    def finish(self, req: Request) -> None:
+        super().finish(req)
+        self._copies_out.pop(req.request_id, None)
+        self._copies_in.pop(req.request_id, None)
+        self._sink_of.pop(req.request_id, None)
+        self._arrived_s.pop(req.request_id, None)
+        self._last_token_s.pop(req.request_id, None)
+        self._offloaded_now.discard(req.request_id)
+
+    def num_waiting(self) -> int:
+        return super().num_waiting() + len(self.parked)
+
+    def queued(self) -> list[RequestKV]:
+        """Waiting requests and parked ones: both hold no blocks and need them to run (MELL's demand)."""
+        queued = super().queued()
+        if self.limits is None:
+            return queued
+        per_token = self.limits.kv_bytes_per_token
+        queued += [RequestKV(req.request_id, req.num_tokens, kv_blocks_bytes(req.num_tokens, self.block_size_tokens, per_token))
+                   for req in self.parked]
+        return sorted(queued, key=lambda r: r.request_id)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        """Algorithm 1 over the running and parked requests, then the waiting ones; the batch's
+        memory made real (chunks mapped each way, KV parked and fetched); None when nothing runs."""
+        kv, activations = self.kv, self.activations
+        assert kv is not None and activations is not None
+        decodes = (list(self.running) + list(self.parked))[: self.max_num_seqs]
+        prefills = self._prefill_candidates(len(decodes))
+        act_chunks = 0
+        while True:
+            plan = plan_batch(self._pool_state(), [self._decode_demand(r) for r in decodes],
+                              [self._prefill_demand(r) for r in prefills],
+                              base_activation_bytes=self._base_activation_bytes, base_kv_bytes=self._staged_bytes())
+            batch_decodes = decodes[: plan.num_decodes]
+            admitted = list(zip(prefills, plan.prefills))
+            if not batch_decodes and not admitted:
+                break
+            # Line 24-27's balloon, activation side first: the step's activations must be held
+            # before any KV moves, else it does not run in this shape.
+            act_chunks = -(-plan.activation_bytes // kv.chunks.chunk_bytes)
+            if not activations.hold(act_chunks):
+                deflated = kv.shrink(act_chunks - activations.held_chunks - kv.chunks.count(Owner.FREE))
+                self.deflated_chunks += deflated
+                if not activations.hold(act_chunks):
+                    decodes, prefills = _drop_last(decodes[: plan.num_decodes], prefills[: len(plan.prefills)])
+                    continue
+            break
+        # Running requests Algorithm 1 left out give their blocks up (parked, or recomputed later).
+        for req in [r for r in list(self.running) if r not in batch_decodes]:
+            self._evict(req)
+        # KV for the batch: inflate into FREE chunks, then into the activation side's idle ones; a
+        # fragmented pool may still fall short, then the newest admissions wait.
+        while True:
+            needed = self._new_blocks(batch_decodes, admitted)
+            short = needed - len(kv.free)
+            if short <= 0:
+                break
+            want = -(-short // kv.blocks_per_chunk)
+            grown = kv.grow(want)
+            if grown < want:
+                activations.reclaim(act_chunks, want - grown)
+                grown += kv.grow(want - grown)
+            self.inflated_chunks += grown
+            if grown >= want:
+                continue
+            if admitted:
+                admitted.pop()
+            elif batch_decodes:
+                victim = batch_decodes.pop()
+                if victim.state is RequestState.RUNNING:
+                    self._evict(victim)
+            else:
+                break
+        return self._build_step(batch_decodes, admitted, act_chunks * kv.chunks.chunk_bytes)
+
+    def _prefill_candidates(self, num_decodes: int) -> list[Request]:
+        """Waiting requests in order, as many as batch slots and the prefill token budget allow."""
+        budget_tokens = PREFILL_TOKENS_PER_STEP
+        out: list[Request] = []
+        for req in self.waiting:
+            if num_decodes + len(out) >= self.max_num_seqs:
+                break
+            num_new = req.num_tokens - req.num_cached
+            if out and num_new > budget_tokens:
+                break
+            out.append(req)
+            budget_tokens -= num_new
+        return out
+
+    def _pool_state(self) -> PoolState:
+        assert self.kv is not None
+        kv_bytes = self.kv.mapped_bytes
+        available = min(self.logical_buffer_bytes, self.settings.cpu_buffer_bytes) - self.buffer_held_bytes()
+        return PoolState(total_bytes=self.total_bytes, kv_bytes=kv_bytes, activation_bytes=self.total_bytes - kv_bytes,
+                         threshold_bytes=self.settings.threshold_bytes, buffer_available_bytes=max(0, available))
+
+    def _kv_bytes_after_step(self, req: Request) -> int:
+        # Its tokens and the slot of the one it samples (reserved after the step).
+        return blocks_for(req.num_tokens + 1, self.block_size_tokens) * self.pool.block_bytes
+
+    def _decode_demand(self, req: Request) -> Demand:
+        return Demand(self._kv_bytes_after_step(req), self._activation_of(req.num_tokens - req.num_cached, req.num_tokens))
+
+    def _prefill_demand(self, req: Request) -> Demand:
+        # (A one-token prompt would read as a decode in the forward, which needs blocks.)
+        offloadable = not req.blocks and req.num_cached == 0 and req.num_tokens > 1 and self.settings.cpu_buffer_bytes > 0
+        return Demand(self._kv_bytes_after_step(req), self._activation_of(req.num_tokens - req.num_cached, req.num_tokens),
+                      offloadable)
+
+    def _staged_bytes(self) -> int:
+        return sum(len(s.blocks) for s in self.staged.values()) * self.pool.block_bytes
+
+    def _new_blocks(self, decodes: list[Request], admitted: list[tuple[Request, Admission]]) -> int:
+        bs = self.block_size_tokens
+        gpu = decodes + [r for r, how in admitted if how is Admission.GPU]
+        return sum(max(0, blocks_for(r.num_tokens, bs) - len(r.blocks)) for r in gpu)
+
+    def _evict(self, req: Request) -> None:
+        """A running request leaves the pool: its KV to the CPU buffer if there is room, else recompute."""
+        written = blocks_for(req.num_cached, self.block_size_tokens)
+        room = self.settings.cpu_buffer_bytes - self.buffer_held_bytes()
+        if written == 0 or written * self.pool.block_bytes > room or self._copy_out is None:
+            super()._preempt(req)  # recompute: blocks freed, re-prefilled later
+            return
+        self._park(req, req.blocks[:written])
+
+    def _park(self, req: Request, block_ids: list[int]) -> None:
+        assert self._copy_out is not None
+        # Queued on the executor now, so ahead of any later write to these blocks.
+        host, copy = self._copy_out(block_ids)
+        self._copies_out[req.request_id] = copy
+        self.running.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks, req.parked, req.state = [], host, RequestState.WAITING
+        self.parked.appendleft(req)
+        self.num_parked += 1
+        logger.debug("parked %s (%d tokens) in the CPU buffer", req.request_id, req.num_cached)
+
+    def _make_room(self, num_blocks: int) -> None:
+        """After a step, before preempting for a running request's next block: inflate (§4.3.1)."""
+        kv, activations = self.kv, self.activations
+        assert kv is not None and activations is not None
+        want = -(-(num_blocks - len(kv.free)) // kv.blocks_per_chunk)
+        grown = kv.grow(want)
+        if grown < want:
+            activations.reclaim(0, want - grown)
+            grown += kv.grow(want - grown)
+        self.inflated_chunks += grown
+
+    def _preempt(self, req: Request) -> None:
+        """Out of blocks after a step: park the newest running request rather than recompute it."""
+        self._evict(req)
+
+    def _build_step(self, decodes: list[Request], admitted: list[tuple[Request, Admission]], activation_bytes: int) -> Step | None:
+        assert self._copy_in is not None and self._new_sink is not None
+        bs = self.block_size_tokens
+        running_ids = {id(r) for r in self.running}
+        for req in decodes:
+            if req.state is RequestState.WAITING:  # parked: fetch its KV back (line 17)
+                self._fetch(req)
+                req.state = RequestState.RUNNING
+            if id(req) not in running_ids:
+                self.running.append(req)
+        entries_extra: dict[str, torch.Tensor] = {}
+        for req, how in admitted:
+            self.waiting.remove(req)
+            if how is Admission.GPU:
+                req.blocks.extend(self.pool.allocate(max(0, blocks_for(req.num_tokens, bs) - len(req.blocks))))
+            else:
+                entries_extra[req.request_id] = self._sink_of[req.request_id] = self._new_sink(req.num_tokens)
+                self._offloaded_now.add(req.request_id)
+                self.num_offloaded_prefills += 1
+            req.state = RequestState.RUNNING
+            req.admitted_seq = self._admissions
+            self._admissions += 1
+            self.num_prefilled_tokens += req.num_tokens - req.num_cached
+            self.running.append(req)
+        if not self.running:
+            return None
+        requests = tuple(self.running)
+        self.max_batch = max(self.max_batch, len(requests))
+        self._recent_activation.append(activation_bytes)
+        entries = tuple(SeqBatchEntry(tuple(r.context()[r.num_cached:]), r.num_cached, tuple(r.blocks),
+                                      offload_to=entries_extra.get(r.request_id)) for r in requests)
+        samplings = tuple(Sampling(r.params.temperature, r.params.top_p, r.seed, r.num_tokens) for r in requests)
+        return Step(requests, entries, samplings)
+
+    def _fetch(self, req: Request) -> None:
+        """A parked request comes back: blocks allocated now, its KV copied into them on the executor
+        ahead of the step; a park whose copy failed is recomputed instead (nothing else is touched)."""
+        assert self._copy_in is not None and req.parked is not None
+        self.parked.remove(req)
+        copy_out = self._copies_out.pop(req.request_id, None)
+        host, req.parked = req.parked, None
+        req.blocks = self.pool.allocate(blocks_for(req.num_tokens, self.block_size_tokens))
+        if copy_out is not None and copy_out.done() and copy_out.exception() is not None:
+            logger.warning("parking %s failed (%s): it is recomputed", req.request_id, copy_out.exception())
+            req.num_cached = 0
+            return
+        self._copies_in[req.request_id] = self._copy_in(req.blocks[: host.shape[2]], host)
+        self.num_fetched += 1
+
+    def process(self, step: Step, tokens: list[int]) -> None:
+        # A request whose KV did not come back from the buffer has computed garbage: it fails alone.
+        for req in step.requests:
+            copy_in = self._copies_in.pop(req.request_id, None)
+            if copy_in is not None and req.state is RequestState.RUNNING and copy_in.exception() is not None:
+                self.running.remove(req)
+                req.queue.put_nowait(EngineError(f"fetching its KV from the CPU buffer failed: {copy_in.exception()}"))
+                self.finish(req)
+        now = time.monotonic()
+        ttft_misses = tpot_misses = 0
+        ttft, tpot = self.settings.ttft_slo_s, self.settings.tpot_slo_s
+        for req in step.requests:
+            if req.state is not RequestState.RUNNING:
+                continue
+            last = self._last_token_s.get(req.request_id)
+            if last is None:
+                arrived = self._arrived_s.get(req.request_id, now)
+                ttft_misses += ttft is not None and now - arrived > ttft
+            else:
+                tpot_misses += tpot is not None and now - last > tpot
+            self._last_token_s[req.request_id] = now
+        super().process(step, tokens)
+        if self._with_slo:
+            # Algorithm 2, on §4.4.2's violation events.
+            ttft_event, tpot_event = self._slo_window.observe(ttft_misses, tpot_misses)
+            assert self.kv is not None
+            self.logical_buffer_bytes = scale_logical_buffer(
+                self.logical_buffer_bytes, ttft_event=ttft_event, tpot_event=tpot_event,
+                max_bytes=self.settings.cpu_buffer_bytes, min_bytes=min(self.kv.chunks.chunk_bytes, self.settings.cpu_buffer_bytes))
+
+    def _reserve_next_slots(self) -> None:
+        self._settle_offloaded()
+        super()._reserve_next_slots()
+
+    def _settle_offloaded(self) -> None:
+        """Offloaded prefills that go on wait parked, their KV already in the buffer (their sink)."""
+        bs = self.block_size_tokens
+        for req in [r for r in self.running if r.request_id in self._offloaded_now]:
+            self._offloaded_now.discard(req.request_id)
+            self.running.remove(req)
+            sink = self._sink_of.pop(req.request_id)
+            req.parked = sink.view(sink.shape[0], 2, -1, bs, *sink.shape[3:])
+            req.state = RequestState.WAITING
+            self.parked.append(req)
+        self._offloaded_now.clear()
+
+
+def _drop_last(decodes: list[Request], prefills: list[Request]) -> tuple[list[Request], list[Request]]:
+    """One request fewer for the next try: the newest admission, else the last decode."""
+    if prefills:
+        return decodes, prefills[:-1]
+    return decodes[:-1], prefills
