@@ -178,16 +178,19 @@ class CudaMemory:
             for _ in range(num_chunks):
                 self.handles.append(_check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate"))
             self.zero_handle = _check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate")
-            self._zero_the_zero_chunk()
+            # New GPU memory holds anything, NaN included, and a masked-out KV slot times NaN is NaN:
+            # every chunk starts zeroed, as the host backend's do.
+            for handle in [*self.handles, self.zero_handle]:
+                self._zero(handle)
         except BaseException:
             for handle in self.handles:
                 drv.cuMemRelease(handle)
             raise
 
-    def _zero_the_zero_chunk(self) -> None:
+    def _zero(self, handle: Any) -> None:
         drv = _driver()
         address = _check(drv.cuMemAddressReserve(self.chunk_bytes, 0, 0, 0), "cuMemAddressReserve")
-        _check(drv.cuMemMap(address, self.chunk_bytes, 0, self.zero_handle, 0), "cuMemMap")
+        _check(drv.cuMemMap(address, self.chunk_bytes, 0, handle, 0), "cuMemMap")
         _check(drv.cuMemSetAccess(address, self.chunk_bytes, [self.access], 1), "cuMemSetAccess")
         _check(drv.cuMemsetD8(address, 0, self.chunk_bytes), "cuMemsetD8")
         _check(drv.cuCtxSynchronize(), "cuCtxSynchronize")

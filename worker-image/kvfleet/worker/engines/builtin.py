@@ -61,6 +61,7 @@ from kvfleet.worker.engines.builtin_model import (
     PagedKVCache,
     activation_bytes,
     block_major_shape,
+    decode_workspace_bytes,
     read_architecture,
     torch_dtype,
 )
@@ -116,7 +117,7 @@ class BuiltinEngine:
         budget_bytes = config.memory_budget_bytes
         if budget_bytes is not None and not config.elastic_memory:
             # The static split of the same budget: KV gets what the worst step's activations leave.
-            reserve_bytes = static_activation_reserve_bytes(arch, dtype, max_model_len, config.max_num_seqs)
+            reserve_bytes = static_activation_reserve_bytes(arch, dtype, max_model_len, config.max_num_seqs, budget_bytes)
             capacity_bytes = budget_bytes - reserve_bytes
             if capacity_bytes < block_bytes:
                 raise EngineError(f"a memory budget of {budget_bytes} bytes leaves no KV block after the activation "
@@ -140,6 +141,8 @@ class BuiltinEngine:
 
         def load() -> tuple[LlamaForward, PagedKVCache]:
             model = LlamaForward.load(config.model_path, dtype, device, max_model_len)
+            model.decode_workspace_bytes = decode_workspace_bytes(arch, dtype, max_model_len, BLOCK_SIZE_TOKENS,
+                                                                  budget_bytes)
             return model, PagedKVCache(arch, num_blocks, BLOCK_SIZE_TOKENS, dtype, device, storage=storage)
 
         try:
@@ -153,7 +156,8 @@ class BuiltinEngine:
             elastic.open(kv, limits, frozenset(arch.eos_token_ids))
             elastic.attach(kv, activations,
                            functools.partial(_activation_of, arch, dtype),
-                           ACTIVATION_BASE_BYTES, self._copy_out, self._copy_in, self._new_sink)
+                           ACTIVATION_BASE_BYTES + model.decode_workspace_bytes, self._copy_out, self._copy_in,
+                           self._new_sink)
             capacity_bytes = elastic.memory_state().kv_capacity_bytes
             num_blocks = capacity_bytes // block_bytes
         else:
@@ -300,7 +304,9 @@ class BuiltinEngine:
         cache = self._cache
         assert cache is not None
         tokens = blocks_for(num_tokens, BLOCK_SIZE_TOKENS) * BLOCK_SIZE_TOKENS
-        return torch.empty((len(cache.layers), 2, tokens, *cache.block_shape[1:]), dtype=cache.layers[0].dtype,
+        # Zeroed: the last block's slots past the prompt are masked in attention, but a mask's zero
+        # weight times a NaN that uninitialized memory may hold is still NaN.
+        return torch.zeros((len(cache.layers), 2, tokens, *cache.block_shape[1:]), dtype=cache.layers[0].dtype,
                            pin_memory=cache.layers[0].is_cuda)
 
     # -- the step loop -----------------------------------------------------------------------------
@@ -362,11 +368,13 @@ def _activation_of(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: int,
 
 
 def static_activation_reserve_bytes(arch: LlamaArchitecture, dtype: torch.dtype, max_model_len: int,
-                                    max_num_seqs: int) -> int:
+                                    max_num_seqs: int, budget_bytes: int | None = None) -> int:
     """The activation reserve of a static split, as vLLM sizes it (a profiling run of the largest
     step): the most any step of this engine can need, a prompt of max_model_len alone, or a full
-    prefill budget beside max_num_seqs - 1 decodes at the longest context."""
+    prefill budget beside max_num_seqs - 1 decodes at the longest context (their attention in the
+    decode workspace)."""
     alone = _activation_of(arch, dtype, max_model_len, max_model_len)
     prefill = min(PREFILL_TOKENS_PER_STEP, max_model_len)
     mixed = _activation_of(arch, dtype, prefill, prefill) + (max_num_seqs - 1) * _activation_of(arch, dtype, 1, max_model_len)
-    return ACTIVATION_BASE_BYTES + max(alone, mixed)
+    workspace = decode_workspace_bytes(arch, dtype, max_model_len, BLOCK_SIZE_TOKENS, budget_bytes)
+    return ACTIVATION_BASE_BYTES + workspace + max(alone, mixed)

@@ -178,6 +178,7 @@ class ElasticScheduler(Scheduler):
         self.activations: ActivationChunks | None = None
         self._activation_of: ActivationOf = lambda new, context: 0
         self._base_activation_bytes = 0
+        self._threshold_bytes = settings.threshold_bytes
         self._copy_out: CopyOut | None = None
         self._copy_in: CopyIn | None = None
         self._new_sink: Callable[[int], torch.Tensor] | None = None
@@ -219,6 +220,8 @@ class ElasticScheduler(Scheduler):
         self._copy_out, self._copy_in, self._new_sink = copy_out, copy_in, new_sink
         if self._with_slo:
             self.logical_buffer_bytes = min(kv.chunks.chunk_bytes, self.settings.cpu_buffer_bytes)
+        # Algorithm 1 counts bytes; the pool hands out chunks, and each side may round up by one.
+        self._threshold_bytes = self.settings.threshold_bytes + 2 * kv.chunks.chunk_bytes
 
     # -- memory figures -------------------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class ElasticScheduler(Scheduler):
         chunk_bytes = self.kv.chunks.chunk_bytes
         resting = -(-self._base_activation_bytes // chunk_bytes) * chunk_bytes  # what any step holds
         recent = max(self._recent_activation, default=resting)
-        capacity = self.total_bytes - self.settings.threshold_bytes - recent
+        capacity = self.total_bytes - self._threshold_bytes - recent
         capacity = max(self.pool.block_bytes, capacity // self.pool.block_bytes * self.pool.block_bytes)
         return MemoryState(kv_capacity_bytes=capacity, cpu_buffer_bytes=self.buffer_held_bytes(),
                            cpu_buffer_capacity_bytes=self.settings.cpu_buffer_bytes,
@@ -252,7 +255,7 @@ class ElasticScheduler(Scheduler):
         # pool) must each fit the pool, or it would wait forever.
         most_tokens = len(prompt) + params.max_tokens
         most_kv = blocks_for(most_tokens, self.block_size_tokens) * self.pool.block_bytes
-        room = self.total_bytes - self.settings.threshold_bytes - self._base_activation_bytes
+        room = self.total_bytes - self._threshold_bytes - self._base_activation_bytes
         prefill = self._activation_of(len(prompt) + len(output), len(prompt) + len(output))
         decode = most_kv + self._activation_of(1, most_tokens)
         if max(prefill, decode) > room:
@@ -334,7 +337,10 @@ class ElasticScheduler(Scheduler):
         for req in [r for r in list(self.running) if r not in batch_decodes]:
             self._evict(req)
         # KV for the batch: inflate into FREE chunks, then into the activation side's idle ones; a
-        # fragmented pool may still fall short, then the newest admissions wait.
+        # fragmented pool may still fall short, then the newest admissions wait, and the activations
+        # they would have needed become idle (reclaimable) in turn.
+        chunk_bytes = kv.chunks.chunk_bytes
+        act_bytes = plan.activation_bytes
         while True:
             needed = self._new_blocks(batch_decodes, admitted)
             short = needed - len(kv.free)
@@ -343,19 +349,22 @@ class ElasticScheduler(Scheduler):
             want = -(-short // kv.blocks_per_chunk)
             grown = kv.grow(want)
             if grown < want:
-                activations.reclaim(act_chunks, want - grown)
+                activations.reclaim(-(-act_bytes // chunk_bytes), want - grown)
                 grown += kv.grow(want - grown)
             self.inflated_chunks += grown
             if grown >= want:
                 continue
             if admitted:
-                admitted.pop()
+                dropped, _ = admitted.pop()
+                act_bytes -= self._prefill_demand(dropped).activation_bytes
             elif batch_decodes:
                 victim = batch_decodes.pop()
+                act_bytes -= self._decode_demand(victim).activation_bytes
                 if victim.state is RequestState.RUNNING:
                     self._evict(victim)
             else:
                 break
+        act_chunks = -(-act_bytes // chunk_bytes) if batch_decodes or admitted else 0
         return self._build_step(batch_decodes, admitted, act_chunks * kv.chunks.chunk_bytes)
 
     def _prefill_candidates(self, num_decodes: int) -> list[Request]:
@@ -377,7 +386,7 @@ class ElasticScheduler(Scheduler):
         kv_bytes = self.kv.mapped_bytes
         available = min(self.logical_buffer_bytes, self.settings.cpu_buffer_bytes) - self.buffer_held_bytes()
         return PoolState(total_bytes=self.total_bytes, kv_bytes=kv_bytes, activation_bytes=self.total_bytes - kv_bytes,
-                         threshold_bytes=self.settings.threshold_bytes, buffer_available_bytes=max(0, available))
+                         threshold_bytes=self._threshold_bytes, buffer_available_bytes=max(0, available))
 
     def _kv_bytes_after_step(self, req: Request) -> int:
         # Its tokens and the slot of the one it samples (reserved after the step).

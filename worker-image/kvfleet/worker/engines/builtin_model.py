@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.worker.engines.base import EngineError
+from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS
 
 # Model types whose checkpoints use Llama's tensor names and block structure.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -214,21 +215,41 @@ def activation_bytes(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: in
     fused QKV and rotary temporaries (3 x (heads + 2 x kv_heads) x head_dim), the attention output
     (heads x head_dim) and the MLP (gate, up, silu, product: 4 x intermediate); per sequence one row
     of logits in the dtype and in float32. Attention is transient per layer: a decode gathers its
-    blocks (K and V, and SDPA's contiguous copies of them: 4 x padded context x kv_heads x head_dim)
-    and a mask; a prefill gathers K and V likewise and builds its causal mask as bool and float32
-    (5 bytes per query x key pair), plus SDPA's float32 output. Checked against torch's profiler
-    (tests/worker/test_elastic_engine.py): at most 1.6x what the CPU really allocates, never less.
+    blocks (K and V, and SDPA's contiguous copies of them) and a mask; a prefill gathers K and V likewise and builds its causal mask as bool and float32
+    (5 bytes per query x key pair), plus SDPA's float32 output; a decode's gather is the step's
+    decode workspace instead (`decode_workspace_bytes`, charged once per step). Checked against
+    torch's profiler (tests/worker/test_elastic_engine.py): never less than what the CPU really
+    allocates, and at most 1.6x it besides the fixed base and workspace.
     """
     s = dtype.itemsize
     h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     per_token = s * (3 * arch.hidden_size + 3 * (h + 2 * kvh) * d + h * d + 4 * arch.intermediate_size)
     logits = arch.vocab_size * (s + 4)
     if new_tokens == 1:
-        padded = -(-context_tokens // block_size_tokens) * block_size_tokens
-        attention = 4 * padded * kvh * d * s + 5 * padded
+        attention = 0  # in the step's decode workspace (decode_workspace_bytes), charged once per step
     else:
         attention = 4 * context_tokens * kvh * d * s + 5 * new_tokens * context_tokens + 2 * new_tokens * h * d * 4
     return new_tokens * per_token + logits + attention
+
+
+def decode_gather_bytes_per_token(arch: LlamaArchitecture, dtype: torch.dtype) -> int:
+    """A decode's attention transient per (padded) context token: K and V gathered from the blocks,
+    SDPA's contiguous copies of them, and the mask as bool and float32."""
+    return 4 * arch.num_kv_heads * arch.head_dim * dtype.itemsize + 5
+
+
+# The decode attention workspace: the most K and V a step's decodes gather at once (more decodes attend
+# in several groups). At least one request at the longest context, whatever the bound.
+DECODE_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+def decode_workspace_bytes(arch: LlamaArchitecture, dtype: torch.dtype, max_model_len: int, block_size_tokens: int,
+                           memory_bytes: int | None = None) -> int:
+    """DECODE_WORKSPACE_BYTES, or an eighth of the memory it comes out of when that is less, and never
+    less than one request at the longest context gathers."""
+    longest = -(-max_model_len // block_size_tokens) * block_size_tokens
+    bound = DECODE_WORKSPACE_BYTES if memory_bytes is None else min(DECODE_WORKSPACE_BYTES, memory_bytes // 8)
+    return max(bound, longest * decode_gather_bytes_per_token(arch, dtype))
 
 
 def block_major_shape(arch: LlamaArchitecture, num_blocks: int, block_size_tokens: int) -> tuple[int, ...]:
@@ -311,11 +332,31 @@ class LlamaForward:
                 down=take(f"{p}.mlp.down_proj.weight"),
             ))
         # cos/sin per position in float32, as transformers computes them, cast to the model dtype at use.
+        self.max_positions = max_positions
+        self._gather_bytes_per_token = decode_gather_bytes_per_token(arch, dtype)
+        # What one step's decode attention may gather at once (module-level decode_workspace_bytes).
+        self.decode_workspace_bytes = decode_workspace_bytes(arch, dtype, max_positions, BLOCK_SIZE_TOKENS)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(arch)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos = emb.cos().to(device)
         self.rope_sin = emb.sin().to(device)
+
+
+    def _decode_groups(self, contexts: Sequence[int], block_size_tokens: int) -> list[list[int]]:
+        """Consecutive runs of the decodes (indices into `contexts`) each gathering at most the workspace."""
+        budget = self.decode_workspace_bytes
+        groups: list[list[int]] = []
+        longest = 0
+        for j, context in enumerate(contexts):
+            padded = -(-context // block_size_tokens) * block_size_tokens
+            if groups and (len(groups[-1]) + 1) * max(longest, padded) * self._gather_bytes_per_token <= budget:
+                groups[-1].append(j)
+                longest = max(longest, padded)
+            else:
+                groups.append([j])
+                longest = padded
+        return groups
 
     @classmethod
     def load(cls, model_path: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForward:
@@ -376,14 +417,20 @@ class LlamaForward:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        decode_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, device=device)
-        if decode:
-            max_blocks = max(-(-context_lengths[i] // bs) for i in decode)
+        # Decodes attend in groups whose gathered K and V (padded to the group's longest context)
+        # stay within the decode workspace: a step's transient memory is then bounded whatever its
+        # batch, which is what elastic memory charges it (activation_bytes).
+        decode_groups = []
+        for group in self._decode_groups([context_lengths[i] for i in decode], bs):
+            members = [decode[j] for j in group]
+            max_blocks = max(-(-context_lengths[i] // bs) for i in members)
             # Padding entries point at block 0; the mask hides them.
-            padded_tables = [list(seqs[i].block_table[:max_blocks]) for i in decode]
+            padded_tables = [list(seqs[i].block_table[:max_blocks]) for i in members]
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded_tables], dtype=torch.long, device=device)
-            decode_lengths = torch.tensor([context_lengths[i] for i in decode], dtype=torch.long, device=device)
-            decode_mask = (torch.arange(max_blocks * bs, device=device)[None, :] < decode_lengths[:, None])[:, None, None, :]
+            group_lengths = torch.tensor([context_lengths[i] for i in members], dtype=torch.long, device=device)
+            group_mask = (torch.arange(max_blocks * bs, device=device)[None, :] < group_lengths[:, None])[:, None, None, :]
+            group_rows = torch.tensor([offsets[i] for i in members], dtype=torch.long, device=device)
+            decode_groups.append((group_rows, tables, group_mask))
 
         h, kvh, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         x = self.embed[ids]
@@ -402,13 +449,13 @@ class LlamaForward:
                 kv[0][block_index, offset_index] = k[cached_index]
                 kv[1][block_index, offset_index] = v[cached_index]
             attn = torch.empty_like(q)
-            if decode:
+            for group_rows, tables, group_mask in decode_groups:
                 # [B, kv_heads, context, head_dim] gathered through the block tables.
                 keys = kv[0][tables].flatten(1, 2).transpose(1, 2)
                 values = kv[1][tables].flatten(1, 2).transpose(1, 2)
-                out = F.scaled_dot_product_attention(q[decode_rows][:, :, None, :], keys, values,
-                                                     attn_mask=decode_mask, enable_gqa=True)
-                attn[decode_rows] = out[:, :, 0, :]
+                out = F.scaled_dot_product_attention(q[group_rows][:, :, None, :], keys, values,
+                                                     attn_mask=group_mask, enable_gqa=True)
+                attn[group_rows] = out[:, :, 0, :]
             for i in prefill:
                 start, n, context = seqs[i].start_position, lengths[i], context_lengths[i]
                 rows = slice(offsets[i], offsets[i] + n)
