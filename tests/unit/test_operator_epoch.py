@@ -160,3 +160,37 @@ def test_the_pools_priority_weights_scale_mells_defaults() -> None:
     assert (tuned.weight_same_node, tuned.weight_same_zone) == (0.0, 0.0)
     # The config is the operator's rebuild key: changing a weight must change it.
     assert tuned != default and tuned != config(workloadWeight=2.0)
+
+
+def test_the_capacity_planned_with_is_the_smallest_ready_bound_worker_reports_with_a_5_percent_band() -> None:
+    from kvfleet.operator.epoch import capacity_to_plan, reported_capacity_bytes
+
+    def sized(index: int, capacity: int, *, gpu: bool = True, ready: bool = True) -> WorkerView:
+        view = worker(index, gpu=gpu, ready=ready)
+        assert view.report is not None
+        return WorkerView(view.pod_name, view.gpu_id, index, "node-0", "zone-0", ready,
+                          view.report.model_copy(update={"capacity_bytes": capacity}))
+
+    assert reported_capacity_bytes([]) is None
+    assert reported_capacity_bytes([sized(0, 1500), sized(1, 1300), sized(2, 900, gpu=False), sized(3, 800, ready=False)]) == 1300
+    assert capacity_to_plan(1200, None) == 1200
+    assert capacity_to_plan(1200, 1259) == 1200  # under 5%: jitter of activations, no re-plan
+    assert capacity_to_plan(1200, 1260) == 1260
+    assert capacity_to_plan(1200, 1140) == 1140
+
+
+def test_a_replan_keeps_requests_in_place_and_when_they_were_moved() -> None:
+    workers = [worker(0, ("a", 700), ("b", 400)), worker(1, ("c", 700))]
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), workers)
+    assert sched.epoch(workers, {}, now_s=1.0).moves == ()
+    sched.ordered(["b"], 0.5)
+    # A little more room: requests stay where they are (the re-plan itself orders no move).
+    roomier = sched.replanned(C * 11 // 10, workers)
+    assert roomier.policy.snapshot().moved_at_s == (("b", 0.5),)
+    assert roomier.epoch(workers, {}, now_s=2.0).moves == ()
+    # Twice the room: MELL packs the pool onto one GPU, and the lower bound follows the new C.
+    grown = sched.replanned(2 * C, workers)
+    assert grown.config.capacity_bytes == 2 * C
+    out = grown.epoch(workers, {}, now_s=2.0)
+    assert [(m.request_id, m.target_pod, m.reason) for m in out.moves] == [("c", "p-worker-0", "Consolidate")]
+    assert out.lower_bound_gpus == 1

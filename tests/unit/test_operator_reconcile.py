@@ -250,3 +250,58 @@ def test_a_pass_over_a_new_pool_makes_what_it_owns_then_a_quiet_pass_writes_noth
     api.pool["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert reconcile.reconcile_pool("ns", "p", logger, api) == reconcile.RETRY_S
     assert reconcile.pool_state("ns", "p") is None
+
+
+def test_elastic_memory_gives_workers_one_pool_and_a_cpu_buffer() -> None:
+    plain = {e["name"] for e in resources.worker_pod(POOL, spec(engine="builtin"), 0)["spec"]["containers"][0]["env"]}
+    assert not {n for n in plain if "MEMORY" in n or "BUFFER" in n}
+    s = spec(engine="builtin", capacity={"gpuMemory": "80Gi", "modelWeights": "16Gi", "activationReserveFraction": 0.1},
+             elasticMemory={"enabled": True, "cpuBuffer": "32Gi", "ttftMilliseconds": 2000})
+    env = {e["name"]: e.get("value") for e in resources.worker_pod(POOL, s, 0)["spec"]["containers"][0]["env"]}
+    gib = 2**30
+    # KV capacity (80 x 0.9 - 16 = 56 GiB) plus the 8 GiB activation reserve, within 80 - 16 GiB.
+    assert env["KVFLEET_MEMORY_BUDGET_BYTES"] == str(64 * gib)
+    assert (env["KVFLEET_ELASTIC_MEMORY"], env["KVFLEET_CPU_BUFFER_BYTES"], env["KVFLEET_TTFT_SLO_MS"]) == ("1", str(32 * gib), "2000.0")
+    assert "KVFLEET_TPOT_SLO_MS" not in env
+
+
+def test_elastic_memory_needs_the_builtin_engine() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs engine: builtin"):
+        spec(elasticMemory={"enabled": True})
+    with pytest.raises(ValidationError, match="must be a positive quantity"):
+        spec(engine="builtin", elasticMemory={"enabled": True, "cpuBuffer": "-1Gi"})
+
+
+def test_status_shows_the_capacity_planned_with_and_the_parked_kv() -> None:
+    figures = SchedulingFigures(gpus_in_use=2, used_bytes=2**30, capacity_bytes=2**30, cpu_buffer_bytes=5 * 2**20)
+    status = pool_status(POOL, spec(), [pod(0), pod(1)], figures, "2026-01-01T00:00:00Z")
+    assert (status["kvCapacityPerWorkerBytes"], status["cpuBufferBytes"], status["kvUtilizationPercent"]) == (2**30, 5 * 2**20, 50)
+
+
+def test_the_pool_replans_when_its_workers_report_another_capacity() -> None:
+    from kvfleet.api.reports import KVLoadReport
+    from kvfleet.operator import reconcile
+    from kvfleet.operator.epoch import WorkerView
+
+    body = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
+            "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}}}
+    api = MemoryKube(body)
+    reconcile.forget_pool("ns", "p")
+    ctx = reconcile.PassContext(api, "ns", "p", body, spec(), logging.getLogger("test"))
+
+    def workers(*capacities: int) -> list[WorkerView]:
+        return [WorkerView(f"p-worker-{i}", f"gpu-{i}", i, "n", "z", True,
+                           KVLoadReport(capacity_bytes=c, used_bytes=0, sequence=1)) for i, c in enumerate(capacities)]
+
+    state = reconcile.scheduler_state(ctx, workers(2**30 + 2**29, 2**30 + 2**28))
+    assert state.scheduler.config.capacity_bytes == 2**30 + 2**28  # the smallest report, from the start
+    assert reconcile.scheduler_state(ctx, workers(2**30 + 2**28 + 2**20)) is state and api.events == []
+    reconcile.scheduler_state(ctx, workers(2**30 + 2**29))
+    assert state.scheduler.config.capacity_bytes == 2**30 + 2**29
+    assert api.events == [("CapacityChanged", "KV capacity per worker now 1536Mi (was 1280Mi), the smallest the workers "
+                                              "report", False)]
+    reconcile.forget_pool("ns", "p")

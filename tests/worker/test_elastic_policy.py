@@ -35,7 +35,7 @@ def test_threshold_is_kept_free() -> None:
 def test_prefill_offloads_kv_when_only_activations_fit_and_the_buffer_has_room() -> None:
     # After the decode (40 + 10), a prefill needing 40 KV + 20 act does not fit (110 > 100): its KV goes
     # to the buffer (line 8-11) if the buffer takes 40; the next prefill then finds the buffer at 5.
-    plan = plan_batch(state(buffer=45), [Demand(40, 10)], [Demand(40, 20), Demand(40, 20)])
+    plan = plan_batch(state(buffer=45), [Demand(40, 10)], [Demand(40, 20), Demand(40, 20)], park_for_prefill=False)
     assert plan.num_decodes == 1
     assert plan.prefills == (Admission.OFFLOADED,)
     assert (plan.kv_bytes, plan.activation_bytes) == (40, 30)
@@ -44,6 +44,23 @@ def test_prefill_offloads_kv_when_only_activations_fit_and_the_buffer_has_room()
 def test_prefill_on_the_gpu_when_it_fits_and_not_offloadable_without_the_flag() -> None:
     plan = plan_batch(state(buffer=1000), [], [Demand(30, 10), Demand(30, 10), Demand(50, 10, offloadable=False)])
     assert plan.prefills == (Admission.GPU, Admission.GPU)
+
+
+def test_the_newest_decodes_park_for_a_prefill_that_fits_no_other_way() -> None:
+    decodes = [Demand(30, 5)] * 3  # 105 of 100 - 0: the third waits (the loop breaks)
+    # The head prefill needs 40 of activations: parking the second decode (30 KV to the buffer) makes
+    # room for it, KV and all (100 - (30 + 5 + 20 + 40) >= 0).
+    plan = plan_batch(state(buffer=60), decodes, [Demand(20, 40)])
+    assert (plan.num_decodes, plan.prefills) == (1, (Admission.GPU,))
+    assert (plan.kv_bytes, plan.activation_bytes) == (50, 45)
+    # With more KV, parking one still leaves no room for it on the GPU: it goes offloaded (30 + 40 <= 70).
+    plan = plan_batch(state(buffer=70), decodes, [Demand(40, 40)])
+    assert (plan.num_decodes, plan.prefills, plan.kv_bytes) == (1, (Admission.OFFLOADED,), 30)
+    # The paper's strict loop: the decoding batch keeps its place and the prefill waits.
+    assert plan_batch(state(buffer=60), decodes, [Demand(20, 40)], park_for_prefill=False).prefills == ()
+    # A buffer that cannot take the parked KV: nothing parks, nothing is admitted.
+    plan = plan_batch(state(buffer=20), decodes, [Demand(20, 40)])
+    assert (plan.num_decodes, plan.prefills) == (2, ())
 
 
 def test_balloon_inflates_and_deflates() -> None:

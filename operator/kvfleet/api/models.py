@@ -136,6 +136,25 @@ class CapacitySpec(_Model):
     )
 
 
+class ElasticMemorySpec(_Model):
+    """Elastic memory in the workers (eLLM, docs/elastic-memory.md; the builtin engine).
+
+    Each worker keeps its KV cache and its activations in one pool, the KV capacity plus the
+    activation reserve it would otherwise keep (capacity.activationReserveFraction of the GPUs), and
+    the KV of requests that wait in a CPU buffer. Workers then report a capacity that moves with
+    their activations, and MELL plans with what they report.
+    """
+
+    enabled: bool = Field(default=False, description="Share one memory pool between KV cache and activations.")
+    cpu_buffer: Quantity = Field(default="0", description="Host memory per worker for the KV of waiting requests; 0: none.")
+    ttft_milliseconds: float | None = Field(
+        default=None, gt=0, le=3.6e6, description="TTFT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2)."
+    )
+    tpot_milliseconds: float | None = Field(
+        default=None, gt=0, le=60000, description="TPOT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2)."
+    )
+
+
 class SchedulingSpec(_Model):
     """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
 
@@ -284,6 +303,12 @@ class LLMPoolSpec(_Model):
                     "fieldPath": ".slo",
                 },
                 {
+                    "rule": "!has(self.elasticMemory) || !has(self.elasticMemory.enabled) || !self.elasticMemory.enabled "
+                    "|| (has(self.engine) && self.engine == 'builtin')",
+                    "message": "elasticMemory.enabled needs engine: builtin",
+                    "fieldPath": ".elasticMemory.enabled",
+                },
+                {
                     "rule": "has(self.capacity.kvCapacityPerWorker) || has(self.capacity.modelWeights)",
                     "message": "set capacity.kvCapacityPerWorker, or capacity.modelWeights so it can be derived",
                     "fieldPath": ".capacity",
@@ -323,6 +348,7 @@ class LLMPoolSpec(_Model):
     migration: MigrationSpec = Field(default_factory=MigrationSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
+    elastic_memory: ElasticMemorySpec = Field(default_factory=ElasticMemorySpec)
     worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
 
     @model_validator(mode="after")
@@ -331,6 +357,9 @@ class LLMPoolSpec(_Model):
             raise ValueError("replicas must not exceed workers.max")
         self.kv_capacity_per_worker_bytes()  # raises when it cannot be derived
         self.tpot_load_cap()  # raises when the objective cannot be turned into a load cap
+        if self.elastic_memory.enabled and self.engine != "builtin":
+            raise ValueError("elasticMemory.enabled needs engine: builtin (vLLM's KV cache does not grow or shrink "
+                             "through its public interfaces; docs/elastic-memory.md)")
         return self
 
     def tpot_load_cap(self) -> tuple[int, int] | None:
@@ -345,6 +374,15 @@ class LLMPoolSpec(_Model):
         bandwidth = quantity_bytes(slo.gpu_memory_bandwidth) * self.gpus_per_worker * slo.bandwidth_efficiency
         return tpot_load_cap(slo.tpot_milliseconds / 1000.0, quantity_bytes(self.capacity.model_weights), bandwidth,
                              slo.per_sequence_overhead_microseconds / 1e6)
+
+    def memory_budget_bytes(self) -> int:
+        """An elastic worker's pool for KV and activations: its KV capacity plus the activation reserve
+        a static split keeps, within the GPUs' memory less the weights."""
+        cap = self.capacity
+        total_bytes = quantity_bytes(cap.gpu_memory) * self.gpus_per_worker
+        reserve_bytes = total_bytes - int(total_bytes * (1 - cap.activation_reserve_fraction))
+        ceiling = total_bytes - (quantity_bytes(cap.model_weights) if cap.model_weights is not None else 0)
+        return min(self.kv_capacity_per_worker_bytes() + reserve_bytes, ceiling)
 
     def kv_capacity_per_worker_bytes(self) -> int:
         """MELL's C for this pool, given or derived (see CapacitySpec)."""
@@ -397,6 +435,10 @@ class LLMPoolStatus(_Model):
     lower_bound_gpus: int = 0
     kv_utilization_percent: int = Field(default=0, ge=0, le=100)
     migrations_in_flight: int = 0
+    kv_capacity_per_worker_bytes: int = Field(
+        default=0, ge=0, description="The KV capacity per worker MELL plans with: the smallest the workers report."
+    )
+    cpu_buffer_bytes: int = Field(default=0, ge=0, description="KV parked in the workers' CPU buffers (elastic memory).")
     routing_table: list[RouteEntry] = Field(default_factory=list, max_length=4)
     selector: Annotated[str, StringConstraints(max_length=1024)] = Field(
         default="", description="Label selector of the pool's worker pods (for the scale subresource)."

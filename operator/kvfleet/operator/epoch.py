@@ -15,6 +15,7 @@ No I/O and no clock here; time comes in as an argument.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -74,6 +75,26 @@ def gpu_index(gpu_id: str) -> int:
     return int(gpu_id.rsplit("-", 1)[-1])
 
 
+# A reported capacity this far from the one MELL plans with re-plans the pool: elastic workers'
+# capacities move with their activations, and re-planning on every small move would only churn.
+CAPACITY_REPLAN_FRACTION = 0.05
+
+
+def reported_capacity_bytes(workers: Iterable[WorkerView]) -> int | None:
+    """The KV capacity the pool's workers report: the smallest over the ready, GPU-bound ones (MELL
+    packs equal bins, and the smallest keeps every bin true); None before any such report."""
+    capacities = [w.report.capacity_bytes for w in workers if w.ready and w.gpu_id is not None and w.report is not None]
+    return min(capacities) if capacities else None
+
+
+def capacity_to_plan(planned_bytes: int, reported_bytes: int | None) -> int:
+    """The capacity the next epoch plans with: the reported one once it is CAPACITY_REPLAN_FRACTION
+    away from the planned one, else the planned one."""
+    if reported_bytes is None or abs(reported_bytes - planned_bytes) < CAPACITY_REPLAN_FRACTION * planned_bytes:
+        return planned_bytes
+    return reported_bytes
+
+
 class PoolScheduler:
     """The scheduling state of one pool, kept in memory between epochs and rebuildable from pods."""
 
@@ -118,6 +139,18 @@ class PoolScheduler:
         self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
         self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
         return self
+
+    def replanned(self, capacity_bytes: int, workers: Iterable[WorkerView]) -> PoolScheduler:
+        """This pool's scheduler planning with another capacity: rebuilt from the reports (requests
+        stay where they are, as after a restart), keeping when each request was last moved (so none
+        moves again sooner than the policy allows) and why those out of place are."""
+        moved_at = self.policy.snapshot().moved_at_s
+        fresh = PoolScheduler.rebuild(self.policy_name, dataclasses.replace(self.config, capacity_bytes=capacity_bytes),
+                                      workers)
+        for request_id, moved_s in moved_at:
+            fresh.policy.note_moved([request_id], moved_s)
+        fresh.causes = dict(self.causes)
+        return fresh
 
     def routes(self) -> dict[str, str]:
         """Which GPU MELL's Allocate would give the next request of each size class (the routing table).

@@ -10,6 +10,7 @@ kvfleet.operator.kube.KubeApi.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvfleet.api.models import LLMPoolSpec
+from kvfleet.api.quantity import format_bytes
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
@@ -129,6 +131,8 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
         used_bytes=outcome.used_bytes,
         migrations_in_flight=len(observed.view.in_flight) + len(planned.chosen),
         waiting_for_max=len(actions.waiting_for_max),
+        capacity_bytes=state.scheduler.config.capacity_bytes,
+        cpu_buffer_bytes=sum(w.report.cpu_buffer_bytes or 0 for w in observed.workers if w.report is not None),
     )
     status = write_status(ctx, raw_pods, figures, table, router_ready)
     log_epoch(ctx, state, outcome, planned, actions)
@@ -183,13 +187,27 @@ def settle_migrations(ctx: PassContext, view: migrations.MigrationView) -> None:
 
 def scheduler_state(ctx: PassContext, workers: list[epoch.WorkerView]) -> PoolState:
     """The pool's state, rebuilt from the workers' reports when missing, for another pool of that name,
-    or after any change of policy or of its knobs (capacity, weights)."""
+    or after any change of policy or of its knobs (capacity, weights); re-planned when the capacity the
+    workers report moves away from the one it plans with (epoch.capacity_to_plan)."""
     key = (ctx.spec.scheduling.policy, scheduler_config(ctx.spec))
     state = _states.get((ctx.namespace, ctx.name))
+    reported = epoch.reported_capacity_bytes(workers)
     if state is None or state.uid != ctx.pool["metadata"]["uid"] or state.key != key:
-        state = PoolState(ctx.pool["metadata"]["uid"], key, PoolScheduler.rebuild(key[0], key[1], workers))
+        capacity = reported or key[1].capacity_bytes
+        scheduler = PoolScheduler.rebuild(key[0], dataclasses.replace(key[1], capacity_bytes=capacity), workers)
+        state = PoolState(ctx.pool["metadata"]["uid"], key, scheduler)
         _states[(ctx.namespace, ctx.name)] = state
-        ctx.logger.info("scheduler state rebuilt from %d workers", len(workers))
+        ctx.logger.info("scheduler state rebuilt from %d workers (KV capacity per worker %d bytes)", len(workers), capacity)
+        return state
+    planned = state.scheduler.config.capacity_bytes
+    capacity = epoch.capacity_to_plan(planned, reported)
+    if capacity != planned:
+        state.scheduler = state.scheduler.replanned(capacity, workers)
+        state.routes = None
+        message = (f"KV capacity per worker now {format_bytes(capacity)} (was {format_bytes(planned)}), "
+                   "the smallest the workers report")
+        ctx.logger.info("%s", message)
+        ctx.api.post_event(ctx.pool, "CapacityChanged", message)
     return state
 
 

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from kvfleet.api.models import API_VERSION, LLMPoolSpec
+from kvfleet.api.quantity import quantity_bytes
 
 POOL_LABEL = "kvfleet.dev/pool"
 INDEX_LABEL = "kvfleet.dev/worker-index"
@@ -136,6 +137,14 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
         {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
         {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
     ]
+    elastic = spec.elastic_memory
+    if elastic.enabled:
+        env += [{"name": "KVFLEET_ELASTIC_MEMORY", "value": "1"},
+                {"name": "KVFLEET_MEMORY_BUDGET_BYTES", "value": str(spec.memory_budget_bytes())},
+                {"name": "KVFLEET_CPU_BUFFER_BYTES", "value": str(quantity_bytes(elastic.cpu_buffer))}]
+        env += [{"name": name, "value": str(value)} for name, value in
+                (("KVFLEET_TTFT_SLO_MS", elastic.ttft_milliseconds), ("KVFLEET_TPOT_SLO_MS", elastic.tpot_milliseconds))
+                if value is not None]
     return env + [{"name": var.name, "value": var.value} for var in spec.worker_template.env]
 
 

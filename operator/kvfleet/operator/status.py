@@ -54,6 +54,10 @@ class SchedulingFigures:
     used_bytes: int = 0
     migrations_in_flight: int = 0
     waiting_for_max: int = 0
+    # The KV capacity per worker the epoch planned with (the workers' reports, else the spec's), and
+    # the KV the workers parked in their CPU buffers.
+    capacity_bytes: int | None = None
+    cpu_buffer_bytes: int = 0
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -100,7 +104,7 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         before = previous.get(cond["type"], {})
         cond["lastTransitionTime"] = before.get("lastTransitionTime", now) if before.get("status") == cond["status"] else now
         cond["observedGeneration"] = generation
-    capacity_bytes = spec.kv_capacity_per_worker_bytes()
+    capacity_bytes = figures.capacity_bytes or spec.kv_capacity_per_worker_bytes()
     active_bytes = figures.gpus_in_use * capacity_bytes
     return {
         "observedGeneration": generation,
@@ -112,6 +116,8 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         "lowerBoundGpus": figures.lower_bound_gpus,
         "kvUtilizationPercent": min(100, round(100 * figures.used_bytes / active_bytes)) if active_bytes else 0,
         "migrationsInFlight": figures.migrations_in_flight,
+        "kvCapacityPerWorkerBytes": capacity_bytes,
+        "cpuBufferBytes": figures.cpu_buffer_bytes,
         "selector": worker_selector(name),
     }
 

@@ -76,6 +76,9 @@ class EngineConfig:
     # Host memory that holds the KV of waiting or preempted requests instead of recomputing it (§4.3.2);
     # 0 disables the buffer (preemption recomputes, as vLLM v1 does).
     cpu_buffer_bytes: int = 0
+    # Park the newest decodes' KV to make room for a prefill that fits no other way (True), or keep
+    # eLLM's Algorithm 1 strictly, where a full decoding batch holds prefills off (builtin_elastic_policy).
+    park_decodes_for_prefill: bool = True
     # Latency objectives that steer the buffer's logical size (Algorithm 2); None: no objective.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None

@@ -94,6 +94,7 @@ class BuiltinEngine:
         if config.memory_budget_bytes is not None and config.elastic_memory:
             self._elastic = ElasticScheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed, ElasticSettings(
                 cpu_buffer_bytes=config.cpu_buffer_bytes, threshold_bytes=0,
+                park_decodes_for_prefill=config.park_decodes_for_prefill,
                 ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s))
         self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.

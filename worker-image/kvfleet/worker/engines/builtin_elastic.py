@@ -161,6 +161,7 @@ class ElasticSettings:
 
     cpu_buffer_bytes: int
     threshold_bytes: int
+    park_decodes_for_prefill: bool = True
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
 
@@ -318,7 +319,8 @@ class ElasticScheduler(Scheduler):
         while True:
             plan = plan_batch(self._pool_state(), [self._decode_demand(r) for r in decodes],
                               [self._prefill_demand(r) for r in prefills],
-                              base_activation_bytes=self._base_activation_bytes, base_kv_bytes=self._staged_bytes())
+                              base_activation_bytes=self._base_activation_bytes, base_kv_bytes=self._staged_bytes(),
+                              park_for_prefill=self.settings.park_decodes_for_prefill)
             batch_decodes = decodes[: plan.num_decodes]
             admitted = list(zip(prefills, plan.prefills))
             if not batch_decodes and not admitted:

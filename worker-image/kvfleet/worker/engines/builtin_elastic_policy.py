@@ -72,7 +72,7 @@ class BatchPlan:
 
 
 def plan_batch(state: PoolState, decodes: Sequence[Demand], prefills: Sequence[Demand],
-               base_activation_bytes: int = 0, base_kv_bytes: int = 0) -> BatchPlan:
+               base_activation_bytes: int = 0, base_kv_bytes: int = 0, park_for_prefill: bool = True) -> BatchPlan:
     """Algorithm 1 (§4.4.1) over the decoding queue, then the prefill queue (see the module docstring).
 
     `decodes` are the requests to decode in queue order (running, then those whose KV waits in the
@@ -80,6 +80,16 @@ def plan_batch(state: PoolState, decodes: Sequence[Demand], prefills: Sequence[D
     arrival order. `base_activation_bytes` is what any step needs whatever its batch, counted in
     M_act from the start, and `base_kv_bytes` the KV held by no request of either queue (blocks a
     migration has imported for a request not resumed yet), counted in M_kv.
+
+    `park_for_prefill` is this engine's reading of the paper's prefill phase in a continuously
+    batched step. In the paper a prefill iteration runs no decode, so a prefill's activations may take
+    the chunks decoding requests' KV held (deflation, its KV sent to the CPU buffer and fetched back
+    "when their corresponding request's decoding is scheduled", §4.3.2). Here, when the head of the
+    prefill queue does not fit beside the decoding batch, the newest decodes leave the batch with
+    their KV parked in the buffer (within what the buffer may take, so Algorithm 2 bounds it as it
+    bounds offloaded prefills) until it fits. Without it (False) a decoding batch that fills the pool
+    holds prefills off until it shrinks, and elastic memory cannot hold a larger batch than a static
+    split of the same memory (bench/elastic.py measures both).
     """
     total, theta = state.total_bytes, state.threshold_bytes
     m_kv, m_act = base_kv_bytes, base_activation_bytes
@@ -96,6 +106,22 @@ def plan_batch(state: PoolState, decodes: Sequence[Demand], prefills: Sequence[D
     buffer_bytes = state.buffer_available_bytes
     # Lines 2-13: prefill phase; a request whose KV does not fit may go with its KV offloaded.
     for demand in prefills:
+        if park_for_prefill and not admitted and total - (m_kv + m_act + demand.activation_bytes) < theta:
+            # Park the newest decodes until the head prefill's activations fit (docstring); kept
+            # only if the prefill is then admitted one way or the other.
+            parked_kv = parked_act = parked = 0
+            while (parked < num_decodes and total - (m_kv - parked_kv + m_act - parked_act + demand.activation_bytes) < theta
+                   and parked_kv + decodes[num_decodes - parked - 1].kv_bytes <= buffer_bytes):
+                parked_kv += decodes[num_decodes - parked - 1].kv_bytes
+                parked_act += decodes[num_decodes - parked - 1].activation_bytes
+                parked += 1
+            left = buffer_bytes - parked_kv
+            fits_gpu = total - (m_kv - parked_kv + m_act - parked_act + demand.kv_bytes + demand.activation_bytes) >= theta
+            fits_offloaded = (demand.offloadable and demand.kv_bytes <= left
+                              and total - (m_kv - parked_kv + m_act - parked_act + demand.activation_bytes) >= theta)
+            if parked and (fits_gpu or fits_offloaded):
+                num_decodes -= parked
+                m_kv, m_act, buffer_bytes = m_kv - parked_kv, m_act - parked_act, left
         if total - (m_kv + m_act + demand.kv_bytes + demand.activation_bytes) >= theta:
             admitted.append(Admission.GPU)
             m_kv += demand.kv_bytes
