@@ -17,6 +17,7 @@ import json
 import multiprocessing.resource_tracker
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from worker_testing import (
