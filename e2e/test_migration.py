@@ -14,9 +14,7 @@ the same engine.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -27,10 +25,9 @@ import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
-from kvfleet.worker.engines import EngineConfig, load_engine
-from kvfleet.worker.engines.base import SamplingParams
 from kvfleet.worker.model.tiny import make_tiny
 from kvfleet.worker.text import Tokenizer
+from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
 
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"
@@ -54,27 +51,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(3, 2000) for _ in range(length - 1)]
-
-
 def greedy_reference(model_dir: Path) -> dict[str, list[int]]:
-    """What each request generates unmigrated (the builtin engine's greedy output is batch-invariant)."""
-
-    async def run() -> dict[str, list[int]]:
-        engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=8 * 2**20))
-        await engine.start()
-        try:
-            out: dict[str, list[int]] = {}
-            for i, (rid, length, max_tokens) in enumerate(REQUESTS):
-                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                out[rid] = [t async for step in engine.generate(rid, prompt(length, i), params) for t in step.new_token_ids]
-            return out
-        finally:
-            await engine.stop()
-
-    return asyncio.run(run())
+    """What each request generates unmigrated."""
+    return greedy_outputs(model_dir, REQUESTS, 8 * 2**20)
 
 
 def pool(model_dir: Path) -> dict[str, Any]:
@@ -134,7 +113,7 @@ def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Clu
 
     def client(i: int, rid: str, length: int, max_tokens: int) -> None:
         try:
-            results[rid] = stream(first["status"]["podIP"], rid, {"model": "tiny", "prompt": prompt(length, i),
+            results[rid] = stream(first["status"]["podIP"], rid, {"model": "tiny", "prompt": seeded_prompt(length, i),
                                                                  "max_tokens": max_tokens, "temperature": 0,
                                                                  "ignore_eos": True})
         except BaseException as err:  # reported on the main thread

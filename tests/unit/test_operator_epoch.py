@@ -162,7 +162,7 @@ def test_the_pools_priority_weights_scale_mells_defaults() -> None:
     assert tuned != default and tuned != config(workloadWeight=2.0)
 
 
-def test_the_capacity_planned_with_is_the_smallest_ready_bound_worker_reports_with_a_5_percent_band() -> None:
+def test_the_capacity_planned_with_is_the_smallest_a_ready_worker_reports_with_a_5_percent_band() -> None:
     from kvfleet.operator.epoch import capacity_to_plan, reported_capacity_bytes
 
     def sized(index: int, capacity: int, *, gpu: bool = True, ready: bool = True) -> WorkerView:
@@ -172,7 +172,8 @@ def test_the_capacity_planned_with_is_the_smallest_ready_bound_worker_reports_wi
                           view.report.model_copy(update={"capacity_bytes": capacity}))
 
     assert reported_capacity_bytes([]) is None
-    assert reported_capacity_bytes([sized(0, 1500), sized(1, 1300), sized(2, 900, gpu=False), sized(3, 800, ready=False)]) == 1300
+    assert reported_capacity_bytes([sized(0, 1500), sized(1, 1300), sized(3, 800, ready=False)]) == 1300
+    assert reported_capacity_bytes([sized(0, 1500), sized(2, 900, gpu=False)]) == 900  # an idle floor pod counts
     assert capacity_to_plan(1200, None) == 1200
     assert capacity_to_plan(1200, 1259) == 1200  # under 5%: jitter of activations, no re-plan
     assert capacity_to_plan(1200, 1260) == 1260

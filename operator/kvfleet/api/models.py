@@ -146,7 +146,7 @@ class ElasticMemorySpec(_Model):
     """
 
     enabled: bool = Field(default=False, description="Share one memory pool between KV cache and activations.")
-    cpu_buffer: Quantity = Field(default="0", description="Host memory per worker for the KV of waiting requests; 0: none.")
+    cpu_buffer: Quantity | None = Field(default=None, description="Host memory per worker for the KV of waiting requests; none by default.")
     ttft_milliseconds: float | None = Field(
         default=None, gt=0, le=3.6e6, description="TTFT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2)."
     )

@@ -81,9 +81,10 @@ CAPACITY_REPLAN_FRACTION = 0.05
 
 
 def reported_capacity_bytes(workers: Iterable[WorkerView]) -> int | None:
-    """The KV capacity the pool's workers report: the smallest over the ready, GPU-bound ones (MELL
-    packs equal bins, and the smallest keeps every bin true); None before any such report."""
-    capacities = [w.report.capacity_bytes for w in workers if w.ready and w.gpu_id is not None and w.report is not None]
+    """The KV capacity the pool's workers report: the smallest over the ready ones (MELL packs equal
+    bins, and the smallest keeps every bin true; an idle floor pod counts, as the next GPU it serves
+    has its capacity); None before any ready worker reports."""
+    capacities = [w.report.capacity_bytes for w in workers if w.ready and w.report is not None]
     return min(capacities) if capacities else None
 
 
