@@ -61,22 +61,30 @@ def test_info_reports_the_allocated_capacity(any_engine: StartedEngine) -> None:
     assert info.max_model_len == TEST_MAX_MODEL_LEN
     block_bytes = info.block_size_tokens * info.kv_bytes_per_token
     assert info.kv_capacity_bytes % block_bytes == 0
+    assert info.engine == any_engine.name.removesuffix("-elastic")
+    elastic = any_engine.engine.capabilities.elastic_memory
+    if elastic is not None:
+        # The pool less what any step holds, in whole blocks, and what it reports when nothing runs.
+        state = elastic.memory_state()
+        assert info.kv_capacity_bytes == state.kv_capacity_bytes < state.budget_bytes
+        return
     # Whole blocks of the capacity asked for, never more than asked.
     assert TEST_KV_CAPACITY_BYTES - block_bytes < info.kv_capacity_bytes <= TEST_KV_CAPACITY_BYTES
-    assert info.engine == any_engine.name
 
 
 def test_capabilities_are_declared_not_inferred_from_the_type(any_engine: StartedEngine) -> None:
-    # The executor decides KV or token moves from this alone: builtin can move KV, vLLM cannot.
+    # The executor decides KV or token moves from this alone: builtin can move KV, vLLM cannot; the
+    # reporter reads a moving capacity from the elastic builtin engine only.
     capabilities = any_engine.engine.capabilities
     assert isinstance(capabilities, EngineCapabilities)
-    assert (capabilities.migration is not None) == (any_engine.name == "builtin")
+    assert (capabilities.migration is not None) == any_engine.name.startswith("builtin")
+    assert (capabilities.elastic_memory is not None) == (any_engine.name == "builtin-elastic")
 
 
 def test_speed_is_measured_or_declared_unmeasured(any_engine: StartedEngine) -> None:
     """The builtin engine times every step (engines/speed.py); vLLM measures none and says so in its info."""
     engine, info = any_engine.engine, any_engine.info
-    assert info.measures_speed == (any_engine.name == "builtin")
+    assert info.measures_speed == any_engine.name.startswith("builtin")
     before = engine.speed_profile()
     any_engine.loop.run(collect(engine, rid("speed"), PROMPTS[0], greedy(3)))
     if not info.measures_speed:

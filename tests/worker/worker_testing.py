@@ -11,6 +11,7 @@ import importlib.util
 import os
 import threading
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,8 +68,12 @@ def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], 
     if name == "vllm":
         skip_without_vllm()
     if name not in engines:
-        engine = load_engine(name, EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
-                                                max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16, dtype="float32"))
+        config = EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
+                              max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16, dtype="float32")
+        if name == "builtin-elastic":  # the builtin engine with elastic memory keeps the same contract
+            config = replace(config, memory_budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic_memory=True,
+                             cpu_buffer_bytes=TEST_KV_CAPACITY_BYTES)
+        engine = load_engine(name.removesuffix("-elastic"), config)
         info = loop.run(engine.start(), timeout_s=300)
         engines[name] = StartedEngine(name, engine, info, loop)
     return engines[name]
