@@ -21,6 +21,8 @@ def test_match_finds_the_longest_cached_prefix_in_whole_blocks() -> None:
     # A second request with the same first block keeps the cached block and gets its own copy back.
     assert tree.insert([1, 2, 6, 6], ["a2", "c"]) == ["a2"]
     assert (tree.num_blocks, tree.num_evictable_blocks) == (3, 3)
+    # Inserting blocks it matched (the same values) frees nothing.
+    assert tree.insert([1, 2, 3, 4, 8, 8], ["a", "b", "e"]) == []
 
 
 def test_pinned_blocks_are_never_evicted_and_leaves_go_least_recently_used_first() -> None:

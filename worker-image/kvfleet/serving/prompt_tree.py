@@ -94,8 +94,9 @@ class PromptTree(Generic[V]):
         """Cache the whole blocks of `tokens`, block i held at `values[i]` (Table 1's `insert`).
 
         Blocks already cached keep the value they had: the caller's values for those are returned,
-        for it to free (its copy of a block someone cached first). Blocks past `len(values)` and a
-        partial last block are not cached.
+        for it to free (its copy of a block someone cached first), unless the caller's value is the
+        cached one (a block it matched and shared). Blocks past `len(values)` and a partial last block
+        are not cached.
         """
         now = next(self._clock)
         keys = self._blocks(tokens)[: len(values)]
@@ -107,7 +108,7 @@ class PromptTree(Generic[V]):
                 node.children[key] = child
                 self.num_blocks += 1
                 self.num_evictable_blocks += 1
-            else:
+            elif child.value != value:
                 duplicates.append(value)
             child.last_used = now
             node = child

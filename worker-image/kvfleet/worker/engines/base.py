@@ -64,6 +64,9 @@ class EngineConfig:
     # slower accelerator, so that on a fast CPU a tiny model's requests live long enough for the
     # control loop (epochs of seconds) to act on them: the migration e2e test and the demo use it.
     min_step_s: float = 0.0
+    # Context caching (MemServe, builtin engine): finished requests' full KV blocks stay, indexed by
+    # their tokens, until their memory is needed; a new request starts after its prompt's cached prefix.
+    prefix_caching: bool = False
     # Elastic memory (eLLM, docs/elastic-memory.md; builtin engine). With a memory budget the engine
     # keeps KV cache and activations in one pool of physical chunks (kvfleet.worker.elastic) instead
     # of sizing the KV cache by kv_capacity_bytes: `elastic_memory` False splits the budget statically

@@ -41,6 +41,7 @@ from typing import Literal, TypeVar
 import torch
 
 from kvfleet.api.speed import SpeedProfile
+from kvfleet.serving.prompt_tree import PromptTree
 from kvfleet.worker.elastic import ChunkPool, PhysicalMemory, granularity_bytes, open_memory
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
@@ -97,6 +98,11 @@ class BuiltinEngine:
                 park_decodes_for_prefill=config.park_decodes_for_prefill,
                 ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s))
         self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
+        if config.prefix_caching:
+            if self._elastic is not None:
+                # Cached blocks would pin the KV chunks elastic memory deflates; not combined yet.
+                raise EngineError("prefix caching and elastic memory are not yet supported together")
+            self._sched.prefix = PromptTree(BLOCK_SIZE_TOKENS)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
         self._speed = SpeedRecorder("builtin")

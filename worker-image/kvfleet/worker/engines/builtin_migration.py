@@ -165,8 +165,8 @@ class BuiltinKVMigration:
             raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
         req = sched.new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
         if own is not None:
-            req.blocks, req.num_cached, req.parked = own.blocks, own.num_cached, own.parked
-            own.blocks, own.parked, own.state = [], None, RequestState.FINISHED
+            req.blocks, req.num_cached, req.parked, req.shared = own.blocks, own.num_cached, own.parked, own.shared
+            own.blocks, own.parked, own.shared, own.state = [], None, None, RequestState.FINISHED
         elif request_id in sched.staged:
             staged = sched.staged.pop(request_id)
             req.blocks, req.num_cached = staged.blocks, staged.num_tokens

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvfleet.serving.prompt_tree import Match, PromptTree
 from kvfleet.worker.engines.base import (
     EngineError,
     FinishReason,
@@ -79,6 +80,9 @@ class Request:
     # Elastic memory's CPU buffer (builtin_elastic.py): the request's KV parked in host memory, in
     # PagedKVCache.read_blocks' layout, while it holds no blocks; None when it is not parked.
     parked: torch.Tensor | None = None
+    # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
+    # `blocks` belong to the cache, not to the request, and are never freed with it.
+    shared: Match[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +123,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.staged: dict[str, StagedKV] = {}
+        # Context caching (MemServe §4.1-4.2): finished requests' full KV blocks by token prefix; None
+        # when off. Cached blocks are neither free nor any request's until evicted.
+        self.prefix: PromptTree[int] | None = None
         # Set when there may be work for the engine's step loop.
         self.wake_event: asyncio.Event | None = None
         self._admissions = 0
@@ -126,6 +133,8 @@ class Scheduler:
         # Counters for metrics and benchmarks: how much recompute preemption and re-prefill cost.
         self.num_preemptions = 0
         self.num_prefilled_tokens = 0
+        # Prompt tokens whose KV came from the prefix cache instead of a prefill.
+        self.num_cache_hit_tokens = 0
 
     def open(self, pool: BlockPool, limits: ModelLimits, eos_ids: frozenset[int]) -> None:
         """Take a started engine's cache and model limits."""
@@ -133,6 +142,8 @@ class Scheduler:
         self.limits = limits
         self.eos_ids = eos_ids
         self.wake_event = asyncio.Event()
+        if self.prefix is not None:  # block ids of another cache mean nothing here
+            self.prefix = PromptTree(self.block_size_tokens)
 
     def abort_all(self) -> None:
         """Abort every request and free staged KV (the engine is stopping)."""
@@ -216,8 +227,7 @@ class Scheduler:
         self.finish(req)
 
     def finish(self, req: Request) -> None:
-        self.pool.release(req.blocks)
-        req.blocks = []
+        self._free_blocks(req)
         req.parked = None
         req.state = RequestState.FINISHED
         if self.requests.get(req.request_id) is req:
@@ -265,10 +275,20 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
-            num_new_tokens = req.num_tokens - req.num_cached
-            num_new_blocks = blocks_for(req.num_tokens, bs) - len(req.blocks)
+            # Its prompt's cached prefix (Table 1's match): pinned first, so making room cannot evict it.
+            match = self._cached_prefix(req)
+            num_cached = match.num_tokens if match is not None else req.num_cached
+            num_new_tokens = req.num_tokens - num_cached
+            num_new_blocks = blocks_for(req.num_tokens, bs) - (len(match.nodes) if match is not None else len(req.blocks))
+            if num_new_blocks > len(free):
+                self._make_room(num_new_blocks)
             if num_new_blocks > len(free) or (admitted and num_new_tokens > budget_tokens):
+                if match is not None and self.prefix is not None:
+                    self.prefix.release(match)
                 break
+            if match is not None:
+                req.blocks, req.shared, req.num_cached = list(match.values), match, match.num_tokens
+                self.num_cache_hit_tokens += match.num_tokens
             self.waiting.popleft()
             req.blocks.extend(self.pool.allocate(max(0, num_new_blocks)))
             req.state = RequestState.RUNNING
@@ -304,6 +324,7 @@ class Scheduler:
                                             finish_reason=reason, num_tokens=req.num_tokens))
             if reason is not None:
                 self.running.remove(req)
+                self._cache_blocks(req)
                 self.finish(req)
         self._reserve_next_slots()
 
@@ -328,15 +349,57 @@ class Scheduler:
             self._make_room(num_blocks)
         return num_blocks <= len(self.pool.free)
 
+    def _cached_prefix(self, req: Request) -> Match[int] | None:
+        """The longest cached prefix a request about to be prefilled from scratch can start from,
+        pinned; at least its last token is computed (its logits give the next token)."""
+        if self.prefix is None or req.blocks or req.num_cached or req.parked is not None:
+            return None
+        match = self.prefix.match(req.context()[: req.num_tokens - 1])
+        if not match.nodes:
+            return None
+        self.prefix.acquire(match)
+        return match
+
     def _make_room(self, num_blocks: int) -> None:
-        """Try to have `num_blocks` free blocks before preempting (a static cache cannot grow)."""
+        """Try to have `num_blocks` free blocks before preempting or refusing: evict cached blocks
+        nobody reads, least recently used first (MemServe's MemPool keeps history only while it is
+        free memory). A static cache cannot grow."""
+        short = num_blocks - len(self.pool.free)
+        if short > 0 and self.prefix is not None:
+            self.pool.release(self.prefix.evict(short))
+
+    def _free_blocks(self, req: Request) -> None:
+        """The request lets go of its blocks: its own go back to the pool, the cache's are unpinned."""
+        shared = req.shared
+        num_shared = len(shared.nodes) if shared is not None else 0
+        self.pool.release(req.blocks[num_shared:])
+        if shared is not None and self.prefix is not None:
+            self.prefix.release(shared)
+        req.blocks, req.shared = [], None
+
+    def _cache_blocks(self, req: Request) -> None:
+        """A request that ended well leaves its full, written blocks in the cache (Table 1's insert):
+        they move from the request to the tree; copies of blocks cached already go back to the pool."""
+        if self.prefix is None:
+            return
+        full = min(req.num_cached, req.num_tokens) // self.block_size_tokens
+        shared = req.shared
+        num_shared = len(shared.nodes) if shared is not None else 0
+        if full <= num_shared:
+            return
+        kept = req.blocks[:full]
+        duplicates = self.prefix.insert(req.context()[: full * self.block_size_tokens], kept)
+        self.pool.release(duplicates)
+        # The blocks now the tree's (inserted, or its own already) leave the request's list, so
+        # _free_blocks frees only what is past them; the shared prefix is unpinned as usual.
+        req.blocks = req.blocks[:num_shared] + req.blocks[full:]
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)
         self.num_preemptions += 1
         self.running.remove(req)
-        self.pool.release(req.blocks)
-        req.blocks, req.num_cached, req.state = [], 0, RequestState.WAITING
+        self._free_blocks(req)
+        req.num_cached, req.state = 0, RequestState.WAITING
         self.waiting.appendleft(req)
 
     def fail(self, step: Step, error: EngineError) -> None:

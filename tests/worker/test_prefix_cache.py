@@ -1,0 +1,136 @@
+"""Context caching in the builtin engine (MemServe's MemPool index, kvfleet.serving.prompt_tree): the
+same tokens, fewer prefilled, cached blocks evicted before anything is preempted, migration intact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvfleet.worker.engines.base import EngineConfig, SamplingParams, StepOutput  # noqa: E402
+from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
+
+T = TypeVar("T")
+SYSTEM = [1, *range(100, 180)]  # 81 tokens: 5 full blocks of 16 shared by every conversation
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
+    return [t async for out in stream for t in out.new_token_ids]
+
+
+async def conversations(engine: BuiltinEngine, turns: int = 3) -> list[list[int]]:
+    """Two conversations taking turns: each turn's prompt is the last prompt, its answer and a new question."""
+    outputs: list[list[int]] = []
+    prompts = {c: SYSTEM + [200 + c, 201 + c] for c in range(2)}
+    for turn in range(turns):
+        for c in range(2):
+            answer = await tokens_of(engine.generate(f"c{c}-t{turn}", prompts[c], greedy(12)))
+            outputs.append(answer)
+            prompts[c] = prompts[c] + answer + [300 + turn, 301 + c]
+    return outputs
+
+
+def engine(model_dir: Path, caching: bool, capacity_bytes: int = 4 * 2**20) -> BuiltinEngine:
+    return BuiltinEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_bytes, max_model_len=512,
+                                      prefix_caching=caching))
+
+
+async def served(e: BuiltinEngine, body: Any) -> Any:
+    await e.start()
+    try:
+        return await body(e)
+    finally:
+        await e.stop()
+
+
+def books_balance(e: BuiltinEngine) -> None:
+    sched = e._sched
+    assert sched.prefix is not None
+    assert len(sched.pool.free) + sched.prefix.num_blocks == sched.pool.num_blocks
+    assert sched.prefix.num_evictable_blocks == sched.prefix.num_blocks  # nothing runs: nothing pinned
+
+
+def test_multi_turn_outputs_equal_and_only_new_tokens_are_prefilled(tiny_model_dir: Path) -> None:
+    plain, cached = engine(tiny_model_dir, False), engine(tiny_model_dir, True)
+
+    async def with_books(e: BuiltinEngine) -> list[list[int]]:
+        out = await conversations(e)
+        books_balance(e)
+        return out
+
+    assert run(served(plain, conversations)) == run(served(cached, with_books))
+    assert cached.num_prefilled_tokens < plain.num_prefilled_tokens / 2
+    assert cached._sched.num_cache_hit_tokens == plain.num_prefilled_tokens - cached.num_prefilled_tokens
+
+
+def test_cached_blocks_are_evicted_before_anything_is_preempted(tiny_model_dir: Path) -> None:
+    # 64 blocks of KV: each 200-token request takes 13, so five finished ones fill the cache and every
+    # later one must evict history; none is preempted and the books still balance.
+    async def body(e: BuiltinEngine) -> None:
+        for i in range(8):
+            await tokens_of(e.generate(f"r{i}", [1, *range(10 + 30 * i, 10 + 30 * i + 190)], greedy(8)))
+        books_balance(e)
+        assert e._sched.prefix is not None and e._sched.prefix.num_blocks > 0
+
+    e = engine(tiny_model_dir, True, capacity_bytes=64 * 16 * 2048)
+    run(served(e, body))
+    assert e.num_preemptions == 0
+
+
+def test_a_request_reading_cached_blocks_migrates_and_its_source_keeps_them(tiny_model_dir: Path) -> None:
+    prompt = SYSTEM + [7, 8, 9]
+
+    async def reference(e: BuiltinEngine) -> list[int]:
+        return await tokens_of(e.generate("x", prompt, greedy(40)))
+
+    expected = run(served(engine(tiny_model_dir, False), reference))
+
+    async def scenario() -> list[int]:
+        source = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * 2**20, max_model_len=512,
+                                            prefix_caching=True, min_step_s=0.01))
+        target = engine(tiny_model_dir, False)
+        await source.start()
+        await target.start()
+        try:
+            await tokens_of(source.generate("warm", SYSTEM + [1, 2], greedy(2)))  # caches SYSTEM's 5 blocks
+            stream = source.generate("x", prompt, greedy(40))
+            first = [t async for out in _first(stream, 10) for t in out.new_token_ids]
+            assert source._sched.num_cache_hit_tokens == 80
+            migration, destination = source.capabilities.migration, target.capabilities.migration
+            assert migration is not None and destination is not None
+            state = await migration.suspend("x")
+            rest = [t async for out in stream for t in out.new_token_ids]  # the source's stream ends at suspend
+            kv = await migration.export_kv("x")
+            await destination.import_kv("x", kv)
+            moved = destination.resume("x", state.prompt_token_ids, state.output_token_ids, state.params)
+            migration.release("x")
+            books_balance(source)
+            assert source._sched.prefix is not None and source._sched.prefix.num_blocks >= 5
+            return first + rest + await tokens_of(moved)
+        finally:
+            await source.stop()
+            await target.stop()
+
+    assert run(scenario()) == expected
+
+
+async def _first(stream: AsyncIterator[StepOutput], count: int) -> AsyncIterator[StepOutput]:
+    """The stream's first `count` tokens' outputs, leaving the rest in the stream."""
+    seen = 0
+    while seen < count:
+        out = await stream.__anext__()
+        seen += len(out.new_token_ids)
+        yield out
