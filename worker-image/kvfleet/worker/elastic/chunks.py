@@ -66,7 +66,10 @@ class ChunkPool:
         self.transfer(chunk_ids, owner, Owner.FREE)
 
     def transfer(self, chunk_ids: Sequence[int], source: Owner, target: Owner) -> None:
-        """Relabel chunks from `source` to `target` (§4.2.2's ownership transfer), all or none."""
+        """Relabel chunks from `source` to `target`, all or none: §4.2.2's ownership transfer, step 3 of
+        §4.3.1's inflation (activation -> KV) and of its reverse, deflation. Only the labels move: the
+        caller unmaps the chunks from the source's eTensor first and maps them into the target's after
+        (ETensor.adopt)."""
         ids = list(chunk_ids)
         if len(set(ids)) != len(ids):
             raise OwnershipError(f"chunks listed twice: {sorted(ids)}")

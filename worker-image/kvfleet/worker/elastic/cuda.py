@@ -2,24 +2,34 @@
 
 eLLM (§4.2, §5.2) maps physical GPU memory chunks into virtual tensors with the CUDA VMM driver
 calls; this is that, from Python (`cuda.bindings.driver`, the cuda-python package), without C++:
-every chunk is created once with cuMemCreate and kept (creating is ~100x the cost of mapping), a
-range is cuMemAddressReserve'd, and mapping a slot is cuMemMap + cuMemSetAccess of a kept handle.
-Unmapped slots map a zero chunk (created and zeroed once, as kvcached's zero page), so they read as
-zero; its access is read-write (read-only access is not supported on every driver), so the engine
-must never write a slot it did not map, which it does not (it writes only its own blocks). Tensors
-view a range through `__cuda_array_interface__`. Work queued on the GPU is synchronized before a
-slot is unmapped, and the device's primary context is made current before every driver call (the
-engine calls from its executor thread).
+every chunk is created once with cuMemCreate and kept until `close` (creating is ~100x the cost of
+mapping: ~190 us per 2 MB against ~1.5 us, per kvcached's benches), a range is
+cuMemAddressReserve'd, and mapping a slot is cuMemMap + cuMemSetAccess of a kept handle.
 
-Not run on the machines this project's CI has (no GPU): tests/worker/test_elastic_memory.py runs its
-contract suite here when CUDA is present and skips it otherwise; the closing note of the issue that
-added it says whether it was run on a lent GPU.
+Unmapped slots map one shared zero chunk (created and zeroed once, as kvcached's zero page), so they
+read as zero. Its mappings are read-only where the driver accepts CU_MEM_ACCESS_FLAGS_PROT_READ
+(`CudaMemory.zero_read_only` says which), so that a write to an unmapped slot faults as it does on the
+host backend; where the driver refuses, they are read-write and such a write would land in the zero
+chunk and show through every unmapped slot: the engine writes only slots it mapped. Every chunk is
+zeroed once at construction too (new GPU memory can hold NaN, and a masked-out KV entry times NaN is
+NaN), so a chunk's first mapping reads zero on both backends.
+
+CUDA cannot replace a mapping in place as mmap(MAP_FIXED) does: mapping a slot first unmaps the zero
+chunk there, and unmapping puts it back. Work queued on the GPU may still read or write the slot, so
+both synchronize the device first. The device's primary context (the one torch uses) is retained
+once and made current before every driver call, since the engine calls from its executor thread.
+
+tests/worker/test_elastic_memory.py runs its contract suite on this backend where a GPU is present and
+skips it otherwise (CI has none).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import threading
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,7 +37,8 @@ import torch
 from kvfleet.worker.elastic.memory import MapError, check_view
 
 
-def _driver() -> Any:
+@functools.cache
+def _driver() -> ModuleType:
     # Imported by name: CPU machines (and the type checker there) have no cuda-python.
     for name in ("cuda.bindings.driver", "cuda.cuda"):  # the second: cuda-python before 12.6
         try:
@@ -37,13 +48,15 @@ def _driver() -> Any:
     raise RuntimeError("the CUDA memory backend needs cuda-python (pip install cuda-python)")
 
 
-def _check(result: Any, what: str) -> Any:
-    """cuda-python returns (CUresult, values...): raise on an error, return the values."""
+def _check(result: Any, what: str, error: type[Exception] = MapError) -> Any:
+    """cuda-python returns (CUresult, values...): raise `error` naming the CUresult, else return the values."""
     err, *values = result if isinstance(result, tuple) else (result,)
     drv = _driver()
     if err != drv.CUresult.CUDA_SUCCESS:
         _, name = drv.cuGetErrorName(err)
-        raise MapError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+        raise error(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
     return values[0] if len(values) == 1 else values
 
 
@@ -56,28 +69,53 @@ def _prop(device_index: int) -> Any:
     return prop
 
 
+def _access(device_index: int, read_only: bool) -> Any:
+    drv = _driver()
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device_index
+    flags = drv.CUmemAccess_flags
+    desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _make_current(device: torch.device) -> None:
+_contexts: dict[int, Any] = {}
+_contexts_lock = threading.Lock()
+
+
+def _make_current(device_index: int) -> None:
+    """Make the device's primary context current on this thread (retained once per process)."""
     drv = _driver()
-    torch.cuda.init()  # type: ignore[no-untyped-call]
-    _check(drv.cuInit(0), "cuInit")
-    dev = _check(drv.cuDeviceGet(_index(device)), "cuDeviceGet")
-    ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    ctx = _contexts.get(device_index)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(device_index)
+            if ctx is None:
+                torch.cuda.init()  # type: ignore[no-untyped-call]  # torch's context first: the same primary one
+                _check(drv.cuInit(0), "cuInit", RuntimeError)
+                dev = _check(drv.cuDeviceGet(device_index), "cuDeviceGet", RuntimeError)
+                ctx = _contexts[device_index] = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain",
+                                                       RuntimeError)
+    _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", RuntimeError)
 
 
 def cuda_granularity_bytes(device: torch.device) -> int:
+    """cuMemGetAllocationGranularity's minimum for pinned device memory (2 MiB on current GPUs)."""
     drv = _driver()
-    _make_current(device)
+    index = _index(device)
+    _make_current(index)
     flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return int(_check(drv.cuMemGetAllocationGranularity(_prop(_index(device)), flag), "cuMemGetAllocationGranularity"))
+    return int(_check(drv.cuMemGetAllocationGranularity(_prop(index), flag), "cuMemGetAllocationGranularity",
+                      RuntimeError))
 
 
 class _ArrayInterface:
-    """What torch.as_tensor reads to wrap device memory it does not own."""
+    """What torch.as_tensor reads to wrap device memory it does not own (bytes: every dtype views them,
+    bfloat16 included, which has no typestr)."""
 
     def __init__(self, address: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
@@ -85,30 +123,44 @@ class _ArrayInterface:
 
 
 class CudaRange:
+    """A cuMemAddressReserve'd run of slots; each slot maps exactly one handle (a chunk or the zero chunk)."""
+
     def __init__(self, memory: CudaMemory, num_slots: int) -> None:
         drv = _driver()
         self._memory = memory
         self.num_slots = num_slots
         self.slot_bytes = memory.chunk_bytes
-        _make_current(memory.device)
-        self.base = int(_check(drv.cuMemAddressReserve(num_slots * self.slot_bytes, 0, 0, 0), "cuMemAddressReserve"))
-        self._mapped: dict[int, int] = {}
+        _make_current(memory.device_index)
+        self.base = int(_check(drv.cuMemAddressReserve(num_slots * self.slot_bytes, 0, 0, 0), "cuMemAddressReserve",
+                               RuntimeError))
+        self._chunk_at: dict[int, int] = {}
+        self._mapped_chunks: set[int] = set()
         self._released = False
-        for slot in range(num_slots):
-            self._map_handle(slot, memory.zero_handle)
+        slot = 0
+        try:
+            for slot in range(num_slots):
+                self._map_zero(slot)
+        except MapError:
+            for done in range(slot):
+                drv.cuMemUnmap(self._address(done), self.slot_bytes)
+            drv.cuMemAddressFree(self._address(0), num_slots * self.slot_bytes)
+            raise
 
     def _address(self, slot: int) -> Any:
         return _driver().CUdeviceptr(self.base + slot * self.slot_bytes)
 
-    def _map_handle(self, slot: int, handle: Any) -> None:
+    def _map_handle(self, slot: int, handle: Any, access: Any) -> None:
         drv = _driver()
         address = self._address(slot)
         _check(drv.cuMemMap(address, self.slot_bytes, 0, handle, 0), "cuMemMap")
         try:
-            _check(drv.cuMemSetAccess(address, self.slot_bytes, [self._memory.access], 1), "cuMemSetAccess")
+            _check(drv.cuMemSetAccess(address, self.slot_bytes, [access], 1), "cuMemSetAccess")
         except MapError:
             drv.cuMemUnmap(address, self.slot_bytes)
             raise
+
+    def _map_zero(self, slot: int) -> None:
+        self._map_handle(slot, self._memory.zero_handle, self._memory.zero_access)
 
     def map(self, slot: int, chunk_id: int) -> None:
         if self._released:
@@ -117,89 +169,126 @@ class CudaRange:
             raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
         if not 0 <= chunk_id < self._memory.num_chunks:
             raise MapError(f"chunk {chunk_id} does not exist (the memory has {self._memory.num_chunks})")
-        if slot in self._mapped or chunk_id in self._mapped.values():
-            raise MapError(f"slot {slot} or chunk {chunk_id} is already mapped in this range")
-        _make_current(self._memory.device)
+        if slot in self._chunk_at:
+            raise MapError(f"slot {slot} already maps chunk {self._chunk_at[slot]}")
+        if chunk_id in self._mapped_chunks:
+            raise MapError(f"chunk {chunk_id} is already mapped in this range")
+        _make_current(self._memory.device_index)
+        # Kernels still queued may read the slot's zero chunk: unmapping it under them would fault.
         torch.cuda.synchronize(self._memory.device)
         _check(_driver().cuMemUnmap(self._address(slot), self.slot_bytes), "cuMemUnmap")
         try:
-            self._map_handle(slot, self._memory.handles[chunk_id])
+            self._map_handle(slot, self._memory.handles[chunk_id], self._memory.access)
         except MapError:
-            self._map_handle(slot, self._memory.zero_handle)
+            self._map_zero(slot)  # the contract: a failed map leaves the slot reading zero
             raise
-        self._mapped[slot] = chunk_id
+        self._chunk_at[slot] = chunk_id
+        self._mapped_chunks.add(chunk_id)
 
     def unmap(self, slot: int) -> None:
-        if self._released or self._mapped.pop(slot, None) is None:
+        if self._released or slot not in self._chunk_at:
             return
-        _make_current(self._memory.device)
+        _make_current(self._memory.device_index)
         torch.cuda.synchronize(self._memory.device)  # nothing queued may still read or write the chunk
         _check(_driver().cuMemUnmap(self._address(slot), self.slot_bytes), "cuMemUnmap")
-        self._map_handle(slot, self._memory.zero_handle)
+        self._mapped_chunks.discard(self._chunk_at.pop(slot))
+        self._map_zero(slot)
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         check_view(self.num_slots, self.slot_bytes, dtype, shape)
+        if self._released:
+            raise MapError("the range was released")
         raw = torch.as_tensor(_ArrayInterface(self.base, self.num_slots * self.slot_bytes), device=self._memory.device)
         return raw.view(dtype).view(tuple(shape))
 
     def release(self) -> None:
+        """Unmap every slot and free the addresses; idempotent. Tensors viewing the range must be dropped
+        first: the addresses they point at are gone."""
         if self._released:
             return
         self._released = True
         drv = _driver()
-        _make_current(self._memory.device)
+        _make_current(self._memory.device_index)
         torch.cuda.synchronize(self._memory.device)
+        # Not checked: release also runs on the way out of a failure, and must finish.
         for slot in range(self.num_slots):
             drv.cuMemUnmap(self._address(slot), self.slot_bytes)
-        self._mapped.clear()
-        drv.cuMemAddressFree(_driver().CUdeviceptr(self.base), self.num_slots * self.slot_bytes)
+        self._chunk_at.clear()
+        self._mapped_chunks.clear()
+        drv.cuMemAddressFree(self._address(0), self.num_slots * self.slot_bytes)
 
 
 class CudaMemory:
-    """`num_chunks` physical chunks on one GPU, created now and kept until `close`."""
+    """`num_chunks` physical chunks on one GPU, created and zeroed now and kept until `close`."""
 
     name = "cuda"
 
     def __init__(self, num_chunks: int, chunk_bytes: int, device: torch.device) -> None:
         drv = _driver()
-        self.device = torch.device("cuda", _index(device))
+        self.device_index = _index(device)
+        self.device = torch.device("cuda", self.device_index)
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
-        _make_current(self.device)
-        prop = _prop(_index(self.device))
-        self.access = drv.CUmemAccessDesc()
-        self.access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self.access.location.id = _index(self.device)
-        self.access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _make_current(self.device_index)
+        prop = _prop(self.device_index)
+        self.access = _access(self.device_index, read_only=False)
         self.handles: list[Any] = []
         self._ranges: list[CudaRange] = []
         self._closed = False
         try:
-            for _ in range(num_chunks):
-                self.handles.append(_check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate"))
-            self.zero_handle = _check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate")
-            # New GPU memory holds anything, NaN included, and a masked-out KV slot times NaN is NaN:
-            # every chunk starts zeroed, as the host backend's do.
-            for handle in [*self.handles, self.zero_handle]:
-                self._zero(handle)
+            for _ in range(num_chunks + 1):
+                self.handles.append(_check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate", RuntimeError))
+            self.zero_handle = self.handles.pop()
+            self._zero_all()
+            self.zero_read_only = self._accepts_read_only()
         except BaseException:
             for handle in self.handles:
                 drv.cuMemRelease(handle)
+            if hasattr(self, "zero_handle"):
+                drv.cuMemRelease(self.zero_handle)
             raise
+        self.zero_access = _access(self.device_index, read_only=self.zero_read_only)
 
-    def _zero(self, handle: Any) -> None:
+    def _zero_all(self) -> None:
+        """Zero every chunk and the zero chunk: map them side by side once, one memset, one sync."""
         drv = _driver()
-        address = _check(drv.cuMemAddressReserve(self.chunk_bytes, 0, 0, 0), "cuMemAddressReserve")
-        _check(drv.cuMemMap(address, self.chunk_bytes, 0, handle, 0), "cuMemMap")
-        _check(drv.cuMemSetAccess(address, self.chunk_bytes, [self.access], 1), "cuMemSetAccess")
-        _check(drv.cuMemsetD8(address, 0, self.chunk_bytes), "cuMemsetD8")
-        _check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-        _check(drv.cuMemUnmap(address, self.chunk_bytes), "cuMemUnmap")
-        _check(drv.cuMemAddressFree(address, self.chunk_bytes), "cuMemAddressFree")
+        handles = [*self.handles, self.zero_handle]
+        total_bytes = len(handles) * self.chunk_bytes
+        base = int(_check(drv.cuMemAddressReserve(total_bytes, 0, 0, 0), "cuMemAddressReserve", RuntimeError))
+        mapped = 0
+        try:
+            for i, handle in enumerate(handles):
+                address = drv.CUdeviceptr(base + i * self.chunk_bytes)
+                _check(drv.cuMemMap(address, self.chunk_bytes, 0, handle, 0), "cuMemMap", RuntimeError)
+                mapped += 1
+                _check(drv.cuMemSetAccess(address, self.chunk_bytes, [self.access], 1), "cuMemSetAccess", RuntimeError)
+            _check(drv.cuMemsetD8(drv.CUdeviceptr(base), 0, total_bytes), "cuMemsetD8", RuntimeError)
+            _check(drv.cuCtxSynchronize(), "cuCtxSynchronize", RuntimeError)
+        finally:
+            for i in range(mapped):
+                drv.cuMemUnmap(drv.CUdeviceptr(base + i * self.chunk_bytes), self.chunk_bytes)
+            drv.cuMemAddressFree(drv.CUdeviceptr(base), total_bytes)
+
+    def _accepts_read_only(self) -> bool:
+        """Whether this driver maps memory read-only (CU_MEM_ACCESS_FLAGS_PROT_READ); not all do."""
+        drv = _driver()
+        base = drv.CUdeviceptr(int(_check(drv.cuMemAddressReserve(self.chunk_bytes, 0, 0, 0), "cuMemAddressReserve",
+                                          RuntimeError)))
+        try:
+            _check(drv.cuMemMap(base, self.chunk_bytes, 0, self.zero_handle, 0), "cuMemMap", RuntimeError)
+            try:
+                err, = drv.cuMemSetAccess(base, self.chunk_bytes, [_access(self.device_index, read_only=True)], 1)
+                return bool(err == drv.CUresult.CUDA_SUCCESS)
+            finally:
+                drv.cuMemUnmap(base, self.chunk_bytes)
+        finally:
+            drv.cuMemAddressFree(base, self.chunk_bytes)
 
     def reserve(self, num_slots: int) -> CudaRange:
         if self._closed:
             raise MapError("the memory was closed")
+        if num_slots < 1:
+            raise ValueError("a range needs at least one slot")
         virtual = CudaRange(self, num_slots)
         self._ranges.append(virtual)
         return virtual
@@ -210,6 +299,7 @@ class CudaMemory:
         self._closed = True
         for virtual in self._ranges:
             virtual.release()
+        self._ranges.clear()
         drv = _driver()
         for handle in [*self.handles, self.zero_handle]:
             drv.cuMemRelease(handle)

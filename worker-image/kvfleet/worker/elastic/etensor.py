@@ -66,7 +66,9 @@ class ETensor:
         return chunks
 
     def adopt(self, slot: int, chunk_id: int) -> None:
-        """Map a chunk the caller has already transferred to this side (no FREE round trip)."""
+        """Map a chunk the caller has already transferred to this side (no FREE round trip): step 4 of
+        §4.3.1's inflation, on-demand remapping. On MapError the slot stays unmapped and the chunk stays
+        the caller's (owned by this side, mapped nowhere here)."""
         if not 0 <= slot < self.num_slots or slot in self._chunk_of:
             raise ValueError(f"slot {slot} is not an unmapped slot of this eTensor")
         if self.pool.owner(chunk_id) is not self.owner or chunk_id in self._chunk_of.values():
@@ -78,8 +80,8 @@ class ETensor:
         """Unmap the slots and give their chunks back to the pool (FREE)."""
         slots = list(slots)
         missing = [s for s in slots if s not in self._chunk_of]
-        if missing:
-            raise ValueError(f"slots {missing} are not mapped")
+        if missing or len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} must be distinct mapped slots (not mapped: {missing})")
         for slot in slots:
             self._range.unmap(slot)
         chunks = [self._chunk_of.pop(slot) for slot in slots]

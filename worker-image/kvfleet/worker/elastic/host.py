@@ -1,12 +1,12 @@
 """The host backend of elastic memory: memfd chunks mapped with mmap over a reserved range.
 
-What CUDA's VMM does on a GPU (memory.py), done with Linux calls so the pool runs where CI does: the
-physical memory is one memfd, chunk i at offset i x chunk_bytes; a range is reserved with
-mmap(PROT_NONE); mapping a chunk is mmap(MAP_SHARED | MAP_FIXED) of its offset over the slot, which
-replaces what was there in one call. Unmapped slots map a zero chunk read-only (a second memfd that
-is never written), so they read as zero, as kvcached's shared zero page does on a GPU, and a write
-to one faults instead of landing anywhere. Python's mmap module cannot map at a fixed address, hence
-ctypes.
+What CUDA's VMM does for eLLM's eTensors on a GPU (§4.2; memory.py, cuda.py), done with Linux calls
+so the pool runs where CI does: the physical memory is one memfd, chunk i at offset i x chunk_bytes; a
+range is reserved with mmap(PROT_NONE); mapping a chunk is mmap(MAP_SHARED | MAP_FIXED) of its offset
+over the slot, which replaces what was there in one call. Unmapped slots map a zero chunk read-only (a
+second memfd that is never written), so they read as zero, as kvcached's shared zero page does on a
+GPU, and a write to one faults instead of landing anywhere. Python's mmap module cannot map at a fixed
+address, hence ctypes. Linux only (memfd_create).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class HostRange:
         libc = memory.libc
         self.base = _mmap(libc, None, num_slots * self.slot_bytes, PROT_NONE,
                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-        self._mapped: dict[int, int] = {}
+        self._chunk_at: dict[int, int] = {}
+        self._mapped_chunks: set[int] = set()
         self._buffer: ctypes.Array[ctypes.c_char] | None = None
         self._released = False
         try:
@@ -82,9 +83,9 @@ class HostRange:
             raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
         if not 0 <= chunk_id < self._memory.num_chunks:
             raise MapError(f"chunk {chunk_id} does not exist (the memory has {self._memory.num_chunks})")
-        if slot in self._mapped:
-            raise MapError(f"slot {slot} already maps chunk {self._mapped[slot]}")
-        if chunk_id in self._mapped.values():
+        if slot in self._chunk_at:
+            raise MapError(f"slot {slot} already maps chunk {self._chunk_at[slot]}")
+        if chunk_id in self._mapped_chunks:
             raise MapError(f"chunk {chunk_id} is already mapped in this range")
         try:
             _mmap(self._memory.libc, self._address(slot), self.slot_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
@@ -92,24 +93,33 @@ class HostRange:
         except MapError:
             self._map_zero(slot)  # whatever MAP_FIXED left there, the slot reads zero again
             raise
-        self._mapped[slot] = chunk_id
+        self._chunk_at[slot] = chunk_id
+        self._mapped_chunks.add(chunk_id)
 
     def unmap(self, slot: int) -> None:
-        if self._released or self._mapped.pop(slot, None) is None:
+        if self._released or slot not in self._chunk_at:
             return
+        # MAP_FIXED replaces the chunk's mapping in one call: the slot is never unbacked in between.
         self._map_zero(slot)
+        self._mapped_chunks.discard(self._chunk_at.pop(slot))
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         check_view(self.num_slots, self.slot_bytes, dtype, shape)
+        if self._released:
+            raise MapError("the range was released")
         if self._buffer is None:
+            # Kept on the range: the tensors borrow its memory, and frombuffer makes no copy.
             self._buffer = (ctypes.c_char * (self.num_slots * self.slot_bytes)).from_address(self.base)
         return torch.frombuffer(self._buffer, dtype=torch.uint8).view(dtype).view(tuple(shape))
 
     def release(self) -> None:
+        """Unmap every slot and give the addresses back; idempotent. Tensors viewing the range must be
+        dropped first: the addresses they point at are gone (a read through one faults)."""
         if self._released:
             return
         self._released = True
-        self._mapped.clear()
+        self._chunk_at.clear()
+        self._mapped_chunks.clear()
         self._buffer = None
         self._memory.libc.munmap(self.base, self.num_slots * self.slot_bytes)
 

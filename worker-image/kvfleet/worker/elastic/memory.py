@@ -9,7 +9,8 @@ machines without a GPU, through the same calls. Semantics both keep:
   pays for it);
 - a slot maps at most one chunk, and reads as zero while it maps none;
 - one chunk may be mapped in several ranges at once: all see the same bytes (that is how a chunk
-  changes tensors without a copy);
+  changes tensors without a copy, and how eLLM's asynchronous unmapping, §5.1, maps a chunk at its new
+  slot before the old one is unmapped); a range may refuse one chunk at two of its own slots;
 - a failed map leaves the slot unmapped.
 """
 
