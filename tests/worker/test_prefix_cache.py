@@ -134,3 +134,27 @@ async def _first(stream: AsyncIterator[StepOutput], count: int) -> AsyncIterator
         out = await stream.__anext__()
         seen += len(out.new_token_ids)
         yield out
+
+
+def test_the_cache_is_a_capability_whose_figures_the_worker_exports(tiny_model_dir: Path) -> None:
+    from kvfleet.worker.gpu import GPUProbe
+    from kvfleet.worker.metrics import WorkerMetrics
+
+    assert engine(tiny_model_dir, False).capabilities.prefix_cache is None
+    e = engine(tiny_model_dir, True)
+    cache = e.capabilities.prefix_cache
+    assert cache is not None
+    metrics = WorkerMetrics(lambda: 0.0, lambda: 0.0, lambda: 0.0, lambda: 0.0, GPUProbe(),
+                            prefix_cache=cache.prefix_cache_stats)
+
+    async def body(e: BuiltinEngine) -> None:
+        await tokens_of(e.generate("a", SYSTEM + [1, 2], greedy(4)))
+        await tokens_of(e.generate("b", SYSTEM + [3, 4], greedy(4)))
+
+    run(served(e, body))
+    stats = cache.prefix_cache_stats()
+    assert stats.hit_tokens == 80 and stats.prefilled_tokens == (len(SYSTEM) + 2) + (len(SYSTEM) + 2 - 80)
+    sample = metrics.registry.get_sample_value
+    assert sample("kvfleet_worker_prefix_cache_hit_tokens") == 80
+    assert sample("kvfleet_worker_prefilled_tokens") == stats.prefilled_tokens
+    assert sample("kvfleet_worker_prefix_cache_blocks") == stats.cached_blocks == stats.evictable_blocks > 0

@@ -26,6 +26,7 @@ from kvfleet.worker.engines.base import EngineInfo
 from kvfleet.worker.engines.builtin import BuiltinEngine
 from kvfleet.worker.engines.builtin_model import SeqBatchEntry
 from kvfleet.worker.engines.builtin_scheduler import Step
+from kvfleet.worker.engines.capabilities import EngineCapabilities
 from kvfleet.worker.engines.speed import SpeedRecorder
 from kvfleet.worker.text import Tokenizer
 
@@ -222,6 +223,8 @@ class NotMeasuring:
 
     info = EngineInfo(engine="vllm", model_path="/m", max_model_len=256, block_size_tokens=16,
                       kv_bytes_per_token=KV_BYTES_PER_TOKEN, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES)
+
+    capabilities = EngineCapabilities()
 
     def speed_profile(self) -> SpeedProfile | None:
         return None

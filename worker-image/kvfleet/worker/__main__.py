@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--min-step-s", type=float, default=float(env("KVFLEET_MIN_STEP_S", "0")),
                         help="builtin engine: a floor on one step's time, emulating a slower accelerator (tests, demos)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=env("KVFLEET_PREFIX_CACHING", "0") == "1",
+                        help="builtin engine: keep finished requests' KV by prompt prefix (context caching)")
     parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
                         help="builtin engine: one pool for KV cache and activations (docs/elastic-memory.md); "
                              "static split unless --elastic-memory")
@@ -94,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
+        prefix_caching=args.prefix_caching,
         memory_budget_bytes=args.memory_budget_bytes, elastic_memory=args.elastic_memory,
         cpu_buffer_bytes=args.cpu_buffer_bytes,
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,

@@ -86,6 +86,7 @@ class Agent:
             running=lambda: float(len(self._usage())),
             waiting=lambda: float(self.engine.num_waiting() if self._info else 0),
             gpu=gpu or GPUProbe(),
+            prefix_cache=cache.prefix_cache_stats if (cache := engine.capabilities.prefix_cache) is not None else None,
         )
         self.migration_metrics = MigrationMetrics(self.metrics.registry)
         self.streams = RequestStreams(engine, tokenizer, self.metrics, self.handoffs, config.pool_token,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kvfleet.worker.engines.capabilities import PrefixCacheStats
 from kvfleet.worker.gpu import GPUProbe
 
 # Window over which the tokens/s gauge averages generated tokens.
@@ -38,7 +39,8 @@ class TokenRate:
 
 class WorkerMetrics:
     def __init__(self, kv_used_bytes: Callable[[], float], kv_capacity_bytes: Callable[[], float],
-                 running: Callable[[], float], waiting: Callable[[], float], gpu: GPUProbe) -> None:
+                 running: Callable[[], float], waiting: Callable[[], float], gpu: GPUProbe,
+                 prefix_cache: Callable[[], PrefixCacheStats] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rate = TokenRate()
@@ -58,6 +60,16 @@ class WorkerMetrics:
         self.rejected = Counter("kvfleet_worker_rejected_requests", "Requests refused with a 4xx, by status.",
                                 ["status"], registry=r)
         self.report_writes = Counter("kvfleet_worker_report_writes", "KV-load reports written to the Pod.", registry=r)
+        if prefix_cache is not None:
+            stats = prefix_cache
+            Gauge("kvfleet_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache so far.",
+                  registry=r).set_function(lambda: float(stats().hit_tokens))
+            Gauge("kvfleet_worker_prefilled_tokens", "Tokens the engine prefilled so far (past cached prefixes).",
+                  registry=r).set_function(lambda: float(stats().prefilled_tokens))
+            Gauge("kvfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds.",
+                  registry=r).set_function(lambda: float(stats().cached_blocks))
+            Gauge("kvfleet_worker_prefix_cache_evictable_blocks", "Cached KV blocks no running request reads.",
+                  registry=r).set_function(lambda: float(stats().evictable_blocks))
         if gpu.available:
             used = Gauge("kvfleet_worker_gpu_memory_used_bytes", "GPU memory used (all processes).", ["gpu"], registry=r)
             total = Gauge("kvfleet_worker_gpu_memory_total_bytes", "GPU memory.", ["gpu"], registry=r)

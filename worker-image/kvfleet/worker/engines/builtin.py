@@ -68,7 +68,7 @@ from kvfleet.worker.engines.builtin_model import (
 )
 from kvfleet.worker.engines.builtin_sampling import next_tokens
 from kvfleet.worker.engines.builtin_scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
-from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState
+from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
 from kvfleet.worker.engines.speed import SpeedRecorder
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,15 @@ class BuiltinEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None)
+        return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None,
+                                  prefix_cache=self if self._sched.prefix is not None else None)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache now (capabilities.PrefixCache); only asked of an engine that caches."""
+        sched = self._sched
+        assert sched.prefix is not None
+        return PrefixCacheStats(sched.num_cache_hit_tokens, sched.num_prefilled_tokens, sched.prefix.num_blocks,
+                                sched.prefix.num_evictable_blocks)
 
     def memory_state(self) -> MemoryState:
         """The elastic pool now (capabilities.ElasticMemory); only asked of an elastic engine."""

@@ -175,6 +175,26 @@ class ElasticMemory(Protocol):
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """A prefix-caching engine's figures so far (MemServe's MemPool), for metrics and reports."""
+
+    hit_tokens: int          # prompt tokens whose KV came from the cache
+    prefilled_tokens: int    # tokens prefilled (prompts past their cached prefix, re-prefills)
+    # Blocks the cache holds, and of those the ones no running request reads. None where the engine
+    # cannot see its cache's blocks (vLLM keeps its block pool in another process): not reported.
+    cached_blocks: int | None
+    evictable_blocks: int | None
+
+
+class PrefixCache(Protocol):
+    """An engine that keeps finished requests' KV by prompt prefix and starts new ones after it."""
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The cache now (on the event loop; cheap)."""
+        ...
+
+
+@dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
 
@@ -185,3 +205,5 @@ class EngineCapabilities:
     migration: KVMigratable | None = None
     # Report a KV capacity that moves with activations, and KV parked in a CPU buffer (eLLM).
     elastic_memory: ElasticMemory | None = None
+    # Keep finished requests' KV by prompt prefix and prefill only past it (MemServe's context caching).
+    prefix_cache: PrefixCache | None = None

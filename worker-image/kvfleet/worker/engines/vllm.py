@@ -21,10 +21,22 @@ What is exact and what is derived:
   start otherwise).
 - Per-request KV (`kv_usage`) is derived: vLLM keeps block tables in its EngineCore process and
   exposes none of them, so tokens are counted from the outputs (prompt + tokens generated so far)
-  and bytes are the whole blocks that hold them (`base.kv_blocks_bytes`), which is what vLLM's
-  paged allocator gives a request when no blocks are shared. Prefix caching is off so that no
-  blocks are shared and a finished request's blocks are really free. A request that vLLM preempts
-  (recompute mode, only when the KV cache is full) is still counted with its tokens until it ends.
+  and bytes are the whole blocks that hold them (`base.kv_blocks_bytes`): the blocks in the
+  request's block table. A request that vLLM preempts (recompute mode, only when the KV cache is
+  full) is still counted with its tokens until it ends.
+- With prefix caching (`EngineConfig.prefix_caching`, vLLM's automatic prefix caching) a request's
+  table may start with full blocks another running request also reads, so the sum over requests can
+  exceed the blocks really held: the error is on the safe side for packing (MELL sees a fuller
+  worker, never an emptier one), and each request's figure is still what it needs on a worker that
+  has no cached prefix (a migration's destination). A finished request's blocks stay cached but sit
+  in vLLM's free queue (evicted, least recently used first, when a request needs a block), so they
+  are free as far as admission goes, as `kv_usage` counts them.
+- Prefix-cache figures (`prefix_cache_stats`, the `PrefixCache` capability) are vLLM's own per
+  request: `RequestOutput.num_cached_tokens`, the prompt tokens its scheduler found cached at the
+  request's first scheduling (always whole blocks, at most prompt - 1 tokens, vllm/v1/core/
+  kv_cache_manager.py get_computed_blocks). The block counts are not reported (None): vLLM's block
+  pool lives in the EngineCore process and no public call returns its size or its free-but-cached
+  blocks.
 - `num_waiting` is derived: requests submitted that have produced no output yet (queued, or in
   their prefill step).
 
@@ -77,7 +89,7 @@ from kvfleet.worker.engines.base import (
     StepOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.capabilities import EngineCapabilities
+from kvfleet.worker.engines.capabilities import EngineCapabilities, PrefixCacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +116,8 @@ class _Request:
     max_tokens: int | None = None
     generated_tokens: int = 0
     abort_requested: bool = False
+    # Whether its prefix-cache hit has been counted (vLLM tells it with its first token).
+    cache_hit_counted: bool = False
 
     @property
     def remaining_tokens(self) -> int | None:
@@ -156,6 +170,9 @@ class VLLMEngine:
         # Requests submitted and not finished, by id; those with generated_tokens > 0 hold KV.
         self._requests: dict[str, _Request] = {}
         self._stopped = False
+        # Prefix-cache figures so far (prefix_cache_stats), summed over requests from their first tokens.
+        self._num_cache_hit_tokens = 0
+        self._num_prefilled_tokens = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -252,6 +269,11 @@ class VLLMEngine:
         if ask_bytes is not None or max_model_len != geometry.max_model_len:
             vllm_config = self._engine_args(max_model_len, ask_bytes).create_engine_config(UsageContext.ENGINE_CONTEXT)
             geometry = _geometry(vllm_config)
+        if bool(vllm_config.cache_config.enable_prefix_caching) != self.config.prefix_caching:
+            # vLLM's platform may turn prefix caching off by itself (MLA models on the CPU, see
+            # vllm/platforms/cpu.py): the capability declared (`capabilities`) must be what runs.
+            raise EngineError(f"prefix caching asked {'on' if self.config.prefix_caching else 'off'}, but vLLM set it "
+                              f"{'on' if vllm_config.cache_config.enable_prefix_caching else 'off'} for this model here")
         llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
         return llm, geometry
 
@@ -269,8 +291,8 @@ class VLLMEngine:
             seed=config.seed,
             max_num_seqs=config.max_num_seqs,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
-            # Shared prefix blocks would make per-request KV bytes a guess (module docstring).
-            enable_prefix_caching=False,
+            # Set explicitly both ways: vLLM's own default is on, and off must stay off (module docstring).
+            enable_prefix_caching=config.prefix_caching,
             # torch.compile on the CPU spends minutes in the C++ compiler for no gain at this size.
             enforce_eager=config.device == "cpu",
             disable_log_stats=True,
@@ -304,7 +326,18 @@ class VLLMEngine:
     def capabilities(self) -> EngineCapabilities:
         # No KV migration: vLLM's public API exposes no running request's KV, so a migration from or
         # to this engine moves the request's tokens (abort here, re-prefill there).
-        return EngineCapabilities()
+        return EngineCapabilities(prefix_cache=self if self.config.prefix_caching else None)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """vLLM's prefix cache so far (capabilities.PrefixCache); only asked of an engine that caches.
+
+        hit_tokens: the sum of vLLM's `num_cached_tokens` over requests that gave a first token.
+        prefilled_tokens: their prompt tokens less those hits. Prefills vLLM repeats after a
+        preemption are not in it (vLLM reports no per-request figure for them), nor requests aborted
+        before their first token (vLLM never reports their hit). cached_blocks and evictable_blocks
+        are None: the block pool is in the EngineCore process, out of reach (module docstring).
+        """
+        return PrefixCacheStats(self._num_cache_hit_tokens, self._num_prefilled_tokens, None, None)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -365,6 +398,13 @@ class VLLMEngine:
     def _step_output(self, request: _Request, output: RequestOutput) -> StepOutput | None:
         completion = output.outputs[0]
         new_token_ids = tuple(completion.token_ids)
+        if new_token_ids and not request.cache_hit_counted and output.num_cached_tokens is not None:
+            # vLLM sets it with the output that ends the first prefill (the first that has a token,
+            # vllm/v1/engine/output_processor.py), and never after: a re-prefill after a preemption
+            # leaves it. An abort before that output carries 0, not the hit: it is not counted.
+            request.cache_hit_counted = True
+            self._num_cache_hit_tokens += output.num_cached_tokens
+            self._num_prefilled_tokens += request.prompt_tokens - output.num_cached_tokens
         request.generated_tokens += len(new_token_ids)
         if not output.finished:
             return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
