@@ -195,3 +195,20 @@ def test_a_replan_keeps_requests_in_place_and_when_they_were_moved() -> None:
     out = grown.epoch(workers, {}, now_s=2.0)
     assert [(m.request_id, m.target_pod, m.reason) for m in out.moves] == [("c", "p-worker-0", "Consolidate")]
     assert out.lower_bound_gpus == 1
+
+
+def test_a_request_reading_shared_blocks_is_packed_by_its_own_and_moved_whole() -> None:
+    # On worker 1, "s" reads 150 bytes of prompt-prefix blocks counted under "other" (its worker's
+    # prefix cache): MELL packs it at 250 (worker 1 holds 300 + 250, each block once), and a move of
+    # it carries, and its target must hold, all 400.
+    shared = RequestLoad(id="s", kv_bytes=250, tokens=40, size_class="T", shared_bytes=150)
+    assert shared.whole_kv_bytes == 400
+    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+                                  [worker(0, ("big", 700)), worker(1, ("other", 300))])
+    w1 = worker(1, ("other", 300))
+    w1 = WorkerView(w1.pod_name, w1.gpu_id, w1.created_order, w1.node_name, w1.zone, w1.ready,
+                    KVLoadReport(capacity_bytes=C, used_bytes=550, sequence=2,
+                                 requests=[*report(("other", 300)).requests, shared]))
+    out = sched.epoch([worker(0, ("big", 700)), w1], {}, now_s=7.0)
+    assert sched.sizes["s"] == 250 and out.used_bytes == 700 + 300 + 250
+    assert [(m.request_id, m.target_pod, m.size_bytes) for m in out.moves] == [("s", "p-worker-0", 400)]

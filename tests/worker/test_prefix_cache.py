@@ -158,3 +158,41 @@ def test_the_cache_is_a_capability_whose_figures_the_worker_exports(tiny_model_d
     assert sample("kvfleet_worker_prefix_cache_hit_tokens") == 80
     assert sample("kvfleet_worker_prefilled_tokens") == stats.prefilled_tokens
     assert sample("kvfleet_worker_prefix_cache_blocks") == stats.cached_blocks == stats.evictable_blocks > 0
+
+
+def test_usage_counts_a_shared_block_once_and_the_cache_apart(tiny_model_dir: Path) -> None:
+    """Reports MELL can trust: two running requests reading the same 5 cached blocks hold 5 blocks
+    between them, not 10; the cache nobody reads is neither request's, and it is evictable."""
+    from kvfleet.worker.reporter import CacheFigures, build_report
+
+    e = engine(tiny_model_dir, True)
+
+    async def body(e: BuiltinEngine) -> None:
+        await tokens_of(e.generate("warm", SYSTEM + [1, 2], greedy(2)))  # leaves SYSTEM's 5 blocks cached
+        block_bytes = e._sched.pool.block_bytes
+        assert e.kv_usage() == [] and e.prefix_cache_stats().evictable_blocks == 5
+        a = e.generate("a", SYSTEM + [3, 4], greedy(40))
+        b = e.generate("b", SYSTEM + [5, 6], greedy(40))
+        seen = [o async for o in _first(a, 1)] + [o async for o in _first(b, 1)]
+        assert len(seen) == 2
+        usage = {r.request_id: r for r in e.kv_usage()}
+        held = len(e._sched.requests["a"].blocks), len(e._sched.requests["b"].blocks)
+        older, newer = sorted(usage, key=lambda rid: e._sched.requests[rid].admitted_seq)
+        assert usage[older].shared_bytes == 0 and usage[older].kv_bytes == held[older != "a"] * block_bytes
+        assert usage[newer].shared_bytes == 5 * block_bytes
+        assert usage[newer].kv_bytes == (held[newer != "a"] - 5) * block_bytes
+        in_use = e._sched.pool.num_blocks - len(e._sched.pool.free)
+        assert sum(r.kv_bytes for r in usage.values()) == in_use * block_bytes  # each block once
+        stats = e.prefix_cache_stats()
+        assert stats.evictable_blocks == 0  # both read the 5 cached blocks: pinned
+        report = build_report(e.kv_usage(), e.info.kv_capacity_bytes, 1,
+                              prefix_cache=CacheFigures(stats.evictable_blocks * block_bytes, stats.cached_blocks))
+        loads = {r.id: r for r in report.requests}
+        assert loads[newer].shared_bytes == 5 * block_bytes and loads[older].shared_bytes is None
+        assert loads[newer].whole_kv_bytes == held[newer != "a"] * block_bytes
+        assert report.used_bytes == in_use * block_bytes and report.evictable_bytes == 0
+        assert report.prefix_cache_blocks == 5
+        await e.abort("a")
+        await e.abort("b")
+
+    run(served(e, body))

@@ -51,6 +51,16 @@ class RequestLoad(_Model):
     # measured step period): a move would land after it ended, so the operator orders none. Written
     # only when true, so a report reads the same to an operator from before this field.
     finishing: Literal[True] | None = None
+    # KV this request reads from blocks counted under an older request of this report (a prompt
+    # prefix shared through the worker's prefix cache): every block is counted once, so the sum of
+    # kv_bytes is the worker's load, while a move carries kv_bytes + shared_bytes and its target must
+    # hold that. Written only when not zero.
+    shared_bytes: int | None = Field(default=None, gt=0)
+
+    @property
+    def whole_kv_bytes(self) -> int:
+        """All the KV the request reads, shared blocks included: what moving it carries."""
+        return self.kv_bytes + (self.shared_bytes or 0)
 
 
 class KVLoadReport(_Model):
@@ -72,6 +82,13 @@ class KVLoadReport(_Model):
     # An elastic worker (docs/elastic-memory.md): KV of its waiting or preempted requests parked in
     # host memory. Its capacity_bytes is then what KV can hold now, which moves with activations.
     cpu_buffer_bytes: int | None = Field(default=None, ge=0)
+    # A worker with a prefix cache (docs/caching.md): cached KV no running request reads. The engine
+    # frees it, least recently used first, before a request waits for room, so it is room, not load:
+    # it is in neither used_bytes nor any request's kv_bytes.
+    evictable_bytes: int | None = Field(default=None, ge=0)
+    # Blocks its prefix cache indexes (read by running requests, or evictable): the router's global
+    # prompt tree keeps no more for this worker, which is how the worker's evictions reach it.
+    prefix_cache_blocks: int | None = Field(default=None, ge=0)
 
     def to_annotation(self) -> str:
         # Unset optional fields are left out, so a report without measurements is exactly what

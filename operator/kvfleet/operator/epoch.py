@@ -237,7 +237,7 @@ class PoolScheduler:
         moves: list[MoveOrder] = []
         deferred = 0
         for rid, seen in actual.items():
-            worker, size_bytes, tokens = seen.worker, seen.size_bytes, seen.tokens
+            worker, size_bytes, tokens = seen.worker, seen.move_bytes, seen.tokens
             if rid in in_flight or rid not in self.policy.item_of:
                 continue
             want = self.policy.gpu_of(rid)
@@ -260,12 +260,16 @@ class PoolScheduler:
 
 @dataclass(frozen=True)
 class Reported:
-    """A request as the reports say: the worker reporting it, its KV bytes and tokens, whether it ends soon."""
+    """A request as the reports say: the worker reporting it, its KV bytes and tokens, whether it ends soon.
+
+    `size_bytes` counts blocks shared with older requests on its worker once, under them (the worker's
+    load adds up); `move_bytes` is all it reads, what a move carries and its target must hold."""
 
     worker: WorkerView
     size_bytes: int
     tokens: int
     finishing: bool
+    move_bytes: int
 
 
 def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, Reported]:
@@ -275,7 +279,7 @@ def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> di
         for req in worker.report.requests if worker.report else []:
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
-                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing))
+                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing), req.whole_kv_bytes)
     return actual
 
 

@@ -39,7 +39,7 @@ from kvfleet.worker.migration.executor import Executor, MigrationMetrics, Migrat
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest, Handoffs, HandoffTarget, LiveRequest
 from kvfleet.worker.migration.transport import MIGRATION_PORT, Listener, TCPTransport, split_address
 from kvfleet.worker.openai_routes import OpenAIRoutes
-from kvfleet.worker.reporter import LoadReporter, WriteReport, measured_from
+from kvfleet.worker.reporter import CacheFigures, LoadReporter, WriteReport, measured_from
 from kvfleet.worker.streams import RequestStreams
 from kvfleet.worker.text import Tokenizer
 
@@ -205,8 +205,22 @@ class Agent:
                                      interval_s=self.config.report_interval_s, queued=self.engine.queued,
                                      measured=measured_from(self.metrics.registry),
                                      block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s,
-                                     memory=elastic.memory_state if elastic is not None else None)
+                                     memory=elastic.memory_state if elastic is not None else None,
+                                     prefix_cache=self._cache_figures(info))
         self._tasks.append(asyncio.create_task(self.reporter.run()))
+
+    def _cache_figures(self, info: EngineInfo) -> Callable[[], CacheFigures] | None:
+        cache = self.engine.capabilities.prefix_cache
+        if cache is None:
+            return None
+        block_bytes = info.block_size_tokens * info.kv_bytes_per_token
+
+        def figures() -> CacheFigures:
+            stats = cache.prefix_cache_stats()
+            evictable = stats.evictable_blocks
+            return CacheFigures(evictable * block_bytes if evictable is not None else None, stats.cached_blocks)
+
+        return figures
 
     def _reported_usage(self) -> list[Any]:
         # KV staged for a migration still in flight towards this worker is not the request's home yet:

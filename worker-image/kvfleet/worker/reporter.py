@@ -71,7 +71,7 @@ def measured_from(registry: CollectorRegistry) -> Callable[[], Measured]:
 def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                  queued: list[RequestKV] | None = None, measured: Measured | None = None,
                  block_size_tokens: int | None = None, finishing_tokens: float | None = None,
-                 cpu_buffer_bytes: int | None = None) -> KVLoadReport:
+                 cpu_buffer_bytes: int | None = None, prefix_cache: CacheFigures | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
@@ -82,12 +82,24 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
     entries.sort(key=lambda e: e[0].request_id)
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
                          size_class=size_class_name(r.kv_bytes, capacity_bytes),
-                         finishing=True if _finishing(r, waiting, finishing_tokens) else None)
+                         finishing=True if _finishing(r, waiting, finishing_tokens) else None,
+                         shared_bytes=r.shared_bytes or None)
              for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
                         prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens,
-                        cpu_buffer_bytes=cpu_buffer_bytes)
+                        cpu_buffer_bytes=cpu_buffer_bytes,
+                        evictable_bytes=prefix_cache.evictable_bytes if prefix_cache else None,
+                        prefix_cache_blocks=prefix_cache.cached_blocks if prefix_cache else None)
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """A prefix-caching engine's cache as a report states it (capabilities.PrefixCacheStats in bytes);
+    None where the engine cannot see it (vLLM)."""
+
+    evictable_bytes: int | None
+    cached_blocks: int | None
 
 
 def _finishing(r: RequestKV, queued: bool, finishing_tokens: float | None) -> bool:
@@ -116,9 +128,11 @@ class LoadReporter:
                  queued: Callable[[], list[RequestKV]] | None = None,
                  measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None,
                  step_s: Callable[[], float | None] | None = None,
-                 memory: Callable[[], MemoryState] | None = None) -> None:
+                 memory: Callable[[], MemoryState] | None = None,
+                 prefix_cache: Callable[[], CacheFigures] | None = None) -> None:
         self._usage = usage
         self._memory = memory
+        self._prefix_cache = prefix_cache
         self._step_s = step_s
         self._step_s_cached: tuple[float, float | None] = (float("-inf"), None)  # (when read, value)
         self._queued = queued
@@ -148,7 +162,8 @@ class LoadReporter:
                               self.sequence + 1, self._queued() if self._queued else None,
                               self._measured() if self._measured else None, self._block_size_tokens,
                               finishing_tokens=2 * self.interval_s / step_s if step_s else None,
-                              cpu_buffer_bytes=memory.cpu_buffer_bytes if memory else None)
+                              cpu_buffer_bytes=memory.cpu_buffer_bytes if memory else None,
+                              prefix_cache=self._prefix_cache() if self._prefix_cache else None)
         key = report_key(report, self._capacity_bytes if memory else None)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False

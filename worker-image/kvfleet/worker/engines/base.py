@@ -124,7 +124,12 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class RequestKV:
-    """One request's KV footprint: tokens cached and bytes of the blocks allocated to it."""
+    """One request's KV footprint: tokens cached and bytes of the blocks allocated to it.
+
+    With a prefix cache several requests read the same blocks: each block is counted once in a
+    worker's usage, in `kv_bytes` of the oldest request reading it, and in `shared_bytes` of the
+    others. So the sum of `kv_bytes` is what the worker holds, and `kv_bytes + shared_bytes` is the
+    request's whole KV, what a move carries and its target must hold."""
 
     request_id: str
     tokens: int
@@ -132,6 +137,7 @@ class RequestKV:
     # Output tokens it may still write (max_tokens less those written): with the tokens reported at two
     # epochs the operator tells a request about to finish, whose move would land after it ended.
     remaining_tokens: int | None = None
+    shared_bytes: int = 0
 
 
 @dataclass(frozen=True)

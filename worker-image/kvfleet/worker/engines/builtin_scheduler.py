@@ -242,13 +242,20 @@ class Scheduler:
     # -- accounting ----------------------------------------------------------------------------------
 
     def kv_usage(self) -> list[RequestKV]:
+        """Every request holding blocks; a cached block that several read is counted once, to the
+        oldest of them (RequestKV says why), and blocks only the cache holds to none (they are
+        evictable: `num_evictable_blocks`)."""
         block_bytes = self.pool.block_bytes
         usage = []
-        for req in self.requests.values():
+        counted: set[int] = set()  # ids of the shared prompt-tree nodes counted already
+        for req in sorted(self.requests.values(), key=lambda r: (r.admitted_seq, r.request_id)):
             if req.blocks:
                 tokens = req.num_cached if req.state is RequestState.WAITING else req.num_tokens
-                usage.append(RequestKV(req.request_id, tokens, len(req.blocks) * block_bytes,
-                                       max(0, req.params.max_tokens - len(req.output))))
+                nodes = req.shared.nodes if req.shared is not None else ()
+                num_elsewhere = sum(1 for node in nodes if id(node) in counted)
+                counted.update(id(node) for node in nodes)
+                usage.append(RequestKV(req.request_id, tokens, (len(req.blocks) - num_elsewhere) * block_bytes,
+                                       max(0, req.params.max_tokens - len(req.output)), num_elsewhere * block_bytes))
         for request_id, staged in self.staged.items():
             if staged.blocks:
                 usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))
