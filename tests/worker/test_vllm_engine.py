@@ -3,7 +3,9 @@
 The session's vLLM engine (worker_testing.start_engine, shared with test_engine_contract.py, since
 loading takes ~25 s) is checked against vLLM's own cache config and against transformers' greedy
 tokens; one more engine is started here with an odd capacity, then stopped, to see the capacity
-rounded to whole blocks and that no EngineCore or worker process outlives stop().
+rounded to whole blocks and that no EngineCore or worker process outlives stop(). A third, with
+prefix caching on (module-scoped, another ~25 s: the session engine's config has it off), shows
+vLLM's cache hits reported and the greedy tokens of the engine without it.
 
 The whole module is skipped where vllm is not installed, and fails instead under
 KVFLEET_REQUIRE_VLLM=1 (`make test`, which installs it with scripts/install-vllm.sh).
@@ -16,6 +18,8 @@ import itertools
 import json
 import multiprocessing.resource_tracker
 import os
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,8 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.vllm import VLLMEngine  # noqa: E402
+from kvfleet.worker.gpu import GPUProbe  # noqa: E402
+from kvfleet.worker.metrics import WorkerMetrics  # noqa: E402
 
 PROMPTS = [[1, 17, 300, 45, 99], [1, 5, 6, 7], [1, 1000, 1500, 20, 21, 22, 23, 24, 25, 26], [1, 400], list(range(1, 40))]
 _ids = itertools.count()
@@ -65,6 +71,15 @@ def rid(prefix: str) -> str:
 @pytest.fixture(scope="module")
 def vllm(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict[str, StartedEngine]) -> StartedEngine:
     return start_engine("vllm", tiny_model_dir, started_engines, engine_loop)
+
+
+@pytest.fixture(scope="module")
+def vllm_prefix_cached(vllm: StartedEngine, engine_loop: EngineLoop) -> Iterator[StartedEngine]:
+    """The session engine's config with prefix caching on (started after it: one load at a time)."""
+    engine = VLLMEngine(replace(engine_of(vllm).config, prefix_caching=True))
+    info = engine_loop.run(engine.start(), timeout_s=300)
+    yield StartedEngine("vllm-prefix-cached", engine, info, engine_loop)
+    engine_loop.run(engine.stop())
 
 
 def engine_of(started: StartedEngine) -> VLLMEngine:
@@ -237,3 +252,56 @@ def test_elastic_memory_and_a_cpu_buffer_are_refused_with_the_reason(tiny_model_
     engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, **settings))
     with pytest.raises(EngineError, match="need the builtin engine"):
         asyncio.run(engine.start())
+
+
+# Two prompts of 300 tokens sharing their first 290: two whole 128-token blocks and 34 tokens of a third.
+SHARED_PREFIX = [(7 * i + 3) % 2000 + 1 for i in range(290)]
+SHARING_PROMPTS = [SHARED_PREFIX + list(range(1500, 1510)), SHARED_PREFIX + list(range(1600, 1610))]
+
+
+def test_prefix_caching_hits_the_shared_whole_blocks_and_keeps_greedy_tokens(
+    vllm: StartedEngine, vllm_prefix_cached: StartedEngine
+) -> None:
+    engine = engine_of(vllm_prefix_cached)
+    assert engine._llm is not None and engine._llm.vllm_config.cache_config.enable_prefix_caching
+    assert engine_of(vllm).capabilities.prefix_cache is None
+    cache = engine.capabilities.prefix_cache
+    assert cache is not None
+    block = vllm_prefix_cached.info.block_size_tokens
+    assert block == 128  # vLLM's CPU default: the shared prefix holds 2 whole blocks
+    got: list[list[int]] = []
+    stats = []
+    for prompt in SHARING_PROMPTS:  # one after the other: the first's blocks are cached when the second comes
+        got.append(tokens(vllm_prefix_cached.loop.run(collect(engine, rid("cached"), prompt, greedy(8)))))
+        stats.append(cache.prefix_cache_stats())
+    first, second = stats
+    assert (first.hit_tokens, first.prefilled_tokens) == (0, 300)
+    # vLLM hits whole blocks only: 256 of the 290 shared tokens; the other 44 are prefilled again.
+    assert second.hit_tokens == len(SHARED_PREFIX) // block * block == 256
+    assert second.prefilled_tokens == 300 + (300 - 256)
+    assert second.cached_blocks is None and second.evictable_blocks is None  # vLLM's block pool is out of reach
+    # Attention over cached KV gives the tokens a full prefill gives (the session engine caches nothing).
+    want = [tokens(vllm.loop.run(collect(engine_of(vllm), rid("uncached"), prompt, greedy(8)))) for prompt in SHARING_PROMPTS]
+    assert got == want
+    assert_empty(vllm_prefix_cached)
+    assert_empty(vllm)
+
+
+def test_the_worker_exports_vllms_hits_and_leaves_out_the_block_counts_it_cannot_see(
+    vllm_prefix_cached: StartedEngine,
+) -> None:
+    engine = engine_of(vllm_prefix_cached)
+    cache = engine.capabilities.prefix_cache
+    assert cache is not None
+    metrics = WorkerMetrics(lambda: 0.0, lambda: 0.0, lambda: 0.0, lambda: 0.0, GPUProbe(),
+                            prefix_cache=cache.prefix_cache_stats)
+    before = cache.prefix_cache_stats()
+    for _ in range(2):  # the second hits the first's blocks whichever test ran before
+        vllm_prefix_cached.loop.run(collect(engine, rid("metrics"), SHARING_PROMPTS[0], greedy(2)))
+    stats = cache.prefix_cache_stats()
+    assert stats.hit_tokens - before.hit_tokens >= 256
+    sample = metrics.registry.get_sample_value
+    assert sample("kvfleet_worker_prefix_cache_hit_tokens") == stats.hit_tokens
+    assert sample("kvfleet_worker_prefilled_tokens") == stats.prefilled_tokens
+    assert sample("kvfleet_worker_prefix_cache_blocks") is None
+    assert sample("kvfleet_worker_prefix_cache_evictable_blocks") is None

@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="builtin engine: a floor on one step's time, emulating a slower accelerator (tests, demos)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=env("KVFLEET_PREFIX_CACHING", "0") == "1",
-                        help="builtin engine: keep finished requests' KV by prompt prefix (context caching)")
+                        help="keep finished requests' KV by prompt prefix (context caching; vLLM: its own prefix caching)")
     parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
                         help="builtin engine: one pool for KV cache and activations (docs/elastic-memory.md); "
                              "static split unless --elastic-memory")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kvfleet.worker.engines.capabilities import PrefixCacheStats
 from kvfleet.worker.gpu import GPUProbe
@@ -35,6 +38,27 @@ class TokenRate:
         while self._events and self._events[0][0] < now - RATE_WINDOW_S:
             self._events.popleft()
         return sum(n for _, n in self._events) / RATE_WINDOW_S
+
+
+class PrefixCacheCollector(Collector):
+    """The prefix cache's gauges, read at scrape time; a figure the engine does not report (None) is
+    left out rather than exported as a number it never measured."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for name, documentation, value in (
+            ("kvfleet_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache so far.", s.hit_tokens),
+            ("kvfleet_worker_prefilled_tokens", "Tokens the engine prefilled so far (past cached prefixes).",
+             s.prefilled_tokens),
+            ("kvfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds.", s.cached_blocks),
+            ("kvfleet_worker_prefix_cache_evictable_blocks", "Cached KV blocks no running request reads.",
+             s.evictable_blocks),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(name, documentation, value=float(value))
 
 
 class WorkerMetrics:
@@ -61,15 +85,7 @@ class WorkerMetrics:
                                 ["status"], registry=r)
         self.report_writes = Counter("kvfleet_worker_report_writes", "KV-load reports written to the Pod.", registry=r)
         if prefix_cache is not None:
-            stats = prefix_cache
-            Gauge("kvfleet_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache so far.",
-                  registry=r).set_function(lambda: float(stats().hit_tokens))
-            Gauge("kvfleet_worker_prefilled_tokens", "Tokens the engine prefilled so far (past cached prefixes).",
-                  registry=r).set_function(lambda: float(stats().prefilled_tokens))
-            Gauge("kvfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds.",
-                  registry=r).set_function(lambda: float(stats().cached_blocks))
-            Gauge("kvfleet_worker_prefix_cache_evictable_blocks", "Cached KV blocks no running request reads.",
-                  registry=r).set_function(lambda: float(stats().evictable_blocks))
+            r.register(PrefixCacheCollector(prefix_cache))
         if gpu.available:
             used = Gauge("kvfleet_worker_gpu_memory_used_bytes", "GPU memory used (all processes).", ["gpu"], registry=r)
             total = Gauge("kvfleet_worker_gpu_memory_total_bytes", "GPU memory.", ["gpu"], registry=r)

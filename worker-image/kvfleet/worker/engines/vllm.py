@@ -28,9 +28,12 @@ What is exact and what is derived:
   table may start with full blocks another running request also reads, so the sum over requests can
   exceed the blocks really held: the error is on the safe side for packing (MELL sees a fuller
   worker, never an emptier one), and each request's figure is still what it needs on a worker that
-  has no cached prefix (a migration's destination). A finished request's blocks stay cached but sit
-  in vLLM's free queue (evicted, least recently used first, when a request needs a block), so they
-  are free as far as admission goes, as `kv_usage` counts them.
+  has no cached prefix (a migration's destination). `RequestKV.shared_bytes` stays 0: a request's
+  hit says how many of its blocks came from the cache, not whether a running request still holds
+  them or they were free (cached by a finished one), and only the first are shared. A finished
+  request's blocks stay cached but sit in vLLM's free queue (evicted, least recently used first,
+  when a request needs a block), so they are free as far as admission goes, as `kv_usage` counts
+  them.
 - Prefix-cache figures (`prefix_cache_stats`, the `PrefixCache` capability) are vLLM's own per
   request: `RequestOutput.num_cached_tokens`, the prompt tokens its scheduler found cached at the
   request's first scheduling (always whole blocks, at most prompt - 1 tokens, vllm/v1/core/
