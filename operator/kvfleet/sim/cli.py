@@ -18,6 +18,7 @@ from typing import Any
 
 from kvfleet.mell.cluster import SchedulerConfig
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
+from kvfleet.sim.prefix_cache import PrefixCacheSpec
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.simulator import (
@@ -30,6 +31,7 @@ from kvfleet.sim.simulator import (
     tpot_load_cap,
 )
 from kvfleet.sim.traces import (
+    DEFAULT_HASH_BLOCK_TOKENS,
     TraceError,
     TraceRequest,
     long_context_workload,
@@ -51,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl = parser.add_argument_group("workloads (default: both Azure traces and Poisson 0.5/0.8/1.1)")
     wl.add_argument("--trace", action="append", type=Path, default=[], metavar="FILE",
                     help="an Azure-format CSV, a CSV with timestamp/prompt/output columns, or JSONL "
-                         "with timestamp (ms), input_length, output_length; repeatable")
+                         "with timestamp (ms), input_length, output_length and optionally hash_ids (Mooncake's "
+                         "prompt block hashes); repeatable")
+    wl.add_argument("--hash-block-tokens", type=int, default=DEFAULT_HASH_BLOCK_TOKENS, metavar="N",
+                    help=f"prompt tokens per hash_ids block of JSONL traces ({DEFAULT_HASH_BLOCK_TOKENS}, as Mooncake's)")
     wl.add_argument("--azure", action="store_true", help="both Azure traces from --trace-dir")
     wl.add_argument("--trace-dir", type=Path, default=None,
                     help="where the Azure traces are (default: $KVFLEET_TRACES or ../shared/traces)")
@@ -103,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the scheduler is told a request holds: its KV blocks plus what it can write in "
                              "this many epochs at the fastest decode speed (1; 0 is what a live pool's workers "
                              "report, the KV they hold)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="model a prefix cache on every worker (MemServe §4): the prompt blocks (trace hash_ids) of "
+                             "finished requests stay in free KV memory, and a request prefills only the leading blocks "
+                             "its GPU does not hold; reports the hit ratio and prefill tokens saved")
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
@@ -143,8 +152,13 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
     out: list[tuple[str, list[TraceRequest]]] = []
     if args.max_context_tokens is not None and args.max_context_tokens <= 0:
         raise TraceError(f"--max-context-tokens {args.max_context_tokens}: must be positive")
+    if args.hash_block_tokens <= 0:
+        raise TraceError(f"--hash-block-tokens {args.hash_block_tokens}: must be positive")
+    if args.prefix_cache and args.trace_length_scale != 1.0:
+        # Scaled lengths no longer match the blocks the trace hashed.
+        raise TraceError("--trace-length-scale cannot be used with --prefix-cache: hash_ids describe the real prompts")
     for path in traces:
-        reqs = read_trace(path, args.max_context_tokens)
+        reqs = read_trace(path, args.max_context_tokens, args.hash_block_tokens)
         if window:
             reqs = slice_trace(reqs, *window)
             if not reqs:
@@ -312,9 +326,11 @@ def _simulate_with_progress(
             seen[0] += 1
             bar.update(1)
 
+    prefix_cache = PrefixCacheSpec(args.hash_block_tokens) if args.prefix_cache else None
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
-                      scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching)
+                      scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching,
+                      prefix_cache=prefix_cache)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

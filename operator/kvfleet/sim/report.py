@@ -7,6 +7,10 @@ imported only when plots are asked for.
 Bounds: each policy is set against its own fluid bound (the KV its run held) and against one bound
 shared by every policy of a scenario, computed from the workload alone (`SharedBound`); no policy's
 run serves as the others' reference.
+
+With the prefix cache model (`--prefix-cache`) every output also says, per policy, how much of the
+prompts the workers held (hit ratio) and how many prompt tokens were not prefilled; without it the
+outputs are exactly as before (no columns or keys are added), so existing results compare unchanged.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class Scenario:
     def to_json(self) -> dict[str, object]:
         policies: dict[str, object] = {}
         for r in self.results:
-            policies[r.policy] = {
+            stats: dict[str, object] = {
                 "peak_gpus": r.peak_gpus,
                 "mean_gpus": round(r.mean_gpus, 4),
                 "utilization": round(r.utilization, 4),
@@ -86,6 +90,9 @@ class Scenario:
                 "scale_down_delay_s": r.scale_down_delay_s,
                 "batching": r.batching,
             }
+            if r.prefix_cache:
+                stats.update(prefix_stats(r))
+            policies[r.policy] = stats
         bound = self.shared_bound
         return {
             "setup": self.setup,
@@ -99,6 +106,35 @@ class Scenario:
             "shared_bound_gpu_hours": round(bound.gpu_hours, 6),
             "shared_bound_duration_s": bound.duration_s,
         }
+
+
+def prefix_stats(r: RunResult) -> dict[str, object]:
+    """What the prefix cache model did in one run (only for a run with it on)."""
+    return {
+        "prefix_cache": True,
+        "prompt_tokens": r.prompt_tokens,
+        "prefix_hit_tokens": r.prefix_hit_tokens,
+        "prefix_hit_ratio": round(r.prefix_hit_ratio, 4),
+        "prefill_tokens_saved": r.prefill_tokens_saved,
+        "num_prefix_hits": r.num_prefix_hits,
+        "num_prefix_evictions": r.num_prefix_evictions,
+    }
+
+
+def _with_prefix(scenarios: Sequence[Scenario]) -> bool:
+    return any(r.prefix_cache for sc in scenarios for r in sc.results)
+
+
+# Added to the table and the CSV when a run modelled the prefix cache.
+PREFIX_HEADER = ("prefix_hit", "prefill_saved_tokens")
+
+
+def _prefix_cells(r: RunResult) -> tuple[str, ...]:
+    return (f"{r.prefix_hit_ratio:.1%}", str(r.prefill_tokens_saved)) if r.prefix_cache else ("-", "-")
+
+
+def _prefix_csv_cells(r: RunResult) -> tuple[str, ...]:
+    return (f"{r.prefix_hit_ratio:.4f}", str(r.prefill_tokens_saved)) if r.prefix_cache else ("", "")
 
 
 # The table: what fits on a screen. lb_* is the policy's own fluid bound, shared_lb_* the workload's.
@@ -115,6 +151,7 @@ CSV_HEADER = ("setup", "workload", "policy", "peak_gpus", "mean_gpus", "utilizat
 
 def rows(scenarios: Sequence[Scenario]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
+    with_prefix = _with_prefix(scenarios)
     for sc in scenarios:
         bound = sc.shared_bound
         for r in sc.results:
@@ -123,14 +160,15 @@ def rows(scenarios: Sequence[Scenario]) -> list[tuple[str, ...]]:
                         f"{r.mean_gpus:.2f}", f"{r.utilization:.1%}", f"{r.migrations_per_s:.3f}", f"{pre:.3f}",
                         f"{r.migrated_bytes / 2**30:.1f}", str(r.lower_bound_peak), f"{r.lower_bound_mean:.2f}",
                         f"{r.billed_gpu_hours:.3f}", f"{r.queue_p99_s:.2f}", f"{r.tpot_p99_ms:.1f}",
-                        f"{bound.mean:.2f}", f"{bound.gpu_hours:.3f}"))
+                        f"{bound.mean:.2f}", f"{bound.gpu_hours:.3f}", *(_prefix_cells(r) if with_prefix else ())))
     return out
 
 
 def table(scenarios: Sequence[Scenario]) -> str:
     body = rows(scenarios)
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(HEADER)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
+    header = HEADER + PREFIX_HEADER if _with_prefix(scenarios) else HEADER
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
     for r in body:
         lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
@@ -140,7 +178,8 @@ def table(scenarios: Sequence[Scenario]) -> str:
 def to_csv(scenarios: Sequence[Scenario]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(CSV_HEADER)
+    with_prefix = _with_prefix(scenarios)
+    writer.writerow(CSV_HEADER + PREFIX_HEADER if with_prefix else CSV_HEADER)
     for sc in scenarios:
         bound = sc.shared_bound
         for r in sc.results:
@@ -152,7 +191,8 @@ def to_csv(scenarios: Sequence[Scenario]) -> str:
                              f"{r.queue_p50_s:.4f}", f"{r.queue_p99_s:.4f}", f"{r.tpot_p50_ms:.4f}",
                              f"{r.tpot_p99_ms:.4f}", r.num_over_capacity_requests, r.num_spanning, bound.peak,
                              f"{bound.mean:.4f}", f"{bound.gpu_hours:.6f}", f"{r.mean_vs_own_bound:.4f}",
-                             f"{r.billed_vs_shared_bound:.4f}", r.scale_up_s, r.scale_down_delay_s))
+                             f"{r.billed_vs_shared_bound:.4f}", r.scale_up_s, r.scale_down_delay_s,
+                             *(_prefix_csv_cells(r) if with_prefix else ())))
     return buf.getvalue()
 
 

@@ -24,6 +24,14 @@ plan lets its GPU go (the LLMPool's `autoscaling.scaleDownDelaySeconds`). Reques
 pod; what they wait, and how fast they decode, is reported per request (queueing delay, TPOT).
 Two bounds are reported: each run's own fluid bound (the KV that run held) and one shared by every
 policy, computed from the workload alone (`shared_bound`).
+
+With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
+that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
+requests leave free, for as long as its pod lives (warm pods keep theirs): a request placed on a GPU
+prefills only what that GPU does not hold of its prompt's leading hash blocks. The scheduler is not
+told (placement stays cache-blind) and each running request still holds its whole prompt's KV:
+counting a prefix two running requests share once would make a request's size depend on what runs
+beside it, which the MELL core's per-request sizes cannot say.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Locatio
 from kvfleet.mell.models import tpot_load_cap as core_tpot_load_cap
 from kvfleet.mell.policy import make_policy
 from kvfleet.sim.hardware import BLOCK_SIZE_TOKENS, CapacityDerivation, GpuSpec, ModelShape, derive_capacity
+from kvfleet.sim.prefix_cache import GpuPrefixCache, PrefixCacheSpec
 from kvfleet.sim.profile import ProfileSpeed
 from kvfleet.sim.traces import TraceRequest
 
@@ -193,8 +202,12 @@ class SharedBound:
         return self.kv_byte_seconds / (self.capacity_bytes * self.duration_s) if self.duration_s else 0.0
 
 
-def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float) -> SharedBound:
+def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float,
+                 prefix_cache: PrefixCacheSpec | None = None) -> SharedBound:
     """The workload-only bound (see `SharedBound`), in closed form per request.
+
+    With a prefix cache, a request may find every block its `hash_ids` cover cached, so the bound
+    prefills only the rest (at least 1 token, as a replay does): still no run decodes it sooner.
 
     A request with prompt P and output N is placed at ta, the first epoch end after its arrival, and
     holds P tokens until it starts decoding at t0 = max(ta, arrival + prefill(P)); it then writes one
@@ -211,7 +224,8 @@ def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float)
         n, p = req.output_tokens, req.prompt_tokens
         k = math.floor(req.arrival_s / epoch_s) + 1  # admitted at the end of the epoch it arrives in
         placed_s = k * epoch_s
-        t0 = max(placed_s, req.arrival_s + setup.prefill_s(p))
+        prefill_tokens = p if prefix_cache is None else max(1, p - req.hashed_tokens(prefix_cache.hash_block_tokens))
+        t0 = max(placed_s, req.arrival_s + setup.prefill_s(prefill_tokens))
         t1 = t0 + n * step
         end_s = max(end_s, t1, placed_s)
         kv_byte_seconds += bpt * (p * (t0 - placed_s) + step * (n * p + n * (n - 1) / 2))
@@ -263,6 +277,8 @@ class _Live:
     req: TraceRequest
     gpu_id: str
     decode_from_s: float
+    not_before_s: float = 0.0  # the start of the epoch it arrived in: no decode is owed before
+    prefill_tokens: int = 0  # its prompt, less what the prefix cache held where it was first placed
     generated: float = 0.0
     reported_bytes: int = 0
     earliest_decode_s: float = 0.0
@@ -278,6 +294,9 @@ class _Pod:
     created_s: float
     ready_s: float
     released_s: float | None = None
+    # Historical KV is the worker's (its engine's GPU memory): it stays while the pod is warm, goes
+    # on with it to the next GPU the plans ask for, and is lost when the pod is deleted.
+    prefix_cache: GpuPrefixCache | None = None
 
 
 @dataclass
@@ -314,6 +333,18 @@ class RunResult:
     shared_bound: SharedBound = SharedBound()
     # False: every operation was scheduled on its own (MELL Fig. 13's baseline), see simulate().
     batching: bool = True
+    # The prefix cache model (--prefix-cache), counted when each request is first placed.
+    prefix_cache: bool = False
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens the GPU held (its leading hash blocks)
+    prefill_tokens_saved: int = 0  # what the prefill skipped: hits, less the 1 token always prefilled
+    num_prefix_hits: int = 0  # requests with a hit
+    num_prefix_evictions: int = 0  # hash blocks given up to running requests' KV
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        """Hit prompt tokens / prompt tokens of the placed requests."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def duration_s(self) -> float:
@@ -433,6 +464,7 @@ def simulate(
     scale_up_s: float = 0.0,
     scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
     batching: bool = True,
+    prefix_cache: PrefixCacheSpec | None = None,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
@@ -442,7 +474,8 @@ def simulate(
     be ready (node and pod start); `scale_down_delay_s` how long an emptied one stays, warm and
     billed. With `scale_up_s=0` the replay is the one without pods: they only add the bill.
     `batching=False` schedules every operation on its own (`_Replay.schedule_unbatched`), the
-    baseline of MELL's Fig. 13.
+    baseline of MELL's Fig. 13. `prefix_cache` turns on the per-GPU prefix cache model (module
+    docstring); without it the replay is exactly the one before the model existed.
     """
     if epoch_s <= 0:
         raise ValueError("epoch_s must be positive")
@@ -455,7 +488,7 @@ def simulate(
         cfg = replace(cfg, intra_node_move_budget_bytes=bounds.intra_node_link_bytes,
                       inter_node_move_budget_bytes=bounds.inter_node_link_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
-                     scale_down_delay_s)
+                     scale_down_delay_s, prefix_cache)
     replay.result.batching = batching
     now_s = 0.0
     epoch = 0
@@ -486,7 +519,7 @@ class _Replay:
 
     def __init__(
         self, requests: list[TraceRequest], setup: Setup, policy: ClusterPolicy, epoch_s: float, lookahead_epochs: float,
-        scale_up_s: float, scale_down_delay_s: float,
+        scale_up_s: float, scale_down_delay_s: float, prefix_cache: PrefixCacheSpec | None = None,
     ) -> None:
         self.setup = setup
         self.policy = policy
@@ -507,13 +540,14 @@ class _Replay:
         self.result = RunResult(
             policy=policy.name, epoch_s=epoch_s, capacity_bytes=self.capacity_bytes, num_requests=len(requests),
             scale_up_s=scale_up_s, scale_down_delay_s=scale_down_delay_s,
-            shared_bound=shared_bound(requests, setup, epoch_s),
+            shared_bound=shared_bound(requests, setup, epoch_s, prefix_cache), prefix_cache=prefix_cache is not None,
         )
         self.scale_up_s = scale_up_s
         self.scale_down_delay_s = scale_down_delay_s
         self.pods: dict[str, _Pod] = {}  # the pod behind each GPU the plans hold
         self.warm: list[_Pod] = []  # released, not yet deleted, in the order they were released
         self.over_capacity: set[str] = set()
+        self.prefix_spec = prefix_cache
 
     def has_work(self) -> bool:
         return self.next_arrival < len(self.pending) or bool(self.live)
@@ -550,11 +584,67 @@ class _Replay:
                     self._record_finish(m, before, step, busy_s)
                 elif busy_s > 0:
                     m.decoding_s += busy_s
-        finished = {e.request_id for e in events}
-        for rid in finished:
-            m = self.live.pop(rid)
-            del self.on_gpu[m.gpu_id][rid]
+        # In the order they finished (events), not a set's: it is the order their blocks enter the caches.
+        for event in events:
+            m = self.live.pop(event.request_id)
+            del self.on_gpu[m.gpu_id][event.request_id]
+            self._keep_prefix(m)
+        self.bound_prefix_caches()
         return events
+
+    def _keep_prefix(self, m: _Live) -> None:
+        """A finished request's prompt blocks become historical KV on the GPU it finished on (MemServe
+        §4.1 `insert` on completion). Only the prompt: the trace hashes no output blocks."""
+        spec = self.prefix_spec
+        if spec is None or not m.req.hash_ids:
+            return
+        pod = self.pods[m.gpu_id]  # it ran there this epoch, so the GPU and its pod are held
+        if pod.prefix_cache is None:
+            pod.prefix_cache = GpuPrefixCache(self.kv_bytes_per_token)
+        pod.prefix_cache.insert(m.req.hash_ids, spec.block_tokens(m.req.prompt_tokens, len(m.req.hash_ids)))
+
+    def bound_prefix_caches(self) -> None:
+        """Keep each GPU's historical KV within the memory its running requests leave free (after they
+        grew and finished: `_run_on` does the same when a request comes to a GPU)."""
+        # Only held pods run requests; a warm pod's cache was bounded by C when it was let go.
+        for gpu_id in self.pods:
+            self._bound_prefix_cache(gpu_id)
+
+    def _bound_prefix_cache(self, gpu_id: str) -> None:
+        """MemServe retains history only in free memory (§4: MemPool hands blocks to active requests
+        first), so blocks go, least recently used first, once cached + running KV would pass C.
+
+        Running KV counts a request spanning GPUs whole on the GPU of its tail, and a request that
+        found its prefix here both in its own KV and in the cache (the model does not share blocks):
+        both only evict sooner.
+        """
+        pod = self.pods.get(gpu_id)
+        cache = None if pod is None else pod.prefix_cache
+        if cache is None:
+            return
+        running_bytes = sum(int(self.live[r].req.prompt_tokens + self.live[r].generated)
+                            for r in self.on_gpu.get(gpu_id, {})) * self.kv_bytes_per_token
+        self.result.num_prefix_evictions += cache.evict_to(max(0, self.capacity_bytes - running_bytes))
+
+    def _match_prefix(self, m: _Live, gpu_id: str) -> None:
+        """Where a request is first placed, its prefill skips the prompt's leading hash blocks that
+        GPU holds (MemServe §4.2 `match`), but always computes at least the last prompt token."""
+        req = m.req
+        hit_tokens = 0
+        pod = self.pods.get(gpu_id)
+        cache = None if pod is None else pod.prefix_cache
+        if cache is not None and self.prefix_spec is not None and req.hash_ids:
+            hit_tokens = cache.match(req.hash_ids, self.prefix_spec.block_tokens(req.prompt_tokens, len(req.hash_ids)))
+        m.prefill_tokens = max(1, req.prompt_tokens - hit_tokens)
+        result = self.result
+        result.prompt_tokens += req.prompt_tokens
+        result.prefix_hit_tokens += hit_tokens
+        result.prefill_tokens_saved += req.prompt_tokens - m.prefill_tokens
+        if hit_tokens:
+            result.num_prefix_hits += 1
+            # Nothing else has moved its start yet (a pod that is not ready does so after this).
+            m.earliest_decode_s = req.arrival_s + self.setup.prefill_s(m.prefill_tokens)
+            m.decode_from_s = max(m.earliest_decode_s, m.not_before_s)
 
     def _record_finish(self, m: _Live, before: float, step: float, busy_s: float) -> None:
         """Queueing delay and TPOT of a request done this epoch.
@@ -595,9 +685,10 @@ class _Replay:
         while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_s < now_s:
             req = self.pending[self.next_arrival]
             self.next_arrival += 1
-            m = _Live(req, "", req.arrival_s + self.setup.prefill_s(req.prompt_tokens))
+            m = _Live(req, "", req.arrival_s + self.setup.prefill_s(req.prompt_tokens), not_before_s=now_s - self.epoch_s,
+                      prefill_tokens=req.prompt_tokens)
             m.earliest_decode_s = m.decode_from_s
-            m.decode_from_s = max(m.decode_from_s, now_s - self.epoch_s)
+            m.decode_from_s = max(m.decode_from_s, m.not_before_s)
             m.reported_bytes = self.reservation_bytes(req.prompt_tokens)
             if m.reported_bytes > self.capacity_bytes:
                 self._count_over_capacity(req.request_id)
@@ -643,6 +734,8 @@ class _Replay:
             m = self.live[pl.request_id]
             if m.gpu_id:  # a request whose tail passed C starts a new tail elsewhere
                 del self.on_gpu[m.gpu_id][pl.request_id]
+            elif self.prefix_spec is not None:
+                self._match_prefix(m, pl.gpu_id)
             self._run_on(m, pl.request_id, pl.gpu_id, now_s)
         for mig in (*plan.migrations, *plan.preemptions):
             m = self.live[mig.request_id]
@@ -718,8 +811,10 @@ class _Replay:
         ready_s = self._pod_for(gpu_id, now_s).ready_s
         if ready_s > now_s:
             if m.last_decoded_s is None and m.generated == 0:
-                ready_s += self.setup.prefill_s(m.req.prompt_tokens)
+                ready_s += self.setup.prefill_s(m.prefill_tokens)
             m.decode_from_s = max(m.decode_from_s, ready_s)
+        if self.prefix_spec is not None:
+            self._bound_prefix_cache(gpu_id)  # before the next request placed here looks its prefix up
 
     def _start_s(self, gpu_id: str, now_s: float) -> float:
         """When work sent to `gpu_id` now can begin: now, or when its pod is ready."""

@@ -2,12 +2,16 @@
 
 Readers accept the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`, wall
 clock timestamps), any CSV with timestamp / prompt / output columns, and JSONL with `timestamp`
-(milliseconds), `input_length`, `output_length`; other columns and fields are ignored. A bad file
-raises TraceError naming file and line: a trace with no requests, a length that is not a whole number
->= 0, a timestamp that cannot be read, and (with `max_context_tokens`) a request whose prompt and output
-exceed the model's context. Documented handling, not errors: rows out of time order are replayed in
-time order (ties keep the file's order: duplicate timestamps are simultaneous arrivals), timestamps
-are re-based so the first request arrives at 0, and a length of 0 counts as 1 token.
+(milliseconds), `input_length`, `output_length`; other columns and fields are ignored. A JSONL line may
+also carry `hash_ids`, the Mooncake trace's prompt block hashes (one int per `hash_block_tokens` block
+of the prompt, in prompt order; equal ids mean equal blocks): the simulator's prefix cache model
+matches them (MemServe §4.2). CSV traces have none. A bad file raises TraceError naming file and line:
+a trace with no requests, a length that is not a whole number >= 0, a timestamp that cannot be read,
+`hash_ids` that are not a list of ints or name more blocks than the prompt has, and (with
+`max_context_tokens`) a request whose prompt and output exceed the model's context. Documented
+handling, not errors: rows out of time order are replayed in time order (ties keep the file's order:
+duplicate timestamps are simultaneous arrivals), timestamps are re-based so the first request arrives
+at 0, and a length of 0 counts as 1 token.
 
 The Poisson workloads follow MELL §VIII-B: arrivals at lambda 0.5 / 0.8 / 1.1 requests per second and
 conversation lengths like LMSYS-Chat-1M and WildChat, scaled up ten times. The datasets are not
@@ -22,7 +26,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -31,12 +35,23 @@ class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
+# Mooncake's traces hash prompts in blocks of 512 tokens.
+DEFAULT_HASH_BLOCK_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     request_id: str
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    # One id per prompt block of the trace's hash block size, from the first block; may cover only
+    # a leading part of the prompt (or none: empty, as in every CSV and synthetic workload).
+    hash_ids: tuple[int, ...] = ()
+
+    def hashed_tokens(self, hash_block_tokens: int) -> int:
+        """Prompt tokens that `hash_ids` cover: whole blocks, the last one cut at the prompt's end."""
+        return min(self.prompt_tokens, len(self.hash_ids) * hash_block_tokens)
 
 
 _TIME_COLS = ("timestamp", "time", "arrival", "arrival_time", "arrival_s")
@@ -71,12 +86,16 @@ def _parse_tokens(value: str, what: str, path: Path, line: int) -> int:
     return int(number)
 
 
-def _finish(rows: list[tuple[float, int, int, int]], path: Path, max_context_tokens: int | None) -> list[TraceRequest]:
-    """Requests in time order (a stable sort: ties keep the file's order) from (time, prompt, output, line)."""
+# (time, prompt tokens, output tokens, line, hash ids) of one request as read.
+_Row = tuple[float, int, int, int, tuple[int, ...]]
+
+
+def _finish(rows: list[_Row], path: Path, max_context_tokens: int | None) -> list[TraceRequest]:
+    """Requests in time order (a stable sort: ties keep the file's order) from (time, prompt, output, line, hashes)."""
     if not rows:
         raise TraceError(f"{path}: no requests in the trace")
     if max_context_tokens is not None:
-        for _, prompt, output, line in rows:
+        for _, prompt, output, line, _ in rows:
             prompt, output = max(1, prompt), max(1, output)  # as replayed: a length of 0 counts as 1
             if prompt + output > max_context_tokens:
                 raise TraceError(f"{path}:{line}: prompt {prompt} + output {output} tokens exceed the model's context "
@@ -84,8 +103,8 @@ def _finish(rows: list[tuple[float, int, int, int]], path: Path, max_context_tok
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [
-        TraceRequest(f"r{i}", t - t0, max(1, prompt), max(1, output))
-        for i, (t, prompt, output, _) in enumerate(rows)
+        TraceRequest(f"r{i}", t - t0, max(1, prompt), max(1, output), hashes)
+        for i, (t, prompt, output, _, hashes) in enumerate(rows)
     ]
 
 
@@ -113,7 +132,7 @@ def read_csv(path: Path, time_unit_s: float | None = None, max_context_tokens: i
             raise TraceError(f"{path}:1: no {what} column (expected one of {', '.join(options)}; found {', '.join(header)})")
 
         ti, pi, oi = column(_TIME_COLS, "timestamp"), column(_PROMPT_COLS, "prompt"), column(_OUTPUT_COLS, "output")
-        rows: list[tuple[float, int, int, int]] = []
+        rows: list[_Row] = []
         try:
             for line, record in enumerate(reader, start=2):
                 if not record or all(not f.strip() for f in record):
@@ -124,21 +143,37 @@ def read_csv(path: Path, time_unit_s: float | None = None, max_context_tokens: i
                 if not wall and time_unit_s is not None:
                     t *= time_unit_s
                 rows.append((t, _parse_tokens(record[pi], "prompt", path, line),
-                             _parse_tokens(record[oi], "output", path, line), line))
+                             _parse_tokens(record[oi], "output", path, line), line, ()))
         except (csv.Error, UnicodeDecodeError) as err:
             raise TraceError(f"{path}: not a readable CSV: {err}") from err
     return _finish(rows, path, max_context_tokens)
 
 
-def read_jsonl(path: Path, max_context_tokens: int | None = None) -> list[TraceRequest]:
-    """JSONL: one object per line with `timestamp` (ms), `input_length`, `output_length`."""
+def _parse_hash_ids(value: object, prompt_tokens: int, hash_block_tokens: int, path: Path, line: int) -> tuple[int, ...]:
+    """A Mooncake `hash_ids` list: ints only (a bool or 3.0 is refused: an id is not a measure), and no
+    more blocks than the prompt has (ceil(prompt / block); a length of 0 counts as 1 token, as replayed)."""
+    if not isinstance(value, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in value):
+        raise TraceError(f"{path}:{line}: hash_ids must be a list of integers")
+    max_blocks = math.ceil(max(1, prompt_tokens) / hash_block_tokens)
+    if len(value) > max_blocks:
+        raise TraceError(f"{path}:{line}: {len(value)} hash_ids for a prompt of {prompt_tokens} tokens, which has "
+                         f"{max_blocks} blocks of {hash_block_tokens} tokens (see --hash-block-tokens)")
+    return tuple(value)
+
+
+def read_jsonl(path: Path, max_context_tokens: int | None = None,
+               hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS) -> list[TraceRequest]:
+    """JSONL: one object per line with `timestamp` (ms), `input_length`, `output_length`, optionally
+    `hash_ids` (prompt block hashes, `hash_block_tokens` tokens a block)."""
+    if hash_block_tokens <= 0:
+        raise TraceError(f"hash block of {hash_block_tokens} tokens: must be positive")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as err:
         raise TraceError(f"{path}: cannot open: {err.strerror}") from err
     except UnicodeDecodeError as err:
         raise TraceError(f"{path}: not UTF-8 text") from err
-    rows: list[tuple[float, int, int, int]] = []
+    rows: list[_Row] = []
     for line, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -154,17 +189,20 @@ def read_jsonl(path: Path, max_context_tokens: int | None = None) -> list[TraceR
         ts = obj["timestamp"]
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise TraceError(f"{path}:{line}: timestamp must be a number of milliseconds")
-        rows.append((float(ts) / 1000.0, _parse_tokens(str(obj["input_length"]), "input_length", path, line),
-                     _parse_tokens(str(obj["output_length"]), "output_length", path, line), line))
+        prompt = _parse_tokens(str(obj["input_length"]), "input_length", path, line)
+        hashes = _parse_hash_ids(obj["hash_ids"], prompt, hash_block_tokens, path, line) if "hash_ids" in obj else ()
+        rows.append((float(ts) / 1000.0, prompt, _parse_tokens(str(obj["output_length"]), "output_length", path, line),
+                     line, hashes))
     return _finish(rows, path, max_context_tokens)
 
 
-def read_trace(path: Path, max_context_tokens: int | None = None) -> list[TraceRequest]:
+def read_trace(path: Path, max_context_tokens: int | None = None,
+               hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS) -> list[TraceRequest]:
     """A trace file by its suffix (.jsonl/.ndjson/.json: JSONL; anything else: CSV); see the module doc."""
     if not path.exists():
         raise TraceError(f"{path}: no such file")
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
-        return read_jsonl(path, max_context_tokens)
+        return read_jsonl(path, max_context_tokens, hash_block_tokens)
     return read_csv(path, max_context_tokens=max_context_tokens)
 
 
@@ -255,4 +293,4 @@ def long_context_workload(rate_per_s: float, duration_s: float, seed: int = 0) -
 def slice_trace(requests: Iterable[TraceRequest], start_s: float, duration_s: float) -> list[TraceRequest]:
     """A window of a trace, re-based to start at 0 (tests cut small slices at run time)."""
     picked = [r for r in requests if start_s <= r.arrival_s < start_s + duration_s]
-    return [TraceRequest(r.request_id, r.arrival_s - start_s, r.prompt_tokens, r.output_tokens) for r in picked]
+    return [replace(r, arrival_s=r.arrival_s - start_s) for r in picked]
