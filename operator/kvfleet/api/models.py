@@ -155,6 +155,23 @@ class ElasticMemorySpec(_Model):
     )
 
 
+class PrefixCachingSpec(_Model):
+    """Context caching (MemServe, docs/caching.md): workers keep finished requests' KV by prompt prefix
+    and prefill new requests only past the prefix they hold; the router sends a request where its
+    prefix is cached when that is sooner to its first token and MELL finds room there."""
+
+    enabled: bool = Field(default=False, description="Keep finished requests' KV in the workers, by prompt prefix.")
+    routing: Literal["prompt-tree", "session", "none"] = Field(
+        default="prompt-tree",
+        description="How the router weighs cached prefixes: the global prompt tree (MemServe §6), the worker a "
+        "session (the request's `user`) was last placed on, or not at all.",
+    )
+    ttl_seconds: float = Field(
+        default=600, gt=0, le=86400,
+        description="How long the router believes a worker still holds a prefix it last saw there.",
+    )
+
+
 class SchedulingSpec(_Model):
     """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
 
@@ -349,6 +366,7 @@ class LLMPoolSpec(_Model):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
     elastic_memory: ElasticMemorySpec = Field(default_factory=ElasticMemorySpec)
+    prefix_caching: PrefixCachingSpec = Field(default_factory=PrefixCachingSpec)
     worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
 
     @model_validator(mode="after")

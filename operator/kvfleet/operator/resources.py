@@ -146,6 +146,8 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
         env += [{"name": name, "value": str(value)} for name, value in
                 (("KVFLEET_TTFT_SLO_MS", elastic.ttft_milliseconds), ("KVFLEET_TPOT_SLO_MS", elastic.tpot_milliseconds))
                 if value is not None]
+    if spec.prefix_caching.enabled:
+        env.append({"name": "KVFLEET_PREFIX_CACHING", "value": "1"})
     return env + [{"name": var.name, "value": var.value} for var in spec.worker_template.env]
 
 

@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvfleet.router.locality import LOCALITIES
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
@@ -33,6 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first-token-timeout-s", type=float,
                         default=float(env("KVFLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S", "120")))
     parser.add_argument("--idle-timeout-s", type=float, default=float(env("KVFLEET_ROUTER_IDLE_TIMEOUT_S", "30")))
+    parser.add_argument("--locality", choices=LOCALITIES, default=env("KVFLEET_ROUTER_LOCALITY", "none"),
+                        help="with --worker: how to weigh the workers' cached prefixes (a pool's router reads "
+                             "its LLMPool's prefixCaching instead)")
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     if not args.worker and not (args.pool and args.namespace):
@@ -55,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     view: PoolView
     if args.worker:
         workers = tuple(WorkerState(f"worker-{i}", address, True, i, None) for i, address in enumerate(args.worker))
-        view = StaticPoolView(PoolSnapshot(workers, {}))
+        view = StaticPoolView(PoolSnapshot(workers, {}, locality=args.locality))
     else:
         view = KubePoolView(args.namespace, args.pool)
     config = RouterConfig(pool_name=args.pool or "", namespace=args.namespace or "",

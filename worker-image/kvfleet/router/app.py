@@ -14,6 +14,7 @@ Retry-After, in OpenAI's error format.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -34,6 +35,7 @@ from kvfleet.router.placement import (
     request_kv_bytes,
 )
 from kvfleet.router.pool import PoolView
+from kvfleet.router.prefix_routing import PrefixRouting
 from kvfleet.router.relay import OnWorker, Place, Relay, Timeouts
 from kvfleet.router.responses import respond
 from kvfleet.router.speed import SPEED_PROFILE_PATH, gather_profiles
@@ -79,6 +81,8 @@ class Router:
         self._in_flight = 0
         self._reservations: dict[str, Reservation] = {}
         self.model_info = ModelInfoSource(view, lambda: self.session, config.pool_token)
+        self.prefix = PrefixRouting(view, lambda: self.session)
+        self._background: list[asyncio.Task[None]] = []
 
     def app(self) -> web.Application:
         errors = httpapi.openai_errors(lambda status: self.metrics.errors.labels(str(status)).inc(),
@@ -100,8 +104,11 @@ class Router:
         # the relay bounds the first token and the silences.
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.config.timeouts.connect_s))
         self.view.start()
+        self._background.append(asyncio.create_task(self.prefix.refresh_profiles(self.config.speed_profile_timeout_s)))
 
     async def _on_cleanup(self, _: web.Application) -> None:
+        for task in self._background:
+            task.cancel()
         self.view.stop()
         if self._session is not None:
             await self._session.close()
@@ -158,7 +165,13 @@ class Router:
         request_id = httpapi.request_id(request, "chatcmpl" if chat else "cmpl")
         info = await self.model_info.get()
         max_tokens = body.output_limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        choose, on_worker = self._placer(request_id, info, estimate_prompt_tokens(prompt), max_tokens)
+        prompt_ids = None
+        if self.view.snapshot().locality != "none":
+            await self.prefix.ensure_tokenizer()
+            prompt_ids = self.prefix.prompt_ids(prompt)
+        user = body.user
+        prompt_tokens = len(prompt_ids) if prompt_ids is not None else estimate_prompt_tokens(prompt)
+        choose, on_worker = self._placer(request_id, info, prompt_tokens, max_tokens, prompt_ids, user)
         forward = {k: v for k, v in raw.items() if k not in ("stop", "stream_options")}
         if body.temperature > 0 and body.seed is None:
             # The router, not a worker, picks a sampled request's seed: a resume on another worker after
@@ -171,9 +184,12 @@ class Router:
             return await respond(request, relay, body, chat, self.metrics, arrived_s)
         finally:
             self._reservations.pop(request_id, None)
+            done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
+            self.prefix.ended(request_id, relay.workers[-1] if done else None,
+                              (relay.prompt_token_ids or []) + relay.output_token_ids if done else None, user)
 
-    def _placer(self, request_id: str, info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None
-                ) -> tuple[Place, OnWorker]:
+    def _placer(self, request_id: str, info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None,
+                prompt_ids: list[int] | None = None, user: str | None = None) -> tuple[Place, OnWorker]:
         """The relay's two hooks: choose a worker (excluding failed ones), and reserve the request's KV there."""
 
         def kv_bytes(num_prompt_tokens: int) -> int:
@@ -186,15 +202,20 @@ class Router:
         def choose(exclude: frozenset[str]) -> RouteChoice | NoRoute:
             others = [r for r in self._reservations.values() if r.request_id != request_id]
             capacity = (info.capacity_bytes if info else None) or 1
-            choice = place(self.view.snapshot(), others, estimate["bytes"], default_capacity_bytes=capacity, exclude=exclude)
+            snapshot = self.view.snapshot()
+            locality = self.prefix.locality(snapshot, prompt_ids, user)
+            choice = place(snapshot, others, estimate["bytes"], default_capacity_bytes=capacity, exclude=exclude,
+                           locality=locality)
             if isinstance(choice, RouteChoice):
                 self.metrics.placements.labels(choice.rule).inc()
+                self.prefix.placed(request_id, choice.pod_name, prompt_ids, locality)
                 log.debug("%s (%d bytes of KV) -> %s by %s", request_id, estimate["bytes"], choice.pod_name, choice.rule)
             return choice
 
-        def on_worker(pod_name: str, prompt_ids: list[int] | None) -> None:
-            if prompt_ids is not None:
-                estimate["bytes"] = kv_bytes(len(prompt_ids))  # exact now that the worker has tokenized it
+        def on_worker(pod_name: str, ids: list[int] | None) -> None:
+            if ids is not None:
+                estimate["bytes"] = kv_bytes(len(ids))  # exact now that the worker has tokenized it
+                self.prefix.started(request_id)
             self._reservations[request_id] = Reservation(request_id, pod_name, estimate["bytes"])
 
         return choose, on_worker

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvfleet.mell import GpuLoad, SchedulerConfig, allocate_one, cluster_snapshot
 from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.router.locality import Locality, LocalityInput, prefer_cached
 
 # Report and routing-table spellings of the size classes (kvfleet.api.reports, RouteEntry).
 _CLASS_OF_NAME = {"tiny": SizeClass.TINY, "T": SizeClass.T, "S": SizeClass.S, "M": SizeClass.M, "L": SizeClass.L,
@@ -45,6 +46,8 @@ class WorkerState:
     activation_order: int
     capacity_bytes: int | None  # from its KV-load report; None before its first report
     reported: tuple[ReportedRequest, ...] = ()
+    # Blocks its prefix cache holds, from its report; None: it has no cache (or has not said).
+    prefix_cache_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class PoolSnapshot:
     config: SchedulerConfig | None = None
     # The pool's scheduling.policy: the router previews the same policy's Allocate as the operator runs.
     policy: str = "mell"
+    # The pool's prefixCaching.routing and ttlSeconds (kvfleet.router.locality); "none" unless the
+    # pool's workers cache prefixes (prefixCaching.enabled).
+    locality: Locality = "none"
+    prefix_ttl_s: float = 600.0
 
     def ready_workers(self) -> list[WorkerState]:
         return [w for w in self.workers if w.ready and w.address]
@@ -184,7 +191,7 @@ def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None,
 
 
 def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, *, default_capacity_bytes: int,
-          exclude: frozenset[str] = frozenset()) -> RouteChoice | NoRoute:
+          exclude: frozenset[str] = frozenset(), locality: LocalityInput | None = None) -> RouteChoice | NoRoute:
     """The worker for a new request of `kv_bytes` (its estimated final KV), or why there is none.
 
     In order: the routing table's worker for the request's class if it is Ready and fits; MELL's
@@ -192,21 +199,28 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     workers but no reports yet, or Allocate found nothing); otherwise the worker it queues on (the
     route, else the emptiest). Only a pool without a Ready worker has no placement. `exclude` names
     workers that just failed this request.
+
+    With `locality` (kvfleet.router.locality), a worker that fits may take the request instead of
+    MELL's choice: the session's last worker (session affinity), or one that caches a longer prefix
+    of the prompt and is predicted sooner to its first token (MemServe §6, equation 1). A request no
+    worker has room for queues where MELL says, whatever is cached.
     """
     loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
     if not loads:
         return NoRoute("no-ready-worker", "the pool has no Ready worker; retry shortly")
     by_name = {load.worker.pod_name: load for load in loads}
-    route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
-    if route is not None and route.fits(kv_bytes):
-        return RouteChoice(route.worker.pod_name, route.worker.address, "route")
-    chosen = allocate(loads, kv_bytes, snapshot.config, snapshot.policy)
-    if chosen is not None:
-        return RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     fitting = [load for load in loads if load.fits(kv_bytes)]
-    if fitting:
+    route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
+    choice: RouteChoice | None = None
+    if route is not None and route.fits(kv_bytes):
+        choice = RouteChoice(route.worker.pod_name, route.worker.address, "route")
+    elif (chosen := allocate(loads, kv_bytes, snapshot.config, snapshot.policy)) is not None:
+        choice = RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
+    elif fitting:
         best = max(fitting, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
-        return RouteChoice(best.worker.pod_name, best.worker.address, "least-loaded")
+        choice = RouteChoice(best.worker.pod_name, best.worker.address, "least-loaded")
+    if choice is not None:
+        return _with_locality(choice, fitting, locality) if locality is not None else choice
     # No worker has room: the request still goes to a worker, where the engine queues it. Refusing
     # it would be worse than late: MELL scales out only for load it can see, and a queued request is
     # in its worker's KV-load report (as queued), so the next epoch allocates it a GPU (a new worker
@@ -216,6 +230,20 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
         return RouteChoice(route.worker.pod_name, route.worker.address, "queued:route")
     emptiest = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
     return RouteChoice(emptiest.worker.pod_name, emptiest.worker.address, "queued:emptiest")
+
+
+def _with_locality(choice: RouteChoice, fitting: Sequence[_Load], locality: LocalityInput) -> RouteChoice:
+    by_name = {load.worker.pod_name: load.worker for load in fitting}
+    if locality.session_pod is not None:
+        session = by_name.get(locality.session_pod)
+        if session is not None:
+            return RouteChoice(session.pod_name, session.address, "session")
+        return choice
+    preferred = prefer_cached(choice.pod_name, list(by_name), locality)
+    if preferred is None:
+        return choice
+    worker = by_name[preferred]
+    return RouteChoice(worker.pod_name, worker.address, "prefix")
 
 
 def parse_class(name: str) -> SizeClass:

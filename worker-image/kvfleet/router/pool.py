@@ -23,6 +23,7 @@ from kvfleet.api.models import LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
+from kvfleet.router.locality import LOCALITIES, Locality
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState, parse_class
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def worker_state(pod: Mapping[str, Any]) -> WorkerState:
         reported = tuple(ReportedRequest(r.id, r.kv_bytes, parse_class(r.size_class)) for r in report.requests)
     return WorkerState(name, f"{ip}:{WORKER_PORT}" if ip else "", is_ready(pod),
                        int(index_text) if index_text.isdigit() else -1,
-                       report.capacity_bytes if report else None, reported)
+                       report.capacity_bytes if report else None, reported,
+                       report.prefix_cache_blocks if report else None)
 
 
 def routes_of(pool: Mapping[str, Any] | None) -> dict[str, str]:
@@ -105,6 +107,16 @@ def config_of(pool: Mapping[str, Any] | None) -> SchedulerConfig | None:
     except (ValidationError, ValueError) as err:
         log.warning("cannot read the pool's scheduling settings, using MELL's defaults: %s", err)
         return None
+
+
+def locality_of(pool: Mapping[str, Any] | None) -> tuple[Locality, float]:
+    """The pool's prefixCaching routing and TTL (kvfleet.router.locality): "none" when its workers do
+    not cache prefixes, the spec's defaults where unset."""
+    caching = ((pool or {}).get("spec") or {}).get("prefixCaching") or {}
+    routing = caching.get("routing", "prompt-tree") if caching.get("enabled") else "none"
+    ttl_s = caching.get("ttlSeconds", 600)
+    locality: Locality = routing if routing in LOCALITIES else "prompt-tree"
+    return locality, float(ttl_s) if isinstance(ttl_s, (int, float)) and ttl_s > 0 else 600.0
 
 
 def policy_of(pool: Mapping[str, Any] | None) -> str:
@@ -212,5 +224,7 @@ class KubePoolView:
 
     def _publish(self) -> None:
         workers = tuple(sorted((worker_state(p) for p in self._pods.values()), key=lambda w: w.pod_name))
+        locality, ttl_s = locality_of(self._pool)
         self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()),
-                                      config=self._config, policy=policy_of(self._pool))
+                                      config=self._config, policy=policy_of(self._pool), locality=locality,
+                                      prefix_ttl_s=ttl_s)

@@ -31,6 +31,7 @@ from aiohttp import web
 from kvfleet.mell.migration import MoveMode
 from kvfleet.serving import httpapi
 from kvfleet.serving.openai_api import MAX_BODY_BYTES, APIError
+from kvfleet.serving.tokens import TOKENIZER_PATH
 from kvfleet.worker.adoption import Adoptions
 from kvfleet.worker.engines.base import Engine, EngineInfo, StepOutput
 from kvfleet.worker.gpu import GPUProbe
@@ -69,6 +70,7 @@ class Agent:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
+        self._tokenizer_payload: dict[str, Any] | None = None
         self._write_report = write_report
         self._info: EngineInfo | None = None
         self._failure: str | None = None
@@ -112,6 +114,7 @@ class Agent:
         app.router.add_get("/metrics", httpapi.metrics(self.metrics.registry, self.metrics.refresh_gpu))
         self.openai.add_to(app)
         app.router.add_get(SPEED_PROFILE_ROUTE, self._speed_profile)
+        app.router.add_get(TOKENIZER_PATH, self._tokenizer)
         app.router.add_get("/internal/requests", self._internal_requests)
         app.router.add_post("/internal/requests/{request_id}/abort", self._internal_abort)
         app.router.add_post("/internal/requests/{request_id}/migrate", self._internal_migrate)
@@ -276,6 +279,17 @@ class Agent:
         return self.adoptions.adopt(handed, stream)
 
     # ------------------------------------------------------------------------------------ speed
+
+    async def _tokenizer(self, _: web.Request) -> web.Response:
+        """The tokenizer, for the router's prompt tree (kvfleet.serving.tokens), with the engine's KV
+        block: the tree's granularity, as the worker's cache keeps prefixes by whole blocks."""
+        info = self._info
+        if info is None:
+            raise APIError(503, self._failure or "the model is still loading", error_type="server_error",
+                           code="not_ready")
+        if self._tokenizer_payload is None:
+            self._tokenizer_payload = self.tokenizer.payload()
+        return web.json_response({**self._tokenizer_payload, "blockSizeTokens": info.block_size_tokens})
 
     async def _speed_profile(self, _: web.Request) -> web.Response:
         """The engine's measured speed, named by the model clients know, with the migration

@@ -48,6 +48,14 @@ class Tokenizer:
         rendered: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return list(self._tok.encode(str(rendered), add_special_tokens=False))
 
+    def payload(self) -> dict[str, Any]:
+        """What a router needs to tokenize prompts as this worker does (kvfleet.serving.tokens): the
+        fast tokenizer's JSON, the chat template and the special tokens it renders with."""
+        special = {k: v for k, v in self._tok.special_tokens_map.items() if isinstance(v, str)}
+        template = getattr(self._tok, "chat_template", None)
+        return {"tokenizer": self._tok.backend_tokenizer.to_str(),
+                "chatTemplate": template if isinstance(template, str) else None, "specialTokens": special}
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
