@@ -52,6 +52,9 @@ def test_trim_keeps_a_workers_most_recent_blocks_as_its_report_bounds_them() -> 
     assert t.match(A, now_s=2.0) == {"w0": 8} and t.match(B, now_s=2.0) == {"w0": 12}
     t.trim("w0", 1)  # B's leaf, then the middle block: parents outlive their children
     assert t.match(B, now_s=2.0) == {"w0": 4} and t.blocks_of("w0") == 1
+    t.insert("w0", A, now_s=5.0)
+    t.trim("w0", 0, seen_before_s=5.0)  # a report older than the response that left them cuts none
+    assert t.blocks_of("w0") == 3
     t.forget("w0")
     assert t.num_blocks == 0 and t.match(A, now_s=2.0) == {}
 

@@ -209,6 +209,8 @@ class Router:
             if isinstance(choice, RouteChoice):
                 self.metrics.placements.labels(choice.rule).inc()
                 self.prefix.placed(request_id, choice.pod_name, prompt_ids, locality)
+                if locality is not None:
+                    self.metrics.prefix_matched_tokens.inc(locality.cached_tokens.get(choice.pod_name, 0))
                 log.debug("%s (%d bytes of KV) -> %s by %s", request_id, estimate["bytes"], choice.pod_name, choice.rule)
             return choice
 

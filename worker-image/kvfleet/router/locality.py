@@ -143,11 +143,13 @@ class GlobalPromptTree:
             while self._live_top(worker, heap) and heap[0][0] < now_s - self.ttl_s:
                 self._pop(worker, heap)
 
-    def trim(self, worker: str, num_blocks: int) -> None:
+    def trim(self, worker: str, num_blocks: int, seen_before_s: float = float("inf")) -> None:
         """Keep at most `num_blocks` of `worker`'s blocks, the most recently seen (its report says its
-        cache holds no more)."""
+        cache holds no more), but none seen since `seen_before_s`: a report is written at most once an
+        epoch, so one that predates a response cannot speak for the blocks that response left."""
         heap = self._heaps.get(worker, [])
-        while self._count.get(worker, 0) > max(0, num_blocks) and heap:
+        while (self._count.get(worker, 0) > max(0, num_blocks) and self._live_top(worker, heap)
+               and heap[0][0] < seen_before_s):
             self._pop(worker, heap)
 
     def forget(self, worker: str) -> None:

@@ -22,6 +22,10 @@ class RouterMetrics:
                                registry=self.registry)
         self.migrations = Counter("kvfleet_router_migrations_followed_total",
                                   "Streams followed from a migration's source to its target", registry=self.registry)
+        self.prefix_matched_tokens = Counter(
+            "kvfleet_router_prefix_matched_tokens_total",
+            "Prompt tokens the prompt tree said the chosen worker caches (MemServe's global prompt tree)",
+            registry=self.registry)
         self.in_flight = Gauge("kvfleet_router_requests_in_flight", "Requests being relayed", registry=self.registry)
         self.time_to_first_token = Histogram(
             "kvfleet_router_time_to_first_token_seconds", "From the request's arrival to its first text",

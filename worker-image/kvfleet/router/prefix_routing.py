@@ -33,6 +33,9 @@ TOKENIZER_RETRY_S = 10.0
 # The tree's bound, in (block, worker) pairs: at 16 tokens a block, 2M pairs are 32M tokens of
 # prompts, far more than a few workers' caches hold, in a few hundred MB of router memory at most.
 MAX_TREE_BLOCKS = 2_000_000
+# How old a worker's KV-load report may be (workers write at most one an epoch, and the pool's view
+# lags the write): blocks the router saw more recently are not cut by it.
+REPORT_LAG_S = 10.0
 # Sessions remembered for session affinity (least recently placed forgotten first).
 MAX_SESSIONS = 100_000
 
@@ -126,7 +129,7 @@ class PrefixRouting:
         for worker in snapshot.workers:
             # A worker's report bounds what the tree believes it holds: its evictions reach the tree.
             if worker.prefix_cache_blocks is not None:
-                tree.trim(worker.pod_name, worker.prefix_cache_blocks)
+                tree.trim(worker.pod_name, worker.prefix_cache_blocks, seen_before_s=now_s - REPORT_LAG_S)
         live = {w.pod_name for w in snapshot.workers}
         for gone in [w for w in tree.workers() if w not in live]:
             tree.forget(gone)
