@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -99,9 +100,8 @@ class BuiltinEngine:
                 ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s))
         self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         if config.prefix_caching:
-            if self._elastic is not None:
-                # Cached blocks would pin the KV chunks elastic memory deflates; not combined yet.
-                raise EngineError("prefix caching and elastic memory are not yet supported together")
+            # With elastic memory the cache is free memory of the pool, and the CPU buffer its host
+            # tier (builtin_elastic.py).
             self._sched.prefix = PromptTree(BLOCK_SIZE_TOKENS)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
@@ -223,8 +223,13 @@ class BuiltinEngine:
         """The prefix cache now (capabilities.PrefixCache); only asked of an engine that caches."""
         sched = self._sched
         assert sched.prefix is not None
-        return PrefixCacheStats(sched.num_cache_hit_tokens, sched.num_prefilled_tokens, sched.prefix.num_blocks,
-                                sched.prefix.num_evictable_blocks)
+        stats = PrefixCacheStats(sched.num_cache_hit_tokens, sched.num_prefilled_tokens, sched.prefix.num_blocks,
+                                 sched.prefix.num_evictable_blocks)
+        elastic = self._elastic
+        if elastic is None or not elastic.host_tier:
+            return stats
+        return dataclasses.replace(stats, host_blocks=sched.prefix.num_host_blocks, num_swap_outs=elastic.num_swap_outs,
+                                   num_swap_ins=elastic.num_swap_ins)
 
     def memory_state(self) -> MemoryState:
         """The elastic pool now (capabilities.ElasticMemory); only asked of an elastic engine."""

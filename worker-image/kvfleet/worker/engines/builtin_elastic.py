@@ -27,19 +27,34 @@ KV copies to and from the CPU buffer run on the engine's one executor thread, qu
 scheduler decides them, so every copy out of a block precedes any later write to it (a step, or a
 migration importing KV), and every copy in precedes the step that reads it. On the host backend they
 do not overlap compute (both are the CPU); an offloaded prefill's copies on a GPU are non-blocking.
+Unmapping is not on the executor, so a chunk with a block still being copied out is not deflated
+(`ElasticKVBlocks.draining`): an unmapped slot reads as zero.
+
+With prefix caching (MemServe's context caching, builtin_scheduler.py) the cache lives in the same
+pool: its blocks are free memory to Algorithm 1 (a batch's demand never counts them, and a block
+several requests read counts once), and they are evicted, least recently used and unpinned only,
+before the batch shrinks, a request parks or recomputes, or activations go without the chunks they
+need. The CPU buffer is the cache's host tier (MemServe §4.1 Table 1, swap_out / swap_in): an evicted
+block is copied there and stays in the prompt tree, within what parked KV leaves of the buffer (parked
+requests come first: a host block is dropped when a request parks), and a request whose cached prefix
+is partly there gets those blocks copied back into blocks of its own before it prefills past them.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from kvfleet.serving.prompt_tree import Match
 from kvfleet.worker.elastic import ChunkPool, ETensor, Owner, PhysicalMemory, PoolExhausted
 from kvfleet.worker.engines.base import EngineError, RequestKV, RequestTooLong, SamplingParams, StepOutput, kv_blocks_bytes
 from kvfleet.worker.engines.builtin_blocks import BlockPool, blocks_for
@@ -81,6 +96,9 @@ class ElasticKVBlocks(BlockPool):
         self.tensor = ETensor(chunks, memory, Owner.KV, chunks.num_chunks)
         # Every block the pool could ever map: the block ids' range (and the most one request may hold).
         self.num_blocks = chunks.num_chunks * self.blocks_per_chunk
+        # Blocks whose KV a queued copy still reads (parked or swapped out to the CPU buffer): free or
+        # not, their chunk stays mapped until the copy has run (the executor runs it, not this thread).
+        self.draining: dict[int, Future[None]] = {}
 
     @property
     def mapped_bytes(self) -> int:
@@ -109,7 +127,8 @@ class ElasticKVBlocks(BlockPool):
         """Deflation: unmap up to `num_chunks` chunks whose blocks are all free, highest first."""
         if num_chunks <= 0:
             return 0
-        free = set(self.free)
+        self.draining = {b: copy for b, copy in self.draining.items() if not copy.done()}
+        free = set(self.free) - self.draining.keys()
         empty = [slot for slot in sorted(self.tensor.mapped_slots, reverse=True)
                  if all(b in free for b in self._blocks_of(slot))][:num_chunks]
         if not empty:
@@ -206,6 +225,17 @@ class ElasticScheduler(Scheduler):
         self.inflated_chunks = 0
         self.deflated_chunks = 0
         self.max_batch = 0
+        # Prefix caching's host tier (module docstring): cached blocks swapped out, by the place the
+        # prompt tree gives them (a slot), with the copy that fills each; and the waiting requests'
+        # cached prefixes while a step is planned (pinned, so making room cannot take them).
+        self._host_blocks: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._slots = itertools.count()
+        self._matches: dict[str, Match[int]] = {}
+        # Copies a request's swapped-in blocks depend on (out to the host, back in), until checked.
+        self._swap_copies: dict[str, list[Future[None]]] = {}
+        # Counters: cached blocks copied to the host tier, and back in for a request.
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
 
     def attach(self, kv: ElasticKVBlocks, activations: ActivationChunks, activation_of: ActivationOf,
                base_activation_bytes: int, copy_out: CopyOut, copy_in: CopyIn,
@@ -219,6 +249,7 @@ class ElasticScheduler(Scheduler):
         self.kv, self.activations = kv, activations
         self._activation_of, self._base_activation_bytes = activation_of, base_activation_bytes
         self._copy_out, self._copy_in, self._new_sink = copy_out, copy_in, new_sink
+        self._host_blocks.clear()  # (`open` started an empty prompt tree)
         if self._with_slo:
             self.logical_buffer_bytes = min(kv.chunks.chunk_bytes, self.settings.cpu_buffer_bytes)
         # Algorithm 1 counts bytes; the pool hands out chunks, and each side may round up by one.
@@ -232,7 +263,21 @@ class ElasticScheduler(Scheduler):
         return self.kv.chunks.num_chunks * self.kv.chunks.chunk_bytes
 
     def buffer_held_bytes(self) -> int:
+        """The KV parked in the CPU buffer (the prefix cache's host blocks are apart: they yield to it)."""
         return sum(req.parked.shape[2] * self.pool.block_bytes for req in self.requests.values() if req.parked is not None)
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether cached blocks are swapped out to the CPU buffer rather than dropped."""
+        return self.prefix is not None and self.settings.cpu_buffer_bytes > 0 and self._copy_out is not None
+
+    def _committed_buffer_blocks(self) -> int:
+        """Blocks of the CPU buffer nothing can take back now: parked KV, offloaded prefills' sinks in
+        flight, and host blocks of the cache that a waiting request about to start from has pinned."""
+        bs = self.block_size_tokens
+        pinned = 0 if self.prefix is None else self.prefix.num_host_blocks - self.prefix.num_evictable_host_blocks
+        return (self.buffer_held_bytes() // self.pool.block_bytes
+                + sum(sink.shape[2] for sink in self._sink_of.values()) // bs + pinned)
 
     def memory_state(self) -> MemoryState:
         if self.kv is None or self.activations is None:
@@ -286,6 +331,7 @@ class ElasticScheduler(Scheduler):
 
     def finish(self, req: Request) -> None:
         super().finish(req)
+        self._swap_copies.pop(req.request_id, None)
         self._copies_out.pop(req.request_id, None)
         self._copies_in.pop(req.request_id, None)
         self._sink_of.pop(req.request_id, None)
@@ -317,8 +363,9 @@ class ElasticScheduler(Scheduler):
         prefills = self._prefill_candidates(len(decodes))
         act_chunks = 0
         while True:
-            plan = plan_batch(self._pool_state(), [self._decode_demand(r) for r in decodes],
-                              [self._prefill_demand(r) for r in prefills],
+            counted: set[int] = set()  # cached blocks charged already (a prefix of either queue runs)
+            decode_demands = [self._decode_demand(r, counted) for r in decodes]
+            plan = plan_batch(self._pool_state(), decode_demands, [self._prefill_demand(r, counted) for r in prefills],
                               base_activation_bytes=self._base_activation_bytes, base_kv_bytes=self._staged_bytes(),
                               park_for_prefill=self.settings.park_decodes_for_prefill)
             batch_decodes = decodes[: plan.num_decodes]
@@ -331,6 +378,9 @@ class ElasticScheduler(Scheduler):
             if not activations.hold(act_chunks):
                 deflated = kv.shrink(act_chunks - activations.held_chunks - kv.chunks.count(Owner.FREE))
                 self.deflated_chunks += deflated
+                if not activations.hold(act_chunks):
+                    # Cached blocks nobody reads are free memory: they go before the batch shrinks.
+                    self.deflated_chunks += self._deflate_cache(act_chunks)
                 if not activations.hold(act_chunks):
                     decodes, prefills = _drop_last(decodes[: plan.num_decodes], prefills[: len(plan.prefills)])
                     continue
@@ -356,9 +406,14 @@ class ElasticScheduler(Scheduler):
             self.inflated_chunks += grown
             if grown >= want:
                 continue
+            # Then cached blocks nobody reads (swapped out to the host tier where it has room), and
+            # only then does the batch shrink (MemServe keeps history only in memory nothing else needs).
+            if self._evict_cached(needed - len(kv.free)) > 0:
+                continue
             if admitted:
                 dropped, _ = admitted.pop()
                 act_bytes -= self._prefill_demand(dropped).activation_bytes
+                self._release_match(dropped.request_id)
             elif batch_decodes:
                 victim = batch_decodes.pop()
                 act_bytes -= self._decode_demand(victim).activation_bytes
@@ -367,41 +422,199 @@ class ElasticScheduler(Scheduler):
             else:
                 break
         act_chunks = -(-act_bytes // chunk_bytes) if batch_decodes or admitted else 0
-        return self._build_step(batch_decodes, admitted, act_chunks * kv.chunks.chunk_bytes)
+        step = self._build_step(batch_decodes, admitted, act_chunks * kv.chunks.chunk_bytes)
+        for request_id in list(self._matches):  # candidates not admitted start from the cache next time
+            self._release_match(request_id)
+        return step
 
     def _prefill_candidates(self, num_decodes: int) -> list[Request]:
-        """Waiting requests in order, as many as batch slots and the prefill token budget allow."""
+        """Waiting requests in order, as many as batch slots and the prefill token budget allow, each
+        with its cached prefix found and pinned (MemServe Table 1's match) for the step's plan."""
         budget_tokens = PREFILL_TOKENS_PER_STEP
         out: list[Request] = []
         for req in self.waiting:
             if num_decodes + len(out) >= self.max_num_seqs:
                 break
-            num_new = req.num_tokens - req.num_cached
+            self._match_prefix(req)
+            num_new = req.num_tokens - self._num_cached_at_start(req)
             if out and num_new > budget_tokens:
+                self._release_match(req.request_id)
                 break
             out.append(req)
             budget_tokens -= num_new
         return out
 
+    # -- the prefix cache in the pool (MemServe §4.1 Table 1, §4.2) --------------------------------
+
+    def _match_prefix(self, req: Request) -> None:
+        """Find and pin the cached prefix a request about to be prefilled from scratch can start from
+        (at least its last token is computed: its logits give the next token)."""
+        prefix = self.prefix
+        if prefix is None or req.blocks or req.num_cached or req.parked is not None:
+            return
+        match = prefix.match(req.context()[: req.num_tokens - 1])
+        for i, node in enumerate(match.nodes):
+            # A host copy that failed holds nothing to start from: the prefix ends before it.
+            if node.on_host and _failed(self._host_blocks[cast(int, node.value)][1]):
+                match = Match(match.values[:i], match.nodes[:i], match.block_size_tokens)
+                break
+        if match.nodes:
+            prefix.acquire(match)
+            self._matches[req.request_id] = match
+
+    def _release_match(self, request_id: str) -> None:
+        match = self._matches.pop(request_id, None)
+        if match is not None and self.prefix is not None:
+            self.prefix.release(match)
+
+    def _num_cached_at_start(self, req: Request) -> int:
+        match = self._matches.get(req.request_id)
+        return match.num_tokens if match is not None else req.num_cached
+
+    def _start_from_cache(self, req: Request, match: Match[int]) -> None:
+        """An admitted request takes its cached prefix: the blocks on the device it shares (pinned
+        until it ends), those on the host it gets copies of in blocks of its own (Table 1's swap_in),
+        queued on the executor ahead of its step. Own copies, not the tree's: a copy that fails then
+        fails this request alone, as a parked request's fetch does, and a finished request's insert
+        puts them back in the tree (`_cache_blocks`)."""
+        assert self._copy_in is not None and self.prefix is not None
+        bs = self.block_size_tokens
+        num_device = next((i for i, node in enumerate(match.nodes) if node.on_host), len(match.nodes))
+        device = Match(match.values[:num_device], match.nodes[:num_device], bs)
+        blocks = list(device.values)
+        copies: list[Future[None]] = []
+        for node in match.nodes[num_device:]:
+            host, copy_out = self._host_blocks[cast(int, node.value)]
+            block_ids = self.pool.allocate(1)
+            # Queued after the copy that filled `host` (one FIFO executor), ahead of the step.
+            copies += [copy_out, self._copy_in(block_ids, host)]
+            blocks += block_ids
+        if num_device < len(match.nodes):
+            # The host blocks are unpinned (the request reads its copies); the device part stays pinned.
+            self.prefix.release(Match(match.values[num_device:], match.nodes[num_device:], bs))
+            self._swap_copies[req.request_id] = copies
+            self.num_swap_ins += len(match.nodes) - num_device
+        req.blocks, req.shared = blocks, device if device.nodes else None
+        req.num_cached = match.num_tokens
+        self.num_cache_hit_tokens += match.num_tokens
+
+    def _evict_cached(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` device blocks of the cache that nobody reads, least recently used
+        first: swapped out to the host tier where it has room (older host blocks make way for them),
+        dropped otherwise. How many were freed."""
+        prefix = self.prefix
+        if prefix is None or num_blocks <= 0:
+            return 0
+        freed: list[int] = []
+        if self.host_tier:
+            room = self._buffer_free_blocks()
+            if room < num_blocks:
+                self._drop_host_blocks(prefix.drop_host(num_blocks - room))
+            freed = prefix.swap_out(num_blocks, self._place_on_host)
+        if len(freed) < num_blocks:
+            freed += prefix.evict(num_blocks - len(freed))
+        self.pool.release(freed)
+        return len(freed)
+
+    def _buffer_free_blocks(self) -> int:
+        """Blocks the CPU buffer holds nothing in: less parked KV, sinks and the cache's host blocks."""
+        return (self.settings.cpu_buffer_bytes // self.pool.block_bytes - self._committed_buffer_blocks()
+                - (0 if self.prefix is None else self.prefix.num_evictable_host_blocks))
+
+    def _place_on_host(self, block_id: int) -> int | None:
+        """Table 1's swap_out of one block: a copy to host memory queued now (before any later write to
+        the block); the slot the prompt tree keeps for it, or None when the buffer has no room."""
+        assert self._copy_out is not None and self.kv is not None
+        if self._buffer_free_blocks() < 1:
+            return None
+        host, copy = self._copy_out([block_id])
+        slot = next(self._slots)
+        self._host_blocks[slot] = (host, copy)
+        self.kv.draining[block_id] = copy
+        self.num_swap_outs += 1
+        return slot
+
+    def _drop_host_blocks(self, slots: list[int]) -> None:
+        for slot in slots:
+            del self._host_blocks[slot]
+
+    def _make_buffer_room(self, num_blocks: int) -> bool:
+        """Room in the CPU buffer for `num_blocks` blocks of parked KV: host blocks of the cache yield
+        (parked requests come first). Whether there is room."""
+        short = num_blocks - self._buffer_free_blocks()
+        if short > 0 and self.prefix is not None:
+            self._drop_host_blocks(self.prefix.drop_host(short))
+        return num_blocks <= self._buffer_free_blocks()
+
+    def _deflate_cache(self, act_chunks: int) -> int:
+        """Evict cached blocks nobody reads, least recently used first, until the activation side can
+        hold `act_chunks` chunks (deflation, eLLM §4.3.1); the chunks unmapped.
+
+        A chunk is unmapped only once the copies out of its blocks have run (an unmapped slot reads
+        as zero), and this step's activations need it now: so the copies are waited for here. They
+        are the executor's only work (no step is in flight while one is planned), a chunk's worth of
+        blocks a round."""
+        kv, activations = self.kv, self.activations
+        assert kv is not None and activations is not None
+        unmapped = 0
+        while True:
+            need = act_chunks - activations.held_chunks - kv.chunks.count(Owner.FREE)
+            if need <= 0 or not self._evict_cached(need * kv.blocks_per_chunk):
+                return unmapped
+            concurrent.futures.wait([copy for copy in kv.draining.values() if not copy.done()])
+            unmapped += kv.shrink(need)
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Before a finished request's blocks go in the tree (Table 1's insert), its copies of blocks
+        the tree keeps on the host replace those (swap_in without a copy): the insert keeps them then,
+        and the tiers' invariant (a host block has only host blocks below it) holds."""
+        prefix = self.prefix
+        if prefix is not None:
+            bs = self.block_size_tokens
+            full = min(req.num_cached, req.num_tokens) // bs
+            num_shared = len(req.shared.nodes) if req.shared is not None else 0
+            if full > num_shared:
+                path = prefix.match(req.context()[: full * bs]).nodes
+                for i in range(num_shared, len(path)):
+                    if path[i].on_host:
+                        self._drop_host_blocks([prefix.swap_in(path[i], req.blocks[i])])
+        super()._cache_blocks(req)
+
     def _pool_state(self) -> PoolState:
         assert self.kv is not None
         kv_bytes = self.kv.mapped_bytes
-        available = min(self.logical_buffer_bytes, self.settings.cpu_buffer_bytes) - self.buffer_held_bytes()
+        # The cache's host blocks are not held against it: they yield to parked KV (_make_buffer_room).
+        available = (min(self.logical_buffer_bytes, self.settings.cpu_buffer_bytes)
+                     - self._committed_buffer_blocks() * self.pool.block_bytes)
         return PoolState(total_bytes=self.total_bytes, kv_bytes=kv_bytes, activation_bytes=self.total_bytes - kv_bytes,
                          threshold_bytes=self._threshold_bytes, buffer_available_bytes=max(0, available))
 
-    def _kv_bytes_after_step(self, req: Request) -> int:
-        # Its tokens and the slot of the one it samples (reserved after the step).
-        return blocks_for(req.num_tokens + 1, self.block_size_tokens) * self.pool.block_bytes
+    def _kv_bytes_after_step(self, req: Request, shared: Match[int] | None, counted: set[int] | None) -> int:
+        # Its tokens and the slot of the one it samples (reserved after the step), less the cached
+        # blocks on the device a request before it in the queues reads too (`counted`: charged there).
+        num_blocks = blocks_for(req.num_tokens + 1, self.block_size_tokens)
+        if shared is not None and counted is not None:
+            for node in shared.nodes:
+                if node.on_host:  # (the request gets its own copy)
+                    continue
+                if id(node) in counted:
+                    num_blocks -= 1
+                counted.add(id(node))
+        return num_blocks * self.pool.block_bytes
 
-    def _decode_demand(self, req: Request) -> Demand:
-        return Demand(self._kv_bytes_after_step(req), self._activation_of(req.num_tokens - req.num_cached, req.num_tokens))
+    def _decode_demand(self, req: Request, counted: set[int] | None = None) -> Demand:
+        return Demand(self._kv_bytes_after_step(req, req.shared, counted),
+                      self._activation_of(req.num_tokens - req.num_cached, req.num_tokens))
 
-    def _prefill_demand(self, req: Request) -> Demand:
-        # (A one-token prompt would read as a decode in the forward, which needs blocks.)
-        offloadable = not req.blocks and req.num_cached == 0 and req.num_tokens > 1 and self.settings.cpu_buffer_bytes > 0
-        return Demand(self._kv_bytes_after_step(req), self._activation_of(req.num_tokens - req.num_cached, req.num_tokens),
-                      offloadable)
+    def _prefill_demand(self, req: Request, counted: set[int] | None = None) -> Demand:
+        match = self._matches.get(req.request_id)
+        # (A one-token prompt would read as a decode in the forward, which needs blocks; a prefill
+        # after a cached prefix reads that prefix's blocks, so its KV stays in the pool.)
+        offloadable = (match is None and not req.blocks and req.num_cached == 0 and req.num_tokens > 1
+                       and self.settings.cpu_buffer_bytes > 0)
+        num_cached = self._num_cached_at_start(req)
+        return Demand(self._kv_bytes_after_step(req, match, counted),
+                      self._activation_of(req.num_tokens - num_cached, req.num_tokens), offloadable)
 
     def _staged_bytes(self) -> int:
         return sum(len(s.blocks) for s in self.staged.values()) * self.pool.block_bytes
@@ -409,25 +622,33 @@ class ElasticScheduler(Scheduler):
     def _new_blocks(self, decodes: list[Request], admitted: list[tuple[Request, Admission]]) -> int:
         bs = self.block_size_tokens
         gpu = decodes + [r for r, how in admitted if how is Admission.GPU]
-        return sum(max(0, blocks_for(r.num_tokens, bs) - len(r.blocks)) for r in gpu)
+        return sum(max(0, blocks_for(r.num_tokens, bs) - len(r.blocks) - self._cached_on_device(r)) for r in gpu)
+
+    def _cached_on_device(self, req: Request) -> int:
+        """Blocks of a candidate's cached prefix it will share, not allocate (those on the device)."""
+        match = self._matches.get(req.request_id)
+        return 0 if match is None else sum(1 for node in match.nodes if not node.on_host)
 
     def _evict(self, req: Request) -> None:
-        """A running request leaves the pool: its KV to the CPU buffer if there is room, else recompute."""
+        """A running request leaves the pool: its KV to the CPU buffer if there is room (the cache's
+        host blocks make way), else recompute."""
         written = blocks_for(req.num_cached, self.block_size_tokens)
-        room = self.settings.cpu_buffer_bytes - self.buffer_held_bytes()
-        if written == 0 or written * self.pool.block_bytes > room or self._copy_out is None:
+        if written == 0 or self._copy_out is None or not self._make_buffer_room(written):
             super()._preempt(req)  # recompute: blocks freed, re-prefilled later
             return
         self._park(req, req.blocks[:written])
 
     def _park(self, req: Request, block_ids: list[int]) -> None:
-        assert self._copy_out is not None
-        # Queued on the executor now, so ahead of any later write to these blocks.
+        assert self._copy_out is not None and self.kv is not None
+        # Queued on the executor now, so ahead of any later write to these blocks. All of them, the
+        # cached prefix it shares too: it gives up its pin on those (they may be evicted while it
+        # waits) and comes back with its whole KV in blocks of its own (`_fetch`).
         host, copy = self._copy_out(block_ids)
         self._copies_out[req.request_id] = copy
+        self.kv.draining.update(dict.fromkeys(block_ids, copy))
         self.running.remove(req)
-        self.pool.release(req.blocks)
-        req.blocks, req.parked, req.state = [], host, RequestState.WAITING
+        self._free_blocks(req)
+        req.parked, req.state = host, RequestState.WAITING
         self.parked.appendleft(req)
         self.num_parked += 1
         logger.debug("parked %s (%d tokens) in the CPU buffer", req.request_id, req.num_cached)
@@ -442,6 +663,8 @@ class ElasticScheduler(Scheduler):
             activations.reclaim(0, want - grown)
             grown += kv.grow(want - grown)
         self.inflated_chunks += grown
+        # Then cached blocks nobody reads, before anything is parked or refused (module docstring).
+        self._evict_cached(num_blocks - len(kv.free))
 
     def _preempt(self, req: Request) -> None:
         """Out of blocks after a step: park the newest running request rather than recompute it."""
@@ -461,8 +684,14 @@ class ElasticScheduler(Scheduler):
         for req, how in admitted:
             self.waiting.remove(req)
             if how is Admission.GPU:
+                match = self._matches.pop(req.request_id, None)
+                if match is not None:
+                    self._start_from_cache(req, match)
                 req.blocks.extend(self.pool.allocate(max(0, blocks_for(req.num_tokens, bs) - len(req.blocks))))
             else:
+                # Its KV goes to the buffer: the cache's host blocks make way (Algorithm 1 counted
+                # on the room without them).
+                self._make_buffer_room(blocks_for(req.num_tokens, bs))
                 entries_extra[req.request_id] = self._sink_of[req.request_id] = self._new_sink(req.num_tokens)
                 self._offloaded_now.add(req.request_id)
                 self.num_offloaded_prefills += 1
@@ -504,6 +733,13 @@ class ElasticScheduler(Scheduler):
                 self.running.remove(req)
                 req.queue.put_nowait(EngineError(f"fetching its KV from the CPU buffer failed: {copy_in.exception()}"))
                 self.finish(req)
+            # Likewise for cached blocks swapped in from the host tier (its own copies: it alone fails).
+            swap_copies = self._swap_copies.pop(req.request_id, ())
+            failed = next((copy.exception() for copy in swap_copies if copy.exception() is not None), None)
+            if failed is not None and req.state is RequestState.RUNNING:
+                self.running.remove(req)
+                req.queue.put_nowait(EngineError(f"swapping its cached prefix in from the CPU buffer failed: {failed}"))
+                self.finish(req)
         now = time.monotonic()
         ttft_misses = tpot_misses = 0
         ttft, tpot = self.settings.ttft_slo_s, self.settings.tpot_slo_s
@@ -541,6 +777,10 @@ class ElasticScheduler(Scheduler):
             req.state = RequestState.WAITING
             self.parked.append(req)
         self._offloaded_now.clear()
+
+
+def _failed(copy: Future[None]) -> bool:
+    return copy.done() and copy.exception() is not None
 
 
 def _drop_last(decodes: list[Request], prefills: list[Request]) -> tuple[list[Request], list[Request]]:

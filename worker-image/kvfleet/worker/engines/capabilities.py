@@ -184,6 +184,12 @@ class PrefixCacheStats:
     # cannot see its cache's blocks (vLLM keeps its block pool in another process): not reported.
     cached_blocks: int | None
     evictable_blocks: int | None
+    # The host tier (MemServe Table 1's swap_out / swap_in; the builtin engine's is elastic memory's CPU
+    # buffer): cached blocks in host memory now, None where the engine has none; blocks swapped out to
+    # it and back in for a request so far.
+    host_blocks: int | None = None
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
 
 
 class PrefixCache(Protocol):
