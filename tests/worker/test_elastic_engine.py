@@ -164,6 +164,22 @@ def test_a_request_whose_prefill_cannot_fit_the_pool_is_refused(tiny_model_dir: 
     run(scenario())
 
 
+def test_without_a_buffer_a_prefill_whose_kv_and_activations_cannot_fit_together_is_refused(tiny_model_dir: Path) -> None:
+    # No CPU buffer: the prefill's KV cannot be offloaded, so it needs the pool beside its activations.
+    # A prompt whose activations alone fit but not with its KV used to be admitted and wait forever.
+    async def scenario() -> None:
+        engine = BuiltinEngine(elastic_config(tiny_model_dir, memory_budget_bytes=24 * 256 * KIB))
+        await engine.start()
+        try:
+            with pytest.raises(RequestTooLong, match="memory pool"):
+                engine.generate("big", [1, *range(2, 158)], greedy(4))
+            assert await asyncio.wait_for(tokens_of(engine.generate("small", [1, *range(2, 40)], greedy(4))), 60)
+        finally:
+            await engine.stop()
+
+    run(scenario())
+
+
 def test_a_parked_request_migrates_by_kv_and_gives_the_unmigrated_output(tiny_model_dir: Path,
                                                                          reference: list[list[int]]) -> None:
     async def scenario() -> tuple[list[int], list[int]]:

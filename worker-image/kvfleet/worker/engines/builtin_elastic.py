@@ -297,12 +297,16 @@ class ElasticScheduler(Scheduler):
 
     def new_request(self, request_id: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
         req = super().new_request(request_id, prompt, output, params)
-        # Beyond the KV check: its prefill's activations (KV offloaded) and its last decode (KV in the
-        # pool) must each fit the pool, or it would wait forever.
+        # Beyond the KV check: its prefill's activations (with its KV offloaded to the CPU buffer, or
+        # in the pool when the buffer cannot take it all) and its last decode (KV in the pool) must
+        # each fit the pool, or it would wait forever.
         most_tokens = len(prompt) + params.max_tokens
         most_kv = blocks_for(most_tokens, self.block_size_tokens) * self.pool.block_bytes
         room = self.total_bytes - self._threshold_bytes - self._base_activation_bytes
-        prefill = self._activation_of(len(prompt) + len(output), len(prompt) + len(output))
+        context = len(prompt) + len(output)
+        prompt_kv = blocks_for(context, self.block_size_tokens) * self.pool.block_bytes
+        prefill = (self._activation_of(context, context)
+                   + (prompt_kv if prompt_kv > self.settings.cpu_buffer_bytes else 0))
         decode = most_kv + self._activation_of(1, most_tokens)
         if max(prefill, decode) > room:
             raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need "
