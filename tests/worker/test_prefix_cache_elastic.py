@@ -175,6 +175,18 @@ def test_evicted_blocks_go_to_the_host_and_come_back(tiny_model_dir: Path) -> No
     assert with_host.prefilled_tokens < without.prefilled_tokens
     # Every token is either prefilled or comes from the cache, the device's or the host's.
     assert with_host.hit_tokens + with_host.prefilled_tokens == without.hit_tokens + without.prefilled_tokens
+    # The worker exports the host tier's figures, and only where there is one.
+    from kvfleet.worker.gpu import GPUProbe
+    from kvfleet.worker.metrics import WorkerMetrics
+
+    def sample(e: BuiltinEngine, name: str) -> float | None:
+        metrics = WorkerMetrics(lambda: 0.0, lambda: 0.0, lambda: 0.0, lambda: 0.0, GPUProbe(),
+                                prefix_cache=e.prefix_cache_stats)
+        return metrics.registry.get_sample_value(name)
+
+    assert sample(swapping, "kvfleet_worker_prefix_cache_swap_ins") == with_host.num_swap_ins
+    assert sample(swapping, "kvfleet_worker_prefix_cache_host_blocks") == with_host.host_blocks
+    assert sample(dropping, "kvfleet_worker_prefix_cache_swap_ins") is None
 
 
 def test_a_parked_request_that_read_cached_blocks_comes_back_with_its_own_kv(tiny_model_dir: Path) -> None:

@@ -56,6 +56,12 @@ class PrefixCacheCollector(Collector):
             ("kvfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds.", s.cached_blocks),
             ("kvfleet_worker_prefix_cache_evictable_blocks", "Cached KV blocks no running request reads.",
              s.evictable_blocks),
+            # The host tier (elastic memory's CPU buffer): blocks kept there, and moves each way so far.
+            ("kvfleet_worker_prefix_cache_host_blocks", "Cached KV blocks swapped out to host memory.", s.host_blocks),
+            ("kvfleet_worker_prefix_cache_swap_outs", "Cached blocks swapped out to host memory so far.",
+             s.num_swap_outs if s.host_blocks is not None else None),
+            ("kvfleet_worker_prefix_cache_swap_ins", "Cached blocks swapped back in from host memory so far.",
+             s.num_swap_ins if s.host_blocks is not None else None),
         ):
             if value is not None:
                 yield GaugeMetricFamily(name, documentation, value=float(value))
