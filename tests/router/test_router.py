@@ -151,13 +151,46 @@ def test_the_pools_speed_profile_is_each_workers_own_and_their_merge(workers: li
     assert merged.num_samples == sum(SpeedProfile.model_validate(p).num_samples for p in own) >= 2 * 4
 
 
-def test_no_ready_worker_is_a_503_with_retry_after(engine_loop: EngineLoop) -> None:
-    _, server = start_router(engine_loop, StaticPoolView(PoolSnapshot((), {})))
+def test_no_ready_worker_within_the_hold_timeout_is_a_503_with_retry_after(engine_loop: EngineLoop) -> None:
+    view = StaticPoolView(PoolSnapshot((), {}))
+    _, server = start_router(engine_loop, view, hold_timeout_s=0.5)
     try:
         status, headers, raw = server.request("POST", "/v1/completions", completion())
         body = json.loads(raw)
         assert status == 503 and body["error"]["code"] == "no_ready_worker" and headers["Retry-After"] == "1"
+        assert "within 0.5 s" in body["error"]["message"]
         assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert view.held == 0  # the demand was signalled, and withdrawn when the wait ended
+    finally:
+        engine_loop.run(server.runner.cleanup())
+
+
+def test_a_request_held_while_the_pool_has_no_worker_is_served_when_one_is_ready(workers: list[Server],
+                                                                                 engine_loop: EngineLoop) -> None:
+    import threading
+
+    view = StaticPoolView(PoolSnapshot((), {}))
+    router, server = start_router(engine_loop, view, max_held=1)
+    try:
+        result: dict[str, Any] = {}
+        client = threading.Thread(target=lambda: result.update(answer=server.request("POST", "/v1/completions",
+                                                                                     completion())))
+        client.start()
+        deadline = time.monotonic() + 10
+        while getattr(view, "held", 0) != 1:
+            assert time.monotonic() < deadline, "the request was never held"
+            time.sleep(0.02)
+        # A second request finds the queue full: 429 at once, with Retry-After.
+        status, headers, raw = server.request("POST", "/v1/completions", completion())
+        assert status == 429 and json.loads(raw)["error"]["code"] == "pool_waking" and headers["Retry-After"] == "1"
+        view.set(snapshot(workers))  # a worker is Ready
+        client.join(60)
+        status, _, raw = result["answer"]
+        assert status == 200 and json.loads(raw)["choices"][0]["text"], raw
+        assert view.held == 0
+        held = {s.labels["outcome"]: s.value for m in router.metrics.held_outcomes.collect() for s in m.samples
+                if s.name.endswith("_total")}
+        assert held == {"released": 1.0, "full": 1.0}
     finally:
         engine_loop.run(server.runner.cleanup())
 

@@ -171,7 +171,7 @@ def test_worker_rbac_is_namespaced_and_never_creates_or_deletes() -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "p-worker", "namespace": "ns"}]
 
 
-def test_router_objects_are_a_read_only_role_a_deployment_and_a_service() -> None:
+def test_router_objects_are_a_role_reading_the_pool_a_deployment_and_a_service() -> None:
     from kvfleet.operator.resources import router_image, router_objects
 
     objs = {o["kind"]: o for o in router_objects(POOL, spec())}
@@ -179,7 +179,9 @@ def test_router_objects_are_a_read_only_role_a_deployment_and_a_service() -> Non
     assert all(o["metadata"]["name"] == "p-router" and o["metadata"]["ownerReferences"][0]["uid"] == "u-1" for o in objs.values())
     rules = objs["Role"]["rules"]
     assert rules == [
-        {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"], "verbs": ["get", "list", "watch"]},
+        # patch: its held-requests annotation, which wakes a pool scaled to zero; its own pool only.
+        {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"],
+         "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     service = objs["Service"]["spec"]
     assert service["type"] == "ClusterIP" and service["ports"][0]["port"] == 80 and service["ports"][0]["targetPort"] == "http"
@@ -305,3 +307,33 @@ def test_the_pool_replans_when_its_workers_report_another_capacity() -> None:
     assert api.events == [("CapacityChanged", "KV capacity per worker now 1536Mi (was 1280Mi), the smallest the workers "
                                               "report", False)]
     reconcile.forget_pool("ns", "p")
+
+
+def test_held_requests_raise_the_floor_to_one_while_the_routers_word_is_fresh() -> None:
+    from kvfleet.api.models import HELD_FRESH_S, HELD_REQUESTS_ANNOTATION
+    from kvfleet.operator.status import held_requests
+
+    def pool(value: str) -> dict[str, Any]:
+        return {"metadata": {"name": "p", "annotations": {HELD_REQUESTS_ANNOTATION: value}}}
+
+    assert held_requests(pool("3 1000.0"), now_unix_s=1000.0 + HELD_FRESH_S) == 3
+    assert held_requests(pool("3 1000.0"), now_unix_s=1000.1 + HELD_FRESH_S) == 0  # a router that died said it
+    assert held_requests(pool("nonsense"), now_unix_s=1000.0) == 0
+    assert held_requests({"metadata": {"name": "p"}}, now_unix_s=1000.0) == 0
+    zero = spec(workers={"min": 0, "max": 4})
+    assert (floor_workers(zero), floor_workers(zero, held_requests=3), floor_workers(spec(), held_requests=3)) == (0, 1, 2)
+    assert floor_workers(spec(workers={"min": 0, "max": 1}, replicas=1), held_requests=3) == 1  # max still caps
+
+
+def test_status_says_a_pool_scaled_to_zero_is_waking_for_held_requests() -> None:
+    zero = spec(workers={"min": 0, "max": 4})
+    idle = pool_status(POOL, zero, [], SchedulingFigures(), "2026-11-25T00:00:00Z")
+    ready = {c["type"]: c for c in idle["conditions"]}["Ready"]
+    assert (idle["desiredWorkers"], ready["status"], ready["reason"], idle["heldRequests"]) == (0, "True", "ScaledToZero", 0)
+    waking = pool_status(POOL, zero, [pod(0, phase="Pending", ready=False)],
+                         SchedulingFigures(held_requests=2, woken_at="2026-11-25T00:01:00Z"), "2026-11-25T00:01:00Z")
+    progressing = {c["type"]: c for c in waking["conditions"]}["Progressing"]
+    assert (waking["desiredWorkers"], waking["heldRequests"], waking["lastWokenAt"]) == (1, 2, "2026-11-25T00:01:00Z")
+    assert progressing["status"] == "False" or progressing["reason"] in ("WakingUp", "WaitingForWorkers")
+    later = pool_status({**POOL, "status": waking}, zero, [], SchedulingFigures(), "2026-11-25T00:09:00Z")
+    assert later["lastWokenAt"] == "2026-11-25T00:01:00Z"  # kept until the next wake

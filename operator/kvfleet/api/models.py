@@ -22,6 +22,13 @@ from kvfleet.mell.models import kv_capacity_bytes, tpot_load_cap
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+# Scale from zero (docs/router.md): the router writes on its LLMPool how many requests it holds for
+# want of a Ready worker and when ("<count> <unix seconds>"), re-written every HELD_REFRESH_S while
+# any are held; the operator keeps a worker while it reads a count written within HELD_FRESH_S, so a
+# router that died leaves no demand behind.
+HELD_REQUESTS_ANNOTATION = "kvfleet.dev/held-requests"
+HELD_REFRESH_S = 20.0
+HELD_FRESH_S = 3 * HELD_REFRESH_S
 
 # A pool's name prefixes its worker pods, router Deployment and Service ("<pool>-worker-<n>") and is
 # a label value, so it must be a DNS-1035 label with room left for the suffixes.
@@ -457,6 +464,8 @@ class LLMPoolStatus(_Model):
         default=0, ge=0, description="The KV capacity per worker MELL plans with: the smallest the workers report."
     )
     cpu_buffer_bytes: int = Field(default=0, ge=0, description="KV parked in the workers' CPU buffers (elastic memory).")
+    held_requests: int = Field(default=0, ge=0, description="Requests the router holds for want of a Ready worker.")
+    last_woken_at: str | None = Field(default=None, description="When held requests last woke the pool from zero workers.")
     routing_table: list[RouteEntry] = Field(default_factory=list, max_length=4)
     selector: Annotated[str, StringConstraints(max_length=1024)] = Field(
         default="", description="Label selector of the pool's worker pods (for the scale subresource)."

@@ -29,7 +29,7 @@ from kvfleet.operator import epoch, metrics, migrations, pods, resources
 from kvfleet.operator.epoch import EpochOutcome, MoveOrder, PoolScheduler
 from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.owned import reconcile_owned
-from kvfleet.operator.status import SchedulingFigures, floor_workers, pool_status
+from kvfleet.operator.status import SchedulingFigures, floor_workers, held_requests, pool_status
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -123,7 +123,9 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
     count_finished_migrations(state, namespace, name, observed.view.finished)
     planned = write_migrations(ctx, state, observed, outcome)
     table = epoch.routing_table(state.routes or {}, observed.workers)
-    actions = plan_pods(ctx, observed, outcome, planned, table)
+    held = held_requests(pool, time.time())
+    actions = plan_pods(ctx, observed, outcome, planned, table, held)
+    woken_at = note_wake(ctx, observed, actions, held)
     raw_pods = write_pods(ctx, actions, observed.raw_pods)
     figures = SchedulingFigures(
         gpus_in_use=outcome.active_gpus,
@@ -133,6 +135,8 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
         waiting_for_max=len(actions.waiting_for_max),
         capacity_bytes=state.scheduler.config.capacity_bytes,
         cpu_buffer_bytes=sum(w.report.cpu_buffer_bytes or 0 for w in observed.workers if w.report is not None),
+        held_requests=held,
+        woken_at=woken_at,
     )
     status = write_status(ctx, raw_pods, figures, table, router_ready)
     log_epoch(ctx, state, outcome, planned, actions)
@@ -255,20 +259,36 @@ def write_migrations(ctx: PassContext, state: PoolState, observed: Observed, out
 
 
 def plan_pods(ctx: PassContext, observed: Observed, outcome: EpochOutcome, planned: PlannedMoves,
-              table: list[dict[str, str]]) -> pods.PodActions:
-    """Which worker pods to create, delete or relabel for the epoch's outcome (kvfleet.operator.pods)."""
+              table: list[dict[str, str]], held: int = 0) -> pods.PodActions:
+    """Which worker pods to create, delete or relabel for the epoch's outcome (kvfleet.operator.pods).
+
+    A pool whose floor is zero goes to zero: its last idle worker is in the routing table (the router
+    would send the next request there), and that must not keep it; the router holds what comes while
+    it has no Ready worker, and `held` (its count on the pool) raises the floor to one at once."""
     spec = ctx.spec
+    floor = floor_workers(spec, held)
     return pods.plan_pods(
         observed.infos,
         unserved_gpu_ids=outcome.unserved_gpu_ids,
         released_pods=outcome.released_pods,
         migration_targets=planned.targets,
-        routed={entry["worker"] for entry in table},
-        floor=floor_workers(spec),
+        routed={entry["worker"] for entry in table} if floor > 0 else set(),
+        floor=floor,
         max_workers=spec.workers.max,
         scale_down_delay_s=spec.autoscaling.scale_down_delay_seconds,
         now_s=observed.now_s,
     )
+
+
+def note_wake(ctx: PassContext, observed: Observed, actions: pods.PodActions, held: int) -> str | None:
+    """When requests held by the router make a pool without a live worker start one: an Event, and the
+    time for the status (`lastWokenAt`)."""
+    if not held or not actions.create or any(info.live for info in observed.infos):
+        return None
+    ctx.api.post_event(ctx.pool, "WakingUp", f"the router holds {held} request(s) and the pool has no worker: "
+                                             f"starting {len(actions.create)}")
+    ctx.logger.info("waking %s from zero workers for %d held request(s)", ctx.name, held)
+    return now_rfc3339()
 
 
 def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -345,8 +345,9 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
         *account_with_role(pool, meta, [
             # list and watch a single object need the name as a field selector; RBAC allows that
             # with resourceNames, so the router reads its own pool and no other.
+            # patch: the held-requests annotation that wakes a pool scaled to zero (docs/router.md).
             {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
-             "verbs": ["get", "list", "watch"]},
+             "verbs": ["get", "list", "watch", "patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         ]),
         {

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.api.models import LLMPoolSpec
+from kvfleet.api.models import HELD_FRESH_S, HELD_REQUESTS_ANNOTATION, LLMPoolSpec
 from kvfleet.operator.resources import worker_selector
 
 
@@ -40,9 +40,23 @@ def unschedulable_reason(pod: dict[str, Any]) -> str:
     return ""
 
 
-def floor_workers(spec: LLMPoolSpec) -> int:
-    """Workers kept even when idle: workers.min, raised by `kubectl scale` (spec.replicas), capped by max."""
-    return min(spec.workers.max, max(spec.workers.min, spec.replicas or 0))
+def floor_workers(spec: LLMPoolSpec, held_requests: int = 0) -> int:
+    """Workers kept even when idle: workers.min, raised by `kubectl scale` (spec.replicas), and to one
+    while the router holds requests for want of a Ready worker (a pool scaled to zero wakes); capped by max."""
+    return min(spec.workers.max, max(spec.workers.min, spec.replicas or 0, 1 if held_requests > 0 else 0))
+
+
+def held_requests(pool: dict[str, Any], now_unix_s: float, fresh_s: float = HELD_FRESH_S) -> int:
+    """The requests the pool's router says it holds (its HELD_ANNOTATION, "<count> <unix seconds>"),
+    or 0 when it said so more than `fresh_s` ago (a router that died leaves no demand behind) or
+    wrote nothing readable."""
+    text = ((pool.get("metadata") or {}).get("annotations") or {}).get(HELD_REQUESTS_ANNOTATION, "")
+    try:
+        count_text, when_text = text.split()
+        count, when_s = int(count_text), float(when_text)
+    except ValueError:
+        return 0
+    return max(0, count) if now_unix_s - when_s <= fresh_s else 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,9 @@ class SchedulingFigures:
     # the KV the workers parked in their CPU buffers.
     capacity_bytes: int | None = None
     cpu_buffer_bytes: int = 0
+    # Requests the router holds for want of a Ready worker, and when they woke the pool (this pass).
+    held_requests: int = 0
+    woken_at: str | None = None
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -70,7 +87,7 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
     name = pool["metadata"]["name"]
     live = [p for p in pods if is_live(p)]
     ready = [p for p in live if is_ready(p)]
-    desired = min(spec.workers.max, max(floor_workers(spec), figures.gpus_in_use))
+    desired = min(spec.workers.max, max(floor_workers(spec, figures.held_requests), figures.gpus_in_use))
     pending = [(p["metadata"]["name"], reason) for p in live if (reason := unschedulable_reason(p))]
     if figures.waiting_for_max:
         pending.append(("", f"{figures.waiting_for_max} more GPU(s) needed but workers.max={spec.workers.max} is reached"))
@@ -86,7 +103,8 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         _condition("Ready", all_ready, ("WorkersReady" if desired else "ScaledToZero") if all_ready else "WorkersNotReady",
                    f"{len(ready)}/{desired} workers ready"),
         _condition("Progressing", len(live) != desired or len(ready) < len(live),
-                   "ScalingUp" if len(live) < desired else "ScalingDown" if len(live) > desired
+                   ("WakingUp" if figures.held_requests and not ready else "ScalingUp") if len(live) < desired
+                   else "ScalingDown" if len(live) > desired
                    else "WaitingForWorkers" if len(ready) < len(live) else "Stable",
                    f"{len(live)} workers, {desired} desired, {len(ready)} ready"),
         _condition("Degraded", bool(crashing), "WorkersCrashing" if crashing else "AsExpected",
@@ -118,6 +136,8 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         "migrationsInFlight": figures.migrations_in_flight,
         "kvCapacityPerWorkerBytes": capacity_bytes,
         "cpuBufferBytes": figures.cpu_buffer_bytes,
+        "heldRequests": figures.held_requests,
+        **({"lastWokenAt": woke} if (woke := figures.woken_at or (pool.get("status") or {}).get("lastWokenAt")) else {}),
         "selector": worker_selector(name),
     }
 

@@ -38,12 +38,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--locality", choices=LOCALITIES, default=env("KVFLEET_ROUTER_LOCALITY", "none"),
                         help="with --worker: how to weigh the workers' cached prefixes (a pool's router reads "
                              "its LLMPool's prefixCaching instead)")
+    parser.add_argument("--max-held", type=int, default=int(env("KVFLEET_ROUTER_MAX_HELD", "256")),
+                        help="requests held while the pool has no Ready worker (scale from zero); more get 429")
+    parser.add_argument("--hold-timeout-s", type=float, default=float(env("KVFLEET_ROUTER_HOLD_TIMEOUT_S", "300")),
+                        help="how long a held request waits for a Ready worker before its 503")
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     if not args.worker and not (args.pool and args.namespace):
         parser.error("name the pool (KVFLEET_POOL and POD_NAMESPACE, or --pool and --namespace) or give --worker")
     if args.max_in_flight < 1:
         parser.error("--max-in-flight must be at least 1")
+    if args.max_held < 0 or args.hold_timeout_s <= 0:
+        parser.error("--max-held must be at least 0 and --hold-timeout-s above 0")
     return args
 
 
@@ -65,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         view = KubePoolView(args.namespace, args.pool)
     config = RouterConfig(pool_name=args.pool or "", namespace=args.namespace or "",
                           pool_token=os.environ.get("KVFLEET_POOL_TOKEN") or None, max_in_flight=args.max_in_flight,
+                          max_held=args.max_held, hold_timeout_s=args.hold_timeout_s,
                           timeouts=Timeouts(args.connect_timeout_s, args.first_token_timeout_s, args.idle_timeout_s))
     web.run_app(Router(config, view).app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30)
     return 0

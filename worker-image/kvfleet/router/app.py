@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvfleet.router.hold import HoldFull, HoldQueue, HoldTimeout
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.model_info import ModelInfo, ModelInfoSource
 from kvfleet.router.placement import (
@@ -70,6 +71,10 @@ class RouterConfig:
     # How long `GET /kvfleet/speed-profile` waits for each worker (asked in parallel): a worker is an
     # aiohttp handler away from its answer, so one slower than this is busy or gone.
     speed_profile_timeout_s: float = 2.0
+    # Requests held while the pool has no Ready worker (scale from zero, hold.py), and how long each
+    # waits for one before its 503: a worker's cold start (pod, model load) must fit in it.
+    max_held: int = 256
+    hold_timeout_s: float = 300.0
 
 
 class Router:
@@ -82,6 +87,8 @@ class Router:
         self._reservations: dict[str, Reservation] = {}
         self.model_info = ModelInfoSource(view, lambda: self.session, config.pool_token)
         self.prefix = PrefixRouting(view, lambda: self.session)
+        self.hold = HoldQueue(config.max_held, config.hold_timeout_s,
+                              lambda: bool(self.view.snapshot().ready_workers()), self._held_changed)
         self._background: list[asyncio.Task[None]] = []
 
     def app(self) -> web.Application:
@@ -163,6 +170,7 @@ class Router:
             raise APIError(503, "the router has not read its pool yet; retry shortly", error_type="server_error",
                            code="router_starting")
         request_id = httpapi.request_id(request, "chatcmpl" if chat else "cmpl")
+        await self._wait_for_a_worker()
         info = await self.model_info.get()
         max_tokens = body.output_limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
         prompt_ids = None
@@ -187,6 +195,28 @@ class Router:
             done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
             self.prefix.ended(request_id, relay.workers[-1] if done else None,
                               (relay.prompt_token_ids or []) + relay.output_token_ids if done else None, user)
+
+    async def _wait_for_a_worker(self) -> None:
+        """Hold the request while the pool has no Ready worker (scaled to zero, or waking): hold.py."""
+        try:
+            held = await self.hold.wait_for_worker()
+        except HoldFull as err:
+            self.metrics.held_outcomes.labels("full").inc()
+            raise APIError(429, f"the pool is starting its first worker and {err}; retry shortly",
+                           error_type="rate_limit_error", code="pool_waking") from None
+        except HoldTimeout as err:
+            self.metrics.held_outcomes.labels("timeout").inc()
+            raise APIError(503, f"the pool has no Ready worker: {err}", error_type="server_error",
+                           code="no_ready_worker") from None
+        except asyncio.CancelledError:
+            self.metrics.held_outcomes.labels("gone").inc()
+            raise
+        if held:
+            self.metrics.held_outcomes.labels("released").inc()
+
+    def _held_changed(self, held: int) -> None:
+        self.metrics.held.set(held)
+        self.view.signal_held(held)
 
     def _placer(self, request_id: str, info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None,
                 prompt_ids: list[int] | None = None, user: str | None = None) -> tuple[Place, OnWorker]:

@@ -26,6 +26,11 @@ class RouterMetrics:
             "kvfleet_router_prefix_matched_tokens_total",
             "Prompt tokens the prompt tree said the chosen worker caches (MemServe's global prompt tree)",
             registry=self.registry)
+        self.held = Gauge("kvfleet_router_held_requests",
+                          "Requests held while the pool has no Ready worker (scale from zero)", registry=self.registry)
+        self.held_outcomes = Counter("kvfleet_router_hold_outcomes_total",
+                                     "Requests that met the hold queue, by outcome: released, full, timeout, gone",
+                                     ["outcome"], registry=self.registry)
         self.in_flight = Gauge("kvfleet_router_requests_in_flight", "Requests being relayed", registry=self.registry)
         self.time_to_first_token = Histogram(
             "kvfleet_router_time_to_first_token_seconds", "From the request's arrival to its first text",

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from kvfleet.api.models import LLMPoolSpec
+from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
@@ -46,12 +46,17 @@ class PoolView(Protocol):
 
     def stop(self) -> None: ...
 
+    def signal_held(self, held: int) -> None:
+        """The router holds `held` requests for want of a Ready worker (0: none any more)."""
+        ...
+
 
 class StaticPoolView:
     """A pool view set by hand (tests, a router in front of workers started without Kubernetes)."""
 
     def __init__(self, snapshot: PoolSnapshot) -> None:
         self._snapshot = snapshot
+        self.held = 0
 
     def set(self, snapshot: PoolSnapshot) -> None:
         self._snapshot = snapshot
@@ -64,6 +69,9 @@ class StaticPoolView:
 
     def stop(self) -> None:
         pass
+
+    def signal_held(self, held: int) -> None:
+        self.held = held  # no API server to tell: kept for tests and a router run by hand
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
@@ -141,9 +149,18 @@ class KubePoolView:
         self._snapshot = PoolSnapshot((), {}, synced=False)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        # The held count to write on the pool (HELD_REQUESTS_ANNOTATION), and a wake-up for the writer thread.
+        self._held = 0
+        self._held_changed = threading.Event()
+        self._custom: Any = None
 
     def snapshot(self) -> PoolSnapshot:
         return self._snapshot
+
+    def signal_held(self, held: int) -> None:
+        if held != self._held:
+            self._held = held
+            self._held_changed.set()
 
     def start(self) -> None:
         from kubernetes import client, config
@@ -168,6 +185,30 @@ class KubePoolView:
             thread = threading.Thread(target=self._watch_loop, args=(kind, lister, sanitize), name=f"watch-{kind}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        self._custom = custom
+        writer = threading.Thread(target=self._held_loop, name="held-requests", daemon=True)
+        writer.start()
+        self._threads.append(writer)
+
+    def _held_loop(self) -> None:
+        """Write the held count on the pool when it changes, and every HELD_REFRESH_S while it is not
+        0; a failed write is retried a second later (the count to write is always the latest)."""
+        written: int | None = None
+        written_s = 0.0
+        while not self._stopped.is_set():
+            self._held_changed.wait(1.0)
+            self._held_changed.clear()
+            held = self._held
+            if held == written and (held == 0 or time.monotonic() - written_s < HELD_REFRESH_S):
+                continue
+            if written is None and held == 0:
+                continue  # nothing held since this router started: nothing to say
+            body = {"metadata": {"annotations": {HELD_REQUESTS_ANNOTATION: f"{held} {time.time():.3f}"}}}
+            try:
+                self._custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.pool_name, body)
+                written, written_s = held, time.monotonic()
+            except Exception as err:  # the API server away: the next round writes the latest count
+                log.warning("could not tell the operator about %d held requests: %s", held, err)
 
     def stop(self) -> None:
         self._stopped.set()
