@@ -89,6 +89,8 @@ class Agent:
             waiting=lambda: float(self.engine.num_waiting() if self._info else 0),
             gpu=gpu or GPUProbe(),
             prefix_cache=cache.prefix_cache_stats if (cache := engine.capabilities.prefix_cache) is not None else None,
+            model_name=config.model_name,
+            engine_metrics=engine.capabilities.prometheus_metrics,
         )
         self.migration_metrics = MigrationMetrics(self.metrics.registry)
         self.streams = RequestStreams(engine, tokenizer, self.metrics, self.handoffs, config.pool_token,

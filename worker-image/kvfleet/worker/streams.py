@@ -12,6 +12,7 @@ how many direct clients' streams are being relayed from elsewhere.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from kvfleet.serving.httpapi import REQUEST_ID_HEADER
 from kvfleet.serving.openai_api import APIError, now_s
 from kvfleet.serving.stops import StopStrings
 from kvfleet.worker.engines.base import DuplicateRequest, Engine, EngineError, RequestTooLong, SamplingParams, StepOutput
-from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.metrics import RequestMeter, WorkerMetrics
 from kvfleet.worker.migration.handoff import (
     Continue,
     HandedRequest,
@@ -53,6 +54,8 @@ class Job:
     stops: tuple[str, ...]
     model: str = ""
     created: int = field(default_factory=now_s)
+    # When the request reached this worker (time.monotonic): vLLM's time to first token starts here.
+    arrived_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,13 @@ class RequestStreams:
             stops = StopStrings(job.stops)
             outputs: list[int] = []
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+            meter = self.metrics.request(job.arrived_s, len(job.prompt_token_ids))
         else:
             stream = resumed.stream
             detok, stops = resumed.handed.text.restore(self.tokenizer, job.stops)
             outputs = list(resumed.handed.output_token_ids)
+            # Its first token, and so its prompt and its latencies from arrival, were the source's.
+            meter = self.metrics.request(None, len(job.prompt_token_ids))
         self.live[request_id] = live = LiveRequest(request_id, job.prompt_token_ids, job.params, job.stops, job.created,
                                                    job.model, detok, stops, outputs)
         self.active.add(request_id)
@@ -126,7 +132,7 @@ class RequestStreams:
         relaying = False
         try:
             while True:
-                async with aclosing(self._engine_deltas(request_id, stream, detok, stops, outputs)) as steps:
+                async with aclosing(self._engine_deltas(request_id, stream, detok, stops, outputs, meter)) as steps:
                     async for delta in steps:
                         finish = delta[1]
                         yield delta
@@ -157,9 +163,10 @@ class RequestStreams:
                 self._leave(request_id, live)
         if not relaying:  # a relayed request ends on, and is counted by, the worker it moved to
             self.metrics.requests.labels(finish or "abort").inc()
+            meter.finished(finish or "abort")
 
     async def _engine_deltas(self, request_id: str, stream: AsyncIterator[StepOutput], detok: Detokenizer,
-                             stops: StopStrings, outputs: list[int]) -> AsyncGenerator[Delta, None]:
+                             stops: StopStrings, outputs: list[int], meter: RequestMeter) -> AsyncGenerator[Delta, None]:
         """Deltas of the engine's stream until the request finishes (the last one has the reason) or
         the stream ends unfinished (a migration stopped it, or it was aborted); appends to `outputs`."""
         async with aclosing(_checked(stream)) as outs:
@@ -169,6 +176,7 @@ class RequestStreams:
                 handed_over = out.finished and out.finish_reason == "abort" and ticket is not None and ticket.stopping
                 outputs.extend(out.new_token_ids)
                 self.metrics.generated(len(out.new_token_ids))
+                meter.tokens(len(out.new_token_ids))
                 text = stops.feed(detok.add(out.new_token_ids))
                 if stops.stopped:
                     yield text, "stop", out.new_token_ids

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from prometheus_client.registry import Collector
 
 from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
 
@@ -213,3 +214,6 @@ class EngineCapabilities:
     elastic_memory: ElasticMemory | None = None
     # Keep finished requests' KV by prompt prefix and prefill only past it (MemServe's context caching).
     prefix_cache: PrefixCache | None = None
+    # The engine's own Prometheus families (vLLM's stat logger), served at the worker's /metrics in
+    # place of the worker's emulation of vLLM's names (worker/metrics.py VLLMNames).
+    prometheus_metrics: Collector | None = None

@@ -42,6 +42,10 @@ What is exact and what is derived:
   blocks.
 - `num_waiting` is derived: requests submitted that have produced no output yet (queued, or in
   their prefill step).
+- Prometheus metrics are vLLM's own (`prometheus_metrics`): its Prometheus stat logger, and no
+  other (the periodic log lines stay off), runs in this process, where AsyncLLM receives the
+  EngineCore's stats, so the worker's /metrics serves vLLM's `vllm:*` families exactly as `vllm
+  serve` would, labelled `model_name` (vLLM's served model name: the model path here) and `engine`.
 
 Processes and environment (what a caller needs to know):
 - AsyncLLM runs in the caller's process and event loop and starts an EngineCore process with the
@@ -64,11 +68,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from prometheus_client import REGISTRY, Metric
+from prometheus_client.registry import Collector
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
@@ -78,6 +84,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from kvfleet.api.speed import SpeedProfile
 from kvfleet.worker.engines.base import (
@@ -162,6 +169,30 @@ def apply_env_defaults(config: EngineConfig) -> dict[str, str]:
     return applied
 
 
+class VLLMMetrics(Collector):
+    """This engine's vLLM metric families, for the worker's registry.
+
+    vLLM's stat logger registers its metrics in prometheus_client's global registry and, when a
+    later AsyncLLM in the same process makes its own, unregisters the earlier ones there
+    (vllm/v1/metrics/prometheus.py unregister_vllm_metrics). Keeping the metric objects this engine's
+    logger made, rather than reading the global registry at scrape time, serves this engine's
+    figures whatever else the process started (tests start several engines in one process).
+    """
+
+    def __init__(self) -> None:
+        self._collectors: list[Collector] = []
+
+    def take_registered(self) -> None:
+        """Takes the `vllm:` metrics now in the global registry: those of the logger just made."""
+        # vLLM's own unregister_vllm_metrics reads the registry's collectors and their names the same way.
+        self._collectors = [c for c in list(REGISTRY._collector_to_names)
+                            if str(getattr(c, "_name", "")).startswith("vllm:")]
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self._collectors:
+            yield from collector.collect()
+
+
 class VLLMEngine:
     """vLLM's AsyncLLM in this process, keeping `base.Engine`. Call `start()` first, `stop()` last."""
 
@@ -176,6 +207,8 @@ class VLLMEngine:
         # Prefix-cache figures so far (prefix_cache_stats), summed over requests from their first tokens.
         self._num_cache_hit_tokens = 0
         self._num_prefilled_tokens = 0
+        # vLLM's own Prometheus families, filled in at start (module docstring).
+        self.prometheus_metrics = VLLMMetrics()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -277,7 +310,11 @@ class VLLMEngine:
             # vllm/platforms/cpu.py): the capability declared (`capabilities`) must be what runs.
             raise EngineError(f"prefix caching asked {'on' if self.config.prefix_caching else 'off'}, but vLLM set it "
                               f"{'on' if vllm_config.cache_config.enable_prefix_caching else 'off'} for this model here")
-        llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
+        # A custom stat logger turns vLLM's stats on without its default ones (the periodic log
+        # lines); being its Prometheus logger, vLLM adds no second one (StatLoggerManager).
+        llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
+                                        enable_log_requests=False)
+        self.prometheus_metrics.take_registered()
         return llm, geometry
 
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None) -> AsyncEngineArgs:
@@ -329,7 +366,8 @@ class VLLMEngine:
     def capabilities(self) -> EngineCapabilities:
         # No KV migration: vLLM's public API exposes no running request's KV, so a migration from or
         # to this engine moves the request's tokens (abort here, re-prefill there).
-        return EngineCapabilities(prefix_cache=self if self.config.prefix_caching else None)
+        return EngineCapabilities(prefix_cache=self if self.config.prefix_caching else None,
+                                  prometheus_metrics=self.prometheus_metrics)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """vLLM's prefix cache so far (capabilities.PrefixCache); only asked of an engine that caches.
