@@ -156,8 +156,10 @@ def test_worker_pod_applies_the_template() -> None:
     assert body["spec"]["nodeSelector"] == {"gpu": "a100"}
     assert body["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert body["spec"]["priorityClassName"] == "llm"
-    assert body["spec"]["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "w", "readOnly": True}}]
-    assert container["volumeMounts"] == [{"name": "model", "mountPath": "/models/m", "readOnly": True}]
+    assert body["spec"]["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "w", "readOnly": True}},
+                                       *resources.SCRATCH_VOLUMES]
+    assert container["volumeMounts"] == [{"name": "model", "mountPath": "/models/m", "readOnly": True},
+                                         *resources.SCRATCH_MOUNTS]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["KVFLEET_KV_CAPACITY_BYTES"] == str(2**30) and env["X"] == "1"
     assert env["KVFLEET_POOL_TOKEN"] == {"secretKeyRef": {"name": "p-token", "key": "token"}}
@@ -337,3 +339,38 @@ def test_status_says_a_pool_scaled_to_zero_is_waking_for_held_requests() -> None
     assert progressing["status"] == "False" or progressing["reason"] in ("WakingUp", "WaitingForWorkers")
     later = pool_status({**POOL, "status": waking}, zero, [], SchedulingFigures(), "2026-11-25T00:09:00Z")
     assert later["lastWokenAt"] == "2026-11-25T00:01:00Z"  # kept until the next wake
+
+
+def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """What keeps a pod spec from the Pod Security Standard "restricted" (the checks of the standard's
+    "restricted" profile that apply to what the operator writes), plus a read-only root filesystem."""
+    found = []
+    pod_ctx = pod_spec.get("securityContext") or {}
+    if pod_ctx.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        found.append("seccompProfile")
+    for c in pod_spec["containers"]:
+        ctx = c.get("securityContext") or {}
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{c['name']}: allowPrivilegeEscalation")
+        if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx.get("capabilities", {}).get("add"):
+            found.append(f"{c['name']}: capabilities")
+        if not (ctx.get("runAsNonRoot") or pod_ctx.get("runAsNonRoot")) or ctx.get("runAsUser") == 0 or pod_ctx.get("runAsUser") == 0:
+            found.append(f"{c['name']}: runAsNonRoot")
+        if ctx.get("privileged"):
+            found.append(f"{c['name']}: privileged")
+        if not ctx.get("readOnlyRootFilesystem"):
+            found.append(f"{c['name']}: readOnlyRootFilesystem")
+    if any("hostPath" in v for v in pod_spec.get("volumes", [])):
+        found.append("hostPath volume")
+    return found
+
+
+def test_worker_and_router_pods_meet_the_restricted_pod_security_standard() -> None:
+    from kvfleet.operator.resources import router_objects
+
+    assert restricted_violations(resources.worker_pod(POOL, spec(), 0)["spec"]) == []
+    router = next(o for o in router_objects(POOL, spec()) if o["kind"] == "Deployment")
+    assert restricted_violations(router["spec"]["template"]["spec"]) == []
+    # A model on a hostPath volume is the user's choice, and the one thing "restricted" refuses.
+    on_host = spec(model={"name": "m", "path": "/models/m", "volume": {"hostPath": {"path": "/data/m"}}})
+    assert restricted_violations(resources.worker_pod(POOL, on_host, 0)["spec"]) == ["hostPath volume"]

@@ -120,6 +120,27 @@ def _worker_resources(spec: LLMPoolSpec) -> dict[str, dict[str, str]]:
     return resources
 
 
+# The Pod Security Standard "restricted" (non-root, no privilege escalation, no capabilities,
+# seccomp RuntimeDefault) for the pods the operator makes; the images run as uid 65532
+# (worker-image/Dockerfile). The root filesystem is read-only; what the processes must write (Python,
+# torch, Triton and vLLM caches under $HOME/.cache, scratch in /tmp) goes to emptyDirs.
+POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                        "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                              "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+SCRATCH_VOLUMES: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+SCRATCH_MOUNTS: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"},
+                                        {"name": "cache", "mountPath": "/home/kvfleet/.cache"}]
+
+
+def _locked_down(pod_spec: dict[str, Any], container: dict[str, Any]) -> None:
+    """Make a pod spec meet the "restricted" Pod Security Standard, with writable scratch space."""
+    pod_spec["securityContext"] = dict(POD_SECURITY_CONTEXT)
+    container["securityContext"] = dict(CONTAINER_SECURITY_CONTEXT)
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), *SCRATCH_VOLUMES]
+    container["volumeMounts"] = [*container.get("volumeMounts", []), *SCRATCH_MOUNTS]
+
+
 def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
     """The worker's configuration (kvfleet.worker reads it from its environment), then the template's variables."""
     env: list[dict[str, Any]] = [
@@ -187,6 +208,7 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
             source = {"hostPath": {"path": volume.host_path.path, "type": "Directory"}}
         pod_spec["volumes"] = [{"name": "model", **source}]
         container["volumeMounts"] = [{"name": "model", "mountPath": spec.model.path, "readOnly": True}]
+    _locked_down(pod_spec, container)
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
     if template.tolerations:
@@ -341,6 +363,7 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
     pod_spec: dict[str, Any] = {"containers": [container], "serviceAccountName": account,
                                 # Streams in flight get the worker's drain time to finish.
                                 "terminationGracePeriodSeconds": 30}
+    _locked_down(pod_spec, container)
     return [
         *account_with_role(pool, meta, [
             # list and watch a single object need the name as a field selector; RBAC allows that
