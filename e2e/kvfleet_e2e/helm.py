@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,15 @@ class Helm:
         """The objects `helm template` renders (CRDs not included unless args say --include-crds)."""
         out = self.run("template", release, str(CHART_DIR), "--namespace", namespace, *args).stdout
         return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render_chart(*args: str) -> list[dict[str, Any]] | None:
+    """`helm template` of the chart (release "r", namespace "ns") with the pinned helm, or None where
+    it is not built (building it is the control plane's set-up, which a unit test does not do)."""
+    if not (cache_dir() / "bin" / f"helm-{pinned('HELM_VERSION')}" / "helm").exists():
+        return None
+    with tempfile.TemporaryDirectory() as home:
+        return Helm(Path(home)).template("r", "ns", *args)
 
 
 # --------------------------------------------------------------------------------------- the calls

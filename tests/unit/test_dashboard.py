@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 import kvfleet.operator.metrics as operator_metrics
-from kvfleet.localcluster.controlplane import cache_dir
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.worker.gpu import GPUProbe
 from kvfleet.worker.metrics import WorkerMetrics
-from kvfleet_e2e.helm import Helm, pinned
+from kvfleet_e2e.helm import render_chart
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -153,12 +151,10 @@ def test_every_panel_queries_the_chosen_pools_through_the_datasource_variable() 
 
 
 def helm_template(*args: str) -> list[dict[str, Any]]:
-    """`helm template` of the chart with the pinned helm (e2e's), where it is built: building it
-    means building the control plane, which is e2e's set-up, not a unit test's."""
-    if not (cache_dir() / "bin" / f"helm-{pinned('HELM_VERSION')}" / "helm").exists():
+    objs = render_chart(*args)
+    if objs is None:
         pytest.skip("the pinned helm is not built (make controlplane builds it)")
-    with tempfile.TemporaryDirectory() as home:
-        return Helm(Path(home)).template("r", "ns", *args)
+    return objs
 
 
 def test_the_chart_ships_the_dashboard_in_a_configmap_with_the_sidecars_label_only_when_enabled() -> None:
