@@ -81,7 +81,9 @@ def test_template_with_default_values(offline_helm: Helm) -> None:
     objs = offline_helm.template(RELEASE, RELEASE_NS)
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == sorted(["PriorityClass", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment"])
+                            "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment",
+                            # a worker may change only its own Pod (e2e/test_worker_report_policy.py)
+                            "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
 
     deploy = one(objs, "Deployment")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
