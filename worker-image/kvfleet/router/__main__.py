@@ -19,6 +19,9 @@ from collections.abc import Sequence
 
 from kvfleet.router.locality import LOCALITIES
 
+# Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
@@ -73,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           pool_token=os.environ.get("KVFLEET_POOL_TOKEN") or None, max_in_flight=args.max_in_flight,
                           max_held=args.max_held, hold_timeout_s=args.hold_timeout_s,
                           timeouts=Timeouts(args.connect_timeout_s, args.first_token_timeout_s, args.idle_timeout_s))
-    web.run_app(Router(config, view).app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30)
+    web.run_app(Router(config, view).app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30,
+                # A burst of clients (bench/load.py: 1,000 at once) overflows aiohttp's default backlog of 128:
+                # each dropped SYN costs its client a second or more.
+                backlog=LISTEN_BACKLOG)
     return 0
 
 

@@ -108,8 +108,12 @@ class Router:
 
     async def _on_startup(self, _: web.Application) -> None:
         # Connections to workers are pooled; no total timeout (a stream lasts as long as it generates),
-        # the relay bounds the first token and the silences.
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.config.timeouts.connect_s))
+        # the relay bounds the first token and the silences. No limit on the pool: admission
+        # (max_in_flight) bounds the streams, each holding a connection for its whole life. aiohttp's
+        # default of 100 made the 101st stream wait for a free connection, and that wait counts
+        # against the connect timeout: a request failed on a healthy worker (bench/load.py).
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              timeout=aiohttp.ClientTimeout(total=None, connect=self.config.timeouts.connect_s))
         self.view.start()
         self._background.append(asyncio.create_task(self.prefix.refresh_profiles(self.config.speed_profile_timeout_s)))
 

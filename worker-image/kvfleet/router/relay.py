@@ -207,6 +207,8 @@ class Relay:
             request = self.session.post(f"{url}{self.path}", json=self.body, headers=self._headers(False))
         try:
             response = await asyncio.wait_for(request, self.timeouts.first_token_s)
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: the connect timeout, not the first token's
+            raise _Broken(f"no connection within {self.timeouts.connect_s:g} s") from None
         except TimeoutError:
             raise _Broken(f"no first token within {self.timeouts.first_token_s:.0f} s") from None
         if response.status != 200:

@@ -17,6 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+# Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
+
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -121,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent.run_when_ready(watcher.run)
     else:
         logging.getLogger("kvfleet.worker").info("no pod, pool or pool token: this worker executes no KVMigrations")
-    web.run_app(agent.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30)
+    web.run_app(agent.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30,
+                # A burst of clients (bench/load.py: 1,000 at once) overflows aiohttp's default backlog of 128:
+                # each dropped SYN costs its client a second or more.
+                backlog=LISTEN_BACKLOG)
     return 0
 
 
