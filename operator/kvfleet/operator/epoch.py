@@ -16,6 +16,7 @@ No I/O and no clock here; time comes in as an argument.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,17 @@ from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
 from kvfleet.mell.allocate import allocate_one, items_of
 from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
+
+# The baselines place every request as an item of its own; rebuilt with MELL's multi-items, a
+# departing member took its whole bundle off the GPU and the next event on another member failed an
+# assertion (two tiny requests on one worker, then one finishing, crashed a best-fit pool's epoch).
+_UNBUNDLED_POLICIES = frozenset({"bf", "wf", "lb"})
+
+log = logging.getLogger(__name__)
+
+# A reported request larger than this many GPUs' capacity is ignored: no context is that long, and
+# MELL would activate one GPU per C of it (a report of 10**12 bytes against C = 1200 hung the epoch).
+MAX_SPAN_GPUS = 64
 
 # Reasons of KVMigration (the CRD's enum) for each cause the scheduler records.
 _REASONS = {"allocate": "Allocate", "depart": "Depart", "update": "Update", "rebalance": "Rebalance", "preempt": "Rebalance",
@@ -135,7 +147,10 @@ class PoolScheduler:
                 load_bytes += req.kv_bytes
                 self.sizes[req.id] = req.kv_bytes
                 kept.append((req.id, req.kv_bytes))
-            items.extend(items_of(worker.gpu_id, kept, capacity))
+            if self.policy.name in _UNBUNDLED_POLICIES:
+                items.extend(ItemSnapshot(((rid, size),), False, worker.gpu_id) for rid, size in kept)
+            else:
+                items.extend(items_of(worker.gpu_id, kept, capacity))
         next_index = max((gpu_index(g.gpu_id) for g in gpus), default=-1) + 1
         self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
         self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
@@ -173,7 +188,7 @@ class PoolScheduler:
         are neither finished nor moved again until their migration ends.
         """
         workers = list(workers)
-        actual = _reported(workers, in_flight)
+        actual = _reported(workers, in_flight, MAX_SPAN_GPUS * self.config.capacity_bytes)
         events = self._events(actual, in_flight)
         plan = self.policy.schedule(EventBatch(now_s, tuple(events)))
         causes = {m.request_id: m.cause for m in plan.migrations}
@@ -272,11 +287,15 @@ class Reported:
     move_bytes: int
 
 
-def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str]) -> dict[str, Reported]:
-    """Request id -> where and how big it is, as the reports say."""
+def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str], max_kv_bytes: int) -> dict[str, Reported]:
+    """Request id -> where and how big it is, as the reports say (none larger than `max_kv_bytes`)."""
     actual: dict[str, Reported] = {}
     for worker in sorted(workers, key=lambda w: w.created_order):
         for req in worker.report.requests if worker.report else []:
+            if req.kv_bytes > max_kv_bytes:
+                log.warning("ignoring request %r reported by %s: %d bytes of KV is more than %d GPUs hold",
+                            req.id, worker.pod_name, req.kv_bytes, MAX_SPAN_GPUS)
+                continue
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
                 actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing), req.whole_kv_bytes)

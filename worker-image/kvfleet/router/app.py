@@ -92,8 +92,9 @@ class Router:
         self._background: list[asyncio.Task[None]] = []
 
     def app(self) -> web.Application:
+        # aiohttp's own 404/405 in OpenAI's format too: a client of the router reads every error the same way.
         errors = httpapi.openai_errors(lambda status: self.metrics.errors.labels(str(status)).inc(),
-                                    retry_after_s=self.config.retry_after_s, convert_http_errors=False)
+                                       retry_after_s=self.config.retry_after_s)
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
         app.router.add_get("/healthz", httpapi.healthz())
         app.router.add_get("/readyz", httpapi.readyz(self._not_ready))

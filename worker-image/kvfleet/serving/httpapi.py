@@ -145,7 +145,7 @@ def openai_errors(count: Callable[[int], None], *, retry_after_s: int | None = N
 
     `count(status)` is called for each of those. With `retry_after_s`, a 429 or 503 tells the client
     when to come back. `convert_http_errors` also answers aiohttp's own 4xx/5xx (an unknown path, a
-    wrong method) in OpenAI's format, uncounted; the router has always left those to aiohttp.
+    wrong method) in OpenAI's format, uncounted.
     """
 
     @web.middleware

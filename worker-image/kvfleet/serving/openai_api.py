@@ -168,9 +168,39 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise APIError(400, f"malformed JSON: {err.msg} at line {err.lineno} column {err.colno}",
                        code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    where = _lone_surrogate(body)
+    if where is not None:
+        # JSON may escape half a surrogate pair ("\ud800"); no text is made of one, and the tokenizers raise on it.
+        raise APIError(400, f"{where or 'the request body'}: a lone UTF-16 surrogate escape is not text", param=where or None,
+                       code="invalid_encoding")
     return body
+
+
+def _lone_surrogate(body: dict[str, Any]) -> str | None:
+    """The dotted path of a string (key or value) holding a lone surrogate ("" for a key at the top), or None."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
 
 
 def new_id(prefix: str) -> str:
