@@ -231,6 +231,26 @@ def test_reconcile_router_creates_once_rolls_on_a_new_image_and_reports_readines
     assert api.deployment_image_and_ready("ns", "p-router") == ("reg/kvfleet/router:0.2.0", 1)
 
 
+def test_a_role_made_by_an_older_release_gets_this_releases_rules() -> None:
+    from kvfleet.operator.owned import reconcile_router
+    from kvfleet.operator.resources import router_objects
+
+    pool = {**POOL, "metadata": {**POOL["metadata"], "namespace": "ns"}}
+    api = MemoryKube(pool)
+    reconcile_router(api, "ns", pool, spec())
+    api.writes()
+    # The router's Role as a release before scale from zero made it: no patch on its pool.
+    api.patch_role_rules("ns", "p-router", [{"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"],
+                                             "resourceNames": ["p"], "verbs": ["get", "list", "watch"]}])
+    api.writes()
+    reconcile_router(api, "ns", pool, spec())
+    assert api.writes() == {"patch_role": 1}
+    want = next(o for o in router_objects(pool, spec()) if o["kind"] == "Role")["rules"]
+    assert api.role_rules("ns", "p-router") == want
+    reconcile_router(api, "ns", pool, spec())
+    assert api.writes() == {}, "rules as this release makes them are not written again"
+
+
 def test_a_pass_over_a_new_pool_makes_what_it_owns_then_a_quiet_pass_writes_nothing() -> None:
     """The whole pass (kvfleet.operator.reconcile.reconcile_pool) against the in-memory API."""
     from kvfleet.operator import reconcile

@@ -57,6 +57,14 @@ class KubeApi(Protocol):
         """Create `obj` (a Pod or an owned object) unless it exists. True if created."""
         ...
 
+    def role_rules(self, namespace: str, name: str) -> list[dict[str, Any]] | None:
+        """A Role's rules (camelCase dicts), or None when it does not exist."""
+        ...
+
+    def patch_role_rules(self, namespace: str, name: str, rules: list[dict[str, Any]]) -> None:
+        """Set a Role's rules (a release that changes what its workers or router may do)."""
+        ...
+
     def deployment_replicas(self, namespace: str, name: str) -> int | None:
         """The replicas of a Deployment, or None when it does not exist."""
         ...
@@ -192,6 +200,18 @@ class Kube:
         }
         read = reads[kind]
         return _or_none_on(404, lambda: read(name, namespace)) is not None
+
+    def role_rules(self, namespace: str, name: str) -> list[dict[str, Any]] | None:
+        role = _or_none_on(404, lambda: self.rbac.read_namespaced_role(name, namespace))
+        if role is None:
+            return None
+        rules = client.ApiClient().sanitize_for_serialization(role.rules or [])  # type: ignore[no-untyped-call]
+        return list(rules)
+
+    def patch_role_rules(self, namespace: str, name: str, rules: list[dict[str, Any]]) -> None:
+        self.record_write("patch_role")
+        # A merge patch replaces the rules list whole.
+        self.rbac.patch_namespaced_role(name, namespace, {"rules": rules}, field_manager=FIELD_MANAGER)
 
     def deployment_replicas(self, namespace: str, name: str) -> int | None:
         deployment = _or_none_on(404, lambda: self.apps.read_namespaced_deployment(name, namespace))

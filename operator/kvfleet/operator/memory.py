@@ -52,6 +52,14 @@ class MemoryKube:
     def exists(self, namespace: str, kind: str, name: str) -> bool:
         return (kind, name) in self.objects
 
+    def role_rules(self, namespace: str, name: str) -> list[dict[str, Any]] | None:
+        role = self.objects.get(("Role", name))
+        return copy.deepcopy(role["rules"]) if role is not None else None
+
+    def patch_role_rules(self, namespace: str, name: str, rules: list[dict[str, Any]]) -> None:
+        self._record_write("patch_role")
+        self.objects[("Role", name)]["rules"] = copy.deepcopy(rules)
+
     def create(self, namespace: str, obj: dict[str, Any]) -> bool:
         self._record_write(f"create_{obj['kind'].lower()}")
         name = obj["metadata"]["name"]

@@ -2,8 +2,8 @@
 
 The pool's token Secret and the workers' RBAC (which every worker needs before it starts), the
 headroom placeholders and the router. Each is built by kvfleet.operator.resources and written only
-when it is missing or, for the two Deployments, when the pool's spec says otherwise; what a person
-tunes on them is left alone.
+when it is missing or, for the two Deployments, when the pool's spec says otherwise, and for the
+Roles when a release changed their rules; what a person tunes on the rest is left alone.
 """
 
 from __future__ import annotations
@@ -29,8 +29,21 @@ def reconcile_worker_prerequisites(api: KubeApi, namespace: str, pool: dict[str,
     if not api.exists(namespace, "Secret", secret_name):
         api.create(namespace, resources.token_secret(pool, secrets.token_hex(32)))
     for obj in resources.worker_rbac(pool):
-        if not api.exists(namespace, obj["kind"], obj["metadata"]["name"]):
+        _keep(api, namespace, obj)
+
+
+def _keep(api: KubeApi, namespace: str, obj: dict[str, Any]) -> None:
+    """Create `obj` when it is missing; a Role whose rules this release changed gets the new rules
+    (a router made before scale from zero could not patch its pool, and would never wake it)."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    if kind == "Role":
+        rules = api.role_rules(namespace, name)
+        if rules is None:
             api.create(namespace, obj)
+        elif rules != obj["rules"]:
+            api.patch_role_rules(namespace, name, obj["rules"])
+    elif not api.exists(namespace, kind, name):
+        api.create(namespace, obj)
 
 
 def reconcile_headroom(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> None:
@@ -64,6 +77,6 @@ def reconcile_router(api: KubeApi, namespace: str, pool: dict[str, Any], spec: L
             elif observed[0] != obj["spec"]["template"]["spec"]["containers"][0]["image"]:
                 api.replace_deployment_template(namespace, obj)
             ready = observed is not None and observed[1] > 0
-        elif not api.exists(namespace, kind, obj_name):
-            api.create(namespace, obj)
+        else:
+            _keep(api, namespace, obj)
     return ready
