@@ -7,20 +7,18 @@ a request of known size, read with prometheus_client's own parser.
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
-import json
+import os
 import re
-import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop, StartedEngine, skip_without_vllm, start_engine
 
@@ -32,70 +30,49 @@ from kvfleet.worker.metrics import VLLM_TIME_TO_FIRST_TOKEN_BUCKETS_S, WorkerMet
 from kvfleet.worker.streams import Job
 from kvfleet.worker.text import Tokenizer
 
+# router_testing.py (a real agent or router served on loopback); with --import-mode=importlib its
+# folder is not on sys.path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "router"))
+from router_testing import Server, serve  # noqa: E402
+
 MODEL = "tiny"
 PROMPT_TOKENS = [5, 17, 42, 99, 123, 7, 64]
 OUTPUT_TOKENS = 9
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Served:
-    port: int
-    agent: Agent
-
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        conn.request(method, path, json.dumps(body).encode() if body is not None else None,
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read()
-
-    def complete(self) -> dict[str, Any]:
-        """One completion of PROMPT_TOKENS (token ids, so the prompt's size is exact) and OUTPUT_TOKENS tokens."""
-        status, raw = self.request("POST", "/v1/completions", {
-            "model": MODEL, "prompt": PROMPT_TOKENS, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True})
-        assert status == 200, raw
-        body: dict[str, Any] = json.loads(raw)
-        assert body["usage"] == {"prompt_tokens": len(PROMPT_TOKENS), "completion_tokens": OUTPUT_TOKENS,
-                                 "total_tokens": len(PROMPT_TOKENS) + OUTPUT_TOKENS}
-        return body
-
-    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics, by (name, sorted labels)."""
-        status, raw = self.request("GET", "/metrics")
-        assert status == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(raw.decode()) for s in family.samples}
-
-    def families(self) -> dict[str, str]:
-        """Every family of /metrics: its type by name."""
-        _, raw = self.request("GET", "/metrics")
-        return {f.name: f.type for f in text_string_to_metric_families(raw.decode())}
-
-
-def serve(engine: Engine, tiny_model_dir: Path, loop: EngineLoop) -> Iterator[Served]:
+def served(engine: Engine, tiny_model_dir: Path, loop: EngineLoop) -> Iterator[Server]:
+    """A real agent over `engine` on loopback (router_testing's server), ready, its agent at `.agent`."""
     agent = Agent(AgentConfig(model_name=MODEL, migration_port=None), engine, Tokenizer(tiny_model_dir), None)
-    port = free_port()
+    server = serve(loop, agent.app())
+    server.agent = agent
+    yield server
+    loop.run(server.runner.cleanup())
 
-    async def start() -> web.AppRunner:
-        runner = web.AppRunner(agent.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
 
-    runner = loop.run(start())
-    served = Served(port, agent)
-    deadline = time.monotonic() + 120
-    while served.request("GET", "/readyz")[0] != 200:
-        assert time.monotonic() < deadline, served.request("GET", "/readyz")
-        time.sleep(0.05)
-    yield served
-    loop.run(runner.cleanup())
+def complete(server: Server) -> dict[str, Any]:
+    """One completion of PROMPT_TOKENS (token ids, so the prompt's size is exact) and OUTPUT_TOKENS tokens."""
+    status, body = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT_TOKENS, "max_tokens": OUTPUT_TOKENS,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": len(PROMPT_TOKENS), "completion_tokens": OUTPUT_TOKENS,
+                             "total_tokens": len(PROMPT_TOKENS) + OUTPUT_TOKENS}
+    return dict(body)
+
+
+def metric_families(server: Server) -> list[Metric]:
+    status, _, raw = server.request("GET", "/metrics")
+    assert status == 200
+    return list(text_string_to_metric_families(raw.decode()))
+
+
+def samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, by (name, sorted labels)."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in metric_families(server) for s in family.samples}
+
+
+def family_types(server: Server) -> dict[str, str]:
+    """Every family of /metrics: its type by name."""
+    return {f.name: f.type for f in metric_families(server)}
 
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
@@ -106,15 +83,15 @@ def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 
 
 @pytest.fixture(scope="module")
-def builtin_worker(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[Served]:
+def builtin_worker(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[Server]:
     # Its own engine: the counters start at 0, so they must equal this module's requests exactly.
     engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                                                  max_model_len=256))
-    yield from serve(engine, tiny_model_dir, engine_loop)
+    yield from served(engine, tiny_model_dir, engine_loop)
 
 
-def test_a_builtin_worker_serves_vllms_names_with_vllms_labels_and_buckets(builtin_worker: Served) -> None:
-    idle = builtin_worker.samples()
+def test_a_builtin_worker_serves_vllms_names_with_vllms_labels_and_buckets(builtin_worker: Server) -> None:
+    idle = samples(builtin_worker)
     labels = {"model_name": MODEL, "engine": "0"}
     assert value(idle, "vllm:num_requests_running", **labels) == 0
     assert value(idle, "vllm:num_requests_waiting", **labels) == 0
@@ -123,8 +100,8 @@ def test_a_builtin_worker_serves_vllms_names_with_vllms_labels_and_buckets(built
     assert value(idle, "vllm:time_to_first_token_seconds_count", **labels) == 0
     assert value(idle, "vllm:request_success_total", **labels, finished_reason="length") == 0
 
-    builtin_worker.complete()
-    after = builtin_worker.samples()
+    complete(builtin_worker)
+    after = samples(builtin_worker)
     # A counter's samples end in _total (prometheus_client adds it, as it does to vLLM's own).
     assert value(after, "vllm:prompt_tokens_total", **labels) == len(PROMPT_TOKENS)
     assert value(after, "vllm:generation_tokens_total", **labels) == OUTPUT_TOKENS
@@ -152,7 +129,7 @@ def test_a_builtin_worker_serves_vllms_names_with_vllms_labels_and_buckets(built
 
 
 def test_the_kv_usage_fraction_is_the_workers_used_over_capacity_while_a_request_holds_kv(
-    builtin_worker: Served, engine_loop: EngineLoop,
+    builtin_worker: Server, engine_loop: EngineLoop,
 ) -> None:
     """vLLM's kv_cache_usage_perc is a 0-1 fraction: used / capacity, what kvfleet's own two gauges say."""
     agent = builtin_worker.agent
@@ -199,24 +176,24 @@ class Lent:
 
 
 @pytest.fixture(scope="module")
-def vllm_worker(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict[str, StartedEngine]) -> Iterator[Served]:
+def vllm_worker(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict[str, StartedEngine]) -> Iterator[Server]:
     started = start_engine("vllm", tiny_model_dir, started_engines, engine_loop)
-    yield from serve(Lent(started.engine), tiny_model_dir, engine_loop)  # type: ignore[arg-type]
+    yield from served(Lent(started.engine), tiny_model_dir, engine_loop)  # type: ignore[arg-type]
 
 
-def test_a_vllm_worker_serves_vllms_own_families_once(vllm_worker: Served) -> None:
-    before = vllm_worker.samples()
-    vllm_worker.complete()
+def test_a_vllm_worker_serves_vllms_own_families_once(vllm_worker: Server) -> None:
+    before = samples(vllm_worker)
+    complete(vllm_worker)
     # vLLM records a step's stats right after handing its outputs over: wait for the scrape to show it.
     deadline = time.monotonic() + 30
     while True:
-        after = vllm_worker.samples()
+        after = samples(vllm_worker)
         generated = [v for (name, _), v in after.items() if name == "vllm:generation_tokens_total"]
         generated_before = [v for (name, _), v in before.items() if name == "vllm:generation_tokens_total"]
         if generated and sum(generated) - sum(generated_before) >= OUTPUT_TOKENS or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    families = vllm_worker.families()
+    families = family_types(vllm_worker)
     # vLLM's own families, including ones the emulation does not have: they come from vLLM's logger.
     for name, kind in {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
                        "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
