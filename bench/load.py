@@ -43,7 +43,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loopback import free_port, wait_ready  # noqa: E402
 from _machine import cpu_model  # noqa: E402
 
 # Module-level imports stay light (no torch, no kvfleet.worker): the router's subprocess runs this
@@ -180,12 +180,6 @@ def router_child(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------- processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def listen_overflows() -> int:
     """The host's TcpExt ListenOverflows: connections dropped because a listener's accept queue was full
     (the client's SYN is retransmitted a second or more later: a delay, not an error)."""
@@ -244,20 +238,6 @@ class Processes:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-async def wait_ready(session: aiohttp.ClientSession, address: str, procs: Processes, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        try:
-            async with session.get(f"http://{address}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{address} not ready within {timeout_s:.0f} s")
 
 
 # ----------------------------------------------------------------------------------------- client
@@ -493,7 +473,7 @@ def main() -> int:
         async def ready_all() -> None:
             async with aiohttp.ClientSession() as session:
                 for a in [*worker_addresses, *(a for a, _ in router_procs.values())]:
-                    await wait_ready(session, a, procs)
+                    await wait_ready(session, a, poll_s=0.2, check=procs.check_alive)
         asyncio.run(ready_all())
         asyncio.run(warm_up([*(a for a, _ in router_procs.values()), *worker_addresses], work))
         phases = []

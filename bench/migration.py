@@ -31,6 +31,7 @@ import platform
 import random
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -40,6 +41,9 @@ from typing import Any
 import aiohttp
 import torch
 from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loopback import free_port  # noqa: E402
 
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.agent import Agent, AgentConfig
@@ -70,12 +74,6 @@ class Pod:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def start_pod(name: str, model: Path) -> Pod:

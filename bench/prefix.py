@@ -33,7 +33,6 @@ import gc
 import json
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loopback import free_port, wait_ready  # noqa: E402
 from _machine import cpu_model  # noqa: E402
 
 from kvfleet.router.app import Router, RouterConfig  # noqa: E402
@@ -85,30 +85,12 @@ class Turn:
     job_s: float
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     port = free_port()
     runner = web.AppRunner(app, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"127.0.0.1:{port}"
-
-
-async def wait_ready(session: aiohttp.ClientSession, address: str) -> None:
-    for _ in range(600):
-        try:
-            async with session.get(f"http://{address}/readyz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{address} never became ready")
 
 
 async def one_turn(session: aiohttp.ClientSession, router: str, prompt: list[int], max_tokens: int,
@@ -167,8 +149,8 @@ async def run_setup(name: str, caching: bool, locality: Locality, model_dir: Pat
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             for w in workers:
-                await wait_ready(session, w.address)
-            await wait_ready(session, router_address)
+                await wait_ready(session, w.address, timeout_s=60)
+            await wait_ready(session, router_address, timeout_s=60)
 
             async def conversation(index: int, start_s: float) -> None:
                 await asyncio.sleep(start_s)
