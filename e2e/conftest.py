@@ -41,3 +41,11 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     cluster.wait_default_service_account(name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model (random weights, local tokenizer) a module's real workers serve."""
+    from kvfleet.worker.model.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")

@@ -17,8 +17,8 @@ import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
-from kvfleet.worker.model.tiny import make_tiny
 from kvfleet.worker.text import Tokenizer
+from kvfleet_e2e.pools import ready
 
 BLOCK = 16
 SHARED = " ".join(f"The fleet keeps its caches warm, section {i}." for i in range(40))
@@ -29,15 +29,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-caching-e2e")
     yield proc
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def complete(ip: str, prompt: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
-from kvfleet.worker.model.tiny import make_tiny
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
 
@@ -44,11 +43,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-migration-e2e")
     yield proc
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
 def greedy_reference(model_dir: Path) -> dict[str, list[int]]:

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,6 +20,7 @@ from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import REPO_ROOT, Process, stop_process
 from kvfleet.replay.observe import timestamp_s
 from kvfleet.worker.model.tiny import make_tiny
+from kvfleet_e2e.pools import ready
 
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
@@ -30,10 +30,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-replay-e2e")
     yield proc
     stop_process(proc)
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 class PodWatch:

@@ -20,7 +20,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
-from kvfleet.worker.model.tiny import make_tiny
+from kvfleet_e2e.pools import ready
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +28,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-router-e2e")
     yield proc
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def post(ip: str, path: str, body: dict[str, Any], **headers: str) -> tuple[int, Any]:

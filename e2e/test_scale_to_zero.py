@@ -16,7 +16,7 @@ import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
-from kvfleet.worker.model.tiny import make_tiny
+from kvfleet_e2e.pools import ready
 
 WORKERS = "kvfleet.dev/pool=sleepy,app.kubernetes.io/component=worker"
 
@@ -26,15 +26,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-zero-e2e")
     yield proc
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def test_an_idle_pool_runs_no_worker_and_a_request_wakes_it(cluster: Cluster, namespace: str, operator: Process,

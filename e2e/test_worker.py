@@ -22,7 +22,6 @@ from kvfleet.api.reports import KVLoadReport
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
-from kvfleet.worker.model.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +29,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-worker-e2e")
     yield proc
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
 def pool(name: str, model_dir: Path, engine: str) -> dict[str, Any]:

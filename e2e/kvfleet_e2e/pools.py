@@ -1,4 +1,5 @@
-"""LLMPools the e2e tests build often: pools of the scripted stand-in worker (scripted_worker.py)."""
+"""LLMPools the e2e tests build often (pools of the scripted stand-in worker, scripted_worker.py), and
+what they ask of their pods."""
 
 from __future__ import annotations
 
@@ -18,3 +19,8 @@ def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
     }
     body.update(spec)
     return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    """Whether a pod (as `kubectl get -o json` gives it) has the condition Ready."""
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
