@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams, StepOutput  # noqa: E402
+from worker_testing import run, tokens_of  # noqa: E402
+
+from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
 from kvfleet.worker.engines.builtin_elastic import ElasticScheduler  # noqa: E402
 from kvfleet.worker.engines.builtin_model import (  # noqa: E402
@@ -30,7 +31,6 @@ from kvfleet.worker.engines.builtin_model import (  # noqa: E402
     read_architecture,
 )
 
-T = TypeVar("T")
 KIB = 1024
 MIB = 1024 * KIB
 # Long enough to grow several blocks and to still be running when the pool runs short.
@@ -38,16 +38,8 @@ PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 20 + 3 * i)] for i in range(10)]
 MAX_TOKENS = 40
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
-    return [t async for out in stream for t in out.new_token_ids]
 
 
 async def serve_all(engine: BuiltinEngine, prompts: list[list[int]]) -> list[list[int]]:

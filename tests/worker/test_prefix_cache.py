@@ -3,32 +3,20 @@ same tokens, fewer prefilled, cached blocks evicted before anything is preempted
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvfleet.worker.engines.base import EngineConfig, SamplingParams, StepOutput  # noqa: E402
+from worker_testing import greedy, run, tokens_of  # noqa: E402
+
+from kvfleet.worker.engines.base import EngineConfig, StepOutput  # noqa: E402
 from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
 
-T = TypeVar("T")
 SYSTEM = [1, *range(100, 180)]  # 81 tokens: 5 full blocks of 16 shared by every conversation
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
-    return [t async for out in stream for t in out.new_token_ids]
 
 
 async def conversations(engine: BuiltinEngine, turns: int = 3) -> list[list[int]]:

@@ -10,7 +10,7 @@ nothing leaked to a request that is gone, nothing left pinned, the host tier wit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +18,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvfleet.worker.engines.base import EngineConfig, SamplingParams, StepOutput  # noqa: E402
+from worker_testing import greedy, run, tokens_of  # noqa: E402
+
+from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
 from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin_elastic import ElasticScheduler  # noqa: E402
 
@@ -26,18 +28,6 @@ T = TypeVar("T")
 KIB = 1024
 MIB = 1024 * KIB
 SYSTEM = [1, *range(100, 180)]  # 81 tokens: 5 full blocks of 16 shared by every conversation
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
-    return [t async for out in stream for t in out.new_token_ids]
 
 
 def elastic_engine(model_dir: Path, *, caching: bool, chunks: int, cpu_buffer_bytes: int = 0,

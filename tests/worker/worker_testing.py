@@ -10,7 +10,7 @@ import asyncio
 import importlib.util
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,6 +86,16 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 async def collect(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> list[StepOutput]:
     return [out async for out in engine.generate(request_id, prompt, params)]
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 120) -> T:
+    """Run a coroutine to its end on a fresh event loop, failing it after `timeout_s`."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
+    """Every token a generate() stream yields, in order."""
+    return [t async for out in stream for t in out.new_token_ids]
 
 
 def tokens(outs: list[StepOutput]) -> list[int]:
