@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _loopback import free_port  # noqa: E402
 
 from kvfleet.mell.migration import MoveMode
+from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.migration.executor import MigrationResult
@@ -78,7 +79,7 @@ class Pod:
 
 async def start_pod(name: str, model: Path) -> Pod:
     engine = load_engine("builtin", EngineConfig(model_path=model, kv_capacity_bytes=KV_CAPACITY_BYTES, max_model_len=2048))
-    agent = Agent(AgentConfig(model_name="tiny", pool_token=TOKEN, migration_host="127.0.0.1", migration_port=0),
+    agent = Agent(AgentConfig(model_name="tiny", credentials=PoolCredentials.of(TOKEN), migration_host="127.0.0.1", migration_port=0),
                   engine, Tokenizer(model), None)
     runner = web.AppRunner(agent.app())
     await runner.setup()
@@ -189,7 +190,7 @@ def _receiver(ports: Any, nbytes: int) -> None:
                 await channel.read_payload(frame.payload_nbytes, memoryview(data)[:frame.payload_nbytes])
                 await channel.send({"ok": True})
 
-        listener = await TCPTransport(TOKEN).listen("127.0.0.1", 0, handle)
+        listener = await TCPTransport(PoolCredentials(PoolSecrets(TOKEN, TOKEN.encode()))).listen("127.0.0.1", 0, handle)
         ports.put((server.getsockname()[1], listener.port))
         await asyncio.Event().wait()
 
@@ -227,7 +228,7 @@ async def throughput(copy_bytes: int, repeat: int) -> tuple[float, float]:
         raw_port, transport_port = await asyncio.to_thread(ports.get, True, 120)
         array: Any = torch.randn(copy_bytes // 4).view(torch.uint8).numpy()
         payload = memoryview(array)
-        channel = await TCPTransport(TOKEN).connect(f"127.0.0.1:{transport_port}")
+        channel = await TCPTransport(PoolCredentials(PoolSecrets(TOKEN, TOKEN.encode()))).connect(f"127.0.0.1:{transport_port}")
         await transport_copy(channel, payload)  # warm: socket buffers, page faults on both sides
         raw_socket_copy(raw_port, payload)
         transport_s, socket_s = [], []

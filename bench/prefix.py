@@ -53,6 +53,7 @@ from kvfleet.router.app import Router, RouterConfig  # noqa: E402
 from kvfleet.router.locality import GlobalPromptTree, Locality  # noqa: E402
 from kvfleet.router.placement import PoolSnapshot, WorkerState  # noqa: E402
 from kvfleet.router.pool import StaticPoolView  # noqa: E402
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.prompt_tree import PromptTree  # noqa: E402
 from kvfleet.sim.simulator import nearest_rank  # noqa: E402
 from kvfleet.worker.agent import Agent, AgentConfig  # noqa: E402
@@ -128,12 +129,12 @@ async def run_setup(name: str, caching: bool, locality: Locality, model_dir: Pat
         engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_bytes,
                                                      max_model_len=2048, max_num_seqs=32, dtype="float32",
                                                      prefix_caching=caching))
-        agent = Agent(AgentConfig(model_name="tiny", pool_token=TOKEN, migration_port=None), engine, tokenizer, None)
+        agent = Agent(AgentConfig(model_name="tiny", credentials=PoolCredentials.of(TOKEN), migration_port=None), engine, tokenizer, None)
         runner, address = await serve(agent.app())
         agents.append(agent)
         runners.append(runner)
         workers.append(WorkerState(f"worker-{i}", address, True, i, None))
-    router = Router(RouterConfig(pool_name="bench", pool_token=TOKEN), StaticPoolView(
+    router = Router(RouterConfig(pool_name="bench", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(
         PoolSnapshot(tuple(workers), {}, locality=locality)))
     router_runner, router_address = await serve(router.app())
     runners.append(router_runner)

@@ -31,8 +31,9 @@ def fuzz_router(fuzz_worker: Server, engine_loop: EngineLoop) -> Iterator[Server
     from kvfleet.router.app import Router, RouterConfig
     from kvfleet.router.placement import PoolSnapshot, WorkerState
     from kvfleet.router.pool import StaticPoolView
+    from kvfleet.serving.credentials import PoolCredentials
 
     view = StaticPoolView(PoolSnapshot((WorkerState("w0", fuzz_worker.address, True, 0, TEST_KV_CAPACITY_BYTES),), {}))
-    server = serve(engine_loop, Router(RouterConfig(pool_name="fuzz", pool_token=TOKEN), view).app())
+    server = serve(engine_loop, Router(RouterConfig(pool_name="fuzz", credentials=PoolCredentials.of(TOKEN)), view).app())
     yield server
     engine_loop.run(server.runner.cleanup())

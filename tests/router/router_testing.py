@@ -83,6 +83,7 @@ def serve(loop: EngineLoop, app: web.Application, ready_path: str | None = "/rea
 
 
 def start_worker(loop: EngineLoop, model_dir: Path) -> Server:
+    from kvfleet.serving.credentials import PoolCredentials
     from kvfleet.worker.agent import Agent, AgentConfig
     from kvfleet.worker.engines import EngineConfig, load_engine
     from kvfleet.worker.text import Tokenizer
@@ -90,7 +91,7 @@ def start_worker(loop: EngineLoop, model_dir: Path) -> Server:
     engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                                                  max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=8, dtype="float32"))
     # No drain: a stopped worker drops its requests at once, as a killed pod does.
-    agent = Agent(AgentConfig(model_name=MODEL, pool_token=TOKEN, drain_timeout_s=0.0, migration_host="127.0.0.1",
+    agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), drain_timeout_s=0.0, migration_host="127.0.0.1",
                               migration_port=0), engine, Tokenizer(model_dir), None)
     server = serve(loop, agent.app())
     server.agent = agent

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvfleet.router.placement import NoRoute, RouteChoice
 from kvfleet.router.relay import Relay, Timeouts
+from kvfleet.serving.credentials import PoolCredentials
 
 PROMPT = [1, 2, 3]
 
@@ -73,7 +74,7 @@ async def relay_through(source: Scripted, others: list[Scripted], body: dict[str
 
     try:
         async with aiohttp.ClientSession() as session:
-            relay = Relay(session, "r1", path, body, place=place, pool_token="tok",
+            relay = Relay(session, "r1", path, body, place=place, credentials=PoolCredentials.of("tok"),
                           timeouts=Timeouts(connect_s=2, first_token_s=5, idle_s=5))
             text = "".join([step.text async for step in relay.steps()])
             return text, relay

@@ -23,6 +23,7 @@ from kvfleet.router import app as app_module
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState
 from kvfleet.router.pool import StaticPoolView
+from kvfleet.serving.credentials import PoolCredentials
 
 
 def snapshot(workers: list[Server]) -> PoolSnapshot:
@@ -31,7 +32,7 @@ def snapshot(workers: list[Server]) -> PoolSnapshot:
 
 
 def start_router(loop: EngineLoop, view: StaticPoolView, **config: Any) -> tuple[Router, Server]:
-    router = Router(RouterConfig(pool_name="test", pool_token=TOKEN, **config), view)
+    router = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN), **config), view)
     return router, serve(loop, router.app())
 
 

@@ -163,6 +163,10 @@ def test_worker_pod_applies_the_template() -> None:
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["KVFLEET_KV_CAPACITY_BYTES"] == str(2**30) and env["X"] == "1"
     assert env["KVFLEET_POOL_TOKEN"] == {"secretKeyRef": {"name": "p-token", "key": "token"}}
+    # The migration key is optional (a Secret of an older release has none), and the Secret's name lets
+    # the worker re-read it when it rotates.
+    assert env["KVFLEET_MIGRATION_KEY"] == {"secretKeyRef": {"name": "p-token", "key": "migration-key", "optional": True}}
+    assert env["KVFLEET_POOL_SECRET"] == "p-token"
 
 
 def test_worker_rbac_is_namespaced_and_never_creates_or_deletes() -> None:
@@ -171,6 +175,9 @@ def test_worker_rbac_is_namespaced_and_never_creates_or_deletes() -> None:
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert not verbs & {"create", "delete", "deletecollection", "escalate", "bind", "impersonate"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "p-worker", "namespace": "ns"}]
+    # Of Secrets, the pool's own and only to read it (it rotates while the worker runs).
+    secret_rules = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secret_rules == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["p-token"], "verbs": ["get"]}]
 
 
 def test_router_objects_are_a_role_reading_the_pool_a_deployment_and_a_service() -> None:
@@ -184,7 +191,9 @@ def test_router_objects_are_a_role_reading_the_pool_a_deployment_and_a_service()
         # patch: its held-requests annotation, which wakes a pool scaled to zero; its own pool only.
         {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"],
          "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        # The pool's Secret, by name: the router follows its rotation (kvfleet.serving.credentials).
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["p-token"], "verbs": ["get"]}]
     service = objs["Service"]["spec"]
     assert service["type"] == "ClusterIP" and service["ports"][0]["port"] == 80 and service["ports"][0]["targetPort"] == "http"
     pod = objs["Deployment"]["spec"]["template"]
@@ -196,6 +205,7 @@ def test_router_objects_are_a_role_reading_the_pool_a_deployment_and_a_service()
     env = {e["name"]: e for e in container["env"]}
     assert env["KVFLEET_POOL"]["value"] == "p"
     assert env["KVFLEET_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "p-token", "key": "token"}
+    assert env["KVFLEET_POOL_SECRET"]["value"] == "p-token" and "KVFLEET_MIGRATION_KEY" not in env
     assert "nvidia.com/gpu" not in json.dumps(container)
     # The router image is the worker's sibling, same registry and tag; a custom worker image runs the router itself.
     assert router_image("kvfleet/worker:0.1.0") == ("kvfleet/router:0.1.0", None)

@@ -20,6 +20,7 @@ from aiohttp import web
 from worker_testing import EngineLoop
 
 from kvfleet.api.reports import KVLoadReport
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine
@@ -76,7 +77,7 @@ def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None 
     if engine is None:
         engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes,
                                                      max_model_len=1024))
-    agent = Agent(AgentConfig(model_name=MODEL, pool_token=TOKEN, report_interval_s=0.05, migration_host="127.0.0.1",
+    agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), report_interval_s=0.05, migration_host="127.0.0.1",
                               migration_port=0), engine, Tokenizer(model_dir), write)
 
     async def start() -> web.AppRunner:

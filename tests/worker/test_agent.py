@@ -16,6 +16,7 @@ from aiohttp import web
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
 from kvfleet.api.reports import KVLoadReport
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.text import Tokenizer
@@ -65,7 +66,7 @@ def worker(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[Worker]:
 
     engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                                                  max_model_len=256))
-    agent = Agent(AgentConfig(model_name=MODEL, pool_token=TOKEN, report_interval_s=0.05), engine,
+    agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), report_interval_s=0.05), engine,
                   Tokenizer(tiny_model_dir), write)
     port = free_port()
 

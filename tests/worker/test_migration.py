@@ -33,9 +33,12 @@ from migration_testing import (
 )
 from worker_testing import EngineLoop
 
+from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.migration import target as target_module
 from kvfleet.worker.migration.transport import AuthenticationError, Channel, TCPTransport, TransportError
 from kvfleet.worker.migration.watcher import MigrationWatcher, WatcherConfig
+
+CREDENTIALS = PoolCredentials(PoolSecrets(TOKEN, TOKEN.encode()))
 
 # 2 layers x (K, V) x blocks x 16 tokens x 2 KV heads x 64 dims: the tiny model's KV block layout.
 TINY_BLOCK_SHAPE = [2, 2, 1, 16, 2, 64]
@@ -121,7 +124,7 @@ class _FixedPort:
 
 def fake_destination(loop: EngineLoop, die_at: str) -> tuple[int, Any]:
     """A peer that speaks the protocol (it holds the token) and dies at `die_at`: "data" or "commit"."""
-    transport = TCPTransport(TOKEN)
+    transport = TCPTransport(CREDENTIALS)
 
     async def handler(channel: Channel) -> None:
         await channel.recv(5)
@@ -172,7 +175,7 @@ def test_reservations_are_freed_when_the_source_goes_quiet_or_away(workers: tupl
     _, b = workers
     free_before = engine_blocks_free(b)
     monkeypatch.setattr(target_module, "PREALLOCATION_TIMEOUT_S", 0.5)
-    transport = TCPTransport(TOKEN)
+    transport = TCPTransport(CREDENTIALS)
     port = b.agent.migration_port
     assert port is not None
 
@@ -211,7 +214,7 @@ def test_the_migration_port_refuses_peers_without_the_pool_token(workers: tuple[
     port = b.agent.migration_port
     free_before = engine_blocks_free(b)
     with pytest.raises(AuthenticationError):
-        engine_loop.run(TCPTransport("not-the-token").connect(f"127.0.0.1:{port}"))
+        engine_loop.run(TCPTransport(PoolCredentials(PoolSecrets("not-the-token", b"not-the-key"))).connect(f"127.0.0.1:{port}"))
     # A peer that sends garbage instead of a proof is told no and cut off, before any frame is read.
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
         hello = raw.recv(40)
@@ -240,14 +243,14 @@ def test_a_source_refuses_a_destination_that_cannot_prove_the_token(engine_loop:
         server = await asyncio.start_server(impostor, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            await TCPTransport(TOKEN).connect(f"127.0.0.1:{port}")
+            await TCPTransport(CREDENTIALS).connect(f"127.0.0.1:{port}")
         finally:
             server.close()
 
     with pytest.raises(AuthenticationError):
         engine_loop.run(attempt())
     with pytest.raises(TransportError):
-        engine_loop.run(TCPTransport(TOKEN).connect("127.0.0.1:1", timeout_s=2))
+        engine_loop.run(TCPTransport(CREDENTIALS).connect("127.0.0.1:1", timeout_s=2))
 
 
 # ------------------------------------------------------------------------------------ the watcher

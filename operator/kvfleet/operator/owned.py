@@ -24,10 +24,12 @@ def reconcile_owned(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LL
 
 
 def reconcile_worker_prerequisites(api: KubeApi, namespace: str, pool: dict[str, Any]) -> None:
-    """The pool token (a fresh random one, once) and the workers' ServiceAccount, Role and RoleBinding."""
+    """The pool's Secret (fresh random token and migration key whenever it is missing) and the workers'
+    ServiceAccount, Role and RoleBinding."""
     secret_name = resources.token_secret_name(pool["metadata"]["name"])
     if not api.exists(namespace, "Secret", secret_name):
-        api.create(namespace, resources.token_secret(pool, secrets.token_hex(32)))
+        # Deleted, it is made again with fresh values: that is how a person rotates them.
+        api.create(namespace, resources.token_secret(pool, secrets.token_hex(32), secrets.token_hex(32)))
     for obj in resources.worker_rbac(pool):
         _keep(api, namespace, obj)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvfleet.api.models import API_VERSION, LLMPoolSpec
 from kvfleet.api.quantity import quantity_bytes
+from kvfleet.serving.credentials import MIGRATION_KEY_ENV, MIGRATION_KEY_KEY, SECRET_ENV, TOKEN_ENV, TOKEN_KEY
 
 POOL_LABEL = "kvfleet.dev/pool"
 INDEX_LABEL = "kvfleet.dev/worker-index"
@@ -23,7 +24,6 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "kvfleet-operator", "app.kubernete
 WORKER_PORT = 8000
 # Where workers receive migrated KV blocks (docs/migration.md): a raw TCP stream, not HTTP.
 MIGRATION_PORT = 8001
-TOKEN_KEY = "token"
 _WORKER_NAME = re.compile(r"^(?P<pool>.+)-worker-(?P<index>\d+)$")
 
 
@@ -58,16 +58,34 @@ def _labels(pool_name: str, component: str) -> dict[str, str]:
     return {**MANAGED_BY, POOL_LABEL: pool_name, COMPONENT_LABEL: component, "app.kubernetes.io/instance": pool_name}
 
 
-def token_secret(pool: dict[str, Any], token: str) -> dict[str, Any]:
-    """The per-pool token that guards the workers' internal endpoints (migration, DistAttention)."""
+def token_secret(pool: dict[str, Any], token: str, migration_key: str) -> dict[str, Any]:
+    """The pool's Secret: the token that guards the workers' internal endpoints and the key of the
+    migration port's handshake. Deleting it rotates both: the operator makes a new one, and the pods
+    pick it up while they run (kvfleet.serving.credentials)."""
     name = pool["metadata"]["name"]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": token_secret_name(name), "labels": _labels(name, "token"), "ownerReferences": [owner_reference(pool)]},
         "type": "Opaque",
-        "stringData": {TOKEN_KEY: token},
+        "stringData": {TOKEN_KEY: token, MIGRATION_KEY_KEY: migration_key},
     }
+
+
+def _secret_env(pool_name: str, *, migration_key: bool) -> list[dict[str, Any]]:
+    """What a pod starts with of the pool's Secret, and the Secret's name, to re-read it when it rotates."""
+    secret = token_secret_name(pool_name)
+    env: list[dict[str, Any]] = [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}]
+    if migration_key:
+        # optional: a Secret made by an older release has no migration key; the token keys the handshake then.
+        env.append({"name": MIGRATION_KEY_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": secret, "key": MIGRATION_KEY_KEY, "optional": True}}})
+    return [*env, {"name": SECRET_ENV, "value": secret}]
+
+
+def _secret_rule(pool_name: str) -> dict[str, Any]:
+    """Read the pool's Secret, that one only, to follow its rotation."""
+    return {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [token_secret_name(pool_name)], "verbs": ["get"]}
 
 
 def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,6 +101,7 @@ def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
+        _secret_rule(name),
     ])
 
 
@@ -156,7 +175,7 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
         {"name": "KVFLEET_MIGRATION_PORT", "value": str(MIGRATION_PORT)},
         # Workers coalesce their KV-load reports to at most one write per scheduling epoch.
         {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
-        {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
+        *_secret_env(name, migration_key=True),
     ]
     elastic = spec.elastic_memory
     if elastic.enabled:
@@ -331,7 +350,7 @@ def _router_container(name: str, spec: LLMPoolSpec) -> dict[str, Any]:
             {"name": "KVFLEET_POOL", "value": name},
             {"name": "KVFLEET_PORT", "value": str(ROUTER_PORT)},
             # Read workers' /internal/requests (KV bytes per token, capacity) and migrated streams.
-            {"name": "KVFLEET_POOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(name), "key": TOKEN_KEY}}},
+            *_secret_env(name, migration_key=False),
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -372,6 +391,7 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
             {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
              "verbs": ["get", "list", "watch", "patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            _secret_rule(name),
         ]),
         {
             "apiVersion": "apps/v1",

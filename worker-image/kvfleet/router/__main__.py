@@ -61,10 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiohttp import web
 
+    from kvfleet.api.incluster import SecretReader
     from kvfleet.router.app import Router, RouterConfig
     from kvfleet.router.placement import PoolSnapshot, WorkerState
     from kvfleet.router.pool import KubePoolView, PoolView, StaticPoolView
     from kvfleet.router.relay import Timeouts
+    from kvfleet.serving.credentials import PoolCredentials
 
     view: PoolView
     if args.worker:
@@ -73,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         view = KubePoolView(args.namespace, args.pool)
     config = RouterConfig(pool_name=args.pool or "", namespace=args.namespace or "",
-                          pool_token=os.environ.get("KVFLEET_POOL_TOKEN") or None, max_in_flight=args.max_in_flight,
+                          credentials=PoolCredentials.from_env(os.environ, SecretReader), max_in_flight=args.max_in_flight,
                           max_held=args.max_held, hold_timeout_s=args.hold_timeout_s,
                           timeouts=Timeouts(args.connect_timeout_s, args.first_token_timeout_s, args.idle_timeout_s))
     web.run_app(Router(config, view).app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30,

@@ -41,6 +41,7 @@ from kvfleet.router.relay import OnWorker, Place, Relay, Timeouts
 from kvfleet.router.responses import respond
 from kvfleet.router.speed import SPEED_PROFILE_PATH, gather_profiles
 from kvfleet.serving import httpapi
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import (
     MAX_BODY_BYTES,
     APIError,
@@ -62,7 +63,7 @@ def new_seed() -> int:
 class RouterConfig:
     pool_name: str
     namespace: str = ""
-    pool_token: str | None = None
+    credentials: PoolCredentials | None = None
     max_in_flight: int = 256
     retry_after_s: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -85,7 +86,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._in_flight = 0
         self._reservations: dict[str, Reservation] = {}
-        self.model_info = ModelInfoSource(view, lambda: self.session, config.pool_token)
+        self.model_info = ModelInfoSource(view, lambda: self.session, config.credentials)
         self.prefix = PrefixRouting(view, lambda: self.session)
         self.hold = HoldQueue(config.max_held, config.hold_timeout_s,
                               lambda: bool(self.view.snapshot().ready_workers()), self._held_changed)
@@ -117,6 +118,8 @@ class Router:
                                               timeout=aiohttp.ClientTimeout(total=None, connect=self.config.timeouts.connect_s))
         self.view.start()
         self._background.append(asyncio.create_task(self.prefix.refresh_profiles(self.config.speed_profile_timeout_s)))
+        if self.config.credentials is not None:  # the pool's Secret may rotate (kvfleet.serving.credentials)
+            self._background.append(asyncio.create_task(self.config.credentials.keep_fresh()))
 
     async def _on_cleanup(self, _: web.Application) -> None:
         for task in self._background:
@@ -190,7 +193,7 @@ class Router:
             # The router, not a worker, picks a sampled request's seed: a resume on another worker after
             # a death then continues the same draws (the builtin engine draws per (seed, position)).
             forward["seed"] = new_seed()
-        relay = Relay(self.session, request_id, request.path, forward, place=choose, pool_token=self.config.pool_token,
+        relay = Relay(self.session, request_id, request.path, forward, place=choose, credentials=self.config.credentials,
                       timeouts=self.config.timeouts, max_attempts=self.config.max_attempts, on_worker=on_worker,
                       on_event=self._count_event)
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvfleet.router.pool import PoolView
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import bearer
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,10 @@ class ModelInfo:
 class ModelInfoSource:
     """The pool's model, asked of a Ready worker the first time it is needed (then kept)."""
 
-    def __init__(self, view: PoolView, session: Callable[[], aiohttp.ClientSession], pool_token: str | None) -> None:
+    def __init__(self, view: PoolView, session: Callable[[], aiohttp.ClientSession], credentials: PoolCredentials | None) -> None:
         self.view = view
         self.session = session  # the router's, once its app has started
-        self.pool_token = pool_token
+        self.credentials = credentials
         self.info: ModelInfo | None = None
         self._asked_s = float("-inf")
         self._lock = asyncio.Lock()
@@ -52,7 +53,7 @@ class ModelInfoSource:
         if self.info is not None and time.monotonic() - self._asked_s < INFO_RETRY_S:
             return self.info  # partial (no pool token, or /internal refused): not asked again per request
         async with self._lock:
-            if self.info is not None and (self.info.kv_bytes_per_token is not None or not self.pool_token):
+            if self.info is not None and (self.info.kv_bytes_per_token is not None or self.credentials is None):
                 return self.info
             self._asked_s = time.monotonic()
             for worker in self.view.snapshot().ready_workers():
@@ -68,8 +69,8 @@ class ModelInfoSource:
         async with session.get(f"http://{address}/v1/models") as resp:
             model = (await resp.json())["data"][0]
         per_token = capacity = None
-        if self.pool_token:
-            async with session.get(f"http://{address}/internal/requests", headers=bearer(self.pool_token)) as resp:
+        if self.credentials is not None:
+            async with session.get(f"http://{address}/internal/requests", headers=bearer(self.credentials.token)) as resp:
                 if resp.status == 200:
                     internal = await resp.json()
                     per_token, capacity = int(internal["kvBytesPerToken"]), int(internal["capacityBytes"])

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from kvfleet.api.incluster import load_config
 from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, LLMPoolSpec
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.api.scheduling import scheduler_config
@@ -163,12 +164,9 @@ class KubePoolView:
             self._held_changed.set()
 
     def start(self) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            config.load_kube_config()  # type: ignore[no-untyped-call]  # the e2e node agent hands pods a kubeconfig
+        load_config()
         core, custom = client.CoreV1Api(), client.CustomObjectsApi()
         selector = f"{POOL_LABEL}={self.pool_name},{COMPONENT_LABEL}=worker"
         sanitize = client.ApiClient().sanitize_for_serialization

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from kvfleet.router.placement import NoRoute, RouteChoice
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import (
     MIGRATED_EVENT,
     REQUEST_ID_HEADER,
@@ -107,7 +108,7 @@ class Relay:
     """Relays one request; `steps()` yields the client's text as the workers produce it."""
 
     def __init__(self, session: aiohttp.ClientSession, request_id: str, path: str, body: dict[str, Any], *,
-                 place: Place, pool_token: str | None, timeouts: Timeouts, max_attempts: int = 4,
+                 place: Place, credentials: PoolCredentials | None, timeouts: Timeouts, max_attempts: int = 4,
                  on_worker: OnWorker = lambda pod, prompt: None,
                  on_event: Callable[[str], None] = lambda kind: None) -> None:
         self.session = session
@@ -116,7 +117,7 @@ class Relay:
         self.body = {**body, "stream": True}
         self.body.pop("stream_options", None)
         self.place = place
-        self.pool_token = pool_token
+        self.credentials = credentials
         self.timeouts = timeouts
         self.max_attempts = max_attempts
         self.on_worker = on_worker  # (pod now serving it, prompt ids once known): the router's bookkeeping
@@ -176,8 +177,8 @@ class Relay:
 
     def _headers(self, internal: bool) -> dict[str, str]:
         headers = {TOKEN_STREAM_HEADER: TOKEN_STREAM_MODE, REQUEST_ID_HEADER: self.request_id}
-        if internal and self.pool_token:
-            headers.update(bearer(self.pool_token))
+        if internal and self.credentials is not None:
+            headers.update(bearer(self.credentials.token))
         return headers
 
     async def _resume_body(self, source: _Source) -> dict[str, Any]:

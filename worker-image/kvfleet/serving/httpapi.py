@@ -9,7 +9,6 @@ defined here once, so the two sides cannot drift apart.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import MAX_BODY_BYTES, APIError, new_id, parse_json_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -168,18 +168,21 @@ def openai_errors(count: Callable[[int], None], *, retry_after_s: int | None = N
     return errors
 
 
-def pool_token_auth(token: str | None) -> Middleware:
-    """Middleware requiring the pool token on `/internal/*`; without a token those paths are closed."""
+def pool_token_auth(credentials: PoolCredentials | None) -> Middleware:
+    """Middleware requiring the pool token on `/internal/*`; without one those paths are closed. A token
+    this pod does not know makes it re-read the pool's Secret once (a peer may have learnt of a
+    rotation first, kvfleet.serving.credentials) before it refuses."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(INTERNAL_PREFIX):
-            if not token:
+            if credentials is None:
                 raise APIError(403, "internal endpoints are disabled: the worker has no pool token",
                                error_type="permission_error")
-            given = request.headers.get(AUTHORIZATION_HEADER, "")
-            # Constant time: the token is the pool's only secret.
-            if not hmac.compare_digest(given.encode(), bearer(token)[AUTHORIZATION_HEADER].encode()):
+            header = request.headers.get(AUTHORIZATION_HEADER, "")
+            given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
+            if not credentials.accepts_token(given) and not (
+                    await credentials.refresh_after_miss() and credentials.accepts_token(given)):
                 raise APIError(401, "the pool token is required (Authorization: Bearer ...)",
                                error_type="authentication_error")
         return await handler(request)

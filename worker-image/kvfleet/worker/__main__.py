@@ -90,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from aiohttp import web
 
+    from kvfleet.api.incluster import SecretReader
+    from kvfleet.serving.credentials import PoolCredentials
     from kvfleet.worker.agent import Agent, AgentConfig
     from kvfleet.worker.engines import EngineConfig, load_engine
     from kvfleet.worker.reporter import pod_annotation_writer
@@ -110,12 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
     if writer is None:
         logging.getLogger("kvfleet.worker").info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
-    token = os.environ.get("KVFLEET_POOL_TOKEN") or None
-    agent = Agent(AgentConfig(model_name=args.model_name, pool_token=token, report_interval_s=args.report_interval_s,
+    credentials = PoolCredentials.from_env(os.environ, SecretReader)
+    agent = Agent(AgentConfig(model_name=args.model_name, credentials=credentials, report_interval_s=args.report_interval_s,
                               migration_host=args.host, migration_port=args.migration_port),
                   engine, Tokenizer(args.model_path), writer)
     pool = os.environ.get("KVFLEET_POOL")
-    if pod_name and namespace and pool and token:
+    if pod_name and namespace and pool and credentials is not None:
         from kvfleet.worker.migration.watcher import KubernetesMigrationAPI, MigrationWatcher, WatcherConfig
 
         watcher = MigrationWatcher(WatcherConfig(pod_name, namespace, pool, http_port=args.port,

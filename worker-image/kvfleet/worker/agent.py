@@ -30,6 +30,7 @@ from aiohttp import web
 
 from kvfleet.mell.migration import MoveMode
 from kvfleet.serving import httpapi
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import MAX_BODY_BYTES, APIError
 from kvfleet.serving.tokens import TOKENIZER_PATH
 from kvfleet.worker.adoption import Adoptions
@@ -54,7 +55,8 @@ SPEED_PROFILE_ROUTE = "/kvfleet/speed-profile"
 @dataclass(frozen=True)
 class AgentConfig:
     model_name: str
-    pool_token: str | None = None
+    # The pool's token and migration key (kvfleet.serving.credentials); None: no internal endpoints, no migrations.
+    credentials: PoolCredentials | None = None
     report_interval_s: float = 5.0
     # How long a SIGTERM waits for running requests before aborting them.
     drain_timeout_s: float = 25.0
@@ -93,7 +95,7 @@ class Agent:
             engine_metrics=engine.capabilities.prometheus_metrics,
         )
         self.migration_metrics = MigrationMetrics(self.metrics.registry)
-        self.streams = RequestStreams(engine, tokenizer, self.metrics, self.handoffs, config.pool_token,
+        self.streams = RequestStreams(engine, tokenizer, self.metrics, self.handoffs, config.credentials,
                                       self.nudge_reporter)
         self.adoptions = Adoptions(engine, self.streams)
         self.openai = OpenAIRoutes(config.model_name, tokenizer, self.require_engine, self.streams)
@@ -110,7 +112,7 @@ class Agent:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
             httpapi.openai_errors(lambda status: self.metrics.rejected.labels(str(status)).inc()),
-            httpapi.pool_token_auth(self.config.pool_token)])
+            httpapi.pool_token_auth(self.config.credentials)])
         app.router.add_get("/healthz", httpapi.healthz(lambda: self._failure))
         app.router.add_get("/readyz", httpapi.readyz(self._not_ready))
         app.router.add_get("/metrics", httpapi.metrics(self.metrics.registry, self.metrics.refresh_gpu))
@@ -159,8 +161,9 @@ class Agent:
                  info.max_model_len)
         if self._write_report is not None:
             self._start_reporter(info, self._write_report)
-        if self.config.pool_token:
-            await self._start_migrations(self.config.pool_token)
+        if self.config.credentials is not None:
+            await self._start_migrations(self.config.credentials)
+            self._tasks.append(asyncio.create_task(self.config.credentials.keep_fresh()))
         for run in self._when_ready:
             self._tasks.append(asyncio.create_task(run()))
 
@@ -238,8 +241,8 @@ class Agent:
 
     # --------------------------------------------------------------------------------- migrations
 
-    async def _start_migrations(self, pool_token: str) -> None:
-        transport = TCPTransport(pool_token)
+    async def _start_migrations(self, credentials: PoolCredentials) -> None:
+        transport = TCPTransport(credentials)
         self.executor = Executor(self, transport, self.migration_metrics)
         if self.config.migration_port is None:
             return

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from kvfleet.api.incluster import load_config
 from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad, size_class_name
 from kvfleet.worker.engines.base import RequestKV
 from kvfleet.worker.engines.capabilities import MemoryState
@@ -201,12 +202,9 @@ class LoadReporter:
 
 def pod_annotation_writer(pod_name: str, namespace: str) -> WriteReport:
     """Patches the report annotation on the worker's own Pod with its ServiceAccount's credentials."""
-    from kubernetes import client, config
+    from kubernetes import client
 
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]  # the e2e node agent hands pods a kubeconfig with their bound token
+    load_config()
     core = client.CoreV1Api()
 
     async def write(annotation: str) -> None:

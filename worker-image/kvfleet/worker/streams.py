@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import REQUEST_ID_HEADER
 from kvfleet.serving.openai_api import APIError, now_s
 from kvfleet.serving.stops import StopStrings
@@ -70,12 +71,12 @@ class RequestStreams:
     """The requests running on this worker's engine, each read as text deltas."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: WorkerMetrics, handoffs: Handoffs,
-                 pool_token: str | None, nudge_reporter: Callable[[], None]) -> None:
+                 credentials: PoolCredentials | None, nudge_reporter: Callable[[], None]) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.handoffs = handoffs
-        self.pool_token = pool_token
+        self.credentials = credentials
         self.nudge_reporter = nudge_reporter
         self.live: dict[str, LiveRequest] = {}
         self.active: set[str] = set()
@@ -199,13 +200,13 @@ class RequestStreams:
 
     async def _relay(self, moved: Moved) -> AsyncGenerator[Delta, None]:
         """A direct client's continuation: the target's stream, read with the pool token, as deltas."""
-        assert self.pool_token is not None  # no token, no migration
+        assert self.credentials is not None  # no token, no migration
         if self._session is None:
             self._session = aiohttp.ClientSession()
         log.info("relaying %s from %s (%s) from output index %d", moved.request_id, moved.target.pod,
                  moved.target.address, moved.index)
         try:
-            async for chunk in follow(self._session, self.pool_token, moved):
+            async for chunk in follow(self._session, self.credentials.token, moved):
                 yield chunk.text, chunk.finish_reason, chunk.token_ids
                 if chunk.finish_reason is not None:
                     return

@@ -7,9 +7,10 @@ no client request for aiohttp's connection handling. It listens on a second port
 (`MIGRATION_PORT`, 8001; docs/migration.md says why not an HTTP upgrade).
 
 Everything the copy could carry is private (a request's prompt and its KV), and whoever can talk to
-the port can make a worker allocate KV, so both ends prove they hold the pool's token before any
-frame is read: a mutual HMAC-SHA256 challenge-response over fresh nonces (the token never crosses
-the wire; digests are compared in constant time). A peer that fails it is disconnected.
+the port can make a worker allocate KV, so both ends prove they hold the pool's migration key before
+any frame is read: a mutual HMAC-SHA256 challenge-response over fresh nonces (the key never crosses
+the wire; digests are compared in constant time). A peer that fails it is disconnected. While the
+pool's Secret rotates, the previous key is accepted for a grace period (kvfleet.serving.credentials).
 
 On the CPU the transport is asyncio's own socket calls on non-blocking TCP sockets
 (`loop.sock_recv_into` into the destination buffer, `loop.sock_sendall` from the source tensor's
@@ -34,6 +35,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvfleet.serving.credentials import PoolCredentials
+
 log = logging.getLogger(__name__)
 
 MIGRATION_PORT = 8001
@@ -52,7 +55,7 @@ class TransportError(Exception):
 
 
 class AuthenticationError(TransportError):
-    """The peer did not prove it holds the pool token."""
+    """The peer did not prove it holds the pool's migration key."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,8 @@ class Transport(Protocol):
     async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
 
 
-def _digest(token: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(token, role + server_nonce + client_nonce, hashlib.sha256).digest()
+def _digest(key: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, role + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -181,9 +184,9 @@ class TCPChannel:
     def close(self) -> None:
         self._sock.close()
 
-    # -- the handshake: both sides prove the token over the other's fresh nonce --------------------
+    # -- the handshake: both sides prove the migration key over the other's fresh nonce --------------------
 
-    async def client_handshake(self, token: bytes) -> None:
+    async def client_handshake(self, key: bytes) -> None:
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 hello = await self._recv_bytes(len(_MAGIC) + _NONCE_BYTES)
@@ -191,33 +194,46 @@ class TCPChannel:
                     raise TransportError(f"{self._peer} is not a kvfleet migration port")
                 server_nonce = hello[len(_MAGIC):]
                 client_nonce = os.urandom(_NONCE_BYTES)
-                await self._send_raw(client_nonce + _digest(token, b"client", server_nonce, client_nonce))
+                await self._send_raw(client_nonce + _digest(key, b"client", server_nonce, client_nonce))
                 verdict = await self._recv_bytes(1)
                 if verdict != b"\x01":
-                    raise AuthenticationError(f"{self._peer} refused our pool token")
+                    raise AuthenticationError(f"{self._peer} refused our migration key")
                 proof = await self._recv_bytes(hashlib.sha256().digest_size)
         except TimeoutError:
             raise TransportError(f"no handshake from {self._peer} in {HANDSHAKE_TIMEOUT_S} s") from None
         except OSError as err:
             raise TransportError(f"handshake with {self._peer}: {err}") from err
-        if not hmac.compare_digest(proof, _digest(token, b"server", server_nonce, client_nonce)):
-            raise AuthenticationError(f"{self._peer} does not hold the pool token")
+        if not hmac.compare_digest(proof, _digest(key, b"server", server_nonce, client_nonce)):
+            raise AuthenticationError(f"{self._peer} does not hold the pool's migration key")
 
-    async def server_handshake(self, token: bytes) -> None:
+    async def server_handshake(self, credentials: PoolCredentials) -> None:
         server_nonce = os.urandom(_NONCE_BYTES)
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 await self._send_raw(_MAGIC + server_nonce)
                 answer = await self._recv_bytes(_NONCE_BYTES + hashlib.sha256().digest_size)
                 client_nonce, proof = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
-                if not hmac.compare_digest(proof, _digest(token, b"client", server_nonce, client_nonce)):
+                key = _key_of(credentials, proof, server_nonce, client_nonce)
+                if key is None and await credentials.refresh_after_miss():  # the peer may know of a rotation first
+                    key = _key_of(credentials, proof, server_nonce, client_nonce)
+                if key is None:
                     await self._send_raw(b"\x00")
-                    raise AuthenticationError(f"{self._peer} does not hold the pool token")
-                await self._send_raw(b"\x01" + _digest(token, b"server", server_nonce, client_nonce))
+                    raise AuthenticationError(f"{self._peer} does not hold the pool's migration key")
+                # Proven with the key the client used, so a client one rotation behind still checks it.
+                await self._send_raw(b"\x01" + _digest(key, b"server", server_nonce, client_nonce))
         except TimeoutError:
             raise TransportError(f"no handshake from {self._peer} in {HANDSHAKE_TIMEOUT_S} s") from None
         except OSError as err:
             raise TransportError(f"handshake with {self._peer}: {err}") from err
+
+
+def _key_of(credentials: PoolCredentials, proof: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes | None:
+    """The migration key (current, or previous within its grace) the client's proof was made with."""
+    matched = None
+    for key in credentials.migration_keys():  # every key is tried: the time taken does not say which matched
+        if hmac.compare_digest(proof, _digest(key, b"client", server_nonce, client_nonce)):
+            matched = key
+    return matched
 
 
 def _tune(sock: socket.socket) -> None:
@@ -246,12 +262,10 @@ class TCPListener:
 
 
 class TCPTransport:
-    """Migration frames over TCP, every connection authenticated with the pool token first."""
+    """Migration frames over TCP, every connection authenticated with the pool's migration key first."""
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the migration transport needs the pool token")
-        self._token = token.encode()
+    def __init__(self, credentials: PoolCredentials) -> None:
+        self._credentials = credentials
 
     async def connect(self, address: str, timeout_s: float = 5.0) -> TCPChannel:
         host, port = split_address(address)
@@ -271,7 +285,13 @@ class TCPTransport:
             raise TransportError(f"cannot connect to {address}: {err or 'timed out'}") from err
         channel = TCPChannel(sock, address)
         try:
-            await channel.client_handshake(self._token)
+            await channel.client_handshake(self._credentials.migration_key)
+        except AuthenticationError:
+            channel.close()
+            # The peer may know of a rotation before us: one more try if the Secret holds new values.
+            if await self._credentials.refresh_after_miss():
+                return await self.connect(address, timeout_s)
+            raise
         except BaseException:
             channel.close()
             raise
@@ -286,7 +306,7 @@ class TCPTransport:
         async def session(conn: socket.socket, peer: str) -> None:
             channel = TCPChannel(conn, peer)
             try:
-                await channel.server_handshake(self._token)
+                await channel.server_handshake(self._credentials)
             except TransportError as err:
                 log.warning("migration connection from %s refused: %s", peer, err)
                 channel.close()

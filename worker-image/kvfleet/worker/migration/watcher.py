@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from kvfleet.api.incluster import load_config
 from kvfleet.api.models import GROUP, VERSION
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.migration.executor import MigrationResult, parse_mode
@@ -173,12 +174,9 @@ class KubernetesMigrationAPI:
     """MigrationAPI with the pod's ServiceAccount (the Role `<pool>-worker`)."""
 
     def __init__(self, namespace: str, pool: str) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            config.load_kube_config()  # type: ignore[no-untyped-call]  # the e2e node agent hands pods a kubeconfig
+        load_config()
         self._custom = client.CustomObjectsApi()
         self._core = client.CoreV1Api()
         self._namespace = namespace

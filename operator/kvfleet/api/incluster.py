@@ -1,0 +1,52 @@
+"""How kvfleet's own pods (workers, router) reach the API server, and the one Secret they read there.
+
+Three parts of the pods talk to the API server (the worker's report writer, its KVMigration watcher,
+the router's pool view), and worker and router both re-read the pool's Secret while it rotates
+(kvfleet.serving.credentials). The serving contract may not import the Kubernetes client, the router
+may not import the worker, so what both sides need of the cluster lives here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+
+def load_config() -> None:
+    """The pod's in-cluster config; outside a cluster (the e2e node agent hands pods a kubeconfig with
+    their bound service-account token) $KUBECONFIG."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+
+
+class SecretReader:
+    """Reads one Secret of the pod's namespace with the pod's own credentials (a `get` on that one name
+    is all its Role grants: kvfleet.operator.resources)."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        from kubernetes import client
+
+        load_config()
+        self._core = client.CoreV1Api()
+        self.namespace, self.name = namespace, name
+
+    async def __call__(self) -> Mapping[str, str] | None:
+        """The Secret's decoded data; None when it does not exist (deleted, not yet made again)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            secret = await asyncio.to_thread(self._core.read_namespaced_secret, self.name, self.namespace,
+                                             _request_timeout=10)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return {key: base64.b64decode(value).decode() for key, value in (secret.data or {}).items()}
