@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,11 +49,19 @@ class MigrationView:
     expired: tuple[str, ...]  # names to delete
     attempts: dict[str, int]  # request id -> objects already made for it
     finished: dict[str, dict[str, Any]]  # name -> object, for Succeeded and Failed ones
+    source_gone: tuple[str, ...] = ()  # unfinished, their source pod gone: names to mark Failed
 
 
 def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
-         reported_on: Mapping[str, Iterable[str]] | None = None) -> MigrationView:
+         reported_on: Mapping[str, Iterable[str]] | None = None,
+         pods_started_s: Mapping[str, float] | None = None) -> MigrationView:
     """Sort the pool's migrations by what the scheduler must do about them.
+
+    Only the source writes a migration's status, so one whose source pod died mid-move would stay
+    Transferring until its timeout: given when each of the pool's pods started its current worker
+    process (name -> Unix s, `worker_started_s`), an unfinished migration whose source pod no longer
+    exists, or whose source process started after the migration was made (a restarted container, a
+    newer pod of the same name), is sorted out to be marked Failed at once.
 
     A migration that succeeded counts as in flight until the target's report shows the request and
     the source's no longer does (or a settling window passes): reports lag the handover by up to one
@@ -66,6 +75,7 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     expired: list[str] = []
     attempts: dict[str, int] = {}
     finished: dict[str, dict[str, Any]] = {}
+    source_gone: list[str] = []
     # Oldest first, so that a request's latest migration has the last word on where it is going.
     for obj in sorted(objects, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"])):
         name = obj["metadata"]["name"]
@@ -90,11 +100,30 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
                 in_flight[request_id] = obj["spec"]["sourcePod"]
             continue
         created_s = parse_time(obj["metadata"].get("creationTimestamp")) or now_s
+        if pods_started_s is not None:
+            source_started_s = pods_started_s.get(obj["spec"]["sourcePod"])
+            if source_started_s is None or source_started_s > created_s:
+                source_gone.append(name)
+                continue
         if now_s - created_s >= spec.migration.timeout_seconds:
             timed_out.append(name)
             continue
         in_flight[request_id] = obj["spec"]["targetPod"]
-    return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished)
+    return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished,
+                         tuple(sorted(source_gone)))
+
+
+def worker_started_s(pod: dict[str, Any]) -> float:
+    """When the pod's current worker process started (Unix s): the pod's creation, or the latest start
+    of a running container if later; infinity while no container runs (no process holds anything)."""
+    created_s = parse_time(pod["metadata"].get("creationTimestamp")) or 0.0
+    statuses = (pod.get("status") or {}).get("containerStatuses")
+    if not statuses:
+        return created_s  # not reported yet: a pod that is starting, or a stand-in without a status
+    starts = [parse_time(((c.get("state") or {}).get("running") or {}).get("startedAt")) for c in statuses]
+    if any(s is None for s in starts):
+        return math.inf
+    return max([created_s, *(s for s in starts if s is not None)])
 
 
 def retry_backoff_s(spec: LLMPoolSpec) -> float:

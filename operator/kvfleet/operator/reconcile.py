@@ -174,7 +174,8 @@ def read_observed(ctx: PassContext) -> Observed:
     for worker in workers:
         for req in worker.report.requests if worker.report else []:
             reported_on.setdefault(req.id, []).append(worker.pod_name)
-    view = migrations.view(ctx.api.list_migrations(ctx.namespace, ctx.name), ctx.spec, now_s, reported_on)
+    pods_started_s = {p["metadata"]["name"]: migrations.worker_started_s(p) for p in raw_pods}
+    view = migrations.view(ctx.api.list_migrations(ctx.namespace, ctx.name), ctx.spec, now_s, reported_on, pods_started_s)
     return Observed(now_s, raw_pods, infos, node_of_pod, workers, view)
 
 
@@ -185,6 +186,13 @@ def settle_migrations(ctx: PassContext, view: migrations.MigrationView) -> None:
             "phase": "Failed", "completionTime": now_rfc3339(),
             "message": f"not finished within migration.timeoutSeconds={ctx.spec.migration.timeout_seconds}"})
         ctx.api.post_event(ctx.pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
+    for mig_name in view.source_gone:
+        # The source wrote no final status because it died; its request lives on only where the
+        # router resumed it (by re-prefill), which the next reports show.
+        ctx.api.patch_migration_status(ctx.namespace, mig_name, {
+            "phase": "Failed", "completionTime": now_rfc3339(),
+            "message": "the source worker is gone: its process died or its pod was deleted before the move finished"})
+        ctx.api.post_event(ctx.pool, "MigrationSourceLost", f"{mig_name} failed: its source pod is gone", warning=True)
     for mig_name in view.expired:
         ctx.api.delete_migration(ctx.namespace, mig_name)
 
