@@ -11,7 +11,7 @@ import kopf
 
 import kvfleet.operator.handlers  # noqa: F401 - registers the handlers with kopf
 from kvfleet.operator import metrics
-from kvfleet.operator.kube import load_config
+from kvfleet.operator.kube import load_config, set_write_fence
 from kvfleet.operator.leader import LeaderElector
 
 log = logging.getLogger("kvfleet.operator")
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         # Losing the lease ends the process at once: acting on after another replica took over is
         # the one thing leader election exists to prevent. The Deployment restarts it as a follower.
         elector.keep(on_lost=lambda: os._exit(1))
+        # The renewal thread may be the last to notice a lost lease (a process frozen past it wakes
+        # all threads at once): every write checks the lease's age itself.
+        set_write_fence(elector.ensure_leading)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0
 

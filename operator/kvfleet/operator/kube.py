@@ -5,6 +5,8 @@ reads and writes it makes, so that anything standing in for the cluster (kvfleet
 the unit tests and bench/operator_epochs.py) is checked against the same contract by mypy and cannot
 fall behind the reconcile. `Kube` implements it over the kubernetes client; each call tolerates the
 races a restart or a peer causes (a 409 on create, a 404 on delete), so a pass can be repeated.
+Every write goes through `Kube.record_write` first, which is also where the leader's write fence
+(`set_write_fence`, kvfleet.operator.leader) runs: a replica that lost its Lease makes no write.
 
 Every Kubernetes client call of the operator's own code is here or in leader.py:
 tests/unit/test_chart.py reads them out of these sources to check the chart's RBAC.
@@ -27,6 +29,15 @@ T = TypeVar("T")
 
 FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
+
+# Called with the write's kind before every write; raises (or ends the process) to refuse it.
+_write_fence: Callable[[str], None] | None = None
+
+
+def set_write_fence(fence: Callable[[str], None] | None) -> None:
+    """Check `fence(kind)` before each write of every `Kube` (None: no check, without leader election)."""
+    global _write_fence
+    _write_fence = fence
 
 
 class KubeApi(Protocol):
@@ -155,6 +166,9 @@ class Kube:
         return counts
 
     def record_write(self, kind: str) -> None:
+        """Called before each write: the fence may refuse it (by raising), else it is counted."""
+        if _write_fence is not None:
+            _write_fence(kind)
         counts: dict[str, int] | None = getattr(self._local, "writes", None)
         if counts is None:
             counts = self._local.writes = {}
