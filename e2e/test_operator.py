@@ -24,36 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.api.reports import size_class_name
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
-from kvfleet.localcluster.controlplane import Process, free_port, stop_process
+from kvfleet.localcluster.controlplane import free_port, stop_process
+from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import scripted_pool as pool
-
-
-class OperatorHandle:
-    """The operator process of this module; the restart test kills and replaces it."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.lock = threading.Lock()
-        self.killed = False
-        self.proc = self.start()
-
-    def start(self, name: str = "operator") -> Process:
-        self.metrics_port = free_port()
-        return start_operator(self.cluster, name, self.metrics_port)
-
-    def kill(self) -> None:
-        """SIGKILL from any thread; the next check() on the main thread starts a new operator (a child
-        started from another thread would die with that thread: PR_SET_PDEATHSIG is per thread)."""
-        with self.lock:
-            self.proc.popen.kill()
-            self.proc.popen.wait(10)
-            self.killed = True
-
-    def check(self) -> None:
-        with self.lock:
-            if self.killed:
-                self.proc, self.killed = self.start(), False
-            assert self.proc.popen.poll() is None, f"the operator died:\n{self.proc.tail(40)}"
 
 
 @pytest.fixture(scope="module")

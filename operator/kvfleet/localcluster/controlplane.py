@@ -277,6 +277,8 @@ class ControlPlane:
     bin_dir: Path
     processes: list[Process] = field(default_factory=list)
     _owns_work_dir: bool = False
+    # etcd's client and peer ports, kept so that a restarted etcd serves the same data at the same place.
+    etcd_ports: tuple[int, int] | None = None
 
     @property
     def server(self) -> str:
@@ -324,7 +326,9 @@ class ControlPlane:
         self._start_controller_manager(logs)
 
     def _start_etcd(self, logs: Path) -> int:
-        etcd_port, etcd_peer_port = free_port(), free_port()
+        if self.etcd_ports is None:
+            self.etcd_ports = (free_port(), free_port())
+        etcd_port, etcd_peer_port = self.etcd_ports
         self.processes.append(
             start_process(
                 "etcd",
@@ -424,6 +428,33 @@ class ControlPlane:
                 logs,
             )
         )
+
+    def restart_apiserver_and_etcd(self, timeout_s: float = 120) -> float:
+        """SIGKILL kube-apiserver and etcd, start them again on the same data dir and ports, wait for
+        `/readyz`; returns the seconds the API server was away.
+
+        This is the chaos test's "the control plane lost its API": everything that talks to the API
+        server (the scheduler, the controller manager, the node agent, the operator, routers,
+        workers) sees its connections drop and must reconnect by itself. The scheduler and the
+        controller manager are not restarted: they are clients like the others (client-go retries
+        their watches), so check_alive() still says whether they survived. Call it from the thread
+        that started the plane: the new children die with the thread that starts them (PR_SET_PDEATHSIG).
+        """
+        started_s = time.monotonic()
+        start_order = [p.name for p in self.processes]
+        for proc in [p for p in self.processes if p.name in ("kube-apiserver", "etcd")]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(30)
+            # Out of the list while they are down, so that check_alive() (called while waiting) judges the others.
+            self.processes.remove(proc)
+        logs = self.work_dir / "logs"
+        etcd_port = self._start_etcd(logs)
+        self._start_apiserver(logs, etcd_port)
+        # stop() stops them in reverse start order: the API server's clients first, etcd last.
+        self.processes.sort(key=lambda p: start_order.index(p.name))
+        self._wait_ready(timeout_s)
+        return time.monotonic() - started_s
 
     def _ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))
