@@ -22,7 +22,6 @@ object) to $KVFLEET_CHAOS_SUMMARY, which the make target prints after pytest's o
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import platform
@@ -43,7 +42,7 @@ from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import ready
-from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
+from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
 
 LONG = os.environ.get("KVFLEET_CHAOS_LONG") == "1"
 NUM_OPERATOR_KILLS = 50 if LONG else 8
@@ -173,29 +172,6 @@ def tally_migrations(migs: list[dict[str, Any]]) -> None:
     TALLY["non_terminal_migrations"] += sum(phase(m) not in FINISHED for m in migs)
 
 
-def stream(ip: str, request_id: str, body: dict[str, Any]) -> tuple[str, int, str | None]:
-    """A client of the router: (text, completion tokens, finish reason) of a streamed completion."""
-    conn = http.client.HTTPConnection(ip, 8000, timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
-                 {"Content-Type": "application/json", "X-Request-Id": request_id})
-    response = conn.getresponse()
-    assert response.status == 200, (request_id, response.status, response.read()[:400])
-    text, tokens, finish, done = [], 0, None, False
-    for raw in response:
-        line = raw.decode().strip()
-        if line == "data: [DONE]":
-            done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                text.append(choice["text"])
-                finish = choice["finish_reason"] or finish
-    assert done, f"the stream of {request_id} ended without [DONE] after {len(text)} chunks"
-    return "".join(text), tokens, finish
-
-
 class Client(threading.Thread):
     """A streaming client in the background; `result()` re-raises what went wrong."""
 
@@ -208,7 +184,7 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.outcome = stream(self.ip, self.request_id, self.body)
+            self.outcome = stream_completion(self.ip, self.request_id, self.body)
         except BaseException as err:  # reported on the main thread
             self.error = err
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
+from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
 
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"
@@ -63,31 +62,6 @@ def pool(model_dir: Path) -> dict[str, Any]:
     }}
 
 
-def stream(pod_ip: str, request_id: str, body: dict[str, Any]) -> tuple[str, int, str | None]:
-    """A direct client: (text, completion tokens, last finish reason) of a streamed completion."""
-    request = urllib.request.Request(f"http://{pod_ip}:8000/v1/completions",
-                                     data=json.dumps({**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
-    text, tokens, finish, done = [], 0, None, False
-    with urllib.request.urlopen(request, timeout=300) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk["choices"]:
-                    text.append(choice["text"])
-                    finish = choice["finish_reason"] or finish
-            elif line.startswith("event: "):
-                raise AssertionError(f"a direct client saw {line}")
-    assert done, f"the stream of {request_id} ended without [DONE]"
-    return "".join(text), tokens, finish
-
-
 def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Cluster, namespace: str, operator: Process,
                                                                     model_dir: Path) -> None:
     reference = greedy_reference(model_dir)
@@ -107,9 +81,9 @@ def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Clu
 
     def client(i: int, rid: str, length: int, max_tokens: int) -> None:
         try:
-            results[rid] = stream(first["status"]["podIP"], rid, {"model": "tiny", "prompt": seeded_prompt(length, i),
-                                                                 "max_tokens": max_tokens, "temperature": 0,
-                                                                 "ignore_eos": True})
+            body = {"model": "tiny", "prompt": seeded_prompt(length, i), "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            results[rid] = stream_completion(first["status"]["podIP"], rid, body, direct=True)
         except BaseException as err:  # reported on the main thread
             errors.append(err)
 

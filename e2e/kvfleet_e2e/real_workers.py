@@ -1,12 +1,15 @@
-"""What the e2e tests with real builtin workers share: seeded prompts and the unmigrated, unpooled
-greedy output each request must come back equal to."""
+"""What the e2e tests with real builtin workers share: seeded prompts, the unmigrated, unpooled
+greedy output each request must come back equal to, and a streaming client that reads it back."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import SamplingParams
@@ -36,3 +39,32 @@ def greedy_outputs(model_dir: Path, requests: Sequence[tuple[str, int, int]], kv
             await engine.stop()
 
     return asyncio.run(run())
+
+
+def stream_completion(ip: str, request_id: str, body: dict[str, Any], *, direct: bool = False) -> tuple[str, int, str | None]:
+    """(text, completion tokens, last finish reason) of a streamed completion from a worker or a router
+    at `ip`:8000. A `direct` client (no router) must never see an SSE event: its worker relays a
+    migrated request's continuation itself."""
+    conn = http.client.HTTPConnection(ip, 8000, timeout=300)
+    conn.request("POST", "/v1/completions",
+                 json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+                 {"Content-Type": "application/json", "X-Request-Id": request_id})
+    response = conn.getresponse()
+    assert response.status == 200, (request_id, response.status, response.read()[:400])
+    text: list[str] = []
+    tokens, finish, done = 0, None, False
+    for raw in response:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+        elif direct and line.startswith("event: "):
+            raise AssertionError(f"a direct client saw {line}")
+    assert done, f"the stream of {request_id} ended without [DONE] after {len(text)} chunks"
+    return "".join(text), tokens, finish
