@@ -201,6 +201,50 @@ class PrefixCache(Protocol):
         ...
 
 
+class LendingError(EngineError):
+    """A lending call refused: no room under the cap, an unknown lease, KV past what the lease holds."""
+
+
+class KVLending(Protocol):
+    """rManager's lender side (Infinite-LLM §4.3): blocks of this engine's KV memory lent to a request
+    running on another instance, which writes its KV into them and ships its queries here for the
+    micro-attention over them (§4.2, §4.6: the query travels, the KV stays). On the event loop.
+
+    A lease is one borrowing request's blocks here, in token order; `write` fills tokens
+    [start, start + n) of the lease, `attend` computes attention of query rows over its first
+    `num_tokens` tokens (non-causal: a lease holds context older than any query) and returns each
+    row's output and log-sum-exp for ScaleReduce at the borrower.
+    """
+
+    @property
+    def cap_blocks(self) -> int:
+        """The most blocks this engine lends out at once (§4.3's hyper-parameter)."""
+        ...
+
+    def lent_blocks(self) -> int:
+        """Blocks lent out now, over every lease."""
+        ...
+
+    def lend(self, lease_id: str, num_blocks: int) -> None:
+        """Grow lease `lease_id` (made on first use) by `num_blocks` blocks, first come first served; raises
+        LendingError when the cap or the free blocks do not allow it (§4.3: a remote allocation that
+        cannot be met is answered false, never queued)."""
+        ...
+
+    async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
+        """Store kv [layers, 2, tokens, kv_heads, head_dim] as the lease's tokens from `start_token` on."""
+        ...
+
+    async def attend(self, lease_id: str, layer: int, q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [rows, q_heads, head_dim] over the lease's first `num_tokens` tokens of `layer` ->
+        (out [rows, q_heads, head_dim], lse [rows, q_heads]), in float32."""
+        ...
+
+    def free(self, lease_id: str) -> int:
+        """Give the lease's blocks back to this engine; the number freed (0 for an unknown lease)."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
@@ -214,6 +258,8 @@ class EngineCapabilities:
     elastic_memory: ElasticMemory | None = None
     # Keep finished requests' KV by prompt prefix and prefill only past it (MemServe's context caching).
     prefix_cache: PrefixCache | None = None
+    # Lends KV blocks to requests running elsewhere (DistKV, docs/distkv.md).
+    lending: KVLending | None = None
     # The engine's own Prometheus families (vLLM's stat logger), served at the worker's /metrics in
     # place of the worker's emulation of vLLM's names (worker/metrics.py VLLMNames).
     prometheus_metrics: Collector | None = None

@@ -41,11 +41,13 @@ import time
 from collections.abc import Callable
 
 from kvfleet.mell.migration import MoveMode
+from kvfleet.worker.distkv.lender import serve_lease
+from kvfleet.worker.distkv.wire import LEND_OPS
 from kvfleet.worker.migration.handoff import HandoffError, HandoffTarget
 from kvfleet.worker.migration.host import Host
 from kvfleet.worker.migration.result import MigrationMetrics, MigrationResult
 from kvfleet.worker.migration.source import SourceRun
-from kvfleet.worker.migration.target import TargetRun
+from kvfleet.worker.migration.target import PREALLOCATION_TIMEOUT_S, TargetRun
 from kvfleet.worker.migration.transport import Channel, Transport
 
 __all__ = ["Executor", "MigrationMetrics", "MigrationResult", "parse_mode"]
@@ -101,5 +103,11 @@ class Executor:
         return result
 
     async def serve(self, channel: Channel) -> None:
-        """One incoming migration on an authenticated channel."""
-        await TargetRun(self._host, self.metrics, self._clock, channel).go()
+        """One incoming connection on the migration port, authenticated: a migration (`begin`), or a
+        lease of this worker's KV blocks to a request running elsewhere (DistKV: `lend`)."""
+        first = await channel.recv(PREALLOCATION_TIMEOUT_S)
+        if first.header.get("op") in LEND_OPS:
+            engine = self._host.engine
+            await serve_lease(engine.capabilities.lending, channel, first, engine.info.block_size_tokens)
+        else:
+            await TargetRun(self._host, self.metrics, self._clock, channel).go(first)

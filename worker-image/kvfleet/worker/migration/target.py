@@ -18,7 +18,7 @@ from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
 from kvfleet.worker.migration.handoff import HandedRequest
 from kvfleet.worker.migration.host import Host, continue_on
 from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationMetrics
-from kvfleet.worker.migration.transport import Channel, TransportError
+from kvfleet.worker.migration.transport import Channel, Frame, TransportError
 from kvfleet.worker.migration.wire import (
     REPLY_TIMEOUT_S,
     TargetError,
@@ -46,9 +46,10 @@ class TargetRun:
         self.clock = clock
         self.channel = channel
 
-    async def go(self) -> None:
+    async def go(self, first: Frame) -> None:
+        """The migration whose first frame (`begin`) the executor has read."""
         host, channel = self.host, self.channel
-        request_id = await self._hello()
+        request_id = await self._hello(first)
         if request_id is None:
             return
         committed = False
@@ -77,10 +78,9 @@ class TargetRun:
                     log.warning("freeing the KV staged for %s: %s", request_id, err)
                 host.nudge_reporter()
 
-    async def _hello(self) -> str | None:
+    async def _hello(self, frame: Frame) -> str | None:
         """Answers `begin`: the request id to take in, or None when this worker refused it."""
         host, engine, channel = self.host, self.engine, self.channel
-        frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
         if frame.header.get("op") != "begin":
             await channel.send({"ok": False, "error": "expected begin"})
             return None

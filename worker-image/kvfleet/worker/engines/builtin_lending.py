@@ -1,0 +1,140 @@
+"""The builtin engine's `KVLending` capability: rManager's lender side (Infinite-LLM §4.3).
+
+A request longer than its worker's memory keeps its newest KV in blocks other workers lend it. The
+lent blocks are taken from this engine's own block pool, so its scheduler sees them as used and never
+hands them to a request of its own; they sit in the same paged cache tensors, and a borrower's query
+is answered with a micro-attention over them on this engine's one tensor thread, queued behind any
+step in flight (§4.6: the query is shipped, never the KV). A lease is one borrower request's blocks
+here, in token order. What may be lent is capped (`cap_blocks`, §4.3's hyper-parameter); a request
+beyond the cap or the free blocks is refused at once, first come first served (§4.4, "competing
+candidates"), and the borrower asks another creditor.
+
+`BuiltinKVLending` is its own object, given the scheduler at construction and the cache and the
+executor when the engine starts (`open`), as BuiltinKVMigration is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+
+import torch
+
+from kvfleet.worker.engines.builtin_blocks import blocks_for
+from kvfleet.worker.engines.builtin_model import PagedKVCache
+from kvfleet.worker.engines.builtin_scheduler import Scheduler
+from kvfleet.worker.engines.capabilities import LendingError
+
+
+class BuiltinKVLending:
+    """Leases of this engine's KV blocks to requests running elsewhere."""
+
+    def __init__(self, sched: Scheduler, cap_blocks: int) -> None:
+        if cap_blocks < 0:
+            raise ValueError("the lending cap must be at least 0 blocks")
+        self._sched = sched
+        self._cap_blocks = cap_blocks
+        self._cache: PagedKVCache | None = None
+        self._executor: concurrent.futures.Executor | None = None
+        self._leases: dict[str, list[int]] = {}  # lease id -> block ids, in token order
+
+    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor) -> None:
+        self._cache = cache
+        self._executor = executor
+
+    def close(self) -> None:
+        """The engine stops: every lease is gone with its memory."""
+        for lease_id in list(self._leases):
+            self.free(lease_id)
+        self._cache = self._executor = None
+
+    @property
+    def cap_blocks(self) -> int:
+        return self._cap_blocks
+
+    def lent_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._leases.values())
+
+    def lend(self, lease_id: str, num_blocks: int) -> None:
+        if self._cache is None:
+            raise LendingError("the engine is not running")
+        if num_blocks < 1:
+            raise LendingError(f"a lease grows by at least one block, not {num_blocks}")
+        if self.lent_blocks() + num_blocks > self._cap_blocks:
+            raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}")
+        if len(self._sched.pool.free) < num_blocks:
+            raise LendingError(f"{num_blocks} blocks asked, {len(self._sched.pool.free)} free")
+        self._leases.setdefault(lease_id, []).extend(self._sched.pool.allocate(num_blocks))
+
+    def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
+        blocks = self._leases.get(lease_id)
+        if blocks is None:
+            raise LendingError(f"no lease {lease_id!r} here")
+        assert self._cache is not None
+        needed = blocks_for(num_tokens, self._cache.block_size_tokens)
+        if needed > len(blocks):
+            raise LendingError(f"{num_tokens} tokens need {needed} blocks; lease {lease_id!r} holds {len(blocks)}")
+        return blocks
+
+    async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
+        cache, executor = self._require()
+        num_tokens = int(kv.shape[2])
+        if start_token < 0 or num_tokens < 1:
+            raise LendingError(f"nothing to write at token {start_token}")
+        blocks = self._blocks(lease_id, start_token + num_tokens)
+        bs = cache.block_size_tokens
+        positions = torch.arange(start_token, start_token + num_tokens)
+        block_index = torch.tensor(blocks, dtype=torch.long)[positions // bs]
+        offset_index = positions % bs
+
+        def store() -> None:
+            device = cache.layers[0].device
+            b, o = block_index.to(device), offset_index.to(device)
+            for layer, data in zip(cache.layers, kv.to(device=device, dtype=cache.layers[0].dtype)):
+                layer[0][b, o] = data[0]
+                layer[1][b, o] = data[1]
+
+        await asyncio.get_running_loop().run_in_executor(executor, store)
+
+    async def attend(self, lease_id: str, layer: int, q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, executor = self._require()
+        if not 0 <= layer < len(cache.layers):
+            raise LendingError(f"no layer {layer}")
+        if num_tokens < 1:
+            raise LendingError("attention over no tokens")
+        blocks = self._blocks(lease_id, num_tokens)[: blocks_for(num_tokens, cache.block_size_tokens)]
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            kv = cache.layers[layer]
+            index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+            keys = kv[0][index].flatten(0, 1)[:num_tokens].float()  # [tokens, kv_heads, dim]
+            values = kv[1][index].flatten(0, 1)[:num_tokens].float()
+            return attention_with_lse(q.to(device=kv.device, dtype=torch.float32), keys, values)
+
+        return await asyncio.get_running_loop().run_in_executor(executor, compute)
+
+    def free(self, lease_id: str) -> int:
+        blocks = self._leases.pop(lease_id, None)
+        if not blocks:
+            return 0
+        self._sched.pool.release(blocks)
+        self._sched.wake()
+        return len(blocks)
+
+    def _require(self) -> tuple[PagedKVCache, concurrent.futures.Executor]:
+        if self._cache is None or self._executor is None:
+            raise LendingError("the engine is not running")
+        return self._cache, self._executor
+
+
+def attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [rows, q_heads, dim] over every one of keys/values [tokens, kv_heads, dim] (GQA) ->
+    (out [rows, q_heads, dim], lse [rows, q_heads]): one micro-attention's partial result (§4.2)."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1)
+    v = values.repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->qhk", q, k) * (1.0 / math.sqrt(q.shape[-1]))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("qhk,khd->qhd", torch.softmax(logits, dim=-1), v)
+    return out, lse
