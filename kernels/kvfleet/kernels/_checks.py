@@ -31,7 +31,9 @@ def check_tensor(
     ndim: int,
     dtypes: Sequence[torch.dtype],
     device: torch.device | None = None,
+    contiguous: bool = True,
 ) -> torch.Tensor:
+    """contiguous=False asks only for a unit-stride last dimension (views of a larger cache)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -39,7 +41,10 @@ def check_tensor(
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
-    if not t.is_contiguous():
+    if not contiguous:
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit-stride last dimension, got strides {t.stride()}")
+    elif not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
@@ -75,19 +80,22 @@ def check_out(
 
 
 def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                   attention_dtypes: Sequence[torch.dtype]) -> tuple[int, int, int, int]:
+                   attention_dtypes: Sequence[torch.dtype], *, kernel_device: bool = True) -> tuple[int, int, int, int]:
     """The checks every paged-attention launcher makes on q, the caches and the block table.
+    kernel_device=False skips the Triton device rule (the torch backend runs on any device) and
+    accepts caches that are strided views (elastic memory's block-major storage), as torch indexes any.
 
     Returns (num_blocks, block_size, num_kv_heads, head_dim).
     """
     check_tensor("q", q, ndim=3, dtypes=attention_dtypes)
-    check_device("q", q)
+    if kernel_device:
+        check_device("q", q)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=kernel_device)
     num_blocks, block_size, num_kv_heads, k_head_dim = k_cache.shape
     if k_head_dim != head_dim:
         raise ValueError(f"k_cache head_dim {k_head_dim} differs from q head_dim {head_dim}")
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=kernel_device)
     check_shape("v_cache", v_cache, k_cache.shape)
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")

@@ -53,6 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=env("KVFLEET_PREFIX_CACHING", "0") == "1",
                         help="keep finished requests' KV by prompt prefix (context caching; vLLM: its own prefix caching)")
+    parser.add_argument("--attention", default=env("KVFLEET_ATTENTION", "sdpa"), choices=("sdpa", "distattention"),
+                        help="builtin engine: torch SDPA, or DistAttention partials merged by ScaleReduce (kvfleet.kernels)")
     parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
                         help="builtin engine: one pool for KV cache and activations (docs/elastic-memory.md); "
                              "static split unless --elastic-memory")
@@ -102,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=args.prefix_caching, attention=args.attention,
         memory_budget_bytes=args.memory_budget_bytes, elastic_memory=args.elastic_memory,
         cpu_buffer_bytes=args.cpu_buffer_bytes,
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,

@@ -85,6 +85,12 @@ class EngineConfig:
     # Latency objectives that steer the buffer's logical size (Algorithm 2); None: no objective.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    # Builtin engine's attention: "sdpa" (torch's fused attention over the local cache) or
+    # "distattention" (micro-attention partials merged by ScaleReduce through kvfleet.kernels, Triton
+    # on a GPU, torch on the CPU; the path that can take KV held elsewhere, Infinite-LLM section 4.2).
+    # Greedy outputs are the same; sdpa is the default because on the CPU its decode steps are faster
+    # at small batches (bench/attention.py).
+    attention: Literal["sdpa", "distattention"] = "sdpa"
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class BuiltinEngine:
             storage = None
 
         def load() -> tuple[LlamaForward, PagedKVCache]:
-            model = LlamaForward.load(config.model_path, dtype, device, max_model_len)
+            model = LlamaForward.load(config.model_path, dtype, device, max_model_len, config.attention)
             model.decode_workspace_bytes = decode_workspace_bytes(arch, dtype, max_model_len, BLOCK_SIZE_TOKENS,
                                                                   budget_bytes)
             return model, PagedKVCache(arch, num_blocks, BLOCK_SIZE_TOKENS, dtype, device, storage=storage)

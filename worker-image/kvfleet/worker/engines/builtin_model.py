@@ -9,9 +9,17 @@ scaling), grouped-query attention and the SwiGLU MLP on any torch device and dty
 
 One `forward` call serves a whole engine step: the new tokens of every sequence (a prompt, a
 re-prefilled tail or one decode token) go through the linear layers as one flat batch; attention
-reads each sequence's context from the paged cache through its block table. Decode sequences
-(one new token each) are attended in one padded batch; prefill sequences one at a time, since
-padding prompts of different lengths to a common square would waste more than it saves.
+reads each sequence's context from the paged cache through its block table.
+
+Attention takes one of two paths (`attention`):
+- "distattention" (Infinite-LLM section 4.2): every sequence's attention is a ScaleReduce over
+  micro-attention partials (output, log-sum-exp) of its context's parts: the stored part (tokens in
+  the paged cache before this step, seen whole), the in-hand part (this step's own K and V, causal
+  among themselves, straight from the layer) and any extra parts `SeqBatchEntry.extra_parts` supplies
+  (KV held elsewhere, the seam for rManager's remote rBlocks, section 4.6's query shipping). The ops
+  are kvfleet.kernels': Triton on a GPU, its torch backend elsewhere.
+- "sdpa": torch's scaled_dot_product_attention over K and V gathered from the cache (the new tokens
+  written first): decodes in one padded batch, prefills one at a time. Local KV only.
 """
 
 from __future__ import annotations
@@ -21,13 +29,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from kvfleet.kernels import dispatch as distattention
 from kvfleet.worker.engines.base import EngineError
 from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS
+
+AttentionPath = Literal["sdpa", "distattention"]
+ATTENTION_PATHS: tuple[AttentionPath, ...] = ("sdpa", "distattention")
 
 # Model types whose checkpoints use Llama's tensor names and block structure.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -199,6 +211,53 @@ class SeqBatchEntry:
     # tokens, kv_heads, head_dim] in host memory, instead of into the paged cache (it then has no
     # blocks: block_table is empty and start_position 0), and its attention reads them from the layer.
     offload_to: torch.Tensor | None = None
+    # DistKV (Infinite-LLM sections 4.3 and 4.6): `remote_tokens` of the context's tokens are held
+    # outside this cache, by `extra_parts`; the block table then holds the other
+    # start_position - remote_tokens context tokens, then the new ones (cache slot p - remote_tokens
+    # for position p). Attention over a set of keys does not depend on their order (positions are in
+    # the rotated keys), so which tokens are remote is the providers' business. distattention only.
+    extra_parts: Sequence[KVParts] = ()
+    remote_tokens: int = 0
+
+
+class KVParts(Protocol):
+    """Part of a sequence's KV held elsewhere (another worker's rBlocks, host memory), attended where
+    it lives: the query is shipped to the KV, not the KV to the query (Infinite-LLM section 4.6).
+
+    This is the seam where rManager's remote blocks plug into the builtin engine's forward.
+    """
+
+    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-attention of q [rows, q_heads, head_dim] (rotated, the sequence's new tokens in order)
+        over this part's K and V of layer `layer_index`, non-causal (every token of the part precedes
+        the queries): (out fp32 [rows, q_heads, head_dim], lse fp32 [rows, q_heads], natural log) on
+        q's device; an empty part is out 0 and lse -inf."""
+        ...
+
+
+@dataclass(frozen=True)
+class _DistPlan:
+    """One step's DistAttention indices, built once and read by every layer (module docstring).
+
+    Rows are rows of the step's flat batch. Decodes' stored parts attend in groups bounded by the
+    decode workspace (LlamaForward._decode_groups); their in-hand part is the one new token, a cache
+    of one-token blocks. Prefills (packed in batch order) attend to their stored part with no mask
+    (causal offset = its length) and to their in-hand part causally, a cache of one-token blocks too.
+    """
+
+    decode_rows: torch.Tensor  # long [decodes]
+    decode_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # rows long, table, stored lens
+    decode_hand_table: torch.Tensor  # int32 [decodes, 1]
+    decode_hand_lens: torch.Tensor  # int32 [decodes], ones
+    prefill_rows: torch.Tensor  # long [prefill tokens]
+    prefill_starts: torch.Tensor  # int32 [prefills + 1]
+    prefill_table: torch.Tensor  # int32 [prefills, blocks]
+    prefill_stored_lens: torch.Tensor  # int32 [prefills]
+    prefill_hand_table: torch.Tensor  # int32 [prefills, longest new]
+    prefill_hand_lens: torch.Tensor  # int32 [prefills]
+    max_prefill_tokens: int
+    max_logits_bytes: int
+    extras: tuple[tuple[slice, tuple[KVParts, ...]], ...]
 
 
 # What any step allocates whatever its batch (index tensors, rotary tables' slices, the allocator's
@@ -234,8 +293,9 @@ def activation_bytes(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: in
 
 def decode_gather_bytes_per_token(arch: LlamaArchitecture, dtype: torch.dtype) -> int:
     """A decode's attention transient per (padded) context token: K and V gathered from the blocks,
-    SDPA's contiguous copies of them, and the mask as bool and float32."""
-    return 4 * arch.num_kv_heads * arch.head_dim * dtype.itemsize + 5
+    SDPA's contiguous copies of them (the torch backend's head-major copies), the mask as bool and
+    float32, and the torch backend's float32 logits, one per query head."""
+    return 4 * arch.num_kv_heads * arch.head_dim * dtype.itemsize + 5 + 4 * arch.num_heads
 
 
 # The decode attention workspace: the most K and V a step's decodes gather at once (more decodes attend
@@ -302,10 +362,13 @@ class LlamaForward:
     """Weights on a device and the forward over a paged cache; no state between calls but the cache."""
 
     def __init__(self, arch: LlamaArchitecture, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 max_positions: int) -> None:
+                 max_positions: int, attention: AttentionPath = "distattention") -> None:
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
         self.arch = arch
         self.dtype = dtype
         self.device = device
+        self.attention = attention
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -358,10 +421,106 @@ class LlamaForward:
                 longest = padded
         return groups
 
+    def _dist_plan(self, seqs: Sequence[SeqBatchEntry], lengths: Sequence[int], offsets: Sequence[int],
+                   decode: Sequence[int], prefill: Sequence[int], bs: int) -> _DistPlan:
+        """The step's DistAttention indices (see _DistPlan); bs is the cache's block size in tokens."""
+        device = self.device
+
+        def int32(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        def long(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        def tables(stored: Sequence[int], members: Sequence[int]) -> torch.Tensor:
+            # Padding entries point at block 0; the part's length hides them.
+            width = max([1, *(-(-n // bs) for n in stored)])
+            rows = [list(seqs[i].block_table[: -(-n // bs)]) for i, n in zip(members, stored)]
+            return int32([r + [0] * (width - len(r)) for r in rows])
+
+        def stored_tokens(i: int) -> int:
+            return seqs[i].start_position - seqs[i].remote_tokens
+
+        groups = []
+        # Grouped by the whole context, as the SDPA path: the workspace bound (decode_workspace_bytes)
+        # holds for either path, and the stored part is never longer.
+        for group in self._decode_groups([seqs[i].start_position + 1 for i in decode], bs):
+            members = [decode[j] for j in group]
+            stored = [stored_tokens(i) for i in members]
+            groups.append((long([offsets[i] for i in members]), tables(stored, members), int32(stored)))
+        prefill_rows = [offsets[i] + j for i in prefill for j in range(lengths[i])]
+        starts = [0]
+        for i in prefill:
+            starts.append(starts[-1] + lengths[i])
+        longest_new = max([1, *(lengths[i] for i in prefill)])
+        hand_table = [[starts[p] + j for j in range(lengths[i])] + [0] * (longest_new - lengths[i])
+                      for p, i in enumerate(prefill)]
+        stored_prefill = [stored_tokens(i) for i in prefill]
+        # The prefill charge (activation_bytes) allows 5 bytes per query-key pair for SDPA's mask;
+        # the torch backend's fp32 logits tile (4 bytes a pair and its bool mask) fits in it.
+        pairs = sum(lengths[i] * (seqs[i].start_position + lengths[i]) for i in prefill)
+        return _DistPlan(
+            decode_rows=long([offsets[i] for i in decode]),
+            decode_groups=tuple(groups),
+            decode_hand_table=int32([[j] for j in range(len(decode))]) if decode else int32([[0]])[:0],
+            decode_hand_lens=int32([1] * len(decode)),
+            prefill_rows=long(prefill_rows),
+            prefill_starts=int32(starts),
+            prefill_table=tables(stored_prefill, prefill) if prefill else int32([[0]])[:0],
+            prefill_stored_lens=int32(stored_prefill),
+            prefill_hand_table=int32(hand_table) if prefill else int32([[0]])[:0],
+            prefill_hand_lens=int32([lengths[i] for i in prefill]),
+            max_prefill_tokens=longest_new,
+            max_logits_bytes=4 * pairs,
+            extras=tuple((slice(offsets[i], offsets[i] + lengths[i]), tuple(s.extra_parts))
+                         for i, s in enumerate(seqs) if s.extra_parts),
+        )
+
+    def _dist_attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv: torch.Tensor, plan: _DistPlan) -> torch.Tensor:
+        """Every row's attention as ScaleReduce over its parts: stored, in-hand, then extra parts."""
+        num_rows, h, d = q.shape
+        stored_o = torch.empty((num_rows, h, d), dtype=torch.float32, device=q.device)
+        stored_lse = torch.empty((num_rows, h), dtype=torch.float32, device=q.device)
+        hand_o, hand_lse = torch.empty_like(stored_o), torch.empty_like(stored_lse)
+        if plan.decode_rows.numel():
+            for rows, table, lens in plan.decode_groups:
+                o, lse = distattention.micro_attention_decode(q[rows], kv[0], kv[1], table, lens)
+                stored_o[rows], stored_lse[rows] = o, lse
+            rows = plan.decode_rows
+            # The new token's K and V as a cache of one-token blocks: the in-hand part.
+            o, lse = distattention.micro_attention_decode(q[rows], k[rows][:, None], v[rows][:, None],
+                                                          plan.decode_hand_table, plan.decode_hand_lens)
+            hand_o[rows], hand_lse[rows] = o, lse
+        if plan.prefill_rows.numel():
+            rows = plan.prefill_rows
+            q_rows = q[rows]
+            # Stored tokens all precede the new ones: causal offset = their count, so nothing is masked.
+            o, lse = distattention.micro_attention_prefill(
+                q_rows, kv[0], kv[1], plan.prefill_table, plan.prefill_stored_lens, plan.prefill_starts,
+                causal_offsets=plan.prefill_stored_lens, max_q_len=plan.max_prefill_tokens,
+                max_logits_bytes=plan.max_logits_bytes)
+            stored_o[rows], stored_lse[rows] = o, lse
+            o, lse = distattention.micro_attention_prefill(
+                q_rows, k[rows][:, None], v[rows][:, None], plan.prefill_hand_table, plan.prefill_hand_lens,
+                plan.prefill_starts, max_q_len=plan.max_prefill_tokens, max_logits_bytes=plan.max_logits_bytes)
+            hand_o[rows], hand_lse[rows] = o, lse
+        distattention.scale_reduce_pair(stored_o, stored_lse, hand_o, hand_lse, out=stored_o, out_lse=stored_lse)
+        del hand_o, hand_lse
+        for span, parts in plan.extras:
+            q_rows = q[span]
+            for part in parts:
+                # Folded in one at a time, as peers' answers arrive (the merge is associative).
+                o, lse = part.attend(layer_index, q_rows)
+                distattention.scale_reduce_pair(stored_o[span], stored_lse[span], o, lse, out=stored_o[span],
+                                                out_lse=stored_lse[span])
+        return stored_o.to(self.dtype)
+
     @classmethod
-    def load(cls, model_path: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForward:
+    def load(cls, model_path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+             attention: AttentionPath = "distattention") -> LlamaForward:
         arch = read_architecture(model_path)
-        return cls(arch, _read_safetensors(model_path), dtype, device, max_positions)
+        return cls(arch, _read_safetensors(model_path), dtype, device, max_positions, attention)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the model dtype, as transformers' LlamaRMSNorm does.
@@ -393,14 +552,20 @@ class LlamaForward:
         flat_positions = [s.start_position + i for s in seqs for i in range(len(s.token_ids))]
         # Where each new token's K and V go: (block, offset) of the cache, for every sequence that
         # keeps its KV there (an offloaded prefill writes to its own host tensor instead).
+        dist = self.attention == "distattention"
         cached_rows, slot_blocks, slot_offsets = [], [], []
         row = 0
         for s in seqs:
+            if not dist and (s.extra_parts or s.remote_tokens):
+                raise ValueError("KV held outside the cache (extra_parts, remote_tokens) needs attention='distattention'")
+            if not 0 <= s.remote_tokens <= s.start_position:
+                raise ValueError(f"remote_tokens {s.remote_tokens} must lie in [0, start_position {s.start_position}]")
             for p in range(s.start_position, s.start_position + len(s.token_ids)):
                 if s.offload_to is None:
                     cached_rows.append(row)
-                    slot_blocks.append(s.block_table[p // bs])
-                    slot_offsets.append(p % bs)
+                    slot = p - s.remote_tokens
+                    slot_blocks.append(s.block_table[slot // bs])
+                    slot_offsets.append(slot % bs)
                 row += 1
         ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         positions = torch.tensor(flat_positions, dtype=torch.long, device=device)
@@ -417,11 +582,12 @@ class LlamaForward:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
+        plan = self._dist_plan(seqs, lengths, offsets, decode, prefill, bs) if dist else None
         # Decodes attend in groups whose gathered K and V (padded to the group's longest context)
         # stay within the decode workspace: a step's transient memory is then bounded whatever its
         # batch, which is what elastic memory charges it (activation_bytes).
         decode_groups = []
-        for group in self._decode_groups([context_lengths[i] for i in decode], bs):
+        for group in ([] if dist else self._decode_groups([context_lengths[i] for i in decode], bs)):
             members = [decode[j] for j in group]
             max_blocks = max(-(-context_lengths[i] // bs) for i in members)
             # Padding entries point at block 0; the mask hides them.
@@ -448,34 +614,45 @@ class LlamaForward:
             elif cached_rows:
                 kv[0][block_index, offset_index] = k[cached_index]
                 kv[1][block_index, offset_index] = v[cached_index]
-            attn = torch.empty_like(q)
-            for group_rows, tables, group_mask in decode_groups:
-                # [B, kv_heads, context, head_dim] gathered through the block tables.
-                keys = kv[0][tables].flatten(1, 2).transpose(1, 2)
-                values = kv[1][tables].flatten(1, 2).transpose(1, 2)
-                out = F.scaled_dot_product_attention(q[group_rows][:, :, None, :], keys, values,
-                                                     attn_mask=group_mask, enable_gqa=True)
-                attn[group_rows] = out[:, :, 0, :]
-            for i in prefill:
-                start, n, context = seqs[i].start_position, lengths[i], context_lengths[i]
-                rows = slice(offsets[i], offsets[i] + n)
-                sink = seqs[i].offload_to
-                if sink is not None:
-                    # Its whole context is this step's tokens (start 0): attend over them from the
-                    # layer and send them to host memory (the copy on a GPU overlaps what follows).
-                    sink[layer_index, 0, :n].copy_(k[rows], non_blocking=True)
-                    sink[layer_index, 1, :n].copy_(v[rows], non_blocking=True)
-                    keys = k[rows].transpose(0, 1)[None]
-                    values = v[rows].transpose(0, 1)[None]
-                else:
-                    table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
-                    keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
-                    values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
-                query_positions = torch.arange(start, start + n, device=device)
-                mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
-                out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
-                                                     attn_mask=mask[None, None], enable_gqa=True)
-                attn[rows] = out[0].transpose(0, 1)
+            if plan is not None:
+                for i in prefill:
+                    sink = seqs[i].offload_to
+                    if sink is not None:
+                        # Its KV goes to host memory (the copy on a GPU overlaps what follows); its
+                        # attention reads the layer's K and V, its in-hand part.
+                        rows = slice(offsets[i], offsets[i] + lengths[i])
+                        sink[layer_index, 0, : lengths[i]].copy_(k[rows], non_blocking=True)
+                        sink[layer_index, 1, : lengths[i]].copy_(v[rows], non_blocking=True)
+                attn = self._dist_attention(layer_index, q, k, v, kv, plan)
+            else:
+                attn = torch.empty_like(q)
+                for group_rows, tables, group_mask in decode_groups:
+                    # [B, kv_heads, context, head_dim] gathered through the block tables.
+                    keys = kv[0][tables].flatten(1, 2).transpose(1, 2)
+                    values = kv[1][tables].flatten(1, 2).transpose(1, 2)
+                    out = F.scaled_dot_product_attention(q[group_rows][:, :, None, :], keys, values,
+                                                         attn_mask=group_mask, enable_gqa=True)
+                    attn[group_rows] = out[:, :, 0, :]
+                for i in prefill:
+                    start, n, context = seqs[i].start_position, lengths[i], context_lengths[i]
+                    rows = slice(offsets[i], offsets[i] + n)
+                    sink = seqs[i].offload_to
+                    if sink is not None:
+                        # Its whole context is this step's tokens (start 0): attend over them from the
+                        # layer and send them to host memory (the copy on a GPU overlaps what follows).
+                        sink[layer_index, 0, :n].copy_(k[rows], non_blocking=True)
+                        sink[layer_index, 1, :n].copy_(v[rows], non_blocking=True)
+                        keys = k[rows].transpose(0, 1)[None]
+                        values = v[rows].transpose(0, 1)[None]
+                    else:
+                        table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
+                        keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                        values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
+                    query_positions = torch.arange(start, start + n, device=device)
+                    mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
+                    out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                                         attn_mask=mask[None, None], enable_gqa=True)
+                    attn[rows] = out[0].transpose(0, 1)
             x = x + F.linear(attn.reshape(-1, h * d), layer.o)
             normed = self._rms_norm(x, layer.post_norm)
             gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
