@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse
 from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.distkv.borrower import RemoteLease
 from kvfleet.worker.distkv.lender import serve_lease
 from kvfleet.worker.distkv.wire import LendingRefused
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.builtin import BuiltinEngine
-from kvfleet.worker.engines.builtin_lending import BuiltinKVLending, attention_with_lse
+from kvfleet.worker.engines.builtin_lending import BuiltinKVLending
 from kvfleet.worker.migration.transport import Channel, TCPTransport
 
 TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("lending-token", b"lending-key")))
@@ -64,7 +65,7 @@ def test_a_lease_stores_kv_answers_queries_and_gives_the_blocks_back(tiny_model_
             for layer in range(LAYERS):
                 for tokens in (1, 17, 50):
                     out, lse = await lease.attend(layer, q, tokens)
-                    want_out, want_lse = attention_with_lse(q, kv[layer, 0, :tokens], kv[layer, 1, :tokens])
+                    want_out, want_lse = attention_with_lse(q, kv[layer, 0, :tokens], kv[layer, 1, :tokens], HEAD_DIM**-0.5)
                     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
                     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
             # Query shipping: per step a query and its answer cross the wire, never the KV (§4.6).

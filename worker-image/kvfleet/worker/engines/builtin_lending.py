@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 
 import torch
 
+from kvfleet.kernels.dispatch import micro_attention_decode
 from kvfleet.worker.engines.builtin_blocks import blocks_for
 from kvfleet.worker.engines.builtin_model import PagedKVCache
 from kvfleet.worker.engines.builtin_scheduler import Scheduler
@@ -106,11 +106,13 @@ class BuiltinKVLending:
         blocks = self._blocks(lease_id, num_tokens)[: blocks_for(num_tokens, cache.block_size_tokens)]
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            # Every query row reads the whole lease: one decode micro-attention row each, over the
+            # lease's blocks as its block table (kvfleet.kernels: Triton on CUDA, torch otherwise).
             kv = cache.layers[layer]
-            index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-            keys = kv[0][index].flatten(0, 1)[:num_tokens].float()  # [tokens, kv_heads, dim]
-            values = kv[1][index].flatten(0, 1)[:num_tokens].float()
-            return attention_with_lse(q.to(device=kv.device, dtype=torch.float32), keys, values)
+            rows = q.shape[0]
+            table = torch.tensor(blocks, dtype=torch.int32, device=kv.device).expand(rows, -1).contiguous()
+            lens = torch.full((rows,), num_tokens, dtype=torch.int32, device=kv.device)
+            return micro_attention_decode(q.to(device=kv.device, dtype=kv.dtype).contiguous(), kv[0], kv[1], table, lens)
 
         return await asyncio.get_running_loop().run_in_executor(executor, compute)
 
@@ -127,14 +129,3 @@ class BuiltinKVLending:
             raise LendingError("the engine is not running")
         return self._cache, self._executor
 
-
-def attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [rows, q_heads, dim] over every one of keys/values [tokens, kv_heads, dim] (GQA) ->
-    (out [rows, q_heads, dim], lse [rows, q_heads]): one micro-attention's partial result (§4.2)."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1)
-    v = values.repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->qhk", q, k) * (1.0 / math.sqrt(q.shape[-1]))
-    lse = torch.logsumexp(logits, dim=-1)
-    out = torch.einsum("qhk,khd->qhd", torch.softmax(logits, dim=-1), v)
-    return out, lse
