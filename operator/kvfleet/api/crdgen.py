@@ -35,9 +35,14 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if len(branches) != 1:
             raise ValueError(f"cannot express a union of several types in a structural schema: {schema}")
         rest = {k: v for k, v in schema.items() if k != "anyOf"}
-        if rest.get("default", ...) is None:
+        absent_by_default = rest.get("default", ...) is None
+        if absent_by_default:
             del rest["default"]
         merged = dict(_resolve(branches[0], defs))
+        if absent_by_default and "properties" in merged:
+            # `X | None = None`: the object's absence means something (status.distkv is there only
+            # while DistKV is on), so the server must not fill it in from its fields' defaults.
+            merged[_ABSENT_BY_DEFAULT] = True
         # Keep the outer description and CEL rules; the inner node's own ones stay too.
         for key, value in rest.items():
             if key == "x-kubernetes-validations":
@@ -47,7 +52,7 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         schema = merged
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _DROP_KEYS:
+        if key in _DROP_KEYS or key == _ABSENT_BY_DEFAULT:
             continue
         if key == "properties":
             out["properties"] = {name: _structural(sub, defs) for name, sub in value.items()}
@@ -69,6 +74,7 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
     if "properties" in out:
         out.setdefault("type", "object")
+        absent = {name for name, sub in schema["properties"].items() if _resolve_optional(sub, defs)}
         # A nested object whose fields all have defaults gets them as its own default, so the server
         # fills them in when the user omits the object (CEL rules see the defaulted values).
         required = set(out.get("required", []))
@@ -80,11 +86,23 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                 and "default" not in prop
                 and not prop.get("required")
                 and name not in _NO_DEFAULT_OBJECTS
+                and name not in absent
             ):
                 prop["default"] = {k: v["default"] for k, v in prop["properties"].items() if "default" in v}
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     return out
+
+
+# A marker _structural puts on an optional object's node while it translates it (never emitted).
+_ABSENT_BY_DEFAULT = "x-kvfleet-absent-by-default"
+
+
+def _resolve_optional(schema: dict[str, Any], defs: dict[str, Any]) -> bool:
+    """Whether a property is an object declared `X | None = None` (absent unless set)."""
+    if "anyOf" not in schema or schema.get("default", ...) is not None:
+        return False
+    return any("properties" in _resolve(b, defs) for b in schema["anyOf"] if b.get("type") != "null")
 
 
 # Optional objects that must stay absent unless the user sets them (their presence means something).

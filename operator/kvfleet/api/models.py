@@ -179,6 +179,22 @@ class PrefixCachingSpec(_Model):
     )
 
 
+class DistKVSpec(_Model):
+    """DistKV (Infinite-LLM §4.3-4.5, docs/operator.md "DistKV"): a request longer than one worker's KV
+    capacity borrows KV blocks from other workers of the pool and is attended with DistAttention.
+
+    Each worker lends at most `lendCapFraction` of its KV capacity (§4.3's cap, so a creditor keeps
+    room for its own requests); the operator plays the gManager: it keeps the debt ledger, publishes
+    each worker's creditor candidates in the pool's status, and looks for debt cycles (DGFM).
+    """
+
+    enabled: bool = Field(default=False, description="Let workers borrow KV blocks from each other (DistAttention).")
+    lend_cap_fraction: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Most of its KV capacity a worker lends to other workers' requests (0 lends none).",
+    )
+
+
 class SchedulingSpec(_Model):
     """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
 
@@ -374,6 +390,7 @@ class LLMPoolSpec(_Model):
     slo: SloSpec = Field(default_factory=SloSpec)
     elastic_memory: ElasticMemorySpec = Field(default_factory=ElasticMemorySpec)
     prefix_caching: PrefixCachingSpec = Field(default_factory=PrefixCachingSpec)
+    distkv: DistKVSpec = Field(default_factory=DistKVSpec)
     worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
 
     @model_validator(mode="after")
@@ -399,6 +416,12 @@ class LLMPoolSpec(_Model):
         bandwidth = quantity_bytes(slo.gpu_memory_bandwidth) * self.gpus_per_worker * slo.bandwidth_efficiency
         return tpot_load_cap(slo.tpot_milliseconds / 1000.0, quantity_bytes(self.capacity.model_weights), bandwidth,
                              slo.per_sequence_overhead_microseconds / 1e6)
+
+    def lend_cap_bytes(self) -> int:
+        """The most KV one worker lends under DistKV: lendCapFraction of its KV capacity (0 when off)."""
+        if not self.distkv.enabled:
+            return 0
+        return int(self.distkv.lend_cap_fraction * self.kv_capacity_per_worker_bytes())
 
     def memory_budget_bytes(self) -> int:
         """An elastic worker's pool for KV and activations: its KV capacity plus the activation reserve
@@ -448,6 +471,66 @@ class RouteEntry(_Model):
     worker: Annotated[str, StringConstraints(max_length=253)]
 
 
+# Bounds on status.distkv's lists, so that a large pool's status stays a valid object (the API server
+# refuses a status over maxItems, and every object shares etcd's 1.5 MiB): the operator publishes
+# at most this many of each, in their sorted order.
+MAX_DISTKV_ENTRIES = 4096
+# Creditors listed per worker: the paper's gManager proposes three per contract round (§4.4); a
+# standing list lets a borrower that is refused go on to the next without waiting for an epoch.
+MAX_CREDITOR_CANDIDATES = 8
+
+PodNameText = Annotated[str, StringConstraints(max_length=253)]
+
+
+class DebtEntry(_Model):
+    """`bytes` of the debtor's KV live in blocks the creditor lent (the debtor reports it)."""
+
+    debtor: PodNameText
+    creditor: PodNameText
+    bytes: int = Field(ge=0)
+
+
+class SpanEntry(_Model):
+    """A request whose KV spans workers: `borrowedBytes` of it live at creditors of its worker."""
+
+    request: Annotated[str, StringConstraints(max_length=256)]
+    worker: PodNameText
+    borrowed_bytes: int = Field(ge=0)
+
+
+class CreditorEntry(_Model):
+    """A worker that can lend now, and how much: where a borrower opens a lease (its migration port)."""
+
+    pod: PodNameText
+    address: Annotated[str, StringConstraints(max_length=64)]
+    lendable_bytes: int = Field(ge=0)
+
+
+class CandidateEntry(_Model):
+    """The contract protocol's answer (§4.4) for one worker: creditors to try, best first."""
+
+    worker: PodNameText
+    creditors: list[CreditorEntry] = Field(default_factory=list, max_length=MAX_CREDITOR_CANDIDATES)
+
+
+class DgfmStatus(_Model):
+    """The last epoch's DGFM (§4.5): debt cycles found and the KV their recall-and-swap would move."""
+
+    swaps: int = Field(default=0, ge=0)
+    swapped_bytes: int = Field(default=0, ge=0)
+
+
+class DistKVStatus(_Model):
+    """The gManager's view of KV borrowing in the pool, published while spec.distkv.enabled."""
+
+    lent_bytes: int = Field(default=0, ge=0, description="KV the workers say they lend now.")
+    borrowed_bytes: int = Field(default=0, ge=0, description="KV the workers say their requests hold at others.")
+    debts: list[DebtEntry] = Field(default_factory=list, max_length=MAX_DISTKV_ENTRIES)
+    spans: list[SpanEntry] = Field(default_factory=list, max_length=MAX_DISTKV_ENTRIES)
+    candidates: list[CandidateEntry] = Field(default_factory=list, max_length=MAX_DISTKV_ENTRIES)
+    dgfm: DgfmStatus = Field(default_factory=DgfmStatus)
+
+
 class LLMPoolStatus(_Model):
     """What the operator observed and decided at its last epoch."""
 
@@ -467,6 +550,7 @@ class LLMPoolStatus(_Model):
     held_requests: int = Field(default=0, ge=0, description="Requests the router holds for want of a Ready worker.")
     last_woken_at: str | None = Field(default=None, description="When held requests last woke the pool from zero workers.")
     routing_table: list[RouteEntry] = Field(default_factory=list, max_length=4)
+    distkv: DistKVStatus | None = Field(default=None, description="DistKV borrowing (only while spec.distkv.enabled).")
     selector: Annotated[str, StringConstraints(max_length=1024)] = Field(
         default="", description="Label selector of the pool's worker pods (for the scale subresource)."
     )

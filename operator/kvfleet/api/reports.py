@@ -57,6 +57,11 @@ class RequestLoad(_Model):
     # hold that. Written only when not zero.
     shared_bytes: int | None = Field(default=None, gt=0)
 
+    # DistKV (docs/distkv.md): this request's KV held in blocks other workers lent it; kv_bytes is
+    # only the part on this worker. Such a request is never moved: its KV lives on several workers.
+    # Written only when not zero.
+    borrowed_bytes: int | None = Field(default=None, gt=0)
+
     @property
     def whole_kv_bytes(self) -> int:
         """All the KV the request reads, shared blocks included: what moving it carries."""
@@ -89,6 +94,15 @@ class KVLoadReport(_Model):
     # Blocks its prefix cache indexes (read by running requests, or evictable): the router's global
     # prompt tree keeps no more for this worker, which is how the worker's evictions reach it.
     prefix_cache_blocks: int | None = Field(default=None, ge=0)
+
+    # DistKV (docs/distkv.md, Infinite-LLM §4.3-4.4). lend_cap_bytes: the most KV this worker lends
+    # to requests of other workers (absent: it lends none). lent_bytes: its blocks lent now; they are
+    # in neither used_bytes nor any request's kv_bytes, and are not room. borrowed: creditor pod ->
+    # bytes of this worker's requests' KV held there (only the debtor reports a debt, mell/debt.py).
+    lend_cap_bytes: int | None = Field(default=None, ge=0)
+    lent_bytes: int | None = Field(default=None, ge=0)
+    borrowed: dict[Annotated[str, StringConstraints(min_length=1, max_length=253)], Annotated[int, Field(gt=0)]] | None = (
+        Field(default=None, max_length=MAX_REQUESTS_PER_REPORT))
 
     def to_annotation(self) -> str:
         # Unset optional fields are left out, so a report without measurements is exactly what

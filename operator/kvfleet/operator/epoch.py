@@ -11,6 +11,13 @@ label `kvfleet.dev/gpu-id`, written when the pod is created or when an idle pod 
 floor is bound to a newly activated GPU. After an operator restart the policy is rebuilt from the
 pods: their GPU labels, their reports and their creation order (MELL's "most recently activated").
 No I/O and no clock here; time comes in as an argument.
+
+DistKV (docs/operator.md): a request whose KV spans workers (its report has `borrowedBytes`) is
+packed by its local part and never moved, since its KV lives on several workers. A worker's lent
+blocks are load on its GPU that MELL must not place new requests into: they are modelled as one
+pseudo request `lent:<pod>` on that worker's GPU, which arrives, grows and finishes like a request
+but is never moved, routed or migrated, and is put back on its worker's GPU whenever the policy
+holds it elsewhere (`_pin_lent`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,32 @@ class WorkerView:
     zone: str
     ready: bool
     report: KVLoadReport | None
+    pod_ip: str = ""  # "" until the pod has an address
+
+
+# The pseudo request that stands for a worker's lent KV blocks in MELL's model (module docstring).
+LENT_PREFIX = "lent:"
+
+
+def lent_request_id(pod_name: str) -> str:
+    return f"{LENT_PREFIX}{pod_name}"
+
+
+def is_lent(request_id: str) -> bool:
+    return request_id.startswith(LENT_PREFIX)
+
+
+def lent_bytes_of(worker: WorkerView) -> int:
+    """The KV blocks this worker lends now (0 without a report, or while it lends none)."""
+    return (worker.report.lent_bytes or 0) if worker.report is not None else 0
+
+
+def _lent_size_bytes(worker: WorkerView, capacity_bytes: int) -> int:
+    """The size of the worker's lent-block pseudo request: never more than one GPU holds (a worker
+    cannot lend more than its capacity; this keeps a bad report from asking MELL for a span)."""
+    if worker.report is None:
+        return 0
+    return min(lent_bytes_of(worker), worker.report.capacity_bytes, capacity_bytes)
 
 
 @dataclass(frozen=True)
@@ -135,6 +168,14 @@ class PoolScheduler:
             requests = sorted(worker.report.requests, key=lambda r: r.id) if worker.report else []
             kept: list[tuple[str, int]] = []
             load_bytes = 0
+            lent_bytes = _lent_size_bytes(worker, capacity)
+            if lent_bytes > 0:
+                # Lent blocks are there for sure (the worker holds them for its debtors): placed first,
+                # so that an overfilled worker's excess is always a request, which can be allocated afresh.
+                lent_id = lent_request_id(worker.pod_name)
+                load_bytes = lent_bytes
+                self.sizes[lent_id] = lent_bytes
+                kept.append((lent_id, lent_bytes))
             for req in requests:
                 if req.id in seen:
                     continue  # reported twice mid-migration: the first (older) pod keeps it
@@ -189,9 +230,23 @@ class PoolScheduler:
         """
         workers = list(workers)
         actual = _reported(workers, in_flight, MAX_SPAN_GPUS * self.config.capacity_bytes)
-        events = self._events(actual, in_flight)
+        known_before = frozenset(self.sizes)
+        # Lent blocks first, in a batch of their own, and then put back where they are if the policy
+        # placed them elsewhere: the requests of this epoch are then allocated around them.
+        lent_events = self._events(actual, in_flight, lent=True)
+        causes: dict[str, str] = {}
+        if lent_events:
+            first = self.policy.schedule(EventBatch(now_s, tuple(lent_events)), end_of_epoch=False)
+            causes.update((m.request_id, m.cause) for m in first.migrations)
+        self._pin_lent(workers, actual, known_before)
+        # The default policy does not move by choice (consolidation, rebalancing) what moved within
+        # fleet_min_move_interval_s: lent blocks count as just moved, every epoch, so it never tries.
+        # (A tiny lent item shares its multi-item, which then stays too.) Forced moves are still
+        # possible; the next epoch's _pin_lent puts the blocks back, and admit_by_room counts them.
+        self.policy.note_moved([rid for rid, seen in actual.items() if seen.lent and rid in self.policy.item_of], now_s)
+        events = self._events(actual, in_flight, lent=False)
         plan = self.policy.schedule(EventBatch(now_s, tuple(events)))
-        causes = {m.request_id: m.cause for m in plan.migrations}
+        causes.update((m.request_id, m.cause) for m in plan.migrations)
         placed_now = {p.request_id for p in plan.placements}
         pod_of_gpu = {w.gpu_id: w for w in workers if w.gpu_id is not None}
         # A request its worker expects to end within two epochs stays: its move would land after it ended.
@@ -199,7 +254,8 @@ class PoolScheduler:
         moves, deferred = self._moves(actual, in_flight, causes, placed_now, pod_of_gpu, finishing)
 
         live_gpus = {g for g, gpu in self.policy.gpus.items() if not gpu.idle}
-        holding = {w.pod_name for w in workers if w.report and w.report.requests}
+        # A worker that lends holds its debtors' KV: it is not released while it does.
+        holding = {w.pod_name for w in workers if w.report and (w.report.requests or lent_bytes_of(w) > 0)}
         targets = set(in_flight.values())
         released = tuple(sorted(
             w.pod_name for w in workers
@@ -212,7 +268,7 @@ class PoolScheduler:
             unserved_gpu_ids=unserved,
             released_pods=released,
             num_deferred_moves=deferred,
-            num_events=len(events),
+            num_events=len(lent_events) + len(events),
             used_bytes=used,
             lower_bound_gpus=math.ceil(used / self.config.capacity_bytes),
             active_gpus=len(live_gpus),
@@ -224,15 +280,18 @@ class PoolScheduler:
         the policy itself moved them (the router placed them elsewhere than Allocate)."""
         self.policy.note_moved(request_ids, now_s)
 
-    def _events(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str]) -> list[Event]:
-        """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date."""
+    def _events(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str], *, lent: bool) -> list[Event]:
+        """The policy's events since the last epoch (finishes, arrivals, growth), with `sizes` brought up to date:
+        those of the lent-block pseudo requests (`lent`), or those of the real requests."""
         events: list[Event] = []
         for rid in list(self.sizes):
-            if rid not in actual and rid not in in_flight:
+            if is_lent(rid) == lent and rid not in actual and rid not in in_flight:
                 events.append(Finish(rid))
                 del self.sizes[rid]
                 self.causes.pop(rid, None)
         for rid, seen in actual.items():
+            if is_lent(rid) != lent:
+                continue
             size_bytes = seen.size_bytes
             known = self.sizes.get(rid)
             if known is None:
@@ -241,7 +300,32 @@ class PoolScheduler:
             elif size_bytes > known:  # KV only grows (MELL §VI-A); a smaller report is stale
                 events.append(Grow(rid, size_bytes))
                 self.sizes[rid] = size_bytes
+            elif lent and size_bytes < known:
+                # Lent blocks shrink as debts are repaid, which no request does: the old size goes and
+                # the new one comes (both in this batch, departs first), then is pinned (_pin_lent).
+                events += [Finish(rid), Arrive(rid, size_bytes)]
+                self.sizes[rid] = size_bytes
         return events
+
+    def _pin_lent(self, workers: list[WorkerView], actual: Mapping[str, Reported], known_before: frozenset[str]) -> None:
+        """Put lent blocks back on their worker's GPU when the policy holds them elsewhere.
+
+        The policy places a new or grown pseudo request like any other, and may move it to make room;
+        but lent blocks cannot move (the worker's debtors read them there), so a policy that holds them
+        elsewhere believes in room that is not there. The state is then rebuilt from the reports (as
+        after a restart, keeping when each request last moved), with only the requests it knew before
+        this epoch: this epoch's arrivals still go through Allocate, around the lent blocks.
+        """
+        misplaced = [rid for rid, seen in actual.items()
+                     if seen.lent and rid in self.policy.item_of and self.policy.gpu_of(rid) != seen.worker.gpu_id]
+        if not misplaced:
+            return
+        log.debug("lent blocks %s held off their workers' GPUs: rebuilding from the reports", misplaced)
+        known = [dataclasses.replace(w, report=w.report.model_copy(update={
+            "requests": [r for r in w.report.requests if r.id in known_before]})) if w.report is not None else w
+            for w in workers]
+        fresh = self.replanned(self.config.capacity_bytes, known)
+        self.policy, self.sizes = fresh.policy, fresh.sizes
 
     def _moves(self, actual: Mapping[str, Reported], in_flight: Mapping[str, str],
                causes: Mapping[str, str], placed_now: set[str],
@@ -254,6 +338,10 @@ class PoolScheduler:
         for rid, seen in actual.items():
             worker, size_bytes, tokens = seen.worker, seen.move_bytes, seen.tokens
             if rid in in_flight or rid not in self.policy.item_of:
+                continue
+            if seen.lent or seen.spanning:
+                # Never moved (module docstring): lent blocks are read where they are, and a spanning
+                # request's KV lives on several workers. Not deferred either: no epoch will move them.
                 continue
             want = self.policy.gpu_of(rid)
             if want == worker.gpu_id:
@@ -285,6 +373,8 @@ class Reported:
     tokens: int
     finishing: bool
     move_bytes: int
+    spanning: bool = False  # part of its KV is borrowed from other workers (DistKV)
+    lent: bool = False  # the pseudo request of the worker's lent blocks
 
 
 def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str], max_kv_bytes: int) -> dict[str, Reported]:
@@ -298,7 +388,12 @@ def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str], max_k
                 continue
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
-                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing), req.whole_kv_bytes)
+                actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing), req.whole_kv_bytes,
+                                          spanning=bool(req.borrowed_bytes))
+        # Only on a bound worker: an idle floor pod's lent blocks are on no GPU of the policy.
+        lent_bytes = _lent_size_bytes(worker, max_kv_bytes // MAX_SPAN_GPUS)
+        if lent_bytes > 0 and worker.gpu_id is not None:
+            actual[lent_request_id(worker.pod_name)] = Reported(worker, lent_bytes, 0, False, lent_bytes, lent=True)
     return actual
 
 

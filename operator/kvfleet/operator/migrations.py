@@ -169,8 +169,9 @@ def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadRepor
     has no room for (`reserve_kv`), and a token move into a full engine queues there. Ordering such a
     move only makes a Failed KVMigration (and a retry each epoch). A target's free room is its
     reported capacity less the KV of every request it reports (running and queued: queued work takes
-    the next free blocks first) and less the moves already heading to it that it does not report
-    yet; the orders are admitted in turn while they fit. A target without a report is not gated.
+    the next free blocks first), less the blocks it lent to other workers (DistKV) and less the moves
+    already heading to it that it does not report yet; the orders are admitted in turn while they
+    fit. A target without a report is not gated.
 
     The report is up to an epoch old when the move lands, and every request running there has kept
     decoding: where the report gives the block size, one block per running request is kept back for
@@ -179,7 +180,9 @@ def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadRepor
     """
     reported = {pod: {r.id for r in report.requests} for pod, report in reports.items() if report is not None}
     room: dict[str, int] = {
-        pod: report.capacity_bytes - sum(r.kv_bytes for r in report.requests) - _growth_margin_bytes(report)
+        # Blocks it lent (DistKV) are not room either: its debtors read them.
+        pod: report.capacity_bytes - sum(r.kv_bytes for r in report.requests) - (report.lent_bytes or 0)
+        - _growth_margin_bytes(report)
         for pod, report in reports.items() if report is not None
     }
     for request_id, target in in_flight.items():

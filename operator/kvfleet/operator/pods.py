@@ -3,7 +3,7 @@
 Pure decisions over the observed pods and the epoch's outcome (kvfleet.operator.epoch). A worker pod
 is either bound to a scheduler GPU (label `kvfleet.dev/gpu-id`) or unbound: kept warm by the pool's
 floor (workers.min, `kubectl scale`) or waiting out the scale-down delay. A pod is deleted only when
-it holds no request and no migration is heading to it, so a worker holding live KV is never deleted;
+it holds no request, lends no KV blocks (DistKV) and no migration is heading to it, so a worker holding live KV is never deleted;
 the autoscaler annotations say the same to the cluster autoscaler and Karpenter.
 """
 
@@ -35,6 +35,14 @@ class PodInfo:
     idle_since_s: float | None
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    # KV blocks it lends to other workers' requests (DistKV): its debtors read them every step, so a
+    # lending pod holds KV cache as much as one running requests does.
+    lent_bytes: int = 0
+
+    @property
+    def holding(self) -> bool:
+        """Whether it holds live KV cache: its own requests' or blocks it lent."""
+        return self.num_requests > 0 or self.lent_bytes > 0
 
 
 def pod_info(pod: dict[str, Any]) -> PodInfo | None:
@@ -62,6 +70,7 @@ def pod_info(pod: dict[str, Any]) -> PodInfo | None:
         idle_since_s=idle_since_s,
         labels=dict(meta.get("labels") or {}),
         annotations=annotations,
+        lent_bytes=(report.lent_bytes or 0) if report else 0,
     )
 
 
@@ -101,7 +110,7 @@ def plan_pods(
 
     # Scale down: unbound, empty, not a migration target, idle for the delay; newest first, to the floor.
     delete = [p.name for p in pods if not p.live and not p.deleting]
-    removable = [p for p in reversed(live) if gpu_of[p.name] is None and p.num_requests == 0 and p.name not in targets
+    removable = [p for p in reversed(live) if gpu_of[p.name] is None and not p.holding and p.name not in targets
                  and p.name not in routed_pods]
     for pod in removable:
         if num_live <= floor:
@@ -143,14 +152,14 @@ def _bind_or_create(live: list[PodInfo], gpu_of: dict[str, str | None], unserved
 def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], now_s: float,
                       ) -> tuple[dict[str, str | None], dict[str, str | None]] | None:
     """The labels and annotations of a live pod that differ from what they should say (None: none do)."""
-    holding = pod.num_requests > 0
+    holding = pod.holding
     idle = gpu_id is None and not holding and pod.name not in routed_pods
     labels = {GPU_LABEL: gpu_id}
     annotations = {
         SAFE_TO_EVICT: "false" if holding else "true",
         DO_NOT_DISRUPT: "true" if holding else "false",
         # The replica set or autoscaler removing a pod should pick the emptiest one (MiB held).
-        DELETION_COST: str(min(pod.used_bytes >> 20, 2**31 - 1)),
+        DELETION_COST: str(min((pod.used_bytes + pod.lent_bytes) >> 20, 2**31 - 1)),
         IDLE_SINCE_ANNOTATION: (f"{pod.idle_since_s:.3f}" if pod.idle_since_s is not None else f"{now_s:.3f}")
         if idle else None,
     }

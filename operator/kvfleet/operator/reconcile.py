@@ -25,7 +25,7 @@ from kvfleet.api.quantity import format_bytes
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
-from kvfleet.operator import epoch, metrics, migrations, pods, resources
+from kvfleet.operator import distkv, epoch, metrics, migrations, pods, resources
 from kvfleet.operator.epoch import EpochOutcome, MoveOrder, PoolScheduler
 from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.owned import reconcile_owned
@@ -121,6 +121,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
     state = scheduler_state(ctx, observed.workers)
     outcome = run_scheduler(state, observed)
     count_finished_migrations(state, namespace, name, observed.view.finished)
+    distkv_status = run_gmanager(ctx, observed)
     planned = write_migrations(ctx, state, observed, outcome)
     table = epoch.routing_table(state.routes or {}, observed.workers)
     held = held_requests(pool, time.time())
@@ -138,7 +139,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
         held_requests=held,
         woken_at=woken_at,
     )
-    status = write_status(ctx, raw_pods, figures, table, router_ready)
+    status = write_status(ctx, raw_pods, figures, table, router_ready, distkv_status)
     log_epoch(ctx, state, outcome, planned, actions)
     record_metrics(ctx, state, status, outcome, figures, started_s)
     return spec.scheduling.epoch_seconds
@@ -165,9 +166,10 @@ def read_observed(ctx: PassContext) -> Observed:
     infos = [info for p in raw_pods if (info := pods.pod_info(p)) is not None]
     zones = ctx.api.node_zones()
     node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
+    ip_of_pod = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") or "" for p in raw_pods}
     workers = [
         epoch.WorkerView(i.name, i.gpu_id, i.index, node_of_pod[i.name], zones.get(node_of_pod[i.name], ""), i.ready,
-                         KVLoadReport.from_annotations(dict(i.annotations)))
+                         KVLoadReport.from_annotations(dict(i.annotations)), ip_of_pod[i.name])
         for i in infos if i.live
     ]
     reported_on: dict[str, list[str]] = {}
@@ -230,6 +232,20 @@ def run_scheduler(state: PoolState, observed: Observed) -> EpochOutcome:
     if outcome.num_events or outcome.moves or state.routes is None:
         state.routes = state.scheduler.routes()
     return outcome
+
+
+def run_gmanager(ctx: PassContext, observed: Observed) -> dict[str, Any] | None:
+    """DistKV's gManager (kvfleet.operator.distkv): the ledger and DGFM over the reports, as
+    `status.distkv`; None when the pool does not use DistKV. A `DebtCycle` Event when DGFM's finding
+    changes (not every epoch while the same cycles stand: workers do not execute swaps yet)."""
+    if not ctx.spec.distkv.enabled:
+        return None
+    plan = distkv.plan(observed.workers, f"{ctx.namespace}/{ctx.name}")
+    if plan.dgfm.swaps and distkv.dgfm_changed(ctx.pool.get("status"), plan.status):
+        message = distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes)
+        ctx.logger.info("%s", message)
+        ctx.api.post_event(ctx.pool, distkv.EVENT_REASON, message)
+    return plan.status
 
 
 def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:
@@ -321,11 +337,16 @@ def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[s
 
 
 def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: SchedulingFigures,
-                 table: list[dict[str, str]], router_ready: bool) -> dict[str, Any]:
-    """The pool's status (kvfleet.operator.status.pool_status plus the routing table), written only if it changed."""
+                 table: list[dict[str, str]], router_ready: bool, distkv_status: dict[str, Any] | None = None,
+                 ) -> dict[str, Any]:
+    """The pool's status (kvfleet.operator.status.pool_status plus the routing table and, under DistKV,
+    `distkv`), written only if it changed."""
     status = pool_status(ctx.pool, ctx.spec, raw_pods, figures, now_rfc3339(), router_ready=router_ready)
     status["routingTable"] = table
     current = ctx.pool.get("status") or {}
+    if distkv_status is not None or current.get("distkv") is not None:
+        # Absent without DistKV: None removes what an earlier pass wrote (the status write is a merge patch).
+        status["distkv"] = distkv_status
     if any(current.get(k) != v for k, v in status.items()):
         ctx.api.patch_status(ctx.namespace, ctx.name, status)
     return status

@@ -91,8 +91,11 @@ def _secret_rule(pool_name: str) -> dict[str, Any]:
 def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
     """ServiceAccount, Role and RoleBinding of the workers: what they need in their namespace, no more.
 
-    Workers read and patch pods (their own load report lives on their pod) and execute KVMigrations
-    (read them, write their status). They never create or delete anything.
+    Workers read and patch pods (their own load report lives on their pod), execute KVMigrations
+    (read them, write their status) and read their own LLMPool, by name: under DistKV a borrower finds
+    its creditor candidates in the pool's status (status.distkv.candidates). The pool rule is there
+    whether or not DistKV is on, so that turning it on needs no change of the Role while workers run
+    (and this function stays a function of the pool alone). They never create or delete anything.
     """
     name = pool["metadata"]["name"]
     account = worker_account_name(name)
@@ -102,6 +105,7 @@ def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
         _secret_rule(name),
+        {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name], "verbs": ["get"]},
     ])
 
 
@@ -188,6 +192,12 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
                 if value is not None]
     if spec.prefix_caching.enabled:
         env.append({"name": "KVFLEET_PREFIX_CACHING", "value": "1"})
+    if spec.distkv.enabled:
+        # DistKV (docs/operator.md): attention over KV spread across workers, borrowing on, and the
+        # §4.3 cap on what this worker lends. Borrowers read their creditors from the pool's status.
+        env += [{"name": "KVFLEET_ATTENTION", "value": "distattention"},
+                {"name": "KVFLEET_DISTKV", "value": "1"},
+                {"name": "KVFLEET_LEND_CAP_BYTES", "value": str(spec.lend_cap_bytes())}]
     return env + [{"name": var.name, "value": var.value} for var in spec.worker_template.env]
 
 
