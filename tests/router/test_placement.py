@@ -56,6 +56,15 @@ def test_the_default_policy_places_on_the_fullest_worker_that_fits_with_headroom
     assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("c", "allocate:new-GPU")
 
 
+def test_a_request_larger_than_any_worker_goes_to_the_one_with_most_room_to_borrow_the_rest() -> None:
+    # DistKV: its newest KV stays on its worker, the rest is lent by the others (docs/distkv.md).
+    workers = [worker("a", 0, 90), worker("b", 1, 10), worker("c", 2, 60)]
+    chosen = choose(workers, 3 * C, routes={"L": "a"})
+    assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("b", "spanning")
+    assert isinstance(choose(workers, 3 * C, exclude=frozenset({"b"})), RouteChoice)
+    assert isinstance(choose([worker("a", 0, ready=False)], 3 * C), NoRoute)
+
+
 def test_class_names_follow_mell_with_tiny_as_t_and_oversize_as_l() -> None:
     assert [class_name(b, C) for b in (10, 20, 35, 50, 100, 500)] == ["T", "T", "S", "M", "L", "L"]
 

@@ -201,3 +201,29 @@ def test_an_elastic_worker_reports_its_moving_capacity_and_cpu_buffer() -> None:
     assert (written[-1].capacity_bytes, written[-1].cpu_buffer_bytes) == (CAPACITY - 60_000, 300_000)
     # A static worker's report reads as before (no cpuBufferBytes key at all).
     assert "cpuBuffer" not in build_report([], CAPACITY, 1).to_annotation()
+
+
+def test_a_distkv_worker_reports_what_it_lends_and_borrows_and_writes_when_that_changes() -> None:
+    from kvfleet.worker.reporter import DistKVFigures
+
+    usage = [RequestKV("long", 900, 100_000, borrowed_bytes=700_000)]
+    figures = [DistKVFigures(300_000, 0, {"w-2": 700_000})]
+    written: list[KVLoadReport] = []
+    clock = Clock()
+
+    async def write(annotation: str) -> None:
+        written.append(KVLoadReport.model_validate_json(annotation))
+
+    reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock,
+                            distkv=lambda: figures[-1])
+    assert check(reporter)
+    report = written[-1]
+    assert (report.lend_cap_bytes, report.lent_bytes, report.borrowed) == (300_000, 0, {"w-2": 700_000})
+    assert report.requests[0].borrowed_bytes == 700_000 and report.used_bytes == 100_000  # the local part only
+    clock.now_s += 5
+    assert not check(reporter)  # nothing changed
+    figures.append(DistKVFigures(300_000, 65_536, {}))  # it lends now, and borrows no more
+    assert check(reporter)
+    assert (written[-1].lent_bytes, written[-1].borrowed) == (65_536, None)
+    plain = build_report([], CAPACITY, 1)
+    assert (plain.lend_cap_bytes, plain.lent_bytes, plain.borrowed) == (None, None, None)  # a worker without DistKV

@@ -50,3 +50,31 @@ class SecretReader:
                 return None
             raise
         return {key: base64.b64decode(value).decode() for key, value in (secret.data or {}).items()}
+
+
+class PoolStatusReader:
+    """Reads one LLMPool's status with the pod's own credentials (its Role grants `get` on that one
+    pool: kvfleet.operator.resources). A DistKV worker reads the operator's plan there (docs/distkv.md)."""
+
+    GROUP, VERSION, PLURAL = "kvfleet.dev", "v1alpha1", "llmpools"
+
+    def __init__(self, namespace: str, name: str) -> None:
+        from kubernetes import client
+
+        load_config()
+        self._custom = client.CustomObjectsApi()
+        self.namespace, self.name = namespace, name
+
+    async def __call__(self) -> Mapping[str, object] | None:
+        """The pool's status; None when the pool does not exist."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pool = await asyncio.to_thread(self._custom.get_namespaced_custom_object, self.GROUP, self.VERSION,
+                                           self.namespace, self.PLURAL, self.name, _request_timeout=10)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        status = pool.get("status") if isinstance(pool, dict) else None
+        return status if isinstance(status, dict) else {}

@@ -208,6 +208,13 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
     if not loads:
         return NoRoute("no-ready-worker", "the pool has no Ready worker; retry shortly")
+    if kv_bytes > max(load.capacity_bytes for load in loads):
+        # Larger than any one worker (DistKV, docs/distkv.md): its worker keeps its newest KV and
+        # borrows the rest from the others, so the worker with the most room takes it. Whether the
+        # pool can lend the rest is the worker's to say (it reads the operator's plan): a pool
+        # without room answers 400 context_length_exceeded, saying how much it could lend.
+        spanning = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+        return RouteChoice(spanning.worker.pod_name, spanning.worker.address, "spanning")
     by_name = {load.worker.pod_name: load for load in loads}
     fitting = [load for load in loads if load.fits(kv_bytes)]
     route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))

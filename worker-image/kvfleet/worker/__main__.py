@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvfleet.worker.distkv.creditors import Creditor, Creditors, PoolPlanCreditors, StaticCreditors
+
 # Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
 
@@ -66,6 +68,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="host memory for the KV of waiting or preempted requests (elastic memory)")
     parser.add_argument("--ttft-slo-ms", type=float, default=_env_float("KVFLEET_TTFT_SLO_MS"))
     parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"))
+    parser.add_argument("--lend-cap-bytes", type=int, default=_env_int("KVFLEET_LEND_CAP_BYTES") or 0,
+                        help="builtin engine: lend up to this much free KV to other workers' requests (DistKV, docs/distkv.md)")
+    parser.add_argument("--distkv", action=argparse.BooleanOptionalAction, default=env("KVFLEET_DISTKV", "0") == "1",
+                        help="builtin engine: borrow KV blocks from other workers for a request larger than this "
+                             "worker's cache (needs --attention distattention); creditors from the LLMPool's status")
+    parser.add_argument("--distkv-peers", default=env("KVFLEET_DISTKV_PEERS", ""),
+                        help="with --distkv outside the operator: creditors as name=host:port,... (best first)")
     parser.add_argument("--report-interval-s", type=float, default=float(env("KVFLEET_REPORT_INTERVAL_S", "5")))
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
@@ -79,10 +88,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.cpu_buffer_bytes < 0:
         parser.error("--cpu-buffer-bytes must not be negative")
+    if args.lend_cap_bytes < 0:
+        parser.error("--lend-cap-bytes must not be negative")
+    if args.distkv and args.attention != "distattention":
+        parser.error("--distkv needs --attention distattention (KVFLEET_ATTENTION): remote KV is attended where it lives")
+    try:
+        args.distkv_peers = parse_peers(args.distkv_peers)
+    except ValueError as err:
+        parser.error(f"--distkv-peers: {err}")
     if args.elastic_memory and args.memory_budget_bytes is None:
         parser.error("--elastic-memory needs --memory-budget-bytes (KVFLEET_MEMORY_BUDGET_BYTES): the pool to share")
     args.model_name = args.model_name or args.model_path.name
     return args
+
+
+def parse_peers(text: str) -> list[tuple[str, str]]:
+    """`name=host:port,...` -> [(name, address)], in order."""
+    peers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, address = item.partition("=")
+        host, colon, port = address.rpartition(":")
+        if not sep or not name or not colon or not host or not port.isdigit():
+            raise ValueError(f"{item!r} is not name=host:port")
+        peers.append((name, address))
+    return peers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
         prefix_caching=args.prefix_caching, attention=args.attention,
         memory_budget_bytes=args.memory_budget_bytes, elastic_memory=args.elastic_memory,
-        cpu_buffer_bytes=args.cpu_buffer_bytes,
+        cpu_buffer_bytes=args.cpu_buffer_bytes, lend_cap_bytes=args.lend_cap_bytes, borrow=args.distkv,
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
         tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
         **({"memory_chunk_bytes": args.memory_chunk_bytes} if args.memory_chunk_bytes else {})))
@@ -115,10 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if writer is None:
         logging.getLogger("kvfleet.worker").info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
     credentials = PoolCredentials.from_env(os.environ, SecretReader)
-    agent = Agent(AgentConfig(model_name=args.model_name, credentials=credentials, report_interval_s=args.report_interval_s,
-                              migration_host=args.host, migration_port=args.migration_port),
-                  engine, Tokenizer(args.model_path), writer)
     pool = os.environ.get("KVFLEET_POOL")
+    creditors = _creditors(args, pod_name, namespace, pool) if args.distkv else None
+    agent = Agent(AgentConfig(model_name=args.model_name, credentials=credentials, report_interval_s=args.report_interval_s,
+                              migration_host=args.host, migration_port=args.migration_port, creditors=creditors),
+                  engine, Tokenizer(args.model_path), writer)
+    if isinstance(creditors, PoolPlanCreditors):
+        agent.run_when_ready(creditors.run)
     if pod_name and namespace and pool and credentials is not None:
         from kvfleet.worker.migration.watcher import KubernetesMigrationAPI, MigrationWatcher, WatcherConfig
 
@@ -133,6 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # each dropped SYN costs its client a second or more.
                 backlog=LISTEN_BACKLOG)
     return 0
+
+
+def _creditors(args: argparse.Namespace, pod_name: str | None, namespace: str | None, pool: str | None) -> Creditors:
+    """Whom a borrowing worker asks: the peers given, or the operator's plan in its pool's status."""
+    if args.distkv_peers:
+        # No room figure without the operator: each is asked, and a refusal says there is none.
+        return StaticCreditors([Creditor(name, address, 1 << 62) for name, address in args.distkv_peers])
+    if not (pod_name and namespace and pool):
+        raise SystemExit("--distkv needs the pool's plan (POD_NAME, POD_NAMESPACE, KVFLEET_POOL) or --distkv-peers")
+    from kvfleet.api.incluster import PoolStatusReader
+
+    return PoolPlanCreditors(PoolStatusReader(namespace, pool), pod_name)
 
 
 # vLLM's engine starts processes that import this module again: only the real entrypoint may run it.

@@ -21,6 +21,7 @@ It is also both ends of a live migration (docs/migration.md): here it hosts the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import MAX_BODY_BYTES, APIError
 from kvfleet.serving.tokens import TOKENIZER_PATH
 from kvfleet.worker.adoption import Adoptions
+from kvfleet.worker.distkv.borrower import RemoteLease
+from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.engines.base import Engine, EngineInfo, StepOutput
 from kvfleet.worker.gpu import GPUProbe
 from kvfleet.worker.metrics import WorkerMetrics
@@ -41,7 +44,7 @@ from kvfleet.worker.migration.executor import Executor, MigrationMetrics, Migrat
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest, Handoffs, HandoffTarget, LiveRequest
 from kvfleet.worker.migration.transport import MIGRATION_PORT, Listener, TCPTransport, split_address
 from kvfleet.worker.openai_routes import OpenAIRoutes
-from kvfleet.worker.reporter import CacheFigures, LoadReporter, WriteReport, measured_from
+from kvfleet.worker.reporter import CacheFigures, DistKVFigures, LoadReporter, WriteReport, measured_from
 from kvfleet.worker.streams import RequestStreams
 from kvfleet.worker.text import Tokenizer
 
@@ -64,6 +67,8 @@ class AgentConfig:
     # none either); 0 picks a free port (tests). Every worker of a pool uses the same port.
     migration_host: str = "0.0.0.0"
     migration_port: int | None = MIGRATION_PORT
+    # DistKV (docs/distkv.md): whom an engine that borrows asks for KV blocks; None: it borrows none.
+    creditors: Creditors | None = None
 
 
 class Agent:
@@ -214,8 +219,21 @@ class Agent:
                                      measured=measured_from(self.metrics.registry),
                                      block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s,
                                      memory=elastic.memory_state if elastic is not None else None,
-                                     prefix_cache=self._cache_figures(info))
+                                     prefix_cache=self._cache_figures(info), distkv=self._distkv_figures(info))
         self._tasks.append(asyncio.create_task(self.reporter.run()))
+
+    def _distkv_figures(self, info: EngineInfo) -> Callable[[], DistKVFigures] | None:
+        lending, borrowing = self.engine.capabilities.lending, self.engine.capabilities.borrowing
+        if lending is None and borrowing is None:
+            return None
+        block_bytes = info.block_size_tokens * info.kv_bytes_per_token
+
+        def figures() -> DistKVFigures:
+            return DistKVFigures(lending.cap_blocks * block_bytes if lending is not None else None,
+                                 lending.lent_blocks() * block_bytes if lending is not None else 0,
+                                 borrowing.borrowed_bytes() if borrowing is not None else {})
+
+        return figures
 
     def _cache_figures(self, info: EngineInfo) -> Callable[[], CacheFigures] | None:
         cache = self.engine.capabilities.prefix_cache
@@ -244,6 +262,10 @@ class Agent:
     async def _start_migrations(self, credentials: PoolCredentials) -> None:
         transport = TCPTransport(credentials)
         self.executor = Executor(self, transport, self.migration_metrics)
+        borrowing = self.engine.capabilities.borrowing
+        if borrowing is not None and self.config.creditors is not None:
+            # Leases go over the same authenticated port as migrations (distkv/wire.py).
+            borrowing.attach(functools.partial(RemoteLease, transport), self.config.creditors)
         if self.config.migration_port is None:
             return
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -39,6 +39,8 @@ class ReportKey:
 
     classes: tuple[tuple[str, str, str, str], ...]
     capacity_step: int = 0
+    # DistKV: what it lends and borrows (the operator's ledger and plan follow it, docs/distkv.md).
+    lending: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
 
 
 # An elastic worker's capacity moves with its activations; a change of this fraction is news to MELL
@@ -72,7 +74,8 @@ def measured_from(registry: CollectorRegistry) -> Callable[[], Measured]:
 def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                  queued: list[RequestKV] | None = None, measured: Measured | None = None,
                  block_size_tokens: int | None = None, finishing_tokens: float | None = None,
-                 cpu_buffer_bytes: int | None = None, prefix_cache: CacheFigures | None = None) -> KVLoadReport:
+                 cpu_buffer_bytes: int | None = None, prefix_cache: CacheFigures | None = None,
+                 distkv: DistKVFigures | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
@@ -84,14 +87,26 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
                          size_class=size_class_name(r.kv_bytes, capacity_bytes),
                          finishing=True if _finishing(r, waiting, finishing_tokens) else None,
-                         shared_bytes=r.shared_bytes or None)
+                         shared_bytes=r.shared_bytes or None, borrowed_bytes=r.borrowed_bytes or None)
              for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,
                         prefill_tokens_per_second=measured.prefill_tokens_per_s, block_size_tokens=block_size_tokens,
                         cpu_buffer_bytes=cpu_buffer_bytes,
                         evictable_bytes=prefix_cache.evictable_bytes if prefix_cache else None,
-                        prefix_cache_blocks=prefix_cache.cached_blocks if prefix_cache else None)
+                        prefix_cache_blocks=prefix_cache.cached_blocks if prefix_cache else None,
+                        lend_cap_bytes=distkv.lend_cap_bytes if distkv else None,
+                        lent_bytes=distkv.lent_bytes if distkv and distkv.lend_cap_bytes is not None else None,
+                        borrowed=dict(distkv.borrowed) if distkv and distkv.borrowed else None)
+
+
+@dataclass(frozen=True)
+class DistKVFigures:
+    """A DistKV engine's lending and borrowing as a report states them (docs/distkv.md)."""
+
+    lend_cap_bytes: int | None
+    lent_bytes: int
+    borrowed: Mapping[str, int]
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,9 @@ def _finishing(r: RequestKV, queued: bool, finishing_tokens: float | None) -> bo
 
 def report_key(report: KVLoadReport, rest_capacity_bytes: int | None = None) -> ReportKey:
     step = round(report.capacity_bytes / (rest_capacity_bytes * CAPACITY_STEP_FRACTION)) if rest_capacity_bytes else 0
-    return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests), step)
+    lending = (report.lent_bytes or 0, tuple(sorted((report.borrowed or {}).items())))
+    return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests), step,
+                     lending)
 
 
 class LoadReporter:
@@ -130,8 +147,10 @@ class LoadReporter:
                  measured: Callable[[], Measured] | None = None, block_size_tokens: int | None = None,
                  step_s: Callable[[], float | None] | None = None,
                  memory: Callable[[], MemoryState] | None = None,
-                 prefix_cache: Callable[[], CacheFigures] | None = None) -> None:
+                 prefix_cache: Callable[[], CacheFigures] | None = None,
+                 distkv: Callable[[], DistKVFigures] | None = None) -> None:
         self._usage = usage
+        self._distkv = distkv
         self._memory = memory
         self._prefix_cache = prefix_cache
         self._step_s = step_s
@@ -164,7 +183,8 @@ class LoadReporter:
                               self._measured() if self._measured else None, self._block_size_tokens,
                               finishing_tokens=2 * self.interval_s / step_s if step_s else None,
                               cpu_buffer_bytes=memory.cpu_buffer_bytes if memory else None,
-                              prefix_cache=self._prefix_cache() if self._prefix_cache else None)
+                              prefix_cache=self._prefix_cache() if self._prefix_cache else None,
+                              distkv=self._distkv() if self._distkv else None)
         key = report_key(report, self._capacity_bytes if memory else None)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False

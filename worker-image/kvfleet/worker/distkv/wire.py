@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
+from kvfleet.worker.engines.capabilities import LendingError
+
 LEND_OPS = ("lend", "lend-write", "lend-attend", "lend-free")
 # A remote micro-attention or write waits behind the lender's own step at most this long.
 REPLY_TIMEOUT_S = 30.0
 
 
-class LendingRefused(Exception):
+class LendingRefused(LendingError):
     """The lender refused or failed a call (its message says why)."""
 
 

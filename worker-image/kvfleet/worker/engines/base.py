@@ -91,6 +91,11 @@ class EngineConfig:
     # Greedy outputs are the same; sdpa is the default because on the CPU its decode steps are faster
     # at small batches (bench/attention.py).
     attention: Literal["sdpa", "distattention"] = "sdpa"
+    # DistKV (Infinite-LLM §4.3, docs/distkv.md; builtin engine): lend up to this many bytes of free KV
+    # blocks to requests of other workers (0: lend none), and borrow for a request larger than this
+    # engine's whole cache (needs attention "distattention" and a static cache, not elastic memory).
+    lend_cap_bytes: int = 0
+    borrow: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,9 @@ class RequestKV:
     # epochs the operator tells a request about to finish, whose move would land after it ended.
     remaining_tokens: int | None = None
     shared_bytes: int = 0
+    # DistKV (docs/distkv.md): KV of this request held in blocks other workers lent it; kv_bytes is
+    # only what this worker holds.
+    borrowed_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,9 @@ from kvfleet.worker.engines.base import (
     StepOutput,
 )
 from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS, BlockPool, blocks_for
+from kvfleet.worker.engines.builtin_borrowing import BuiltinKVBorrowing, RemotePartLost
 from kvfleet.worker.engines.builtin_elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
+from kvfleet.worker.engines.builtin_lending import BuiltinKVLending
 from kvfleet.worker.engines.builtin_migration import BuiltinKVMigration
 from kvfleet.worker.engines.builtin_model import (
     ACTIVATION_BASE_BYTES,
@@ -105,6 +107,15 @@ class BuiltinEngine:
             self._sched.prefix = PromptTree(BLOCK_SIZE_TOKENS)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
+        # DistKV (docs/distkv.md): the lender's and the borrower's sides, each only when configured.
+        if config.borrow and config.attention != "distattention":
+            raise EngineError("borrowing KV (DistKV) needs attention 'distattention': remote KV is attended where it lives")
+        if (config.borrow or config.lend_cap_bytes) and self._elastic is not None:
+            raise EngineError("DistKV lending and borrowing need a static KV cache, not elastic memory")
+        if config.lend_cap_bytes < 0:
+            raise EngineError(f"the lending cap must be at least 0 bytes, not {config.lend_cap_bytes}")
+        self._lending = BuiltinKVLending(self._sched, 0) if config.lend_cap_bytes else None
+        self._borrowing = BuiltinKVBorrowing(self._sched, BLOCK_SIZE_TOKENS) if config.borrow else None
         self._speed = SpeedRecorder("builtin")
 
     # -- the Engine contract -------------------------------------------------------------------
@@ -171,6 +182,10 @@ class BuiltinEngine:
             self._sched.open(BlockPool(num_blocks, block_bytes), limits, frozenset(arch.eos_token_ids))
         self._step_lock = asyncio.Lock()
         self._migration.open(cache, self._executor, self._step_lock)
+        if self._lending is not None:
+            self._lending.open(cache, self._executor, self.config.lend_cap_bytes // block_bytes)
+        if self._borrowing is not None:
+            self._borrowing.open(cache, self._executor)
         self._info = EngineInfo(
             engine="builtin",
             model_path=str(config.model_path),
@@ -204,6 +219,10 @@ class BuiltinEngine:
         self._model = None
         self._cache = None
         self._migration.close()
+        if self._lending is not None:
+            self._lending.close()
+        if self._borrowing is not None:
+            self._borrowing.close()
         self._sched.close()
         self._close_pool()
         self._info = None
@@ -217,7 +236,13 @@ class BuiltinEngine:
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None,
-                                  prefix_cache=self if self._sched.prefix is not None else None)
+                                  prefix_cache=self if self._sched.prefix is not None else None,
+                                  lending=self._lending, borrowing=self._borrowing)
+
+    @property
+    def borrowing(self) -> BuiltinKVBorrowing | None:
+        """The borrower's side, for its counters (the bench); None when the engine does not borrow."""
+        return self._borrowing
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache now (capabilities.PrefixCache); only asked of an engine that caches."""
@@ -344,6 +369,8 @@ class BuiltinEngine:
             # Cleared before looking for work, so a wake-up during the step is not lost.
             wake_event.clear()
             async with self._step_lock:
+                if self._borrowing is not None:
+                    await self._borrowing.prepare()
                 step = sched.schedule()
                 started_s = time.monotonic()
                 succeeded = False
@@ -352,6 +379,13 @@ class BuiltinEngine:
                         tokens = await self._in_executor(functools.partial(self._execute, step))
                         sched.process(step, tokens)
                         succeeded = True
+                    except RemotePartLost as err:
+                        # Only that request's remote KV is gone: it is prefilled again, and the step's
+                        # other requests run this step again (their KV writes are the same).
+                        logger.warning("%s; it is prefilled again", err)
+                        lost = sched.requests.get(err.request_id)
+                        if lost is not None and self._borrowing is not None:
+                            self._borrowing.lose(lost)
                     except Exception as err:  # a failed step fails its requests, not the engine
                         logger.exception("builtin engine step failed")
                         sched.fail(step, EngineError(f"engine step failed: {err}"))

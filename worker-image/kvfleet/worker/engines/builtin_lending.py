@@ -39,9 +39,14 @@ class BuiltinKVLending:
         self._executor: concurrent.futures.Executor | None = None
         self._leases: dict[str, list[int]] = {}  # lease id -> block ids, in token order
 
-    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor) -> None:
+    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor, cap_blocks: int | None = None) -> None:
+        """Lend from the started engine's cache; `cap_blocks` replaces the cap (known once blocks are sized)."""
         self._cache = cache
         self._executor = executor
+        if cap_blocks is not None:
+            if cap_blocks < 0:
+                raise ValueError("the lending cap must be at least 0 blocks")
+            self._cap_blocks = cap_blocks
 
     def close(self) -> None:
         """The engine stops: every lease is gone with its memory."""

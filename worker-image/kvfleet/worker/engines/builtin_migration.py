@@ -74,6 +74,10 @@ class BuiltinKVMigration:
             req = sched.requests.get(request_id)
             if req is None or req.state not in (RequestState.WAITING, RequestState.RUNNING):
                 raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
+            if req.spans:
+                # Its KV lives on several workers (DistKV): no one target holds it, and the operator
+                # orders no move for it (docs/distkv.md).
+                raise MigrationError(f"request {request_id!r} borrows KV from other workers and is not moved")
             sched.detach(req)
             req.state = RequestState.SUSPENDED
             req.queue.put_nowait(None)

@@ -11,6 +11,13 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
   and whole blocks, as MELL sizes requests. When blocks run out, the most recently admitted request
   is preempted: its blocks are freed and it goes back to the front of the queue, to be re-prefilled
   from prompt + generated tokens (vLLM's recompute policy; its stream sees no gap but a delay).
+- DistKV (Infinite-LLM §4.3, docs/distkv.md): a request larger than the whole local cache may still
+  be admitted when other workers can lend the difference (`borrowable_blocks`). Such a request
+  `spans`: it is prefilled in chunks that fit its local blocks, and before each step the engine's
+  borrowing side (builtin_borrowing.py) moves its oldest full blocks into blocks lent elsewhere
+  (`remote`), so its local blocks always hold its newest tokens. It is never preempted for others
+  (its remote KV would be lost); a request short of blocks while only spanning requests could make
+  room waits instead.
 - A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
   suspend hands it on (builtin_sampling.py says why the seed is all a resume needs).
 
@@ -25,8 +32,9 @@ import enum
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -41,7 +49,7 @@ from kvfleet.worker.engines.base import (
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.builtin_blocks import BlockPool, StagedKV, blocks_for
-from kvfleet.worker.engines.builtin_model import SeqBatchEntry
+from kvfleet.worker.engines.builtin_model import KVParts, SeqBatchEntry
 from kvfleet.worker.engines.builtin_sampling import Sampling
 
 logger = logging.getLogger(__name__)
@@ -56,6 +64,15 @@ class RequestState(enum.Enum):
     RUNNING = "running"
     SUSPENDED = "suspended"
     FINISHED = "finished"
+
+
+class RemoteKV(KVParts, Protocol):
+    """A spanning request's oldest KV, held in blocks other workers lent it (builtin_borrowing.py)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the request's context held there: its first `num_tokens` positions."""
+        ...
 
 
 # What a request's stream receives: an output, an error, or None when it was suspended.
@@ -83,10 +100,18 @@ class Request:
     # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
     # `blocks` belong to the cache, not to the request, and are never freed with it.
     shared: Match[int] | None = None
+    # DistKV: the request is larger than this engine's whole cache and borrows (module docstring);
+    # `remote` holds its first remote_tokens tokens' KV, and `blocks` the rest from there on.
+    spans: bool = False
+    remote: RemoteKV | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def remote_tokens(self) -> int:
+        return self.remote.num_tokens if self.remote is not None else 0
 
     def context(self) -> list[int]:
         return self.prompt + self.output
@@ -130,6 +155,10 @@ class Scheduler:
         self.wake_event: asyncio.Event | None = None
         self._admissions = 0
         self._rng = random.Random(seed)
+        # DistKV (builtin_borrowing.py sets both): blocks other workers could lend now, and how a
+        # request's remote KV is given back when it finishes or is preempted.
+        self.borrowable_blocks: Callable[[], int] = lambda: 0
+        self.release_remote: Callable[[Request], None] = lambda req: None
         # Counters for metrics and benchmarks: how much recompute preemption and re-prefill cost.
         self.num_preemptions = 0
         self.num_prefilled_tokens = 0
@@ -178,11 +207,16 @@ class Scheduler:
                                  f"model's context of {limits.max_model_len} tokens")
         # The most KV it ever holds: every token but the last one sampled.
         most_blocks = blocks_for(len(prompt) + params.max_tokens - 1, self.block_size_tokens)
-        if most_blocks > self.pool.num_blocks:
-            raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need {most_blocks} KV "
-                                 f"blocks; this engine has {self.pool.num_blocks}")
+        spans = most_blocks > self.pool.num_blocks
+        if spans:
+            # Infinite-LLM §4.3: the difference may live in blocks other workers lend.
+            borrowable = self.borrowable_blocks() if self.pool.num_blocks > 0 else 0
+            if most_blocks > self.pool.num_blocks + borrowable:
+                lend = f" and the pool can lend it {borrowable} more" if borrowable else ""
+                raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need {most_blocks} KV "
+                                     f"blocks; this engine has {self.pool.num_blocks}{lend}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, prompt, output, replace(params, seed=seed), seed)
+        return Request(request_id, prompt, output, replace(params, seed=seed), seed, spans=spans)
 
     def enqueue(self, req: Request, *, front: bool = False) -> AsyncIterator[StepOutput]:
         """Queue a request (at the front: it is already late) and return its stream."""
@@ -255,7 +289,8 @@ class Scheduler:
                 num_elsewhere = sum(1 for node in nodes if id(node) in counted)
                 counted.update(id(node) for node in nodes)
                 usage.append(RequestKV(req.request_id, tokens, (len(req.blocks) - num_elsewhere) * block_bytes,
-                                       max(0, req.params.max_tokens - len(req.output)), num_elsewhere * block_bytes))
+                                       max(0, req.params.max_tokens - len(req.output)), num_elsewhere * block_bytes,
+                                       blocks_for(req.remote_tokens, self.block_size_tokens) * block_bytes))
         for request_id, staged in self.staged.items():
             if staged.blocks:
                 usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))
@@ -282,6 +317,12 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.spans:
+                if not self._admit_spanning(req, bool(admitted)):
+                    break
+                admitted.append(req)
+                budget_tokens = 0  # its chunk takes the step's prefill budget
+                continue
             # Its prompt's cached prefix (Table 1's match): pinned first, so making room cannot evict it.
             match = self._cached_prefix(req)
             num_cached = match.num_tokens if match is not None else req.num_cached
@@ -305,21 +346,74 @@ class Scheduler:
             budget_tokens -= num_new_tokens
             self.num_prefilled_tokens += num_new_tokens
         self.running.extend(admitted)
-        if not self.running:
+        for req in self.running:
+            if req.spans:
+                self._top_up(req)
+        batch = [(req, n) for req in self.running if (n := self.step_tokens(req)) > 0]
+        if not batch:
             return None
-        requests = tuple(self.running)
-        entries = tuple(SeqBatchEntry(tuple(req.context()[req.num_cached:]), req.num_cached, tuple(req.blocks))
-                        for req in requests)
+        requests = tuple(req for req, _ in batch)
+        entries = tuple(SeqBatchEntry(tuple(req.context()[req.num_cached: req.num_cached + n]), req.num_cached,
+                                      tuple(req.blocks), extra_parts=(req.remote,) if req.remote is not None else (),
+                                      remote_tokens=req.remote_tokens)
+                        for req, n in batch)
         samplings = tuple(Sampling(req.params.temperature, req.params.top_p, req.seed, req.num_tokens)
                           for req in requests)
         return Step(requests, entries, samplings)
 
+    def _admit_spanning(self, req: Request, others: bool) -> bool:
+        """Admit a spanning request with the blocks its first chunk needs, or as many as are free (at
+        least one); its later chunks get theirs as its borrowing side makes room (module docstring)."""
+        if others:
+            return False  # its chunk is the step's whole prefill budget
+        want = blocks_for(min(req.num_tokens, PREFILL_TOKENS_PER_STEP), self.block_size_tokens)
+        self._make_room(want)
+        if not self.pool.free:
+            return False
+        self.waiting.popleft()
+        req.blocks.extend(self.pool.allocate(min(want, len(self.pool.free))))
+        req.state = RequestState.RUNNING
+        req.admitted_seq = self._admissions
+        self._admissions += 1
+        return True
+
+    def step_tokens(self, req: Request) -> int:
+        """How many of a running request's tokens the next step computes: all it has not cached, or for
+        a spanning request the chunk its local blocks hold; 0 while it waits for blocks."""
+        pending = req.num_tokens - req.num_cached
+        room = len(req.blocks) * self.block_size_tokens - (req.num_cached - req.remote_tokens)
+        if not req.spans:
+            return pending if room >= pending else 0
+        return min(pending, room, PREFILL_TOKENS_PER_STEP)
+
+    def _top_up(self, req: Request) -> None:
+        """Give a spanning request what is free toward its next chunk or token; the rest comes of moving
+        its oldest blocks to lenders before the next step (builtin_borrowing.py), never of preempting."""
+        local = req.num_cached - req.remote_tokens
+        want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
+        num_new_blocks = min(blocks_for(local + want, self.block_size_tokens) - len(req.blocks), len(self.pool.free))
+        if num_new_blocks > 0:
+            req.blocks.extend(self.pool.allocate(num_new_blocks))
+
+    def spanning_shortfall(self, req: Request) -> int:
+        """Blocks a running spanning request lacks for its next chunk (or decode) beyond the free ones."""
+        want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
+        local = req.num_cached - req.remote_tokens
+        return max(0, blocks_for(local + want, self.block_size_tokens) - len(req.blocks) - len(self.pool.free))
+
     def process(self, step: Step, tokens: list[int]) -> None:
         """Hand each request its sampled token, finish those that are done, and reserve the next slots."""
         eos_ids = self.eos_ids
-        for req, token in zip(step.requests, tokens):
+        for req, entry, token in zip(step.requests, step.entries, tokens):
             if req.state is not RequestState.RUNNING:  # aborted while the step ran
                 continue
+            written = entry.start_position + len(entry.token_ids)
+            if written < req.num_tokens:  # a chunk of a spanning request's prefill: no token yet
+                self.num_prefilled_tokens += len(entry.token_ids)
+                req.num_cached = written
+                continue
+            if req.spans and len(entry.token_ids) > 1:
+                self.num_prefilled_tokens += len(entry.token_ids)
             req.num_cached = req.num_tokens
             req.output.append(token)
             reason: FinishReason | None = None
@@ -342,12 +436,18 @@ class Scheduler:
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:  # preempted below for an older request
                 continue
+            if req.spans:
+                self._top_up(req)
+                continue
             num_new_blocks = blocks_for(req.num_tokens, bs) - len(req.blocks)
             if num_new_blocks > len(free):
                 self._make_room(num_new_blocks)
             while num_new_blocks > len(free) and req.state is RequestState.RUNNING:
-                self._preempt(self.running[-1])
-            if req.state is RequestState.RUNNING and num_new_blocks > 0:
+                victim = next((r for r in reversed(self.running) if not r.spans), None)
+                if victim is None:
+                    break  # only spanning requests could make room: it waits (module docstring)
+                self._preempt(victim)
+            if req.state is RequestState.RUNNING and 0 < num_new_blocks <= len(free):
                 req.blocks.extend(self.pool.allocate(num_new_blocks))
 
     def ensure_free(self, num_blocks: int) -> bool:
@@ -359,7 +459,7 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> Match[int] | None:
         """The longest cached prefix a request about to be prefilled from scratch can start from,
         pinned; at least its last token is computed (its logits give the next token)."""
-        if self.prefix is None or req.blocks or req.num_cached or req.parked is not None:
+        if self.prefix is None or req.blocks or req.num_cached or req.parked is not None or req.spans:
             return None
         match = self.prefix.match(req.context()[: req.num_tokens - 1])
         if not match.nodes:
@@ -383,11 +483,14 @@ class Scheduler:
         if shared is not None and self.prefix is not None:
             self.prefix.release(shared)
         req.blocks, req.shared = [], None
+        if req.remote is not None:
+            self.release_remote(req)
+            req.remote = None
 
     def _cache_blocks(self, req: Request) -> None:
         """A request that ended well leaves its full, written blocks in the cache (Table 1's insert):
         they move from the request to the tree; copies of blocks cached already go back to the pool."""
-        if self.prefix is None:
+        if self.prefix is None or req.spans:  # a spanning request's blocks do not start at its first token
             return
         full = min(req.num_cached, req.num_tokens) // self.block_size_tokens
         shared = req.shared
@@ -400,6 +503,17 @@ class Scheduler:
         # The blocks now the tree's (inserted, or its own already) leave the request's list, so
         # _free_blocks frees only what is past them; the shared prefix is unpinned as usual.
         req.blocks = req.blocks[:num_shared] + req.blocks[full:]
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's KV and queue it first, to be prefilled again (DistKV's lost lease)."""
+        self._preempt(req)
+
+    def fail_request(self, req: Request, error: EngineError) -> None:
+        """End one running or waiting request with an error (its stream raises it)."""
+        if req.state in (RequestState.RUNNING, RequestState.WAITING):
+            self.detach(req)
+            req.queue.put_nowait(error)
+            self.finish(req)
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)

@@ -35,14 +35,17 @@ ends, and falls back to moving tokens otherwise.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from prometheus_client.registry import Collector
 
 from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
+
+if TYPE_CHECKING:
+    from kvfleet.worker.distkv.creditors import Creditors
 
 
 class MigrationError(EngineError):
@@ -245,6 +248,44 @@ class KVLending(Protocol):
         ...
 
 
+class RemoteKVLease(Protocol):
+    """One lease at one lender, as the borrowing engine uses it (kvfleet.worker.distkv.borrower's
+    RemoteLease over the migration port, which engines do not import). A refusal raises LendingError;
+    any other exception means the lender is lost."""
+
+    address: str
+    blocks: int
+    block_size_tokens: int
+    bytes_sent: int
+    bytes_received: int
+
+    async def lend(self, num_blocks: int) -> None: ...
+
+    async def write(self, start_token: int, kv: torch.Tensor) -> None: ...
+
+    async def attend(self, layer: int, q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    async def free(self) -> None: ...
+
+
+# Opens a lease: (lender address, lease id) -> a lease not yet holding any block.
+LeaseOpener = Callable[[str, str], RemoteKVLease]
+
+
+class KVBorrowing(Protocol):
+    """rManager's borrower side (Infinite-LLM §4.3): a request larger than this engine's KV memory keeps
+    its oldest KV in blocks other workers lend (KVLending there), reached over the pool's migration
+    transport; whom to ask comes from the operator's plan (distkv/creditors.py). On the event loop."""
+
+    def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
+        """How to reach lenders, and whom to ask first."""
+        ...
+
+    def borrowed_bytes(self) -> Mapping[str, int]:
+        """Creditor pod -> bytes of KV blocks it lends this engine's requests now (the debt ledger's row)."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
@@ -260,6 +301,8 @@ class EngineCapabilities:
     prefix_cache: PrefixCache | None = None
     # Lends KV blocks to requests running elsewhere (DistKV, docs/distkv.md).
     lending: KVLending | None = None
+    # Borrows KV blocks for requests larger than its own memory (DistKV, docs/distkv.md).
+    borrowing: KVBorrowing | None = None
     # The engine's own Prometheus families (vLLM's stat logger), served at the worker's /metrics in
     # place of the worker's emulation of vLLM's names (worker/metrics.py VLLMNames).
     prometheus_metrics: Collector | None = None

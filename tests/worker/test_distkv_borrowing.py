@@ -1,0 +1,214 @@
+"""rManager's borrower side in the builtin engine (docs/distkv.md, Infinite-LLM §4.3, §4.6): a request
+larger than its worker's whole KV cache is served with blocks other workers lend, over loopback TCP
+with the real transport and handshake, and its greedy output equals one big worker's. A lender that
+dies mid-request costs a re-prefill, not the stream; a pool without room refuses clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
+from kvfleet.worker.distkv.borrower import RemoteLease
+from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors
+from kvfleet.worker.distkv.lender import serve_lease
+from kvfleet.worker.engines import EngineConfig, load_engine
+from kvfleet.worker.engines.base import RequestTooLong, SamplingParams
+from kvfleet.worker.engines.builtin import BuiltinEngine
+from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport
+
+TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("borrow-token", b"borrow-key")))
+OPEN = functools.partial(RemoteLease, TRANSPORT)
+BLOCK = 16
+BLOCK_BYTES = BLOCK * 2048  # the tiny model: 2 layers x K,V x 2 kv heads x 64 x float32 = 2 KiB a token
+
+
+def config(model_dir: Path, blocks: int, **kwargs: object) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, kv_capacity_bytes=blocks * BLOCK_BYTES, dtype="float32",
+                        attention="distattention", **kwargs)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def lender(model_dir: Path, blocks: int, cap_blocks: int) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
+    """A started builtin engine lending up to `cap_blocks` of its `blocks`, on a loopback port."""
+    engine = load_engine("builtin", config(model_dir, blocks, lend_cap_bytes=cap_blocks * BLOCK_BYTES))
+    assert isinstance(engine, BuiltinEngine)
+    await engine.start()
+
+    async def handle(channel: Channel) -> None:
+        await serve_lease(engine.capabilities.lending, channel, await channel.recv(5), BLOCK)
+
+    listener = await TRANSPORT.listen("127.0.0.1", 0, handle)
+    try:
+        yield engine, listener
+    finally:
+        await listener.close()
+        await engine.stop()
+
+
+async def greedy(engine: BuiltinEngine, prompt: list[int], max_tokens: int, request_id: str = "r") -> list[int]:
+    out: list[int] = []
+    async for step in engine.generate(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+        out.extend(step.new_token_ids)
+    return out
+
+
+def prompt_of(n: int) -> list[int]:
+    return [(7 * i + 3) % 250 + 1 for i in range(n)]
+
+
+async def reference(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    big = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=64 * BLOCK_BYTES, dtype="float32"))
+    assert isinstance(big, BuiltinEngine)
+    await big.start()
+    try:
+        return await greedy(big, prompt, max_tokens)
+    finally:
+        await big.stop()
+
+
+def test_a_request_three_times_the_workers_memory_equals_one_big_workers_greedy(tiny_model_dir: Path) -> None:
+    prompt, max_tokens = prompt_of(150), 40  # 189 tokens of KV: 12 blocks, the borrower has 4
+
+    async def scenario() -> None:
+        want = await reference(tiny_model_dir, prompt, max_tokens)
+        async with AsyncExitStack() as stack:
+            lenders = [await stack.enter_async_context(lender(tiny_model_dir, 8, 6)) for _ in range(2)]
+            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+            assert isinstance(borrower, BuiltinEngine)
+            await borrower.start()
+            stack.push_async_callback(borrower.stop)
+            borrowing = borrower.capabilities.borrowing
+            assert borrowing is not None
+            creditors = [Creditor(f"lender-{i}", f"127.0.0.1:{listener.port}", 6 * BLOCK_BYTES)
+                         for i, (_, listener) in enumerate(lenders)]
+            borrowing.attach(OPEN, StaticCreditors(creditors))
+
+            seen_lent: list[int] = []
+            stream = asyncio.create_task(greedy(borrower, prompt, max_tokens))
+            while not stream.done():
+                usage = borrower.kv_usage()
+                if usage and usage[0].borrowed_bytes:
+                    assert usage[0].kv_bytes <= 4 * BLOCK_BYTES  # only the local part is this worker's load
+                    assert sum(borrowing.borrowed_bytes().values()) >= usage[0].borrowed_bytes
+                    seen_lent.append(sum(engine.capabilities.lending.lent_blocks()  # type: ignore[union-attr]
+                                         for engine, _ in lenders))
+                await asyncio.sleep(0.005)
+            assert await stream == want
+            assert seen_lent and max(seen_lent) >= 8  # the first lender's 6 blocks, then the second's
+            for _ in range(100):  # the leases are freed as the request ends
+                if all(engine.capabilities.lending.lent_blocks() == 0 for engine, _ in lenders):  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.02)
+            assert all(engine.capabilities.lending.lent_blocks() == 0 for engine, _ in lenders)  # type: ignore[union-attr]
+            assert borrowing.borrowed_bytes() == {}
+            assert len(borrower._sched.pool.free) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_lender_that_dies_costs_a_re_prefill_elsewhere_not_the_stream(tiny_model_dir: Path) -> None:
+    prompt, max_tokens = prompt_of(100), 60
+
+    async def scenario() -> None:
+        want = await reference(tiny_model_dir, prompt, max_tokens)
+        async with AsyncExitStack() as stack:
+            doomed_engine, doomed = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
+            _, spare = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
+            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True, min_step_s=0.01))
+            assert isinstance(borrower, BuiltinEngine)
+            await borrower.start()
+            stack.push_async_callback(borrower.stop)
+            assert borrower.capabilities.borrowing is not None
+            borrower.capabilities.borrowing.attach(OPEN, StaticCreditors([
+                Creditor("doomed", f"127.0.0.1:{doomed.port}", 12 * BLOCK_BYTES),
+                Creditor("spare", f"127.0.0.1:{spare.port}", 12 * BLOCK_BYTES)]))
+            stream = asyncio.create_task(greedy(borrower, prompt, max_tokens))
+            lending = doomed_engine.capabilities.lending
+            assert lending is not None
+            while lending.lent_blocks() == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            await doomed.close()  # the lender leaves: its listener and engine stop, its leases go
+            await doomed_engine.stop()
+            assert await asyncio.wait_for(stream, 60) == want
+            assert borrower.num_preemptions >= 1
+
+    asyncio.run(scenario())
+
+
+def test_without_room_in_the_pool_the_request_is_refused_clearly(tiny_model_dir: Path) -> None:
+    async def scenario() -> None:
+        borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        assert isinstance(borrower, BuiltinEngine)
+        await borrower.start()
+        try:
+            assert borrower.capabilities.borrowing is not None
+            borrower.capabilities.borrowing.attach(OPEN, StaticCreditors([
+                Creditor("small", "127.0.0.1:9", 2 * BLOCK_BYTES)]))
+            with pytest.raises(RequestTooLong, match="this engine has 4 and the pool can lend it 2 more"):
+                borrower.generate("r", prompt_of(150), SamplingParams(max_tokens=10))
+        finally:
+            await borrower.stop()
+
+    asyncio.run(scenario())
+
+
+def test_borrowing_needs_distattention() -> None:
+    with pytest.raises(Exception, match="distattention"):
+        load_engine("builtin", EngineConfig(model_path=Path("/nonexistent"), borrow=True))
+
+
+class _Remote:
+    """A stand-in for a request's leases: only how many of its tokens they hold."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def attend(self, layer_index: int, q: object) -> tuple[object, object]:
+        raise AssertionError("not run")
+
+
+def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_never_preempts_it() -> None:
+    from kvfleet.worker.engines.builtin_blocks import BlockPool
+    from kvfleet.worker.engines.builtin_scheduler import ModelLimits, Scheduler
+
+    async def scenario() -> None:
+        sched = Scheduler(max_num_seqs=4, block_size_tokens=BLOCK, seed=0)
+        sched.open(BlockPool(4, BLOCK_BYTES), ModelLimits(2048, 256, 2048), frozenset())
+        with pytest.raises(RequestTooLong, match="this engine has 4$"):
+            sched.new_request("r", prompt_of(100), [], SamplingParams(max_tokens=4))
+        sched.borrowable_blocks = lambda: 6
+        req = sched.new_request("r", prompt_of(100), [], SamplingParams(max_tokens=4))
+        assert req.spans
+        sched.enqueue(req)
+        step = sched.schedule()
+        assert step is not None and [len(e.token_ids) for e in step.entries] == [64]  # its 4 blocks' worth
+        sched.process(step, [9])
+        assert (req.num_cached, req.output) == (64, [])  # a chunk samples nothing
+        assert sched.spanning_shortfall(req) == 3 and sched.schedule() is None  # 36 more tokens need 3 blocks
+        # What builtin_borrowing's spill does: the 3 oldest blocks move to a lender.
+        sched.pool.release(req.blocks[:3])
+        del req.blocks[:3]
+        req.remote = _Remote(48)  # type: ignore[assignment]
+        step = sched.schedule()
+        assert step is not None
+        entry = step.entries[0]
+        assert (entry.start_position, len(entry.token_ids), entry.remote_tokens, len(entry.block_table)) == (64, 36, 48, 4)
+        assert entry.extra_parts == (req.remote,)
+        # An ordinary request arrives; blocks are short, and the spanning request is not the victim.
+        other = sched.new_request("o", prompt_of(10), [], SamplingParams(max_tokens=4))
+        sched.enqueue(other)
+        sched.process(step, [7])
+        assert req.output == [7] and req.state.value == "running"
+        usage = {u.request_id: u for u in sched.kv_usage()}
+        assert (usage["r"].kv_bytes, usage["r"].borrowed_bytes) == (4 * BLOCK_BYTES, 3 * BLOCK_BYTES)
+        sched.abort(req)
+        assert len(sched.pool.free) == 4 and req.remote is None
+
+    asyncio.run(scenario())

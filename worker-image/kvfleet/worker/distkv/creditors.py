@@ -1,0 +1,135 @@
+"""Where a borrower finds lenders: the gManager's answer to "who has room for me" (Infinite-LLM §4.4).
+
+In the paper a debtor asks the gManager and gets three creditor candidates, nearest first, then
+negotiates with them directly; a creditor whose room is gone refuses and the debtor asks the next
+(the contract protocol). Here the operator plays the gManager: each epoch it publishes, in the
+LLMPool's `status.distkv.candidates`, every worker's standing list of candidates (docs/distkv.md),
+and `PoolPlanCreditors` keeps this worker's list fresh by reading it. A standing list, instead of a
+question per request, lets a borrower start at once; the creditor's refusal keeps it honest when the
+list is stale. `StaticCreditors` is a fixed list, for a pool run without the operator (tests, the
+bench, a hand-made pair of workers).
+
+A refused creditor is skipped until the next list arrives (clear_refusals in mell/debt.py does the
+same on the operator's side when a heartbeat shows it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+# How often the plan is read while the worker runs, and at most how often a borrower that ran out of
+# candidates makes it read again at once.
+PLAN_REFRESH_S = 5.0
+PLAN_MISS_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class Creditor:
+    """A worker that may lend: its pod, its migration port's address, and the room it had (a hint)."""
+
+    pod: str
+    address: str
+    lendable_bytes: int
+
+
+class Creditors(Protocol):
+    """The borrower's view of who may lend to it, best first."""
+
+    def candidates(self) -> Sequence[Creditor]:
+        """Creditors not refused since the list was last renewed, best first."""
+        ...
+
+    def refused(self, address: str) -> None:
+        """The creditor at `address` refused (no room, or unreachable): skip it until the list is renewed."""
+        ...
+
+
+class StaticCreditors:
+    """A fixed list of creditors; a refusal holds for `forget_after_s` (a lender's room comes back)."""
+
+    def __init__(self, creditors: Sequence[Creditor], forget_after_s: float = PLAN_REFRESH_S) -> None:
+        self._creditors = tuple(creditors)
+        self._refused: dict[str, float] = {}
+        self._forget_after_s = forget_after_s
+
+    def candidates(self) -> Sequence[Creditor]:
+        now = asyncio.get_running_loop().time()
+        self._refused = {a: t for a, t in self._refused.items() if now - t < self._forget_after_s}
+        return tuple(c for c in self._creditors if c.address not in self._refused)
+
+    def refused(self, address: str) -> None:
+        self._refused[address] = asyncio.get_running_loop().time()
+
+
+def candidates_from_status(status: Mapping[str, Any] | None, pod_name: str) -> tuple[Creditor, ...]:
+    """This worker's candidates in an LLMPool's status (kvfleet.operator.distkv writes them); a
+    malformed entry is skipped, not fatal: the operator and the worker may be of different releases."""
+    distkv = (status or {}).get("distkv") or {}
+    for entry in distkv.get("candidates") or []:
+        if not isinstance(entry, dict) or entry.get("worker") != pod_name:
+            continue
+        found = []
+        for item in entry.get("creditors") or []:
+            try:
+                found.append(Creditor(str(item["pod"]), str(item["address"]), int(item.get("lendableBytes", 0))))
+            except (KeyError, TypeError, ValueError):
+                log.debug("skipping a malformed creditor entry %r", item)
+        return tuple(c for c in found if c.pod != pod_name)
+    return ()
+
+
+# Reads the pool's LLMPool status (None when the object is gone).
+StatusReader = Callable[[], Awaitable[Mapping[str, Any] | None]]
+
+
+class PoolPlanCreditors:
+    """This worker's candidates from the operator's published plan, read every PLAN_REFRESH_S."""
+
+    def __init__(self, read_status: StatusReader, pod_name: str) -> None:
+        self._read = read_status
+        self.pod_name = pod_name
+        self._creditors: tuple[Creditor, ...] = ()
+        self._refused: set[str] = set()
+        self._last_read_s = float("-inf")
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def candidates(self) -> Sequence[Creditor]:
+        found = tuple(c for c in self._creditors if c.address not in self._refused)
+        if not found:
+            self._refresh_soon()
+        return found
+
+    def refused(self, address: str) -> None:
+        self._refused.add(address)
+
+    async def refresh(self) -> None:
+        """Read the plan now; a failed read keeps the list it had."""
+        self._last_read_s = asyncio.get_running_loop().time()
+        try:
+            status = await self._read()
+        except Exception as err:  # the API server away, or a transient error: try again next time
+            log.warning("cannot read the pool's DistKV plan: %s", err)
+            return
+        creditors = candidates_from_status(status, self.pod_name)
+        if creditors != self._creditors:
+            log.info("DistKV creditors: %s", ", ".join(c.pod for c in creditors) or "none")
+        self._creditors, self._refused = creditors, set()
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(PLAN_REFRESH_S)
+
+    def _refresh_soon(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._refreshing is not None and not self._refreshing.done():
+            return
+        if loop.time() - self._last_read_s < PLAN_MISS_REFRESH_S:
+            return
+        self._refreshing = loop.create_task(self.refresh())

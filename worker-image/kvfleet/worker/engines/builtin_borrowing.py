@@ -1,0 +1,259 @@
+"""The builtin engine's `KVBorrowing` capability: rManager's borrower side (Infinite-LLM §4.3, §4.6).
+
+A request larger than this engine's whole KV cache (the scheduler's `spans`) is served with blocks
+other workers lend: before each step, when such a request lacks blocks for its next chunk or token,
+its oldest full local blocks are copied into a lease at a creditor and freed here (`prepare`). So
+its local blocks always hold its newest tokens, the forward writes only local blocks, and its remote
+tokens are the first `RemoteParts.num_tokens` positions, attended where they live: each layer ships
+the step's query rows to every lease at once and merges the partial outputs with ScaleReduce (§4.2,
+§4.6: the query travels, the KV stays). Creditors come from `Creditors` (the operator's published
+plan, §4.4's contract protocol): the first that accepts lends; one that refuses is skipped.
+
+Faults (§4.3, docs/distkv.md): a lease call that fails mid-step (the lender died or left; a leaving
+lender's engine frees its leases as it stops) raises `RemotePartLost`; the engine then preempts that
+request, which frees what it held anywhere, and it is prefilled again from its prompt and the tokens
+it produced, borrowing afresh, while its stream waits: the client sees a delay, not a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.kernels.dispatch import scale_reduce_pair
+from kvfleet.worker.distkv.creditors import Creditors
+from kvfleet.worker.engines.base import EngineError
+from kvfleet.worker.engines.builtin_model import PagedKVCache
+from kvfleet.worker.engines.builtin_scheduler import Request, RequestState, Scheduler
+from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, RemoteKVLease
+
+# A remote micro-attention waits behind the lender's own step: past this the lender counts as lost
+# (distkv/wire.py's reply timeout, and a margin).
+ATTEND_TIMEOUT_S = 35.0
+
+log = logging.getLogger(__name__)
+
+
+class RemotePartLost(EngineError):
+    """A spanning request's remote KV cannot be reached (its lender died or left)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}: its KV lent by another worker is lost: {reason}")
+        self.request_id = request_id
+
+
+class NoRoomToBorrow(EngineError):
+    """No creditor lends what a spanning request needs next."""
+
+
+@dataclass
+class _Part:
+    """One lease of a request, in token order: its tokens are the request's next `num_tokens`."""
+
+    lease: RemoteKVLease
+    pod: str
+    num_tokens: int = 0
+
+
+class RemoteParts:
+    """One spanning request's KV held by lenders: `KVParts` for the forward (scheduler.RemoteKV)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.parts: list[_Part] = []
+        self._loop = loop
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts)
+
+    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the engine's tensor thread: every lease at once, merged (§4.2's ScaleReduce)."""
+        future = asyncio.run_coroutine_threadsafe(self._attend(layer_index, q.detach().cpu()), self._loop)
+        try:
+            out, lse = future.result(ATTEND_TIMEOUT_S)
+        except Exception as err:  # any failure of a lease: its KV is out of reach
+            future.cancel()
+            raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+        return out.to(q.device), lse.to(q.device)
+
+    async def _attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))
+        out, lse = results[0]
+        for o, s in results[1:]:
+            out, lse = scale_reduce_pair(out, lse, o, s)
+        return out, lse
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
+
+
+class BuiltinKVBorrowing:
+    """Leases at other workers for this engine's spanning requests (module docstring)."""
+
+    def __init__(self, sched: Scheduler, block_size_tokens: int) -> None:
+        self._sched = sched
+        self._block_size_tokens = block_size_tokens
+        # Lease ids are unique per lender across all its borrowers: this engine's random id first.
+        self._engine_id = uuid.uuid4().hex[:12]
+        self._open_lease: LeaseOpener | None = None
+        self._creditors: Creditors | None = None
+        self._cache: PagedKVCache | None = None
+        self._executor: concurrent.futures.Executor | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._lease_seq = 0
+        # Bytes written to and read from lenders, for the bench (wire bytes per step).
+        self.bytes_sent = self.bytes_received = 0
+        sched.borrowable_blocks = self.borrowable_blocks
+        sched.release_remote = self._release
+
+    # -- wiring --------------------------------------------------------------------------------------
+
+    def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
+        """How to reach lenders (leases over the pool's authenticated migration port) and whom to ask."""
+        self._open_lease, self._creditors = open_lease, creditors
+
+    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor) -> None:
+        self._cache, self._executor = cache, executor
+
+    def close(self) -> None:
+        self._cache = self._executor = None
+
+    # -- what the reports and the admission check read -------------------------------------------------
+
+    def borrowable_blocks(self) -> int:
+        """Blocks the creditors said they could lend (a hint: the contract decides)."""
+        if self._creditors is None or self._open_lease is None:
+            return 0
+        block_bytes = self._sched.pool.block_bytes
+        return sum(c.lendable_bytes for c in self._creditors.candidates()) // block_bytes if block_bytes else 0
+
+    def borrowed_bytes(self) -> Mapping[str, int]:
+        """Creditor pod -> bytes of blocks it lends this engine's requests now."""
+        block_bytes = self._sched.pool.block_bytes
+        borrowed: dict[str, int] = {}
+        for req in self._sched.requests.values():
+            if isinstance(req.remote, RemoteParts):
+                for part in req.remote.parts:
+                    if part.lease.blocks:
+                        borrowed[part.pod] = borrowed.get(part.pod, 0) + part.lease.blocks * block_bytes
+        return borrowed
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """(sent, received) bytes over every lease so far, closed ones included."""
+        sent, received = self.bytes_sent, self.bytes_received
+        for req in self._sched.requests.values():
+            if isinstance(req.remote, RemoteParts):
+                sent += sum(p.lease.bytes_sent for p in req.remote.parts)
+                received += sum(p.lease.bytes_received for p in req.remote.parts)
+        return sent, received
+
+    # -- before each step ------------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Give each running spanning request the free blocks its next chunk needs, moving its oldest
+        full blocks to lenders; a request no creditor can help fails, one whose lender is gone is
+        preempted (module docstring)."""
+        sched = self._sched
+        for req in [r for r in sched.running if r.spans]:
+            short = sched.spanning_shortfall(req)
+            if short <= 0 or req.state is not RequestState.RUNNING:
+                continue
+            full_local = (req.num_cached - req.remote_tokens) // self._block_size_tokens
+            if full_local == 0:
+                continue  # nothing of its own to move: it waits for blocks other requests free
+            try:
+                await self._spill(req, min(short, full_local))
+            except RemotePartLost as err:
+                log.warning("%s; it is prefilled again", err)
+                self.lose(req)
+            except NoRoomToBorrow as err:
+                if not self._sched.step_tokens(req):
+                    sched.fail_request(req, err)
+
+    def lose(self, req: Request) -> None:
+        """A request's remote KV is gone: free all it holds and prefill it again (its stream waits)."""
+        if req.state is RequestState.RUNNING:
+            self._sched.preempt(req)
+
+    async def _spill(self, req: Request, num_blocks: int) -> None:
+        cache, executor = self._cache, self._executor
+        if cache is None or executor is None or self._open_lease is None or self._creditors is None:
+            raise NoRoomToBorrow("this worker is not set up to borrow KV (KVFLEET_DISTKV)")
+        remote = req.remote
+        if not isinstance(remote, RemoteParts):
+            remote = req.remote = RemoteParts(req.request_id, asyncio.get_running_loop())
+        moved = 0
+        while moved < num_blocks:
+            part, granted = await self._lend(req, remote, num_blocks - moved)
+            blocks = req.blocks[:granted]
+            data = await asyncio.get_running_loop().run_in_executor(executor, cache.read_blocks, blocks)
+            # [layers, 2, blocks, block, kv_heads, dim] -> [layers, 2, tokens, kv_heads, dim]
+            kv = data.flatten(2, 3)
+            try:
+                await part.lease.write(part.num_tokens, kv)
+            except Exception as err:  # refused or failed, the lease cannot take its KV: start again
+                raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
+            if req.state is not RequestState.RUNNING:
+                return  # aborted meanwhile: its leases were released with it
+            part.num_tokens += granted * self._block_size_tokens
+            self._sched.pool.release(blocks)
+            del req.blocks[:granted]
+            moved += granted
+
+    async def _lend(self, req: Request, remote: RemoteParts, num_blocks: int) -> tuple[_Part, int]:
+        """A lease that took `num_blocks` more blocks (or fewer, down to one, when none takes all):
+        the request's last lease if its lender has room, else a new one at the best candidate."""
+        assert self._open_lease is not None and self._creditors is not None
+        asked = num_blocks
+        while asked >= 1:
+            if remote.parts:
+                last = remote.parts[-1]
+                try:
+                    await last.lease.lend(asked)
+                    return last, asked
+                except LendingError:
+                    pass  # its lender is full: the next one
+                except Exception as err:
+                    raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
+            for creditor in self._creditors.candidates():
+                if any(p.lease.address == creditor.address for p in remote.parts):
+                    continue  # its lease is the last one or was refused growth already
+                self._lease_seq += 1
+                lease = self._open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
+                try:
+                    await lease.lend(asked)
+                except Exception as err:  # refused, or unreachable: the next candidate
+                    log.info("creditor %s refused %d blocks: %s", creditor.pod, asked, err)
+                    self._creditors.refused(creditor.address)
+                    await lease.free()
+                    continue
+                if lease.block_size_tokens != self._block_size_tokens:
+                    self._creditors.refused(creditor.address)
+                    await lease.free()
+                    continue
+                part = _Part(lease, creditor.pod)
+                remote.parts.append(part)
+                log.info("request %s borrows from %s (%d blocks)", req.request_id, creditor.pod, asked)
+                return part, asked
+            asked //= 2
+        raise NoRoomToBorrow(f"request {req.request_id} needs {num_blocks} more KV blocks and no worker of the pool "
+                             "lends them now")
+
+    def _release(self, req: Request) -> None:
+        remote = req.remote
+        if not isinstance(remote, RemoteParts):
+            return
+        for part in remote.parts:
+            self.bytes_sent += part.lease.bytes_sent
+            self.bytes_received += part.lease.bytes_received
+        task = asyncio.get_running_loop().create_task(remote.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
