@@ -16,6 +16,8 @@ This module holds the engine's life cycle and its step loop; the parts it drives
 | builtin_migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
 | builtin_elastic.py | elastic memory (eLLM): one chunk pool for KV and activations, the CPU buffer |
 | builtin_elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
+| builtin_lending.py | DistKV's lender side: blocks lent to requests of other workers (`capabilities.lending`) |
+| builtin_borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases |
 | speed.py | the step periods measured, bucketed by batch and context (`speed_profile`) |
 
 Threads: one background asyncio task runs the steps; the torch work of a step runs in a one-thread
