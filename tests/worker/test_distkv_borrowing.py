@@ -112,6 +112,28 @@ def test_a_request_three_times_the_workers_memory_equals_one_big_workers_greedy(
     asyncio.run(scenario())
 
 
+def test_lenders_with_uneven_room_are_used_to_the_last_block(tiny_model_dir: Path) -> None:
+    # 4 local + 6 + 6 lent = 16 blocks: a 256-token request (16 blocks) fits only if the first lender's
+    # last 2 blocks are taken after a spill of 4 is refused there (the refusal says how many it has).
+    prompt, max_tokens = prompt_of(252), 5
+
+    async def scenario() -> None:
+        want = await reference(tiny_model_dir, prompt, max_tokens)
+        async with AsyncExitStack() as stack:
+            lenders = [await stack.enter_async_context(lender(tiny_model_dir, 8, 6)) for _ in range(2)]
+            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+            assert isinstance(borrower, BuiltinEngine)
+            await borrower.start()
+            stack.push_async_callback(borrower.stop)
+            assert borrower.capabilities.borrowing is not None
+            borrower.capabilities.borrowing.attach(OPEN, StaticCreditors([
+                Creditor(f"lender-{i}", f"127.0.0.1:{listener.port}", 6 * BLOCK_BYTES)
+                for i, (_, listener) in enumerate(lenders)]))
+            assert await greedy(borrower, prompt, max_tokens) == want
+
+    asyncio.run(scenario())
+
+
 def test_a_lender_that_dies_costs_a_re_prefill_elsewhere_not_the_stream(tiny_model_dir: Path) -> None:
     prompt, max_tokens = prompt_of(100), 60
 
@@ -210,5 +232,47 @@ def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_nev
         assert (usage["r"].kv_bytes, usage["r"].borrowed_bytes) == (4 * BLOCK_BYTES, 3 * BLOCK_BYTES)
         sched.abort(req)
         assert len(sched.pool.free) == 4 and req.remote is None
+
+    asyncio.run(scenario())
+
+
+class _BrokenLease:
+    """A lease whose lender takes the KV and then is never reachable for attention."""
+
+    def __init__(self, address: str, lease_id: str) -> None:
+        self.address, self.lease_id = address, lease_id
+        self.blocks, self.block_size_tokens, self.bytes_sent, self.bytes_received = 0, BLOCK, 0, 0
+
+    async def lend(self, num_blocks: int) -> None:
+        self.blocks += num_blocks
+
+    async def write(self, start_token: int, kv: object) -> None:
+        pass
+
+    async def attend(self, layer: int, q: object, num_tokens: int) -> tuple[object, object]:
+        raise ConnectionResetError("the lender is gone")
+
+    async def free(self) -> None:
+        self.blocks = 0
+
+
+def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_model_dir: Path) -> None:
+    from kvfleet.worker.engines.base import EngineError
+    from kvfleet.worker.engines.builtin_borrowing import MAX_LOSSES
+
+    async def scenario() -> None:
+        borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        assert isinstance(borrower, BuiltinEngine)
+        await borrower.start()
+        try:
+            assert borrower.capabilities.borrowing is not None
+            borrower.capabilities.borrowing.attach(_BrokenLease, StaticCreditors([  # type: ignore[arg-type]
+                Creditor("flaky", "127.0.0.1:9", 64 * BLOCK_BYTES)]))
+            with pytest.raises(EngineError, match=f"lost the KV other workers lent it {MAX_LOSSES + 1} times"):
+                await asyncio.wait_for(greedy(borrower, prompt_of(100), 5), 30)
+            assert borrower.num_preemptions == MAX_LOSSES
+            assert len(borrower._sched.pool.free) == 4
+        finally:
+            await borrower.stop()
 
     asyncio.run(scenario())

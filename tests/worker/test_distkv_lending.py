@@ -85,8 +85,9 @@ def test_the_cap_refuses_at_once_and_a_dropped_borrower_leaves_nothing_lent(tiny
             first = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "a")
             await first.lend(2)
             second = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "b")
-            with pytest.raises(LendingRefused, match="cap of 3"):
+            with pytest.raises(LendingRefused, match="cap of 3") as refused:
                 await second.lend(2)  # first come, first served (§4.4)
+            assert refused.value.room_blocks == 1  # the refusal says what it could lend instead
             await second.lend(1)  # what fits under the cap is still lent on the same channel
             assert lending.lent_blocks() == 3
             # A borrower that dies without freeing: its channel drops and the lender takes the blocks back.

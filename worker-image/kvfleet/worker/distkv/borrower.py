@@ -112,5 +112,6 @@ class RemoteLease:
             self.bytes_received += frame.payload_nbytes
             reply["payload"] = data
         if not reply.get("ok"):
-            raise LendingRefused(str(reply.get("error", "refused")))
+            room = reply.get("room", 0)
+            raise LendingRefused(str(reply.get("error", "refused")), room if isinstance(room, int) and room > 0 else 0)
         return reply

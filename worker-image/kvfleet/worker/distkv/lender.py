@@ -59,9 +59,9 @@ async def _one(lending: KVLending, channel: Channel, frame: Frame, lease_id: str
         try:
             lending.lend(lease_id, blocks)
         except LendingError as err:
-            # Refused, not failed: the borrower asks another creditor, and may come back to grow
-            # what it already holds here later.
-            await _refuse(channel, str(err))
+            # Refused, not failed: the borrower takes what room there is, or asks another creditor,
+            # and may come back to grow what it already holds here later.
+            await _refuse(channel, str(err), lending.room_blocks())
         else:
             await channel.send({"ok": True, "block_size_tokens": block_size_tokens, "lent": lending.lent_blocks(),
                                 "cap": lending.cap_blocks})
@@ -89,9 +89,9 @@ async def _tensor(channel: Channel, frame: Frame) -> torch.Tensor:
     return tensor
 
 
-async def _refuse(channel: Channel, error: str) -> None:
+async def _refuse(channel: Channel, error: str, room_blocks: int = 0) -> None:
     try:
-        await channel.send({"ok": False, "error": error})
+        await channel.send({"ok": False, "error": error, **({"room": room_blocks} if room_blocks else {})})
     except TransportError:
         pass
 

@@ -12,6 +12,8 @@ ends, however it ends, so a borrower that dies leaves nothing lent behind (§4.3
      "shape", "dtype"} + q [rows, heads, dim] bytes           and lse [rows, heads] as float32 bytes
     {"op": "lend-free", "lease"}                             {"ok", "freed"}  (then either side closes)
 
+A refused `lend` says how many blocks the lender could lend instead: {"ok": false, "error", "room"}.
+
 `lend` is sent again to grow a lease. Any reply may be {"ok": false, "error"} (LendingRefused at the
 borrower): a creditor without room says so at once and the borrower asks the next one (§4.4).
 """

@@ -36,6 +36,9 @@ from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, Remot
 # A remote micro-attention waits behind the lender's own step: past this the lender counts as lost
 # (distkv/wire.py's reply timeout, and a margin).
 ATTEND_TIMEOUT_S = 35.0
+# A request whose remote KV is lost this many times is failed instead of prefilled once more: lenders
+# that keep dying (or a bug) must not turn one request into an endless re-prefill.
+MAX_LOSSES = 3
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ class BuiltinKVBorrowing:
         self._cache: PagedKVCache | None = None
         self._executor: concurrent.futures.Executor | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._losses: dict[str, int] = {}  # request id -> times its remote KV was lost
         self._lease_seq = 0
         # Bytes written to and read from lenders, for the bench (wire bytes per step).
         self.bytes_sent = self.bytes_received = 0
@@ -161,6 +165,7 @@ class BuiltinKVBorrowing:
         full blocks to lenders; a request no creditor can help fails, one whose lender is gone is
         preempted (module docstring)."""
         sched = self._sched
+        self._losses = {rid: n for rid, n in self._losses.items() if rid in sched.requests}
         for req in [r for r in sched.running if r.spans]:
             short = sched.spanning_shortfall(req)
             if short <= 0 or req.state is not RequestState.RUNNING:
@@ -176,10 +181,20 @@ class BuiltinKVBorrowing:
             except NoRoomToBorrow as err:
                 if not self._sched.step_tokens(req):
                     sched.fail_request(req, err)
+            except Exception as err:  # a bug or a torch error: this request fails, the engine goes on
+                log.exception("moving KV of %s to a lender failed", req.request_id)
+                sched.fail_request(req, EngineError(f"borrowing KV failed: {err}"))
 
     def lose(self, req: Request) -> None:
-        """A request's remote KV is gone: free all it holds and prefill it again (its stream waits)."""
-        if req.state is RequestState.RUNNING:
+        """A request's remote KV is gone: free all it holds and prefill it again (its stream waits), at
+        most MAX_LOSSES times; then it fails rather than loop."""
+        if req.state is not RequestState.RUNNING:
+            return
+        losses = self._losses[req.request_id] = self._losses.get(req.request_id, 0) + 1
+        if losses > MAX_LOSSES:
+            self._sched.fail_request(req, EngineError(
+                f"request {req.request_id} lost the KV other workers lent it {losses} times; giving up"))
+        else:
             self._sched.preempt(req)
 
     async def _spill(self, req: Request, num_blocks: int) -> None:
@@ -208,43 +223,56 @@ class BuiltinKVBorrowing:
             moved += granted
 
     async def _lend(self, req: Request, remote: RemoteParts, num_blocks: int) -> tuple[_Part, int]:
-        """A lease that took `num_blocks` more blocks (or fewer, down to one, when none takes all):
-        the request's last lease if its lender has room, else a new one at the best candidate."""
+        """A lease that took up to `num_blocks` more blocks, and how many: one of the request's leases if
+        its lender has room (the newest first), else a new one at the best candidate that has. A lender
+        short of `num_blocks` says how many it has, and that is taken (§4.4: the creditor answers)."""
         assert self._open_lease is not None and self._creditors is not None
-        asked = num_blocks
-        while asked >= 1:
-            if remote.parts:
-                last = remote.parts[-1]
-                try:
-                    await last.lease.lend(asked)
-                    return last, asked
-                except LendingError:
-                    pass  # its lender is full: the next one
-                except Exception as err:
-                    raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
-            for creditor in self._creditors.candidates():
-                if any(p.lease.address == creditor.address for p in remote.parts):
-                    continue  # its lease is the last one or was refused growth already
-                self._lease_seq += 1
-                lease = self._open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
-                try:
-                    await lease.lend(asked)
-                except Exception as err:  # refused, or unreachable: the next candidate
-                    log.info("creditor %s refused %d blocks: %s", creditor.pod, asked, err)
-                    self._creditors.refused(creditor.address)
-                    await lease.free()
-                    continue
-                if lease.block_size_tokens != self._block_size_tokens:
-                    self._creditors.refused(creditor.address)
-                    await lease.free()
-                    continue
-                part = _Part(lease, creditor.pod)
-                remote.parts.append(part)
-                log.info("request %s borrows from %s (%d blocks)", req.request_id, creditor.pod, asked)
-                return part, asked
-            asked //= 2
+        for part in reversed(remote.parts):
+            try:
+                granted = await self._grow(part.lease, num_blocks)
+            except LendingError:
+                continue  # refused for something else than room: its other leases may still do
+            except Exception as err:
+                raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
+            if granted:
+                return part, granted
+        for creditor in self._creditors.candidates():
+            if any(p.lease.address == creditor.address for p in remote.parts):
+                continue  # asked above
+            self._lease_seq += 1
+            lease = self._open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
+            try:
+                granted = await self._grow(lease, num_blocks)
+            except Exception as err:  # refused, or unreachable: the next candidate
+                log.info("creditor %s refused %d blocks: %s", creditor.pod, num_blocks, err)
+                granted = 0
+            if not granted or lease.block_size_tokens != self._block_size_tokens:
+                self._creditors.refused(creditor.address)
+                await lease.free()
+                continue
+            part = _Part(lease, creditor.pod)
+            remote.parts.append(part)
+            log.info("request %s borrows from %s (%d blocks)", req.request_id, creditor.pod, granted)
+            return part, granted
         raise NoRoomToBorrow(f"request {req.request_id} needs {num_blocks} more KV blocks and no worker of the pool "
                              "lends them now")
+
+    @staticmethod
+    async def _grow(lease: RemoteKVLease, num_blocks: int) -> int:
+        """Grow a lease by `num_blocks`, or by the room its lender says it has; the blocks granted (0:
+        none). Errors other than a refusal for room propagate."""
+        try:
+            await lease.lend(num_blocks)
+            return num_blocks
+        except LendingError as err:
+            room_blocks = err.room_blocks
+        if not 0 < room_blocks < num_blocks:
+            return 0
+        try:
+            await lease.lend(room_blocks)
+        except LendingError:
+            return 0  # taken by another borrower meanwhile
+        return room_blocks
 
     def _release(self, req: Request) -> None:
         remote = req.remote

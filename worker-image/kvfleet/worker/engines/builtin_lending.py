@@ -61,6 +61,9 @@ class BuiltinKVLending:
     def lent_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._leases.values())
 
+    def room_blocks(self) -> int:
+        return max(0, min(self._cap_blocks - self.lent_blocks(), len(self._sched.pool.free))) if self._cache else 0
+
     def lend(self, lease_id: str, num_blocks: int) -> None:
         if self._cache is None:
             raise LendingError("the engine is not running")

@@ -205,7 +205,12 @@ class PrefixCache(Protocol):
 
 
 class LendingError(EngineError):
-    """A lending call refused: no room under the cap, an unknown lease, KV past what the lease holds."""
+    """A lending call refused: no room under the cap, an unknown lease, KV past what the lease holds.
+    A lend refused for room says how many blocks the lender could lend instead (`room_blocks`)."""
+
+    def __init__(self, message: str, room_blocks: int = 0) -> None:
+        super().__init__(message)
+        self.room_blocks = room_blocks
 
 
 class KVLending(Protocol):
@@ -226,6 +231,10 @@ class KVLending(Protocol):
 
     def lent_blocks(self) -> int:
         """Blocks lent out now, over every lease."""
+        ...
+
+    def room_blocks(self) -> int:
+        """Blocks a lend could take now: the room under the cap, or the free blocks if fewer."""
         ...
 
     def lend(self, lease_id: str, num_blocks: int) -> None:
