@@ -1,0 +1,389 @@
+"""DistKV on the builtin engine (Infinite-LLM §4.2-4.6): how long a context a few small workers serve
+together, what borrowed KV costs a decode step, and how few bytes cross the wire for it.
+
+Issue 16 claims three things for borrowing KV blocks from other workers; this bench measures each on
+this machine, all engines in one process talking over loopback TCP with the pool's real transport:
+1. Longest context against the number of workers N = 1, 2, 4, each with C tokens of KV cache and
+   lenders lending all of theirs (N = 1: the borrower alone). The longest prompt + output, in block
+   steps, whose greedy output equals one big worker's (found by bisection; each size is checked
+   against the big worker). Target: >= 0.8 x N x C.
+2. Decode time per token of the same 2C-token prompt on one big worker holding it all (with the
+   same DistAttention path, the fair baseline; also against SDPA) and on a worker of capacity C that
+   borrows about half of it from one lender. The three run in alternating rounds (median kept), so
+   load from elsewhere on the machine slows all alike; prefill is excluded (first to last streamed
+   token). Target: borrowed / local <= 1.5.
+3. Bytes on the wire per decode step (the borrower's `wire_bytes()` deltas: queries out, partial
+   outputs and log-sum-exps back, and the newest blocks spilled to the lender as the request grows)
+   against the bytes that fetching the remote KV every step would move (§4.6, Fig. 12's argument).
+   Target: well under 1 (< 0.1 here).
+
+A missed target is printed as MISS, not raised: this is a measurement. Last line: one JSON object
+(`max_context_tokens` keyed by "1", "2", "4", `borrowed_over_local_step`, `wire_bytes_query_over_kv`,
+`device`, `capacity_tokens`, the targets and the rest of the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_model  # noqa: E402
+
+from kvfleet.serving.credentials import PoolCredentials, PoolSecrets  # noqa: E402
+from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
+from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors  # noqa: E402
+from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
+from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
+from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin_borrowing import BuiltinKVBorrowing  # noqa: E402
+from kvfleet.worker.engines.builtin_model import read_architecture  # noqa: E402
+from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport  # noqa: E402
+from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
+
+TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("bench-distkv-token", b"bench-distkv-key")))
+BLOCK_SIZE_TOKENS = 16  # the builtin engine's block
+WORKER_COUNTS = (1, 2, 4)
+CONTEXT_TARGET = 0.8
+STEP_TARGET = 1.5
+WIRE_TARGET = 0.1
+
+
+@dataclass
+class WriteTally:
+    """Bytes of KV the borrower wrote into leases (its oldest blocks moving out as the request grows):
+    `wire_bytes()` counts them with the queries, and the per-step query traffic is the rest."""
+
+    written_bytes: int = 0
+
+
+class CountingLease(RemoteLease):
+    """The real lease, counting what `write` ships (the bench's view; the engine's own counters stay as they are)."""
+
+    def __init__(self, tally: WriteTally, transport: TCPTransport, address: str, lease_id: str) -> None:
+        super().__init__(transport, address, lease_id)
+        self._tally = tally
+
+    async def write(self, start_token: int, kv: torch.Tensor) -> None:
+        await super().write(start_token, kv)
+        self._tally.written_bytes += kv.numel() * kv.element_size()
+
+
+TALLY = WriteTally()
+OPEN_LEASE = functools.partial(CountingLease, TALLY, TRANSPORT)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request as its client saw it, with the borrower's wire and borrowed figures while it decoded."""
+
+    tokens: list[int]
+    decode_s_per_token: float
+    # (sent, received, of which KV written) at the first and at the last streamed token: the decode
+    # steps' traffic between them.
+    wire_first: tuple[int, int, int]
+    wire_last: tuple[int, int, int]
+    # Bytes of this request's KV held by lenders, sampled at each streamed token but the last (the
+    # last one is sent as the request ends and its leases go).
+    borrowed_bytes: list[int]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One context size tried against N workers: served with the big worker's output, or why not."""
+
+    context_tokens: int
+    ok: bool
+    why: str
+
+
+def prompt_of(num_tokens: int) -> list[int]:
+    # Ids well inside the tiny model's vocabulary, a deterministic mix (no BOS needed by the engine).
+    return [(7 * i + 3) % 1900 + 3 for i in range(num_tokens)]
+
+
+def engine_config(model_dir: Path, device: str, capacity_tokens: int, attention: Literal["sdpa", "distattention"],
+                  kv_bytes_per_token: int, **kwargs: object) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token, dtype="float32",
+                        device=device, attention=attention, **kwargs)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def started(config: EngineConfig) -> AsyncIterator[BuiltinEngine]:
+    engine = BuiltinEngine(config)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@asynccontextmanager
+async def lender(config: EngineConfig) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
+    """A started engine lending its blocks to leases served on a loopback port (as a worker's migration port does)."""
+    async with started(config) as engine:
+        async def handle(channel: Channel) -> None:
+            await serve_lease(engine.capabilities.lending, channel, await channel.recv(5), BLOCK_SIZE_TOKENS)
+
+        listener = await TRANSPORT.listen("127.0.0.1", 0, handle)
+        try:
+            yield engine, listener
+        finally:
+            await listener.close()
+
+
+def lent_blocks(lenders: Sequence[tuple[BuiltinEngine, Listener]]) -> int:
+    total = 0
+    for engine, _ in lenders:
+        lending = engine.capabilities.lending
+        assert lending is not None
+        total += lending.lent_blocks()
+    return total
+
+
+async def settle(lenders: Sequence[tuple[BuiltinEngine, Listener]], timeout_s: float = 10.0) -> None:
+    """Until every lease of the last request is back (freed as it ends, asynchronously): the next trial
+    must find the lenders empty."""
+    deadline = time.monotonic() + timeout_s
+    while lent_blocks(lenders) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    if lent_blocks(lenders):
+        raise RuntimeError(f"{lent_blocks(lenders)} blocks still lent {timeout_s:.0f} s after the request ended")
+
+
+def attach(borrower: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]], lend_bytes: int) -> None:
+    """Fresh creditors for each request, so a refusal in one trial does not hide a lender from the next."""
+    borrowing = borrower.capabilities.borrowing
+    assert borrowing is not None
+    borrowing.attach(OPEN_LEASE, StaticCreditors([Creditor(f"lender-{i}", f"127.0.0.1:{listener.port}", lend_bytes)
+                                                  for i, (_, listener) in enumerate(lenders)]))
+
+
+async def serve(engine: BuiltinEngine, request_id: str, prompt: list[int], max_tokens: int, timeout_s: float) -> Served:
+    """Greedy decode; the request is aborted if it has not ended within `timeout_s`."""
+    # wire_bytes() is the builtin engine's own counter, not part of the KVBorrowing capability.
+    borrowing = engine.capabilities.borrowing if isinstance(engine.capabilities.borrowing, BuiltinKVBorrowing) else None
+    tokens: list[int] = []
+    times_s: list[float] = []
+    wires: list[tuple[int, int, int]] = []
+    borrowed: list[int] = []
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for step in engine.generate(request_id, prompt, params):
+            if not step.new_token_ids:
+                continue
+            times_s.append(time.perf_counter())
+            tokens.extend(step.new_token_ids)
+            sent, received = borrowing.wire_bytes() if borrowing is not None else (0, 0)
+            wires.append((sent, received, TALLY.written_bytes))
+            if not step.finished:
+                borrowed.append(sum(r.borrowed_bytes for r in engine.kv_usage() if r.request_id == request_id))
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except TimeoutError:
+        await engine.abort(request_id)
+        raise
+    per_token_s = (times_s[-1] - times_s[0]) / (len(times_s) - 1) if len(times_s) > 1 else 0.0
+    return Served(tokens, per_token_s, wires[0], wires[-1], borrowed)
+
+
+async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]],
+                      lend_bytes: int, context_tokens: int, output_tokens: int, timeout_s: float, seq: int) -> Trial:
+    prompt = prompt_of(context_tokens - output_tokens)
+    attach(borrower, lenders, lend_bytes)
+    try:
+        got = await serve(borrower, f"ctx{seq}", prompt, output_tokens, timeout_s)
+    except TimeoutError:
+        return Trial(context_tokens, False, f"not done within {timeout_s:.0f} s")
+    except EngineError as err:  # refused at admission (RequestTooLong) or failed while borrowing
+        return Trial(context_tokens, False, f"{type(err).__name__}: {err}")
+    finally:
+        await settle(lenders)
+    want = await serve(reference, f"ref{seq}", prompt, output_tokens, timeout_s)
+    if got.tokens != want.tokens:
+        return Trial(context_tokens, False, f"greedy output differs from one big worker's: {got.tokens} != {want.tokens}")
+    return Trial(context_tokens, True, "served, output equal")
+
+
+async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]],
+                          capacity_tokens: int, kv_bytes_per_token: int, output_tokens: int,
+                          timeout_s: float) -> tuple[int, list[Trial]]:
+    """The longest context (prompt + output, in whole blocks) N = len(lenders) + 1 workers serve, by
+    bisection over block counts; the size one block past N x C is tried first, as the upper bound."""
+    trials: list[Trial] = []
+
+    async def ok(num_blocks: int) -> bool:
+        trial = await try_context(borrower, reference, lenders, capacity_tokens * kv_bytes_per_token,
+                                  num_blocks * BLOCK_SIZE_TOKENS, output_tokens, timeout_s, len(trials))
+        trials.append(trial)
+        return trial.ok
+
+    total_blocks = (len(lenders) + 1) * capacity_tokens // BLOCK_SIZE_TOKENS
+    low = -(-(output_tokens + 1) // BLOCK_SIZE_TOKENS)  # the smallest context with a prompt
+    if not await ok(low):
+        return 0, trials
+    high = total_blocks + 1
+    while await ok(high):  # more than N x C served: a surprise, so find the real bound
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if await ok(mid):
+            low = mid
+        else:
+            high = mid
+    return low * BLOCK_SIZE_TOKENS, trials
+
+
+async def decode_rounds(engines: dict[str, BuiltinEngine], lenders: Sequence[tuple[BuiltinEngine, Listener]],
+                        lend_bytes: int, prompt: list[int], decode_tokens: int, rounds: int,
+                        timeout_s: float) -> tuple[dict[str, list[Served]], list[int]]:
+    """Each engine decodes the prompt once per round, in turn; also the big worker's greedy output."""
+    served: dict[str, list[Served]] = {name: [] for name in engines}
+    want: list[int] = []
+    for name, engine in engines.items():  # warm-up: first-call allocations, connections
+        if name == "borrowed":
+            attach(engine, lenders, lend_bytes)
+        warm = await serve(engine, f"warm-{name}", prompt, 4, timeout_s)
+        want = want or warm.tokens
+        await settle(lenders)
+    for r in range(rounds):
+        for name, engine in engines.items():
+            if name == "borrowed":
+                attach(engine, lenders, lend_bytes)
+            served[name].append(await serve(engine, f"{name}-{r}", prompt, decode_tokens, timeout_s))
+            await settle(lenders)
+    return served, want
+
+
+async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, object]:
+    capacity = args.capacity_tokens
+    kv_bytes_per_token = read_architecture(model_dir).kv_bytes_per_token(torch.float32)
+    cfg = functools.partial(engine_config, model_dir, device, kv_bytes_per_token=kv_bytes_per_token)
+    lend_all = capacity * kv_bytes_per_token
+    prompt_tokens = 2 * capacity
+    big_tokens = max(max(WORKER_COUNTS) * capacity, prompt_tokens + args.decode_tokens) + BLOCK_SIZE_TOKENS
+    print(f"model: tiny, KV {kv_bytes_per_token} bytes a token (float32, all layers), blocks of {BLOCK_SIZE_TOKENS} tokens; "
+          f"C = {capacity} tokens ({capacity // BLOCK_SIZE_TOKENS} blocks, {lend_all // 1024} KiB) per worker", flush=True)
+    async with AsyncExitStack() as stack:
+        big_sdpa = await stack.enter_async_context(started(cfg(big_tokens, "sdpa")))
+        big_dist = await stack.enter_async_context(started(cfg(big_tokens, "distattention")))
+        borrower = await stack.enter_async_context(started(cfg(capacity, "distattention", borrow=True)))
+        lenders = [await stack.enter_async_context(lender(cfg(capacity, "distattention", lend_cap_bytes=lend_all)))
+                   for _ in range(max(WORKER_COUNTS) - 1)]
+
+        # 1. Longest context against N.
+        max_context: dict[str, int] = {}
+        context_ratio: dict[str, float] = {}
+        trials: dict[str, list[dict[str, object]]] = {}
+        for n in WORKER_COUNTS:
+            started_s = time.perf_counter()
+            longest, tried = await longest_context(borrower, big_sdpa, lenders[: n - 1], capacity, kv_bytes_per_token,
+                                                   args.output_tokens, args.timeout_s)
+            max_context[str(n)] = longest
+            context_ratio[str(n)] = longest / (n * capacity)
+            trials[str(n)] = [{"context_tokens": t.context_tokens, "ok": t.ok, "why": t.why} for t in tried]
+            first_refused = min((t for t in tried if not t.ok), key=lambda t: t.context_tokens, default=None)
+            print(f"N={n}: longest context served {longest} tokens = {context_ratio[str(n)]:.2f} x N x C "
+                  f"({len(tried)} sizes tried in {time.perf_counter() - started_s:.1f} s)"
+                  + (f"; {first_refused.context_tokens} tokens: {first_refused.why[:160]}" if first_refused else ""),
+                  flush=True)
+
+        # 2 and 3. Decode steps, all local against half borrowed from one lender (its own, room for 2C).
+        async with lender(cfg(2 * capacity, "distattention", lend_cap_bytes=2 * lend_all)) as half_lender:
+            engines = {"local_sdpa": big_sdpa, "local_distattention": big_dist, "borrowed": borrower}
+            served, want = await decode_rounds(engines, [half_lender], 2 * lend_all, prompt_of(prompt_tokens),
+                                               args.decode_tokens, args.rounds, args.timeout_s)
+    step_ms = {name: 1000 * statistics.median(s.decode_s_per_token for s in runs) for name, runs in served.items()}
+    borrowed_over_local = step_ms["borrowed"] / step_ms["local_distattention"]
+    borrowed_over_sdpa = step_ms["borrowed"] / step_ms["local_sdpa"]
+    outputs_equal = all(s.tokens[:len(want)] == want for runs in served.values() for s in runs) and all(
+        s.tokens == served["local_sdpa"][0].tokens for runs in served.values() for s in runs)
+    steps = args.decode_tokens - 1
+    sent_per_step, received_per_step, written_per_step = (
+        statistics.median((s.wire_last[i] - s.wire_first[i]) / steps for s in served["borrowed"]) for i in range(3))
+    query_per_step = sent_per_step - written_per_step + received_per_step
+    remote_kv_bytes = statistics.median(statistics.mean(s.borrowed_bytes[1:] or s.borrowed_bytes) for s in served["borrowed"])
+    remote_tokens = remote_kv_bytes / kv_bytes_per_token
+    borrowed_share = remote_tokens / (prompt_tokens + args.decode_tokens / 2)
+    wire_ratio = query_per_step / remote_kv_bytes if remote_kv_bytes else float("nan")
+    wire_all_ratio = (sent_per_step + received_per_step) / remote_kv_bytes if remote_kv_bytes else float("nan")
+    print(f"decode of a {prompt_tokens}-token prompt, {args.decode_tokens} tokens, median of {args.rounds} rounds: "
+          f"all local sdpa {step_ms['local_sdpa']:.2f} ms/token, all local distattention "
+          f"{step_ms['local_distattention']:.2f} ms/token, {100 * borrowed_share:.0f}% borrowed {step_ms['borrowed']:.2f} ms/token; "
+          f"greedy outputs {'equal' if outputs_equal else 'DIFFER'}", flush=True)
+    print(f"wire per decode step: {sent_per_step - written_per_step:.0f} bytes of queries out, {received_per_step:.0f} "
+          f"back (partial outputs, lse), and {written_per_step:.0f} of the request's newest KV moving into the lease "
+          f"(the whole traffic is {wire_all_ratio:.4f} x the remote KV); fetching the {remote_tokens:.0f} remote tokens' KV "
+          f"each step instead: {remote_kv_bytes:.0f} bytes", flush=True)
+    context_met = all(context_ratio[str(n)] >= CONTEXT_TARGET for n in WORKER_COUNTS)
+    step_met = borrowed_over_local <= STEP_TARGET
+    wire_met = wire_ratio < WIRE_TARGET
+    for name, met, value in (
+            (f"longest context >= {CONTEXT_TARGET} x N x C for N = 1, 2, 4", context_met,
+             ", ".join(f"N={n}: {context_ratio[str(n)]:.2f}" for n in WORKER_COUNTS)),
+            (f"borrowed decode step <= {STEP_TARGET} x all local (distattention)", step_met, f"{borrowed_over_local:.2f}x"
+             f" (vs sdpa {borrowed_over_sdpa:.2f}x)"),
+            (f"query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_met, f"{wire_ratio:.4f}")):
+        print(f"{'PASS' if met else 'MISS'} {name}: {value}")
+    return {
+        "max_context_tokens": max_context, "max_context_over_n_capacity": context_ratio,
+        "borrowed_over_local_step": borrowed_over_local, "borrowed_over_local_sdpa_step": borrowed_over_sdpa,
+        "wire_bytes_query_over_kv": wire_ratio, "device": device, "capacity_tokens": capacity,
+        "block_size_tokens": BLOCK_SIZE_TOKENS, "kv_bytes_per_token": kv_bytes_per_token,
+        "targets_met": {"max_context": context_met, "borrowed_over_local_step": step_met, "wire_bytes_query_over_kv": wire_met},
+        "decode_ms_per_token": step_ms, "decode_prompt_tokens": prompt_tokens, "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds, "borrowed_share": borrowed_share, "outputs_equal": outputs_equal,
+        "wire_bytes_all_over_kv": wire_all_ratio,
+        "wire_bytes_per_step": {"sent": sent_per_step, "received": received_per_step, "kv_written": written_per_step,
+                                "query": query_per_step, "remote_kv": remote_kv_bytes},
+        "context_output_tokens": args.output_tokens, "context_trials": trials,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (the test suite's run)")
+    parser.add_argument("--capacity-tokens", type=int, help="C, KV tokens per worker, whole blocks (default 256; quick 64)")
+    parser.add_argument("--output-tokens", type=int, default=4, help="output tokens of each longest-context request")
+    parser.add_argument("--decode-tokens", type=int, help="tokens decoded per timed request (default 64; quick 8)")
+    parser.add_argument("--rounds", type=int, help="timed rounds, median kept (default 5; quick 2)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="a request not done by then counts as not served")
+    args = parser.parse_args()
+    args.capacity_tokens = args.capacity_tokens or (64 if args.quick else 256)
+    args.decode_tokens = args.decode_tokens or (8 if args.quick else 64)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    if args.capacity_tokens % BLOCK_SIZE_TOKENS or args.capacity_tokens <= 0:
+        parser.error(f"--capacity-tokens must be a positive multiple of {BLOCK_SIZE_TOKENS}")
+    if args.decode_tokens < 2 or args.output_tokens < 1:
+        parser.error("--decode-tokens needs at least 2 (a step between two tokens), --output-tokens at least 1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"host: {platform.node()} ({cpu_model()}, {torch.get_num_threads()} torch threads), device: {device_name}, "
+          f"torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny(Path(tmp) / "tiny", seed=0)
+        summary = asyncio.run(measure(args, model_dir, device))
+    summary["device"] = device_name
+    summary["quick"] = args.quick
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""bench/distkv.py runs end to end and ends with its JSON line (quick sizes): its figures are sane, not timed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "distkv.py"
+
+
+def test_quick_run_ends_with_context_step_and_wire_figures() -> None:
+    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("host: ")
+    summary = json.loads(lines[-1])
+    assert {"max_context_tokens", "borrowed_over_local_step", "wire_bytes_query_over_kv", "device", "capacity_tokens",
+            "targets_met"} <= set(summary)
+    assert summary["capacity_tokens"] == 64
+    context = summary["max_context_tokens"]
+    assert set(context) == {"1", "2", "4"}
+    # Borrowing makes more workers serve a longer context, and never more than they hold together.
+    assert 0 < context["1"] < context["2"] < context["4"] <= 4 * summary["capacity_tokens"]
+    assert summary["outputs_equal"]
+    assert summary["borrowed_over_local_step"] > 0
+    # Bytes, not time: shipping the query moves less than the remote KV it attends over.
+    assert 0 < summary["wire_bytes_query_over_kv"] < 1
+    assert set(summary["targets_met"]) == {"max_context", "borrowed_over_local_step", "wire_bytes_query_over_kv"}
