@@ -7,6 +7,7 @@ elastic memory charges it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,11 +89,11 @@ class HeldElsewhere:
         self.keys, self.values = keys, values  # per layer [tokens, kv_heads, head_dim]
         self.calls = 0
 
-    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         self.calls += 1
         out, lse = attention_with_lse(q.float(), self.keys[layer_index].float(), self.values[layer_index].float(),
                                       q.shape[-1] ** -0.5)
-        return out.contiguous(), lse.contiguous()
+        return lambda: (out.contiguous(), lse.contiguous())
 
 
 @pytest.mark.parametrize("new_tokens", [1, 5])

@@ -192,7 +192,7 @@ class _Remote:
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
 
-    def attend(self, layer_index: int, q: object) -> tuple[object, object]:
+    def submit(self, layer_index: int, q: object) -> object:
         raise AssertionError("not run")
 
 

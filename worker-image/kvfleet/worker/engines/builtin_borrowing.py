@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -76,15 +76,21 @@ class RemoteParts:
     def num_tokens(self) -> int:
         return sum(p.num_tokens for p in self.parts)
 
-    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the engine's tensor thread: every lease at once, merged (§4.2's ScaleReduce)."""
+    def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """On the engine's tensor thread: the query goes to every lease at once (the event loop sends it
+        while the forward computes the local parts), and the answers are merged (§4.2's ScaleReduce)."""
+        device = q.device
         future = asyncio.run_coroutine_threadsafe(self._attend(layer_index, q.detach().cpu()), self._loop)
-        try:
-            out, lse = future.result(ATTEND_TIMEOUT_S)
-        except Exception as err:  # any failure of a lease: its KV is out of reach
-            future.cancel()
-            raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
-        return out.to(q.device), lse.to(q.device)
+
+        def collect() -> tuple[torch.Tensor, torch.Tensor]:
+            try:
+                out, lse = future.result(ATTEND_TIMEOUT_S)
+            except Exception as err:  # any failure of a lease: its KV is out of reach
+                future.cancel()
+                raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+            return out.to(device), lse.to(device)
+
+        return collect
 
     async def _attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -227,11 +227,12 @@ class KVParts(Protocol):
     This is the seam where rManager's remote blocks plug into the builtin engine's forward.
     """
 
-    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-attention of q [rows, q_heads, head_dim] (rotated, the sequence's new tokens in order)
-        over this part's K and V of layer `layer_index`, non-causal (every token of the part precedes
-        the queries): (out fp32 [rows, q_heads, head_dim], lse fp32 [rows, q_heads], natural log) on
-        q's device; an empty part is out 0 and lse -inf."""
+    def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Start the micro-attention of q [rows, q_heads, head_dim] (rotated, the sequence's new tokens
+        in order) over this part's K and V of layer `layer_index`, non-causal (every token of the part
+        precedes the queries), and return how to wait for it: (out fp32 [rows, q_heads, head_dim], lse
+        fp32 [rows, q_heads], natural log) on q's device; an empty part is out 0 and lse -inf. The
+        forward computes its local parts while a remote one is in flight (section 4.6's overlap)."""
         ...
 
 
@@ -478,7 +479,9 @@ class LlamaForward:
 
     def _dist_attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv: torch.Tensor, plan: _DistPlan) -> torch.Tensor:
-        """Every row's attention as ScaleReduce over its parts: stored, in-hand, then extra parts."""
+        """Every row's attention as ScaleReduce over its parts: stored, in-hand, then extra parts (sent
+        first, so that they are computed where they live while the local parts are computed here)."""
+        pending = [(span, part.submit(layer_index, q[span])) for span, parts in plan.extras for part in parts]
         num_rows, h, d = q.shape
         stored_o = torch.empty((num_rows, h, d), dtype=torch.float32, device=q.device)
         stored_lse = torch.empty((num_rows, h), dtype=torch.float32, device=q.device)
@@ -507,13 +510,11 @@ class LlamaForward:
             hand_o[rows], hand_lse[rows] = o, lse
         distattention.scale_reduce_pair(stored_o, stored_lse, hand_o, hand_lse, out=stored_o, out_lse=stored_lse)
         del hand_o, hand_lse
-        for span, parts in plan.extras:
-            q_rows = q[span]
-            for part in parts:
-                # Folded in one at a time, as peers' answers arrive (the merge is associative).
-                o, lse = part.attend(layer_index, q_rows)
-                distattention.scale_reduce_pair(stored_o[span], stored_lse[span], o, lse, out=stored_o[span],
-                                                out_lse=stored_lse[span])
+        for span, collect in pending:
+            # Folded in one at a time, as peers' answers arrive (the merge is associative).
+            o, lse = collect()
+            distattention.scale_reduce_pair(stored_o[span], stored_lse[span], o, lse, out=stored_o[span],
+                                            out_lse=stored_lse[span])
         return stored_o.to(self.dtype)
 
     @classmethod
