@@ -131,6 +131,12 @@ def test_a_spanning_request_is_packed_by_its_local_part_and_never_moved() -> Non
                                   [worker(0, load(used=700, requests=(request("big", 700),))), worker(1, load())])
     moved = again.epoch([worker(0, load(used=700, requests=(request("big", 700),))), worker(1, plain)], {}, now_s=1.0)
     assert [m.request_id for m in moved.moves] == ["t"], "the same request without borrowed blocks would move"
+    # Before its first lease its worker says it spans (larger than its cache): not moved either.
+    early = load(used=250, requests=(RequestLoad(id="t", kv_bytes=250, tokens=10, size_class="L", spans=True),))
+    again = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+                                  [worker(0, load(used=700, requests=(request("big", 700),))), worker(1, load())])
+    assert again.epoch([worker(0, load(used=700, requests=(request("big", 700),))), worker(1, early)], {},
+                       now_s=1.0).moves == ()
 
 
 def test_lent_blocks_are_load_mell_places_around_them_and_never_moves() -> None:

@@ -276,3 +276,28 @@ def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_m
             await borrower.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_refuses_a_request_longer_than_it_and_its_pool_hold_with_a_clear_400(tiny_model_dir: Path) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvfleet.worker.agent import Agent, AgentConfig
+    from kvfleet.worker.text import Tokenizer
+
+    async def scenario() -> None:
+        engine = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        agent = Agent(AgentConfig(model_name="tiny", migration_port=None), engine, Tokenizer(tiny_model_dir), None)
+        async with TestClient(TestServer(agent.app())) as client:
+            for _ in range(600):
+                if (await client.get("/readyz")).status == 200:
+                    break
+                await asyncio.sleep(0.1)
+            for stream in (False, True):
+                response = await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": prompt_of(150), "max_tokens": 10, "stream": stream})
+                body = await response.json()
+                assert response.status == 400, body
+                assert body["error"]["code"] == "context_length_exceeded"
+                assert "need 10 KV blocks; this engine has 4" in body["error"]["message"]
+
+    asyncio.run(scenario())

@@ -206,7 +206,7 @@ def test_an_elastic_worker_reports_its_moving_capacity_and_cpu_buffer() -> None:
 def test_a_distkv_worker_reports_what_it_lends_and_borrows_and_writes_when_that_changes() -> None:
     from kvfleet.worker.reporter import DistKVFigures
 
-    usage = [RequestKV("long", 900, 100_000, borrowed_bytes=700_000)]
+    usage = [RequestKV("long", 900, 100_000, borrowed_bytes=700_000, spans=True)]
     figures = [DistKVFigures(300_000, 0, {"w-2": 700_000})]
     written: list[KVLoadReport] = []
     clock = Clock()
@@ -220,6 +220,7 @@ def test_a_distkv_worker_reports_what_it_lends_and_borrows_and_writes_when_that_
     report = written[-1]
     assert (report.lend_cap_bytes, report.lent_bytes, report.borrowed) == (300_000, 0, {"w-2": 700_000})
     assert report.requests[0].borrowed_bytes == 700_000 and report.used_bytes == 100_000  # the local part only
+    assert report.requests[0].spans
     clock.now_s += 5
     assert not check(reporter)  # nothing changed
     figures.append(DistKVFigures(300_000, 65_536, {}))  # it lends now, and borrows no more

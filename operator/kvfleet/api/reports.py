@@ -61,6 +61,9 @@ class RequestLoad(_Model):
     # only the part on this worker. Such a request is never moved: its KV lives on several workers.
     # Written only when not zero.
     borrowed_bytes: int | None = Field(default=None, gt=0)
+    # Larger than its worker's whole cache (DistKV): it borrows, or will as it grows, so it is never
+    # moved either, from its first report on. Written only when true.
+    spans: Literal[True] | None = None
 
     @property
     def whole_kv_bytes(self) -> int:

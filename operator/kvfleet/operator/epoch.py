@@ -389,7 +389,7 @@ def _reported(workers: Iterable[WorkerView], in_flight: Mapping[str, str], max_k
             # Mid-migration both pods may report a request: the migration's target wins.
             if req.id not in actual or in_flight.get(req.id) == worker.pod_name:
                 actual[req.id] = Reported(worker, req.kv_bytes, req.tokens, bool(req.finishing), req.whole_kv_bytes,
-                                          spanning=bool(req.borrowed_bytes))
+                                          spanning=bool(req.borrowed_bytes or req.spans))
         # Only on a bound worker: an idle floor pod's lent blocks are on no GPU of the policy.
         lent_bytes = _lent_size_bytes(worker, max_kv_bytes // MAX_SPAN_GPUS)
         if lent_bytes > 0 and worker.gpu_id is not None:

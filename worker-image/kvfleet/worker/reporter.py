@@ -87,7 +87,8 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
     loads = [RequestLoad(id=r.request_id, kv_bytes=r.kv_bytes, tokens=r.tokens, queued=waiting,
                          size_class=size_class_name(r.kv_bytes, capacity_bytes),
                          finishing=True if _finishing(r, waiting, finishing_tokens) else None,
-                         shared_bytes=r.shared_bytes or None, borrowed_bytes=r.borrowed_bytes or None)
+                         shared_bytes=r.shared_bytes or None, borrowed_bytes=r.borrowed_bytes or None,
+                         spans=True if r.spans else None)
              for r, waiting in entries]
     return KVLoadReport(capacity_bytes=capacity_bytes, used_bytes=sum(r.kv_bytes for r in usage), requests=loads,
                         sequence=sequence, link_bytes_per_second=measured.link_bytes_per_s,

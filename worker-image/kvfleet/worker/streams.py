@@ -113,7 +113,10 @@ class RequestStreams:
         request_id = job.request_id
         stream: AsyncIterator[StepOutput]
         if resumed is None:
-            stream = self.engine.generate(request_id, job.prompt_token_ids, job.params)
+            try:
+                stream = self.engine.generate(request_id, job.prompt_token_ids, job.params)
+            except EngineError as err:  # refused before it starts (the builtin engine checks at once)
+                raise _client_error(err) from None
             detok = self.tokenizer.detokenizer(job.prompt_token_ids)
             stops = StopStrings(job.stops)
             outputs: list[int] = []
@@ -214,17 +217,22 @@ class RequestStreams:
             log.warning("the continuation of %s is lost: %s", moved.request_id, err)
 
 
+def _client_error(err: EngineError) -> APIError:
+    """An engine's refusal as the OpenAI-format client error that says it."""
+    if isinstance(err, RequestTooLong):
+        return APIError(400, str(err), code="context_length_exceeded")
+    if isinstance(err, DuplicateRequest):
+        return APIError(409, str(err), param=REQUEST_ID_HEADER, code="duplicate_request_id")
+    return APIError(400, str(err))
+
+
 async def _checked(stream: AsyncIterator[StepOutput]) -> AsyncGenerator[StepOutput, None]:
     """The engine's stream with its refusals turned into client errors."""
     try:
         async for out in stream:
             yield out
-    except RequestTooLong as err:
-        raise APIError(400, str(err), code="context_length_exceeded") from None
-    except DuplicateRequest as err:
-        raise APIError(409, str(err), param=REQUEST_ID_HEADER, code="duplicate_request_id") from None
     except EngineError as err:
-        raise APIError(400, str(err)) from None
+        raise _client_error(err) from None
     finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:

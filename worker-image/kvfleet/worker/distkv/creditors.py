@@ -124,7 +124,9 @@ class PoolPlanCreditors:
     async def run(self) -> None:
         while True:
             await self.refresh()
-            await asyncio.sleep(PLAN_REFRESH_S)
+            # Without candidates (a worker that starts before the operator's first plan names any) a
+            # long request is refused at once (admission cannot wait for a read): look again sooner.
+            await asyncio.sleep(PLAN_REFRESH_S if self._creditors else PLAN_MISS_REFRESH_S)
 
     def _refresh_soon(self) -> None:
         loop = asyncio.get_running_loop()

@@ -152,6 +152,8 @@ class RequestKV:
     # DistKV (docs/distkv.md): KV of this request held in blocks other workers lent it; kv_bytes is
     # only what this worker holds.
     borrowed_bytes: int = 0
+    # Larger than the engine's whole cache: it borrows (or will) and is never moved.
+    spans: bool = False
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,7 @@ class Scheduler:
                 counted.update(id(node) for node in nodes)
                 usage.append(RequestKV(req.request_id, tokens, (len(req.blocks) - num_elsewhere) * block_bytes,
                                        max(0, req.params.max_tokens - len(req.output)), num_elsewhere * block_bytes,
-                                       blocks_for(req.remote_tokens, self.block_size_tokens) * block_bytes))
+                                       blocks_for(req.remote_tokens, self.block_size_tokens) * block_bytes, req.spans))
         for request_id, staged in self.staged.items():
             if staged.blocks:
                 usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))
