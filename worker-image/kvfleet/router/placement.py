@@ -190,6 +190,11 @@ def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None,
     return chosen, f"allocate:{decision.step}"
 
 
+def _roomiest(loads: Sequence[_Load]) -> _Load:
+    """The worker with the most free KV, then the fewest requests (then by name, for determinism)."""
+    return max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+
+
 def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, *, default_capacity_bytes: int,
           exclude: frozenset[str] = frozenset(), locality: LocalityInput | None = None) -> RouteChoice | NoRoute:
     """The worker for a new request of `kv_bytes` (its estimated final KV), or why there is none.
@@ -213,7 +218,7 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
         # borrows the rest from the others, so the worker with the most room takes it. Whether the
         # pool can lend the rest is the worker's to say (it reads the operator's plan): a pool
         # without room answers 400 context_length_exceeded, saying how much it could lend.
-        spanning = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+        spanning = _roomiest(loads)
         return RouteChoice(spanning.worker.pod_name, spanning.worker.address, "spanning")
     by_name = {load.worker.pod_name: load for load in loads}
     fitting = [load for load in loads if load.fits(kv_bytes)]
@@ -224,7 +229,7 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     elif (chosen := allocate(loads, kv_bytes, snapshot.config, snapshot.policy)) is not None:
         choice = RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     elif fitting:
-        best = max(fitting, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+        best = _roomiest(fitting)
         choice = RouteChoice(best.worker.pod_name, best.worker.address, "least-loaded")
     if choice is not None:
         return _with_locality(choice, fitting, locality) if locality is not None else choice
@@ -235,7 +240,7 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     # make the pool grow. It queues where MELL would put it (the route), else on the emptiest worker.
     if route is not None:
         return RouteChoice(route.worker.pod_name, route.worker.address, "queued:route")
-    emptiest = max(loads, key=lambda load: (load.free_bytes, -load.num_requests, load.worker.pod_name))
+    emptiest = _roomiest(loads)
     return RouteChoice(emptiest.worker.pod_name, emptiest.worker.address, "queued:emptiest")
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfleet.worker.distkv.creditors import Creditor, Creditors, PoolPlanCreditors, StaticCreditors
+from kvfleet.worker.migration.transport import split_address
 
 # Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
@@ -107,9 +108,9 @@ def parse_peers(text: str) -> list[tuple[str, str]]:
     peers = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, address = item.partition("=")
-        host, colon, port = address.rpartition(":")
-        if not sep or not name or not colon or not host or not port.isdigit():
+        if not sep or not name:
             raise ValueError(f"{item!r} is not name=host:port")
+        split_address(address)  # the transport's own parse: a peer it could not dial is refused here
         peers.append((name, address))
     return peers
 

@@ -366,7 +366,7 @@ class Scheduler:
         least one); its later chunks get theirs as its borrowing side makes room (module docstring)."""
         if others:
             return False  # its chunk is the step's whole prefill budget
-        want = blocks_for(min(req.num_tokens, PREFILL_TOKENS_PER_STEP), self.block_size_tokens)
+        want = self._next_chunk_blocks(req)
         self._make_room(want)
         if not self.pool.free:
             return False
@@ -386,20 +386,22 @@ class Scheduler:
             return pending if room >= pending else 0
         return min(pending, room, PREFILL_TOKENS_PER_STEP)
 
+    def _next_chunk_blocks(self, req: Request) -> int:
+        """Local blocks a spanning request lacks for its next chunk (or decode token), free or not."""
+        local = req.num_cached - req.remote_tokens
+        want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
+        return blocks_for(local + want, self.block_size_tokens) - len(req.blocks)
+
     def _top_up(self, req: Request) -> None:
         """Give a spanning request what is free toward its next chunk or token; the rest comes of moving
         its oldest blocks to lenders before the next step (builtin_borrowing.py), never of preempting."""
-        local = req.num_cached - req.remote_tokens
-        want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
-        num_new_blocks = min(blocks_for(local + want, self.block_size_tokens) - len(req.blocks), len(self.pool.free))
+        num_new_blocks = min(self._next_chunk_blocks(req), len(self.pool.free))
         if num_new_blocks > 0:
             req.blocks.extend(self.pool.allocate(num_new_blocks))
 
     def spanning_shortfall(self, req: Request) -> int:
         """Blocks a running spanning request lacks for its next chunk (or decode) beyond the free ones."""
-        want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
-        local = req.num_cached - req.remote_tokens
-        return max(0, blocks_for(local + want, self.block_size_tokens) - len(req.blocks) - len(self.pool.free))
+        return max(0, self._next_chunk_blocks(req) - len(self.pool.free))
 
     def process(self, step: Step, tokens: list[int]) -> None:
         """Hand each request its sampled token, finish those that are done, and reserve the next slots."""
@@ -524,9 +526,6 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def fail(self, step: Step, error: EngineError) -> None:
-        """A step that raised fails its requests (not the engine)."""
+        """A step that raised fails its requests (not the engine); one preempted in it is waiting."""
         for req in step.requests:
-            if req.state in (RequestState.RUNNING, RequestState.WAITING):  # (waiting: preempted in the failed step)
-                (self.running if req.state is RequestState.RUNNING else self.waiting).remove(req)
-                req.queue.put_nowait(error)
-                self.finish(req)
+            self.fail_request(req, error)
