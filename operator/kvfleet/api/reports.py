@@ -107,6 +107,18 @@ class KVLoadReport(_Model):
     borrowed: dict[Annotated[str, StringConstraints(min_length=1, max_length=253)], Annotated[int, Field(gt=0)]] | None = (
         Field(default=None, max_length=MAX_REQUESTS_PER_REPORT))
 
+    def kv_bytes_per_token(self) -> int | None:
+        """The model's KV bytes per token as this report shows it, or None when it cannot tell: the
+        spec does not know the model, so it is read off the running requests, each holding whole blocks
+        (its whole KV over its tokens rounded up to blocks). A request that borrows is left out: its
+        kv_bytes is only its local part. The largest, as a block not yet full would understate it."""
+        bs = self.block_size_tokens
+        if bs is None:
+            return None
+        per_token = [r.whole_kv_bytes // (-(-r.tokens // bs) * bs)
+                     for r in self.requests if not r.queued and r.tokens > 0 and not r.borrowed_bytes]
+        return max(per_token, default=None)
+
     def to_annotation(self) -> str:
         # Unset optional fields are left out, so a report without measurements is exactly what
         # an operator from before these fields reads (its model forbids unknown keys).

@@ -68,9 +68,7 @@ class DistKVPlan:
 def kv_block_bytes(reports: Iterable[KVLoadReport]) -> int:
     """Bytes of one KV block (the ledger's unit, an rBlock): block size x KV bytes per token.
 
-    The spec does not know the model's KV bytes per token, so they are read off the running requests
-    as the migration code does (`migrations._growth_margin_bytes`): a request holds whole blocks, so
-    its KV over its tokens rounded up to blocks is the bytes of a token. The largest over the pool
+    Each report's `kv_bytes_per_token` (read off its running requests), the largest over the pool
     (workers of one pool run one model). Before any worker gives its block size or runs a request
     the unit is one byte: byte counts are exact then, and nothing is rounded to blocks.
     """
@@ -78,10 +76,7 @@ def kv_block_bytes(reports: Iterable[KVLoadReport]) -> int:
     block_size_tokens = max((r.block_size_tokens for r in reports if r.block_size_tokens is not None), default=None)
     if block_size_tokens is None:
         return 1
-    # A spanning request's kv_bytes is only its local part: it says nothing of the bytes per token.
-    per_token = [r.whole_kv_bytes // (-(-r.tokens // block_size_tokens) * block_size_tokens)
-                 for report in reports for r in report.requests if not r.queued and r.tokens > 0 and not r.borrowed_bytes]
-    kv_bytes_per_token = max(per_token, default=0)
+    kv_bytes_per_token = max((n for r in reports if (n := r.kv_bytes_per_token()) is not None), default=0)
     return block_size_tokens * kv_bytes_per_token if kv_bytes_per_token > 0 else 1
 
 

@@ -205,10 +205,9 @@ def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadRepor
 def _growth_margin_bytes(report: KVLoadReport) -> int:
     """One KV block for each request the report shows running (queued ones hold no blocks yet)."""
     running = [r for r in report.requests if not r.queued and r.tokens > 0]
-    if report.block_size_tokens is None or not running:
+    kv_bytes_per_token = report.kv_bytes_per_token()
+    if report.block_size_tokens is None or kv_bytes_per_token is None:
         return 0
-    kv_bytes_per_token = max(r.kv_bytes // max(1, -(-r.tokens // report.block_size_tokens) * report.block_size_tokens)
-                             for r in running)
     return len(running) * report.block_size_tokens * kv_bytes_per_token
 
 
