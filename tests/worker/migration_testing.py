@@ -20,13 +20,15 @@ from aiohttp import web
 from worker_testing import EngineLoop
 
 from kvfleet.api.reports import KVLoadReport
-from kvfleet.serving.credentials import PoolCredentials
+from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine
+from kvfleet.worker.migration.transport import Channel, TCPTransport
 from kvfleet.worker.text import Tokenizer
 
 TOKEN = "pool-token-for-migrations"
+CREDENTIALS = PoolCredentials(PoolSecrets(TOKEN, TOKEN.encode()))
 MODEL = "tiny"
 # Long enough that a request is still decoding when the migration starts, on any machine.
 MAX_TOKENS = 300
@@ -202,3 +204,39 @@ def wait_idle(*workers: Worker) -> None:
     while any(w.agent.engine.kv_usage() or w.agent.streams.active for w in workers):
         assert time.monotonic() < deadline, [(w.name, w.agent.engine.kv_usage(), w.agent.streams.active) for w in workers]
         time.sleep(0.05)
+
+
+class FixedPort:
+    """Stands in for a listener only to tell the test helper which migration port to aim at."""
+
+    def __init__(self, port: int | None) -> None:
+        self.port = port
+        self.original = port
+
+    async def close(self) -> None:
+        pass
+
+
+def fake_destination(loop: EngineLoop, die_at: str) -> tuple[int, Any]:
+    """A peer that speaks the protocol (it holds the token) and dies at `die_at`: "data" or "commit"."""
+    transport = TCPTransport(CREDENTIALS)
+
+    async def handler(channel: Channel) -> None:
+        await channel.recv(5)
+        await channel.send({"ok": True, "engine": "builtin", "kv": True})
+        while True:
+            frame = await channel.recv(5)
+            if frame.header.get("op") == "stage":
+                await channel.send({"ok": True})
+                data = await channel.recv(5)
+                await channel.read_payload(data.payload_nbytes)
+                if die_at == "data":
+                    return  # the connection drops mid-copy
+                await channel.send({"ok": True})
+            elif frame.header.get("op") == "commit" and die_at == "commit":
+                return
+            else:
+                return
+
+    listener = loop.run(transport.listen("127.0.0.1", 0, handler))
+    return listener.port, listener

@@ -73,11 +73,16 @@ def test_info_reports_the_allocated_capacity(any_engine: StartedEngine) -> None:
 
 
 def test_capabilities_are_declared_not_inferred_from_the_type(any_engine: StartedEngine) -> None:
-    # The executor decides KV or token moves from this alone: builtin can move KV, vLLM cannot; the
-    # reporter reads a moving capacity from the elastic builtin engine only.
+    # The executor decides KV or token moves from this and the KV format it states: every engine here
+    # moves KV (vLLM through kvfleet's connector), in one format but the block size; the reporter
+    # reads a moving capacity from the elastic builtin engine only.
     capabilities = any_engine.engine.capabilities
     assert isinstance(capabilities, EngineCapabilities)
-    assert (capabilities.migration is not None) == any_engine.name.startswith("builtin")
+    assert capabilities.migration is not None
+    fmt = capabilities.migration.kv_format()
+    assert (fmt.layers, fmt.kv_heads, fmt.head_dim, fmt.dtype) == (2, 2, 64, "float32")
+    assert fmt.block_size_tokens == any_engine.info.block_size_tokens
+    assert fmt.any_block_size == (any_engine.name == "vllm")
     assert (capabilities.elastic_memory is not None) == (any_engine.name == "builtin-elastic")
 
 

@@ -20,10 +20,12 @@ from typing import Any
 
 import pytest
 from migration_testing import (
+    CREDENTIALS,
     KV_CAPACITY_BYTES,
-    TOKEN,
+    FixedPort,
     Worker,
     body,
+    fake_destination,
     read_sse,
     reference,
     start_worker,
@@ -35,10 +37,8 @@ from worker_testing import EngineLoop
 
 from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.migration import target as target_module
-from kvfleet.worker.migration.transport import AuthenticationError, Channel, TCPTransport, TransportError
+from kvfleet.worker.migration.transport import AuthenticationError, TCPTransport, TransportError
 from kvfleet.worker.migration.watcher import MigrationWatcher, WatcherConfig
-
-CREDENTIALS = PoolCredentials(PoolSecrets(TOKEN, TOKEN.encode()))
 
 # 2 layers x (K, V) x blocks x 16 tokens x 2 KV heads x 64 dims: the tiny model's KV block layout.
 TINY_BLOCK_SHAPE = [2, 2, 1, 16, 2, 64]
@@ -101,50 +101,14 @@ def test_an_unreachable_destination_leaves_the_request_running(workers: tuple[Wo
     dead_port.close()
     original = b.agent.migration_port
     try:
-        b.agent._listener = _FixedPort(port)  # type: ignore[assignment]
+        b.agent._listener = FixedPort(port)  # type: ignore[assignment]
         streamed, result = stream_with_migration(a, b, "unreachable-1", "kv")
     finally:
-        b.agent._listener = _FixedPort(original)  # type: ignore[assignment]
+        b.agent._listener = FixedPort(original)  # type: ignore[assignment]
     assert result["phase"] == "Failed"
     assert "unreachable" in result["message"]
     assert streamed.done and streamed.text == ref_text
     wait_idle(a, b)
-
-
-class _FixedPort:
-    """Stands in for a listener only to tell the test helper which migration port to aim at."""
-
-    def __init__(self, port: int | None) -> None:
-        self.port = port
-        self.original = port
-
-    async def close(self) -> None:
-        pass
-
-
-def fake_destination(loop: EngineLoop, die_at: str) -> tuple[int, Any]:
-    """A peer that speaks the protocol (it holds the token) and dies at `die_at`: "data" or "commit"."""
-    transport = TCPTransport(CREDENTIALS)
-
-    async def handler(channel: Channel) -> None:
-        await channel.recv(5)
-        await channel.send({"ok": True, "engine": "builtin", "kv": True})
-        while True:
-            frame = await channel.recv(5)
-            if frame.header.get("op") == "stage":
-                await channel.send({"ok": True})
-                data = await channel.recv(5)
-                await channel.read_payload(data.payload_nbytes)
-                if die_at == "data":
-                    return  # the connection drops mid-copy
-                await channel.send({"ok": True})
-            elif frame.header.get("op") == "commit" and die_at == "commit":
-                return
-            else:
-                return
-
-    listener = loop.run(transport.listen("127.0.0.1", 0, handler))
-    return listener.port, listener
 
 
 @pytest.mark.parametrize("die_at", ["data", "commit"])
@@ -155,7 +119,7 @@ def test_a_destination_that_dies_mid_copy_leaves_the_request_running_on_the_sour
     port, listener = fake_destination(engine_loop, die_at)
     try:
         b_real = b.agent._listener
-        b.agent._listener = _FixedPort(port)  # type: ignore[assignment]
+        b.agent._listener = FixedPort(port)  # type: ignore[assignment]
         try:
             streamed, result = stream_with_migration(a, b, f"dies-at-{die_at}", "kv")
         finally:

@@ -1,10 +1,10 @@
-"""Migration with vLLM: token mode through its public API (abort, resubmit prompt + output), both ways.
-
-vLLM exposes no running request's KV, so a migration from or to a vLLM worker runs in token mode
-and a KVMigration that asked for KV says it fell back (docs/migration.md). Under greedy decoding the
-client's stream is still token for token the unmigrated output: the two engines agree on greedy
-tokens for the same model (test_engine_contract.py), and vLLM re-prefills prompt + output with the
-rest of the budget.
+"""Migration with vLLM between agents, both ways with the builtin engine: token mode (abort, resubmit
+prompt + output), and KV and hybrid modes through kvfleet's KV connector inside vLLM (the source
+stops the request with its blocks kept, the KV crosses the migration transport, the target loads it
+and recomputes only the tail). Under greedy decoding the client's stream is token for token the
+unmigrated output: the two engines agree on greedy tokens for the same model (test_engine_contract.py).
+The abort paths keep the request running on the source: a target that dies once the request is stopped
+(it resumes from its own kept blocks), and a target without room (refused before it stops).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 from migration_testing import (
     MAX_TOKENS,
+    FixedPort,
     Worker,
+    fake_destination,
     follow_target,
     reference,
     start_worker,
@@ -87,12 +89,51 @@ def test_token_mode_keeps_greedy_output(vllm_and_builtin: tuple[Worker, Worker],
     wait_idle(v, b)
 
 
-def test_kv_mode_with_vllm_falls_back_to_tokens_and_says_so(vllm_and_builtin: tuple[Worker, Worker]) -> None:
+@pytest.mark.parametrize("mode", ["kv", "hybrid"])
+@pytest.mark.parametrize("direction", ["vllm-to-builtin", "builtin-to-vllm"])
+def test_kv_modes_move_the_kv_through_vllms_connector(vllm_and_builtin: tuple[Worker, Worker], direction: str,
+                                                     mode: str) -> None:
     v, b = vllm_and_builtin
+    source, target = (v, b) if direction == "vllm-to-builtin" else (b, v)
     ref_text, _ = reference(v, payload())
-    streamed, result = stream_with_migration(v, b, "vllm-kv-asked", "kv", payload=payload())
+    # Past vLLM's first 128-token block, so that a stage has a full block to copy while it decodes.
+    streamed, result = stream_with_migration(source, target, f"{direction}-{mode}", mode, payload=payload(),
+                                             after_chunks=140)
     assert result["phase"] == "Succeeded", result
-    assert result["mode"] == "token"
-    assert "moved as tokens" in result["message"] and "vllm" in result["message"]
+    assert result["mode"] == mode and result["bytesMoved"] > 0, result
+    assert "tokens" not in result["message"], result
     assert streamed.done and streamed.text == ref_text
     wait_idle(v, b)
+
+
+def test_a_target_that_dies_at_commit_leaves_the_vllm_request_running_from_its_own_kv(
+        vllm_and_builtin: tuple[Worker, Worker], engine_loop: EngineLoop) -> None:
+    """Stopped in vLLM (its blocks kept by the connector) when the target vanishes: the request resumes on
+    the source from those blocks, and the client's stream stays whole."""
+    v, b = vllm_and_builtin
+    ref_text, _ = reference(v, payload())
+    port, listener = fake_destination(engine_loop, "commit")
+    real = b.agent._listener
+    try:
+        b.agent._listener = FixedPort(port)  # type: ignore[assignment]
+        streamed, result = stream_with_migration(v, b, "vllm-dies-at-commit", "kv", payload=payload())
+    finally:
+        b.agent._listener = real
+        engine_loop.run(listener.close())
+    assert result["phase"] == "Failed" and "keeps running on the source" in result["message"], result
+    assert streamed.done and streamed.text == ref_text
+    wait_idle(v, b)
+
+
+def test_a_target_without_room_fails_the_move_and_the_vllm_request_runs_on(
+        vllm_and_builtin: tuple[Worker, Worker], tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    v, _ = vllm_and_builtin
+    small = start_worker("worker-small", tiny_model_dir, engine_loop, kv_capacity_bytes=16 * 2048)  # one block
+    try:
+        ref_text, _ = reference(v, payload())
+        streamed, result = stream_with_migration(v, small, "vllm-no-room", "kv", payload=payload(), after_chunks=140)
+        assert result["phase"] == "Failed" and "no room" in result["message"], result
+        assert streamed.done and streamed.text == ref_text
+        wait_idle(v, small)
+    finally:
+        engine_loop.run(small.runner.cleanup())

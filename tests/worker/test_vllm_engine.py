@@ -137,12 +137,16 @@ def test_streams_its_tokens_as_deltas_with_its_kv_tokens(vllm: StartedEngine) ->
 
 def test_sampling_params_map_to_vllm(vllm: StartedEngine) -> None:
     engine = engine_of(vllm)
-    mapped = engine._sampling_params(SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=(9,)))
+    mapped = engine._sampling_params(SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=(9,)),
+                                     "r-1", False)
     assert (mapped.max_tokens, mapped.temperature, mapped.top_p, mapped.seed) == (7, 0.5, 0.9, 3)
     # EOS becomes a stop token (vLLM loads no tokenizer here to learn it); the agent owns the text.
     assert mapped.stop_token_ids == [9, 2] and not mapped.ignore_eos and not mapped.detokenize
     assert mapped.output_kind.name == "DELTA"
-    assert engine._sampling_params(SamplingParams(ignore_eos=True)).stop_token_ids == []
+    # The request's own id travels to kvfleet's KV connector (vLLM suffixes the id it uses inside).
+    assert mapped.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-1", "load": False}}}
+    resumed = engine._sampling_params(SamplingParams(ignore_eos=True), "r-2", True)
+    assert resumed.stop_token_ids == [] and resumed.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-2", "load": True}}}
 
 
 def test_requests_beyond_the_batch_wait_and_kv_stays_within_capacity(vllm: StartedEngine) -> None:

@@ -25,7 +25,7 @@ from kvfleet.worker.engines.base import DuplicateRequest, SamplingParams, StepOu
 from kvfleet.worker.engines.builtin_blocks import StagedKV, blocks_for
 from kvfleet.worker.engines.builtin_model import PagedKVCache
 from kvfleet.worker.engines.builtin_scheduler import RequestState, Scheduler
-from kvfleet.worker.engines.capabilities import KVBlocks, MigrationError, SuspendedRequest
+from kvfleet.worker.engines.capabilities import KVBlocks, KVFormat, MigrationError, SuspendedRequest
 
 T = TypeVar("T")
 
@@ -65,6 +65,15 @@ class BuiltinKVMigration:
         if self._executor is None:
             raise RuntimeError("the builtin engine is not started")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def resume_notes(self, request_id: str) -> list[str]:
+        return []  # imported KV is written before resume, or the import refused
+
+    def kv_format(self) -> KVFormat:
+        """Its cache's layout; blocks of its own size only (capabilities.KVFormat)."""
+        cache = self._require_cache()
+        block_size, heads, head_dim = cache.block_shape
+        return KVFormat(len(cache.layers), heads, head_dim, str(cache.layers[0].dtype).removeprefix("torch."), block_size)
 
     async def suspend(self, request_id: str) -> SuspendedRequest:
         """Stop decoding the request at the next step boundary and keep its KV (see KVMigratable in capabilities.py)."""

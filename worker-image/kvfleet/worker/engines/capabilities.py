@@ -96,11 +96,65 @@ class KVBlocks:
         return int(self.data.numel() * self.data.element_size())
 
 
+@dataclass(frozen=True)
+class KVFormat:
+    """How an engine's KV moves: KVBlocks of this shape and dtype pass between two engines whose formats
+    agree (`kv_format_mismatch`). Engines of one model agree on all but, maybe, the block size."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size_tokens: int
+    # Imports KV in blocks of any size (vLLM's connector stages it by tokens); else only its own.
+    any_block_size: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype,
+                "block_size_tokens": self.block_size_tokens, "any_block_size": self.any_block_size}
+
+    @staticmethod
+    def from_json(data: Mapping[str, object]) -> KVFormat:
+        return KVFormat(int(str(data["layers"])), int(str(data["kv_heads"])), int(str(data["head_dim"])),
+                        str(data["dtype"]), int(str(data["block_size_tokens"])), bool(data.get("any_block_size")))
+
+
+def kv_format_mismatch(source: KVFormat, target: KVFormat) -> str | None:
+    """Why KV cannot move from an engine of format `source` to one of `target`, or None when it can.
+
+    Blocks may differ in size when the target takes any size, or when the source's blocks split into
+    whole target blocks (`split_blocks`)."""
+    for name in ("layers", "kv_heads", "head_dim", "dtype"):
+        if getattr(source, name) != getattr(target, name):
+            return f"the engines' KV differs in {name} ({getattr(source, name)} here, {getattr(target, name)} there)"
+    bs, target_bs = source.block_size_tokens, target.block_size_tokens
+    if bs != target_bs and not target.any_block_size and bs % target_bs:
+        return f"blocks of {bs} tokens here do not split into the target's blocks of {target_bs}"
+    return None
+
+
+def split_blocks(kv: KVBlocks, block_size_tokens: int) -> KVBlocks:
+    """The same KV in blocks of `block_size_tokens`, which must divide kv's block size (whole blocks out)."""
+    if kv.block_size_tokens == block_size_tokens:
+        return kv
+    factor, rest = divmod(kv.block_size_tokens, block_size_tokens)
+    if rest:
+        raise MigrationError(f"blocks of {kv.block_size_tokens} tokens do not split into blocks of {block_size_tokens}")
+    layers, two, blocks, _, heads, head_dim = kv.data.shape
+    tokens = kv.data.reshape(layers, two, blocks * factor, block_size_tokens, heads, head_dim)
+    kept = -(-kv.num_tokens // block_size_tokens)   # the source's last block may hold fewer valid tokens
+    return KVBlocks(kv.request_id, kv.first_block * factor, kv.num_tokens, block_size_tokens, tokens[:, :, :kept])
+
+
 class KVMigratable(Protocol):
     """Moving a running request's KV blocks between engines (the calls in the module docstring).
 
     Refusals raise MigrationError (an EngineError) unless said otherwise.
     """
+
+    def kv_format(self) -> KVFormat:
+        """The format this engine's KV moves in; raises MigrationError, with the reason, when it cannot move KV."""
+        ...
 
     async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> KVBlocks:
         """Blocks [first_block, end_block) of the request's block table, all layers, copied to the CPU.
@@ -152,6 +206,11 @@ class KVMigratable(Protocol):
     def release(self, request_id: str) -> None:
         """Free a suspended request's KV on the source, or KV imported on the destination for a
         migration that will not be resumed. Unknown ids are ignored."""
+        ...
+
+    def resume_notes(self, request_id: str) -> list[str]:
+        """What went otherwise than planned when the request resumed here (vLLM: a KV load that failed and
+        was recomputed), for the migration's message; asked once, after its first token."""
         ...
 
 

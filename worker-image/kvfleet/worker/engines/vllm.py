@@ -68,14 +68,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass
+import secrets
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
 from prometheus_client import REGISTRY, Metric
 from prometheus_client.registry import Collector
 from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
 from vllm.outputs import RequestOutput
@@ -99,7 +103,9 @@ from kvfleet.worker.engines.base import (
     StepOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.capabilities import EngineCapabilities, PrefixCacheStats
+from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
+from kvfleet.worker.engines.vllm_connector import CONNECTOR_NAME, EXTRA_AUTHKEY, EXTRA_SOCKET, kv_params, new_socket_path
+from kvfleet.worker.engines.vllm_migration import VLLMKVMigration
 
 logger = logging.getLogger(__name__)
 
@@ -122,20 +128,48 @@ class _Request:
     """What the engine knows of one request it holds: enough to account its KV without vLLM's help."""
 
     request_id: str
-    prompt_tokens: int
-    max_tokens: int | None = None
-    generated_tokens: int = 0
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    # Output tokens so far, those it brought when it resumed here (a migration) included.
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens given to vLLM: the prompt, or prompt + output for a resumed request.
+    submitted_tokens: int = 0
     abort_requested: bool = False
     # Whether its prefix-cache hit has been counted (vLLM tells it with its first token).
     cache_hit_counted: bool = False
+    # A KV migration stops it (vllm_migration.py): its stream ends, unfinished, when vLLM stops it.
+    suspending: bool = False
+    suspended: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
-    def remaining_tokens(self) -> int | None:
-        return None if self.max_tokens is None else max(0, self.max_tokens - self.generated_tokens)
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_tokens - self.generated_tokens)
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether vLLM has computed it (it gave a token since it came here): else it waits."""
+        return self.generated_tokens > self.resumed_with
+
+    @property
+    def resumed_with(self) -> int:
+        return self.submitted_tokens - self.prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,7 @@ class _Geometry:
 
     block_size_tokens: int
     kv_bytes_per_token: int
+    kv_dtype: torch.dtype
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -201,7 +236,7 @@ class VLLMEngine:
         self._llm: AsyncLLM | None = None
         self._info: EngineInfo | None = None
         self._geometry: _Geometry | None = None
-        # Requests submitted and not finished, by id; those with generated_tokens > 0 hold KV.
+        # Requests submitted and not finished, by id; those that gave a token since they came hold KV.
         self._requests: dict[str, _Request] = {}
         self._stopped = False
         # Prefix-cache figures so far (prefix_cache_stats), summed over requests from their first tokens.
@@ -209,6 +244,11 @@ class VLLMEngine:
         self._num_prefilled_tokens = 0
         # vLLM's own Prometheus families, filled in at start (module docstring).
         self.prometheus_metrics = VLLMMetrics()
+        # KV moves through kvfleet's connector in the EngineCore (vllm_connector.py), over a socket in a
+        # folder of this process's own, with a key only this process hands to the EngineCore.
+        self._migration = VLLMKVMigration(self)
+        self._socket_dir: str | None = None
+        self._authkey = secrets.token_bytes(32)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -229,8 +269,10 @@ class VLLMEngine:
                               "shrink while it serves, and its CPU offloading runs on CUDA or XPU GPUs only")
         # Loading blocks for seconds (spawning, importing torch twice, loading weights): a thread keeps
         # the caller's event loop serving meanwhile. AsyncLLM binds to the loop on first use.
+        self._socket_dir = tempfile.mkdtemp(prefix="kvfleet-vllm-")
         llm, geometry = await asyncio.to_thread(self._create)
         self._llm, self._geometry = llm, geometry
+        await self._migration.open(self._socket_path(), self._authkey, str(geometry.kv_dtype).removeprefix("torch."))
         num_blocks = llm.vllm_config.cache_config.num_gpu_blocks
         if not num_blocks:
             raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
@@ -317,6 +359,10 @@ class VLLMEngine:
         self.prometheus_metrics.take_registered()
         return llm, geometry
 
+    def _socket_path(self) -> str:
+        assert self._socket_dir is not None
+        return new_socket_path(self._socket_dir)
+
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None) -> AsyncEngineArgs:
         config = self.config
         # None means "the model's own": leave vLLM's default rather than pass None to an int field.
@@ -336,6 +382,12 @@ class VLLMEngine:
             # torch.compile on the CPU spends minutes in the C++ compiler for no gain at this size.
             enforce_eager=config.device == "cpu",
             disable_log_stats=True,
+            # kvfleet's connector, loaded by module path (no patch to vLLM); a KV load that fails is
+            # recomputed, not an error (vllm_connector.py).
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=CONNECTOR_NAME, kv_connector_module_path="kvfleet.worker.engines.vllm_connector",
+                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config={EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex()}),
             **optional,
         )
 
@@ -352,9 +404,12 @@ class VLLMEngine:
             await llm.abort(ids)
         # Let the streams see their abort outputs before the output handler is cancelled.
         await asyncio.sleep(0)
+        self._migration.close()
         # Blocking (it joins the processes); on the loop's thread because it closes the loop's sockets.
         llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         self._requests.clear()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     @property
     def info(self) -> EngineInfo:
@@ -364,9 +419,10 @@ class VLLMEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        # No KV migration: vLLM's public API exposes no running request's KV, so a migration from or
-        # to this engine moves the request's tokens (abort here, re-prefill there).
-        return EngineCapabilities(prefix_cache=self if self.config.prefix_caching else None,
+        # KV migration through kvfleet's connector (vllm_migration.py); where the connector cannot move
+        # KV (an unknown layout, tensor parallelism) its kv_format says why and moves go by tokens.
+        return EngineCapabilities(migration=self._migration,
+                                  prefix_cache=self if self.config.prefix_caching else None,
                                   prometheus_metrics=self.prometheus_metrics)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -385,7 +441,31 @@ class VLLMEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Checks the request now (raising before anything is yielded), then streams it."""
         self._check_request(request_id, prompt_token_ids, params)
-        return self._stream(request_id, list(prompt_token_ids), params)
+        return self._stream(_Request(request_id, tuple(prompt_token_ids), params, submitted_tokens=len(prompt_token_ids)))
+
+    def continue_request(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                         params: SamplingParams, load: bool) -> AsyncIterator[StepOutput]:
+        """A request resumed here (vllm_migration.py): prompt + output so far go in as its prompt, with the
+        rest of its budget; with `load`, the KV the connector holds for it is loaded instead of recomputed."""
+        remaining = params.max_tokens - len(output_token_ids)
+        if remaining < 1:
+            raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
+        tokens = [*prompt_token_ids, *output_token_ids]
+        self._check_request(request_id, tokens, replace(params, max_tokens=remaining))
+        request = _Request(request_id, tuple(prompt_token_ids), params, list(output_token_ids), submitted_tokens=len(tokens),
+                           cache_hit_counted=load)  # loaded KV is no prefix-cache hit
+        return self._stream(request, load)
+
+    def running_request(self, request_id: str) -> _Request | None:
+        return self._requests.get(request_id)
+
+    def running_ids(self) -> list[str]:
+        return list(self._requests)
+
+    async def wake(self) -> None:
+        """Makes an idle EngineCore take a step (any call into it does): the connector's asks run in steps."""
+        if self._llm is not None:
+            await self._llm.is_sleeping()
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self._llm is None or self._geometry is None:
@@ -406,16 +486,18 @@ class VLLMEngine:
                 f"more than this engine's context of {self._geometry.max_model_len} tokens"
             )
 
-    async def _stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def _stream(self, request: _Request, load: bool = False) -> AsyncIterator[StepOutput]:
         llm = self._llm
         if llm is None:
             raise RuntimeError("VLLMEngine stopped before the request started")
+        request_id = request.request_id
         # Checked again: two generate() calls with one id may both have passed the first check.
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
-        request = _Request(request_id, prompt_tokens=len(prompt_token_ids), max_tokens=params.max_tokens)
         self._requests[request_id] = request
-        outputs = llm.generate(tokens_input(prompt_token_ids), self._sampling_params(params), request_id)
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        params = replace(request.params, max_tokens=request.remaining_tokens)
+        outputs = llm.generate(tokens_input(tokens), self._sampling_params(params, request_id, load), request_id)
         finished = False
         try:
             async for output in outputs:
@@ -431,6 +513,7 @@ class VLLMEngine:
                     return
         finally:
             self._requests.pop(request_id, None)
+            request.ended.set()
             if not finished:
                 # The consumer left early (or stop() ran): closing vLLM's generator aborts the request
                 # in the EngineCore and frees its blocks.
@@ -445,11 +528,16 @@ class VLLMEngine:
             # leaves it. An abort before that output carries 0, not the hit: it is not counted.
             request.cache_hit_counted = True
             self._num_cache_hit_tokens += output.num_cached_tokens
-            self._num_prefilled_tokens += request.prompt_tokens - output.num_cached_tokens
-        request.generated_tokens += len(new_token_ids)
+            self._num_prefilled_tokens += request.submitted_tokens - output.num_cached_tokens
+        request.output_token_ids += new_token_ids
         if not output.finished:
             return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
         reason = str(completion.finish_reason) if completion.finish_reason is not None else "abort"
+        if request.suspending and reason == "length" and request.generated_tokens < request.max_tokens:
+            # Stopped short of its budget by the connector for a migration (the same test as the
+            # connector's): its stream ends here, unfinished; the request continues elsewhere or here.
+            request.suspended = True
+            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
         if reason not in _FINISH_REASONS:
             raise EngineError(f"vLLM ended request {request.request_id!r} with finish reason {reason!r}")
         return StepOutput(
@@ -460,7 +548,7 @@ class VLLMEngine:
             num_tokens=request.num_tokens,
         )
 
-    def _sampling_params(self, params: SamplingParams) -> VLLMSamplingParams:
+    def _sampling_params(self, params: SamplingParams, request_id: str, load: bool) -> VLLMSamplingParams:
         assert self._geometry is not None
         stop_token_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -476,6 +564,8 @@ class VLLMEngine:
             ignore_eos=params.ignore_eos,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            # Names the request to kvfleet's connector (vLLM's own id for it gets a suffix).
+            extra_args={"kv_transfer_params": kv_params(request_id, load)},
         )
 
     async def abort(self, request_id: str) -> None:
@@ -493,21 +583,23 @@ class VLLMEngine:
         if self._geometry is None:
             return []
         block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
-        return [
+        running = [
             RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token), r.remaining_tokens)
             for r in sorted(self._requests.values(), key=lambda r: r.request_id)
-            if r.generated_tokens > 0
+            if r.holds_kv
         ]
+        # Requests suspended here for a move, or staged to resume here: their KV is (or is about to be) in vLLM's blocks.
+        return running + [kv for kv in self._migration.held_kv() if kv.request_id not in self._requests]
 
     def num_waiting(self) -> int:
-        return sum(1 for r in self._requests.values() if r.generated_tokens == 0)
+        return sum(1 for r in self._requests.values() if not r.holds_kv)
 
     def queued(self) -> list[RequestKV]:
         if self._geometry is None:
             return []
         block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
         return [RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token))
-                for r in sorted(self._requests.values(), key=lambda r: r.request_id) if r.generated_tokens == 0]
+                for r in sorted(self._requests.values(), key=lambda r: r.request_id) if not r.holds_kv]
 
 
 def _geometry(vllm_config: Any) -> _Geometry:
@@ -526,6 +618,7 @@ def _geometry(vllm_config: Any) -> _Geometry:
     return _Geometry(
         block_size_tokens=int(cache_config.block_size),
         kv_bytes_per_token=int(kv_bytes_per_token),
+        kv_dtype=kv_dtype,
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
         eos_token_ids=_eos_token_ids(model_config),

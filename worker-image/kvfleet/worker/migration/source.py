@@ -16,7 +16,14 @@ from typing import Any
 
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.engines.base import EngineError, SamplingParams
-from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError, SuspendedRequest
+from kvfleet.worker.engines.capabilities import (
+    KVFormat,
+    KVMigratable,
+    MigrationError,
+    SuspendedRequest,
+    kv_format_mismatch,
+    split_blocks,
+)
 from kvfleet.worker.migration.handoff import (
     Continue,
     HandedRequest,
@@ -65,6 +72,8 @@ class SourceRun:
         self.address = migration_address
         self.mode = mode
         self.channel: Channel | None = None
+        # The target's KV format (from its hello), when KV moves.
+        self.target_format: KVFormat | None = None
         self.stopped = False
         self.handed: HandedRequest | None = None
         self.bytes_moved = 0
@@ -112,17 +121,32 @@ class SourceRun:
         """Token mode where a KV mode cannot run: an engine without KV migration, or no KV to copy."""
         if self.mode == MoveMode.TOKEN:
             return
-        kv_here = self.migration is not None
-        if not (kv_here and hello.get("kv")):
-            side, engine = ("source", self.engine.info.engine) if not kv_here else ("target", hello.get("engine"))
-            self.notes.append(f"{self.mode} mode needs KV migration on both sides (the {side} runs {engine}, which "
-                              "cannot export or import KV): moved as tokens")
+        reason = self._kv_refusal(hello)
+        if reason is not None:
+            self.notes.append(f"{self.mode} mode needs KV migration on both sides ({reason}): moved as tokens")
             self.mode = MoveMode.TOKEN
         elif not any(r.request_id == self.request_id for r in self.engine.kv_usage()):
             # Queued for blocks, or preempted: there is no KV to copy, and its tokens are all it has.
             self.notes.append(f"{self.mode} mode asked, but the request holds no KV on the source (queued "
                               "or preempted): moved as tokens")
             self.mode = MoveMode.TOKEN
+
+    def _kv_refusal(self, hello: dict[str, Any]) -> str | None:
+        """Why KV cannot move from this engine to the target's, or None; keeps the target's format."""
+        if self.migration is None:
+            return f"the source runs {self.engine.info.engine}, which cannot export or import KV"
+        if not hello.get("kv"):
+            refusal = hello.get("kv_refusal")
+            engine = hello.get("engine")
+            return f"the target runs {engine}: {refusal}" if refusal else \
+                f"the target runs {engine}, which cannot export or import KV"
+        try:
+            here = self.migration.kv_format()
+        except MigrationError as err:
+            return f"the source cannot move KV: {err}"
+        # A target that states no format predates formats: it takes blocks like ours, as all did then.
+        self.target_format = KVFormat.from_json(hello["kv_format"]) if "kv_format" in hello else here
+        return kv_format_mismatch(here, self.target_format)
 
     async def _precopy(self) -> int:
         """KV stages while the request decodes; returns the first block not sent."""
@@ -154,6 +178,10 @@ class SourceRun:
                                      num_tokens=min(kv.num_tokens, max_blocks * kv.block_size_tokens))
         if kv.num_blocks == 0:
             return 0
+        sent = kv.num_blocks
+        target = self.target_format
+        if target is not None and not target.any_block_size:
+            kv = split_blocks(kv, target.block_size_tokens)
         await channel.send(stage_header(kv))
         await self._reply()  # the destination reserved the blocks
         started = self.clock()
@@ -161,7 +189,7 @@ class SourceRun:
         await self._reply()
         self.copy_s += self.clock() - started
         self.bytes_moved += kv.nbytes
-        return kv.num_blocks
+        return sent
 
     async def _stop(self, live: LiveRequest) -> None:
         """Stops the request on the source and waits until its agent stream has sent every token."""
@@ -207,6 +235,7 @@ class SourceRun:
         self.host.nudge_reporter()
         self.channel.close()
         tokens = len(handed.prompt_token_ids) + index
+        self.notes += [str(note) for note in reply.get("notes") or ()]
         first_output_s = float(reply.get("first_output_s") or 0)
         prefilled = int(reply.get("prefilled_tokens") or 0)
         rate = prefilled / first_output_s if first_output_s > 0 and prefilled > MIN_PREFILL_SAMPLE_TOKENS else None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfleet.worker.engines.base import EngineError
+from kvfleet.worker.engines.builtin_blocks import blocks_for
 from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
 from kvfleet.worker.migration.handoff import HandedRequest
 from kvfleet.worker.migration.host import Host, continue_on
@@ -92,7 +93,13 @@ class TargetRun:
             await channel.send({"ok": False, "error": f"request {request_id!r} is already on this worker"})
             return None
         info = engine.info
-        await channel.send({"ok": True, "engine": info.engine, "kv": self.migration is not None,
+        kv: dict[str, Any] = {"kv": False}
+        if self.migration is not None:
+            try:
+                kv = {"kv": True, "kv_format": self.migration.kv_format().to_json()}
+            except MigrationError as err:
+                kv = {"kv": False, "kv_refusal": str(err)}
+        await channel.send({"ok": True, "engine": info.engine, **kv,
                             "block_size_tokens": info.block_size_tokens, "kv_bytes_per_token": info.kv_bytes_per_token})
         return request_id
 
@@ -100,7 +107,9 @@ class TargetRun:
         channel = self.channel
         first_block, num_blocks = int(header["first_block"]), stage_shape(header)[2]
         try:
-            migration.reserve_kv(request_id, first_block + num_blocks)
+            # In this engine's blocks: the stage's may be of another size (KVFormat.any_block_size).
+            end_token = (first_block + num_blocks) * int(header["block_size_tokens"])
+            migration.reserve_kv(request_id, blocks_for(end_token, self.engine.info.block_size_tokens))
         except EngineError as err:
             await channel.send({"ok": False, "error": str(err)})
             raise TargetError(str(err)) from None
@@ -139,8 +148,10 @@ class TargetRun:
         prefill_rate = prefilled / elapsed_s if elapsed_s > 0 else None
         if prefill_rate is not None and prefilled > MIN_PREFILL_SAMPLE_TOKENS:
             self.metrics.prefill.set(prefill_rate)
+        notes = self.migration.resume_notes(request_id) if self.migration is not None else []
         try:
-            await self.channel.send({"ok": True, "prefilled_tokens": prefilled, "first_output_s": elapsed_s})
+            await self.channel.send({"ok": True, "prefilled_tokens": prefilled, "first_output_s": elapsed_s,
+                                     "notes": notes})
         except TransportError:
             # The source cannot know we took it and will resume it itself: one of the two must go.
             if adopted.task is not None:

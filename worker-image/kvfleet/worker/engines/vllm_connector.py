@@ -1,0 +1,731 @@
+"""kvfleet's KV connector for vLLM: a running request's KV blocks out of and into vLLM, with no patch to vLLM.
+
+vLLM keeps its block tables and KV cache in its EngineCore process; the worker's agent lives in the
+process that runs AsyncLLM (engines/vllm.py). vLLM's own extension point for moving KV is the KV
+connector (vllm/distributed/kv_transfer/kv_connector/v1/base.py), which vLLM loads by module path
+(`KVTransferConfig(kv_connector="KvfleetConnector", kv_connector_module_path=<this module>)`) in
+two roles: the SCHEDULER side inside the scheduler, the WORKER side next to the model (in the same
+EngineCore process on one device, as here). This module is both, plus the socket through which the
+agent's process drives them (`Pipe`, a Unix socket in a private folder, authenticated with a key
+that only the two processes know). What the agent asks (engines/vllm_migration.py speaks for it):
+
+- `suspend` (the source stops a request, keeping its KV): the scheduler side caps the running
+  request's `max_tokens` at one more token, so that vLLM finishes it as length-capped after its next
+  step; `request_finished` then keeps its blocks (returns True: "freed later") and answers with the
+  tokens their KV holds (prompt + output but the last token). A request that finished by itself
+  (stop token, its own max_tokens, an abort) is answered "finished" and freed as usual.
+- `export` (a stage of the copy, while the request decodes or once it is suspended): the scheduler
+  side looks the request's blocks up (`KVCacheManager.get_block_ids`; only full blocks while it
+  runs: those can no longer change), the worker side copies them into one CPU tensor in kvfleet's
+  layout after the step's forward (`wait_for_save`) and hands it back through the worker metadata.
+- `stage` (the target receives a stage): kept in this process, by tokens, until the request resumes.
+- a resumed request (`kv_transfer_params {"kvfleet": {"id", "load": true}}`): `get_num_new_matched_tokens`
+  offers the staged tokens (at most all but the last: vLLM computes at least one), vLLM allocates
+  the blocks, and the worker side writes the staged KV into them before the step's forward (a
+  synchronous load). A request resumed where it was suspended (a rolled-back migration) loads from
+  its own kept blocks.
+- `release`: the kept blocks go back to vLLM (reported in `get_finished`, which frees them), or the
+  staged KV is dropped.
+
+A load that fails (layout, shape) is reported to vLLM as failed blocks: with `kv_load_failure_policy
+="recompute"` vLLM recomputes them, and the agent is told (`load_failed` event) so the migration says so.
+
+kvfleet's KV layout (engines/capabilities.py KVBlocks): [layers, 2 (K, V), blocks, block_size, kv_heads,
+head_dim]. vLLM's attention backends keep each layer in their own layout; `KVLayout` reads the two
+this connector knows, the CPU backend's, by asking its cache-writing kernel where each element goes
+(`KVLayout.calibrate`). Another backend (GPU backends are not verified here: no GPU on the machines
+this was built on), a quantized KV cache, or tensor parallelism makes the connector refuse every move
+(the agent then moves requests by their tokens and says why).
+
+Threads: the scheduler side's calls run on EngineCore's loop thread; the pipe has a reader and a
+writer thread of its own. What the reader takes for the loop thread goes through a queue, read in
+`build_connector_meta`; vLLM keeps stepping while the queue is not empty (`has_pending_push_work`), and
+the agent wakes an idle EngineCore with a cheap utility call after the reader has queued its ask.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "KvfleetConnector"
+# kv_connector_extra_config keys: where the pipe listens, and its key (hex).
+EXTRA_SOCKET = "kvfleet_socket"
+EXTRA_AUTHKEY = "kvfleet_authkey"
+# The request's kv_transfer_params key: {"kvfleet": {"id": the agent's request id, "load": bool}}.
+# vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
+# travels here.
+PARAMS_KEY = "kvfleet"
+
+# Asks the loop thread carries out (the rest the pipe's reader answers itself).
+LOOP_OPS = frozenset({"suspend", "export", "release"})
+
+
+def kv_params(request_id: str, load: bool = False) -> dict[str, Any]:
+    """The kv_transfer_params that name a request to this connector (and ask to load its staged KV)."""
+    return {PARAMS_KEY: {"id": request_id, "load": load}}
+
+
+# -- the pipe between the agent's process and the EngineCore ----------------------------------------
+
+
+class Pipe:
+    """One authenticated connection carrying (header dict, optional tensor) messages, both ways.
+
+    Headers are pickled (the peer is authenticated and local); a tensor goes as its raw bytes after a
+    header that says its shape and dtype, read straight into a tensor of that shape. A writer thread
+    sends, so a caller never waits for the peer to read; a reader thread hands each message to
+    `on_message`. `on_close` runs once when the connection ends (either side).
+    """
+
+    def __init__(self, conn: Connection, on_message: Callable[[dict[str, Any], torch.Tensor | None], None],
+                 on_close: Callable[[], None], name: str) -> None:
+        self._conn = conn
+        self._on_message = on_message
+        self._on_close = on_close
+        self._outbox: queue.SimpleQueue[tuple[dict[str, Any], torch.Tensor | None] | None] = queue.SimpleQueue()
+        self.closed = threading.Event()
+        threading.Thread(target=self._write, name=f"{name}-writer", daemon=True).start()
+        threading.Thread(target=self._read, name=f"{name}-reader", daemon=True).start()
+
+    def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        if tensor is not None:
+            tensor = tensor.detach().to("cpu").contiguous()
+            header = {**header, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+        self._outbox.put((header, tensor))
+
+    def close(self) -> None:
+        self._outbox.put(None)
+
+    def _write(self) -> None:
+        try:
+            while (item := self._outbox.get()) is not None:
+                header, tensor = item
+                self._conn.send(header)
+                if tensor is not None:
+                    self._conn.send_bytes(_bytes_of(tensor))
+        except OSError:
+            pass
+        finally:
+            self._finish()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                header = self._conn.recv()
+                tensor = None
+                if "shape" in header:
+                    tensor = torch.empty([int(d) for d in header["shape"]], dtype=getattr(torch, str(header["dtype"])))
+                    self._conn.recv_bytes_into(_bytes_of(tensor))
+                self._on_message(header, tensor)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self._outbox.put(None)
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        self._on_close()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    array: Any = tensor.view(-1).view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def connect(socket_path: str, authkey: bytes) -> Connection:
+    """The agent's end of the pipe (the EngineCore listens)."""
+    return Client(socket_path, family="AF_UNIX", authkey=authkey)
+
+
+# -- vLLM's KV layout <-> kvfleet's ----------------------------------------------------------------
+
+
+class KVLayout:
+    """Where each of a block's K and V elements sits in a vLLM layer's cache, and the copies that use it.
+
+    vLLM's CPU backend keeps a layer as [blocks, kv_heads, block_size, 2 x head_dim], but inside a
+    block the order depends on the kernel its CPU picked (its "ISA": K is stored dim-major, [head_dim,
+    block_size], by the `vec` kernel, and packed otherwise by others). Rather than copy each kernel's
+    packing here, `calibrate` asks the backend's own cache-writing kernel where it puts every element
+    of one block (writing element numbers, a few digits at a time so bfloat16 holds them exactly), and
+    `index` is that answer: for kvfleet's order [2, block_size, kv_heads, head_dim] flattened, the
+    position in the block's flattened storage. A block is then read with one gather and written with
+    one scatter, whatever the kernel.
+    """
+
+    def __init__(self, index: torch.Tensor, block_size_tokens: int, kv_heads: int, head_dim: int) -> None:
+        self.index = index
+        self.block_size_tokens = block_size_tokens
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+
+    def read(self, layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of one layer -> [2, blocks, block_size, kv_heads, head_dim] (a new tensor)."""
+        blocks = layer.view(layer.shape[0], -1).index_select(0, torch.tensor(block_ids, dtype=torch.long))
+        ours = blocks.index_select(1, self.index).view(len(block_ids), 2, self.block_size_tokens, self.kv_heads,
+                                                       self.head_dim)
+        return ours.transpose(0, 1)
+
+    def write(self, layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
+        """kv [2, blocks, block_size, kv_heads, head_dim] into the layer's blocks."""
+        flat = layer.view(layer.shape[0], -1)
+        ours = kv.to(dtype=layer.dtype).transpose(0, 1).reshape(len(block_ids), -1)
+        blocks = torch.empty((len(block_ids), flat.shape[1]), dtype=layer.dtype)
+        blocks[:, self.index] = ours
+        flat.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), blocks)
+
+    @staticmethod
+    def calibrate(layer: torch.Tensor, block_size_tokens: int, kv_heads: int, head_dim: int,
+                  kv_cache_dtype: str) -> KVLayout:
+        """Asks vLLM's CPU kernel where it writes each element of a block (class docstring); raises
+        RuntimeError for a cache that is not the CPU backend's or not a plain copy (quantized KV)."""
+        if layer.device.type != "cpu" or tuple(layer.shape[1:]) != (kv_heads, block_size_tokens, 2 * head_dim):
+            raise RuntimeError(f"a KV cache of shape {tuple(layer.shape)} on {layer.device.type} is not the CPU "
+                               "backend's: moving KV through this backend is not verified")
+        if kv_cache_dtype != "auto":
+            raise RuntimeError(f"a quantized KV cache ({kv_cache_dtype}) is not a plain copy of K and V")
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: the kernel vLLM picks
+
+        isa = _get_attn_isa(layer.dtype, block_size_tokens, head_dim, kv_cache_dtype)
+        per_kind = block_size_tokens * kv_heads * head_dim
+        numbers = torch.arange(per_kind, dtype=torch.long)
+        slots = torch.arange(block_size_tokens, dtype=torch.long)
+        position = torch.zeros(2 * per_kind, dtype=torch.long)   # kvfleet's element -> storage position
+        base = 64   # bfloat16 holds 0..256 exactly
+        digits = 1
+        while base ** digits < per_kind:
+            digits += 1
+        for kind in (0, 1):
+            found = torch.zeros(kv_heads * block_size_tokens * 2 * head_dim, dtype=torch.long)
+            for digit in range(digits):
+                values = ((numbers // base ** digit) % base).to(layer.dtype).view(block_size_tokens, kv_heads, head_dim)
+                marker = torch.full_like(values, -1)
+                cache = torch.zeros((1, kv_heads, block_size_tokens, 2 * head_dim), dtype=layer.dtype)
+                key_cache, value_cache = cache.view(1, kv_heads, 2 * block_size_tokens, head_dim).chunk(2, dim=2)
+                key, value = (values, marker) if kind == 0 else (marker, values)
+                ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, slots, isa)
+                stored = cache.view(-1)
+                if digit == 0:
+                    mine = (stored >= 0).nonzero().flatten()
+                    if len(mine) != per_kind:
+                        raise RuntimeError(f"vLLM's CPU kernel ({isa}) wrote {len(mine)} elements for {per_kind}")
+                found[mine] += stored[mine].to(torch.long) * base ** digit
+            at = torch.full((per_kind,), -1, dtype=torch.long)
+            at[found[mine]] = mine
+            if (at < 0).any():
+                raise RuntimeError(f"vLLM's CPU kernel ({isa}) does not copy each element of a block once")
+            position[kind * per_kind:(kind + 1) * per_kind] = at
+        return KVLayout(position, block_size_tokens, kv_heads, head_dim)
+
+
+# -- what the scheduler side tells the worker side each step, and back -----------------------------
+
+
+@dataclass
+class _Save:
+    task: int
+    block_ids: list[int]
+
+
+@dataclass
+class _Load:
+    request: str                      # vLLM's id of the resumed request
+    block_ids: list[int]              # its blocks to write, from its first loaded block on
+    data: torch.Tensor | None         # [layers, 2, blocks, block_size, heads, head_dim], or None:
+    source_block_ids: list[int] | None = None   # copy from these blocks (its own kept KV) instead
+
+
+@dataclass
+class KvfleetMetadata(KVConnectorMetadata):
+    saves: list[_Save] = field(default_factory=list)
+    loads: list[_Load] = field(default_factory=list)
+    # vLLM ids of finished requests whose kept blocks vLLM may free now (get_finished).
+    frees: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
+    saved: dict[int, torch.Tensor] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    failed_loads: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # One worker per engine (tensor parallelism refuses moves, module docstring): nothing to merge.
+        assert isinstance(other, KvfleetWorkerMetadata)
+        return KvfleetWorkerMetadata({**self.saved, **other.saved}, {**self.errors, **other.errors},
+                                     {**self.failed_loads, **other.failed_loads})
+
+
+# -- the scheduler side ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Kept:
+    """A suspended request's blocks, kept until released or resumed here."""
+
+    request: str            # vLLM's id (still in its scheduler, finished, blocks not freed)
+    block_ids: list[int]
+    num_tokens: int         # tokens whose KV the blocks hold
+
+
+@dataclass
+class _Staged:
+    """KV received for a request about to be resumed here, by tokens: [layers, 2, tokens, heads, head_dim]."""
+
+    data: torch.Tensor
+    num_tokens: int
+
+
+class _SchedulerSide:
+    def __init__(self, block_size_tokens: int, socket_path: str, authkey: bytes, refusal: str | None,
+                 layout: dict[str, Any]) -> None:
+        self.block_size = block_size_tokens
+        self.refusal = refusal
+        self.layout = layout
+        self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.lock = threading.Lock()          # staged: the pipe's reader and the loop thread
+        self.running: dict[str, Request] = {}      # the agent's id -> vLLM's request, from admission to finish
+        self.capped: dict[str, tuple[int, int]] = {}   # id -> (max_tokens it had, seq of the suspend ask)
+        self.kept: dict[str, _Kept] = {}
+        self.staged: dict[str, _Staged] = {}
+        self.loads: list[_Load] = []
+        self.frees: list[str] = []
+        self.saves: dict[int, tuple[int, dict[str, Any]]] = {}   # task -> (seq, reply so far)
+        self.tasks = itertools.count(1)
+        self.pipe: Pipe | None = None
+        self._listener = Listener(socket_path, family="AF_UNIX", authkey=authkey)
+        threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
+
+    # The pipe (reader thread) ------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            except Exception as err:  # a peer without the key: refuse it, keep listening
+                log.warning("kvfleet connector: refused a connection: %s", err)
+                continue
+            if self.pipe is not None and not self.pipe.closed.is_set():
+                conn.close()  # one agent per engine
+                continue
+            self.pipe = Pipe(conn, self._on_message, lambda: None, "kvfleet-connector")
+            self.pipe.send({"op": "hello", "refusal": self.refusal, **self.layout})
+
+    def reply(self, seq: int, **fields: Any) -> None:
+        self.reply_with(seq, None, **fields)
+
+    def reply_with(self, seq: int, tensor: torch.Tensor | None, **fields: Any) -> None:
+        pipe = self.pipe
+        if pipe is not None:
+            pipe.send({"seq": seq, **fields}, tensor)
+
+    def event(self, **fields: Any) -> None:
+        pipe = self.pipe
+        if pipe is not None:
+            pipe.send({"event": True, **fields})
+
+    def _on_message(self, msg: dict[str, Any], tensor: torch.Tensor | None) -> None:
+        op, seq, rid = msg.get("op"), int(msg.get("seq", 0)), str(msg.get("id", ""))
+        if self.refusal is not None:
+            self.reply(seq, ok=False, error=self.refusal)
+        elif op in LOOP_OPS:
+            self.inbox.put(msg)
+            self.reply(seq, queued=True)   # the agent wakes the loop now (module docstring)
+        elif op == "stage" and tensor is not None:
+            self.reply(seq, **self._stage(rid, int(msg["first_token"]), int(msg["num_tokens"]), tensor))
+        elif op == "drop":
+            with self.lock:
+                self.staged.pop(rid, None)
+            self.reply(seq, ok=True)
+        else:
+            self.reply(seq, ok=False, error=f"unknown ask {op!r}")
+
+    def _stage(self, rid: str, first_token: int, num_tokens: int, kv: torch.Tensor) -> dict[str, Any]:
+        """kv [layers, 2, tokens, heads, head_dim] as the request's tokens from first_token on."""
+        with self.lock:
+            staged = self.staged.get(rid)
+            have = 0 if staged is None else staged.num_tokens
+            if first_token > have:
+                return {"ok": False, "error": f"a stage from token {first_token} after {have} staged tokens: "
+                                              "stages must be contiguous"}
+            head = staged.data[:, :, :first_token] if staged is not None else kv[:, :, :0]
+            data = torch.cat([head, kv[:, :, :num_tokens]], dim=2) if first_token else kv[:, :, :num_tokens].clone()
+            self.staged[rid] = _Staged(data, first_token + num_tokens)
+        return {"ok": True}
+
+    # The loop thread -----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return not self.inbox.empty() or bool(self.loads or self.frees or self.saves)
+
+    def admitted(self, request: Request) -> None:
+        rid = _agent_id(request)
+        if rid is not None:
+            self.running[rid] = request
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        rid = _load_id(request)
+        if rid is None:
+            return 0
+        with self.lock:
+            staged = self.staged.get(rid)
+            have = staged.num_tokens if staged is not None else 0
+        if staged is None and (kept := self.kept.get(rid)) is not None:
+            have = kept.num_tokens
+        # vLLM computes at least the last token itself.
+        return max(0, min(have, request.num_tokens - 1) - num_computed_tokens)
+
+    def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        rid = _load_id(request)
+        if rid is None or num_external_tokens <= 0:
+            return
+        with self.lock:
+            staged = self.staged.pop(rid, None)
+        kept = self.kept.get(rid) if staged is None else None
+        have = staged.num_tokens if staged is not None else kept.num_tokens if kept is not None else 0
+        # What vLLM found in its own prefix cache comes first (whole blocks), the loaded tokens after
+        # it, up to what matched_tokens offered.
+        first_token = min(have, request.num_tokens - 1) - num_external_tokens
+        bs = self.block_size
+        first = first_token // bs
+        end = -(-(first_token + num_external_tokens) // bs)
+        if staged is not None:
+            blocks = _token_blocks(staged.data, bs)[:, :, first:end]
+            self.loads.append(_Load(request.request_id, block_ids[first:end], blocks))
+            return
+        if kept is None:  # matched_tokens offered nothing for it: vLLM would not have asked
+            return
+        del self.kept[rid]
+        self.loads.append(_Load(request.request_id, block_ids[first:end], None, kept.block_ids[first:end]))
+        self.frees.append(kept.request)   # after the copy, in the same step (get_finished runs after the load)
+
+    def build(self, scheduler_output: SchedulerOutput, block_ids_of: Callable[[str], list[int]]) -> KvfleetMetadata:
+        meta = KvfleetMetadata(loads=self.loads, frees=self.frees)
+        self.loads, self.frees = [], []
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._carry_out(msg, meta, block_ids_of)
+        return meta
+
+    def _carry_out(self, msg: dict[str, Any], meta: KvfleetMetadata, block_ids_of: Callable[[str], list[int]]) -> None:
+        op, seq, rid = msg["op"], int(msg["seq"]), str(msg["id"])
+        if op == "suspend":
+            request = self.running.get(rid)
+            if request is None:
+                self.reply(seq, ok=False, error=f"request {rid!r} is not running in vLLM (finished, or never here)")
+                return
+            # One more token, then vLLM finishes it as length-capped and request_finished keeps its blocks.
+            self.capped[rid] = (request.max_tokens, seq)
+            request.max_tokens = min(request.max_tokens, request.num_output_tokens + 1)
+        elif op == "release":
+            kept = self.kept.pop(rid, None)
+            if kept is not None:
+                meta.frees.append(kept.request)
+            with self.lock:
+                self.staged.pop(rid, None)
+            self.reply(seq, ok=True)
+        elif op == "export":
+            self._export(seq, rid, int(msg["first_block"]), msg.get("end_block"), meta, block_ids_of)
+
+    def _export(self, seq: int, rid: str, first_block: int, end_block: int | None, meta: KvfleetMetadata,
+                block_ids_of: Callable[[str], list[int]]) -> None:
+        bs = self.block_size
+        kept = self.kept.get(rid)
+        if kept is not None:
+            block_ids, num_tokens, default_end = kept.block_ids, kept.num_tokens, -(-kept.num_tokens // bs)
+        elif (request := self.running.get(rid)) is not None and request.num_computed_tokens > 0:
+            # Running: its full blocks can no longer change.
+            block_ids, num_tokens = block_ids_of(request.request_id), request.num_computed_tokens
+            default_end = num_tokens // bs
+        else:
+            self.reply(seq, ok=False, error=f"request {rid!r} holds no KV in vLLM (queued, preempted or gone)")
+            return
+        end = default_end if end_block is None else min(int(end_block), -(-num_tokens // bs))
+        if first_block >= end:
+            self.reply(seq, ok=True, first_block=first_block, num_tokens=0, empty=True)
+            return
+        task = next(self.tasks)
+        meta.saves.append(_Save(task, block_ids[first_block:end]))
+        self.saves[task] = (seq, {"ok": True, "first_block": first_block,
+                                  "num_tokens": min(num_tokens, end * bs) - first_block * bs})
+
+    def worker_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KvfleetWorkerMetadata):
+            return
+        for task, data in meta.saved.items():
+            seq, reply = self.saves.pop(task)
+            self.reply_with(seq, data, **reply)
+        for task, error in meta.errors.items():
+            seq, _ = self.saves.pop(task)
+            self.reply(seq, ok=False, error=error)
+        for request, error in meta.failed_loads.items():
+            self.event(op="load_failed", request=request, error=error)
+
+    def finished(self, request: Request, block_ids: list[int]) -> bool:
+        """request_finished: True keeps the blocks (a suspended request)."""
+        rid = _agent_id(request)
+        if rid is None:
+            return False
+        self.running.pop(rid, None)
+        capped = self.capped.pop(rid, None)
+        if capped is None:
+            return False
+        max_tokens, seq = capped
+        status = str(request.status.name)
+        if status != "FINISHED_LENGTH_CAPPED" or request.num_output_tokens >= max_tokens or not block_ids:
+            self.reply(seq, ok=True, suspended=False, status=status)
+            return False
+        # Every token but the last has its KV (the last was sampled, never fed back).
+        num_tokens = request.num_tokens - 1
+        self.kept[rid] = _Kept(request.request_id, list(block_ids), num_tokens)
+        self.reply(seq, ok=True, suspended=True, num_cached_tokens=num_tokens, num_output_tokens=request.num_output_tokens)
+        return True
+
+    def close(self) -> None:
+        self._listener.close()
+        if self.pipe is not None:
+            self.pipe.close()
+
+
+def _agent_id(request: Request) -> str | None:
+    params = request.kv_transfer_params or {}
+    ours = params.get(PARAMS_KEY)
+    return str(ours["id"]) if isinstance(ours, dict) and "id" in ours else None
+
+
+def _load_id(request: Request) -> str | None:
+    params = request.kv_transfer_params or {}
+    ours = params.get(PARAMS_KEY)
+    return str(ours["id"]) if isinstance(ours, dict) and ours.get("load") else None
+
+
+def _token_blocks(tokens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[layers, 2, tokens, heads, head_dim] -> [layers, 2, blocks, block_size, heads, head_dim], zero-padded."""
+    layers, two, num_tokens, heads, head_dim = tokens.shape
+    blocks = -(-num_tokens // block_size)
+    pad = blocks * block_size - num_tokens
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_zeros(layers, two, pad, heads, head_dim)], dim=2)
+    return tokens.reshape(layers, two, blocks, block_size, heads, head_dim)
+
+
+# -- the worker side -------------------------------------------------------------------------------
+
+
+class _WorkerSide:
+    def __init__(self, block_size_tokens: int, kv_heads: int, head_dim: int) -> None:
+        self.block_size = block_size_tokens
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.layers: list[torch.Tensor] = []
+        self.layout: KVLayout | None = None
+        self.out = KvfleetWorkerMetadata()
+        self.freed: set[str] = set()
+        self.failed_blocks: set[int] = set()
+        self.refusal = "no KV cache registered"
+
+    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str) -> None:
+        self.layers = list(kv_caches.values())
+        try:
+            self.layout = KVLayout.calibrate(self.layers[0], self.block_size, self.kv_heads, self.head_dim, kv_cache_dtype)
+        except Exception as err:   # any failure means: no KV moves (the agent moves tokens and says why)
+            self.refusal = str(err)
+            log.warning("kvfleet connector: no KV moves: %s", err)
+
+    def load(self, meta: KvfleetMetadata) -> None:
+        for load in meta.loads:
+            try:
+                self._load(load)
+            except Exception as err:  # reported: vLLM recomputes the blocks (kv_load_failure_policy)
+                log.warning("kvfleet connector: loading KV for %s failed: %s", load.request, err)
+                self.out.failed_loads[load.request] = str(err)
+                self.failed_blocks.update(load.block_ids)
+
+    def _load(self, load: _Load) -> None:
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError(self.refusal)
+        for i, layer in enumerate(self.layers):
+            if load.data is not None:
+                if load.data.shape[2] != len(load.block_ids):
+                    raise RuntimeError(f"{load.data.shape[2]} staged blocks for {len(load.block_ids)} allocated")
+                layout.write(layer, load.block_ids, load.data[i])
+            else:
+                assert load.source_block_ids is not None
+                layout.write(layer, load.block_ids, layout.read(layer, load.source_block_ids))
+
+    def save(self, meta: KvfleetMetadata) -> None:
+        layout = self.layout
+        for save in meta.saves:
+            if layout is None:
+                self.out.errors[save.task] = self.refusal
+                continue
+            self.out.saved[save.task] = torch.stack([layout.read(layer, save.block_ids).to("cpu")
+                                                     for layer in self.layers])
+        self.freed.update(meta.frees)
+
+    def take_freed(self) -> set[str]:
+        freed, self.freed = self.freed, set()
+        return freed
+
+    def take_output(self) -> KvfleetWorkerMetadata | None:
+        out, self.out = self.out, KvfleetWorkerMetadata()
+        return out if (out.saved or out.errors or out.failed_loads) else None
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+
+# -- the connector vLLM loads ------------------------------------------------------------------------
+
+
+class KvfleetConnector(KVConnectorBase_V1):
+    """The class vLLM instantiates in both roles (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        block_size = int(vllm_config.cache_config.block_size)
+        kv_heads, head_dim = model.get_num_kv_heads(parallel), model.get_head_size()
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            extra = self._kv_transfer_config.kv_connector_extra_config
+            # The worker side finds the layout (KVLayout.calibrate) and refuses what it cannot read; the
+            # cases known here are refused up front, so the agent falls back to tokens with the reason.
+            refusal = None
+            if parallel.world_size > 1:
+                refusal = "KV moves with vLLM need one device per engine (no tensor or pipeline parallelism)"
+            elif vllm_config.device_config.device_type != "cpu":
+                refusal = (f"KV moves through vLLM's {vllm_config.device_config.device_type} attention backends are "
+                           "not verified yet (only its CPU backend is)")
+            elif vllm_config.cache_config.cache_dtype != "auto":
+                refusal = f"a quantized KV cache ({vllm_config.cache_config.cache_dtype}) is not a plain copy of K and V"
+            layout = {"block_size_tokens": block_size, "layers": model.get_num_layers(parallel), "kv_heads": kv_heads,
+                      "head_dim": head_dim}
+            self._scheduler = _SchedulerSide(block_size, str(extra[EXTRA_SOCKET]), bytes.fromhex(str(extra[EXTRA_AUTHKEY])),
+                                             refusal, layout)
+        else:
+            self._worker = _WorkerSide(block_size, kv_heads, head_dim)
+
+    # Worker side -----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvfleetMetadata)
+        self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves read whole blocks after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvfleetMetadata)
+        self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        freed = self._worker.take_freed()
+        return (freed or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.take_output()
+
+    # Scheduler side --------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.admitted(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        if num_external_tokens <= 0:
+            return
+        self._scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        manager = self._kv_cache_manager
+        assert manager is not None, "vLLM binds its cache manager before scheduling"
+        return self._scheduler.build(scheduler_output, lambda request_id: list(manager.get_block_ids(request_id)[0]))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.worker_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_work()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def new_socket_path(folder: str) -> str:
+    """A socket path in a folder only this user can enter."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, "kv.sock")
