@@ -6,9 +6,7 @@ written with its own ServiceAccount."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-import os
 import threading
 import urllib.error
 import urllib.request
@@ -22,6 +20,7 @@ from kvfleet.api.reports import KVLoadReport
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
+from kvfleet_e2e.real_workers import require_vllm
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +61,8 @@ def report(cluster: Cluster, namespace: str, pod_name: str) -> KVLoadReport | No
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])
 def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str, operator: Process, model_dir: Path,
                                                 engine: str) -> None:
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
-            pytest.fail("KVFLEET_REQUIRE_VLLM=1 but vllm is not installed (bash scripts/install-vllm.sh .venv)")
-        pytest.skip("vllm is not installed (bash scripts/install-vllm.sh .venv)")
+    if engine == "vllm":
+        require_vllm()
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool("real", model_dir, engine)))
 
     def ready_pod() -> dict[str, Any] | None:

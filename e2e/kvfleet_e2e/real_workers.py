@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import importlib.util
 import json
+import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import SamplingParams
+
+
+def require_vllm() -> None:
+    """Skips a test of vLLM workers where vllm is not installed; fails it where KVFLEET_REQUIRE_VLLM=1 says it must be."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+            pytest.fail("KVFLEET_REQUIRE_VLLM=1 but vllm is not installed (bash scripts/install-vllm.sh .venv)")
+        pytest.skip("vllm is not installed (bash scripts/install-vllm.sh .venv)")
 
 
 def seeded_prompt(length: int, seed: int) -> list[int]:
@@ -21,12 +33,14 @@ def seeded_prompt(length: int, seed: int) -> list[int]:
     return [1] + [rng.randrange(3, 2000) for _ in range(length - 1)]
 
 
-def greedy_outputs(model_dir: Path, requests: Sequence[tuple[str, int, int]], kv_capacity_bytes: int) -> dict[str, list[int]]:
-    """Each (request id, prompt tokens, output tokens)'s greedy tokens on a plain builtin engine, the
-    i-th request's prompt seeded with i (the builtin engine's greedy output is batch-invariant)."""
+def greedy_outputs(model_dir: Path, requests: Sequence[tuple[str, int, int]], kv_capacity_bytes: int,
+                   engine_name: str = "builtin") -> dict[str, list[int]]:
+    """Each (request id, prompt tokens, output tokens)'s greedy tokens on a plain engine of that kind, one
+    request at a time, the i-th request's prompt seeded with i."""
 
     async def run() -> dict[str, list[int]]:
-        engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes))
+        engine = load_engine(engine_name, EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes,
+                                                       max_model_len=2048))
         await engine.start()
         try:
             out: dict[str, list[int]] = {}

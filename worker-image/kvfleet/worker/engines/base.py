@@ -60,7 +60,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    # A floor on one engine step's wall time (builtin engine only; 0 in production). It emulates a
+    # A floor on one engine step's wall time (0 in production; vLLM's steps are paced by kvfleet's KV
+    # connector, which vLLM calls once a step). It emulates a
     # slower accelerator, so that on a fast CPU a tiny model's requests live long enough for the
     # control loop (epochs of seconds) to act on them: the migration e2e test and the demo use it.
     min_step_s: float = 0.0

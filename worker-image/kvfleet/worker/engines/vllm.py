@@ -104,7 +104,14 @@ from kvfleet.worker.engines.base import (
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
-from kvfleet.worker.engines.vllm_connector import CONNECTOR_NAME, EXTRA_AUTHKEY, EXTRA_SOCKET, kv_params, new_socket_path
+from kvfleet.worker.engines.vllm_connector import (
+    CONNECTOR_NAME,
+    EXTRA_AUTHKEY,
+    EXTRA_MIN_STEP_S,
+    EXTRA_SOCKET,
+    kv_params,
+    new_socket_path,
+)
 from kvfleet.worker.engines.vllm_migration import VLLMKVMigration
 
 logger = logging.getLogger(__name__)
@@ -387,7 +394,8 @@ class VLLMEngine:
             kv_transfer_config=KVTransferConfig(
                 kv_connector=CONNECTOR_NAME, kv_connector_module_path="kvfleet.worker.engines.vllm_connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex()}),
+                kv_connector_extra_config={EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex(),
+                                           EXTRA_MIN_STEP_S: config.min_step_s}),
             **optional,
         )
 

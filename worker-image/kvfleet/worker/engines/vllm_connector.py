@@ -50,6 +50,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
@@ -78,6 +79,9 @@ CONNECTOR_NAME = "KvfleetConnector"
 # kv_connector_extra_config keys: where the pipe listens, and its key (hex).
 EXTRA_SOCKET = "kvfleet_socket"
 EXTRA_AUTHKEY = "kvfleet_authkey"
+# A floor on a step's wall time in seconds (EngineConfig.min_step_s: tests and the demo emulate a slower
+# accelerator with it); vLLM has no such setting, and the connector is called once a step.
+EXTRA_MIN_STEP_S = "kvfleet_min_step_s"
 # The request's kv_transfer_params key: {"kvfleet": {"id": the agent's request id, "load": bool}}.
 # vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
 # travels here.
@@ -313,8 +317,10 @@ class _Staged:
 
 class _SchedulerSide:
     def __init__(self, block_size_tokens: int, socket_path: str, authkey: bytes, refusal: str | None,
-                 layout: dict[str, Any]) -> None:
+                 layout: dict[str, Any], min_step_s: float = 0.0) -> None:
         self.block_size = block_size_tokens
+        self.min_step_s = min_step_s
+        self.last_step_s = 0.0
         self.refusal = refusal
         self.layout = layout
         self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -437,6 +443,10 @@ class _SchedulerSide:
         self.frees.append(kept.request)   # after the copy, in the same step (get_finished runs after the load)
 
     def build(self, scheduler_output: SchedulerOutput, block_ids_of: Callable[[str], list[int]]) -> KvfleetMetadata:
+        if self.min_step_s > 0 and scheduler_output.total_num_scheduled_tokens > 0:
+            now_s = time.monotonic()
+            time.sleep(max(0.0, self.min_step_s - (now_s - self.last_step_s)))
+            self.last_step_s = time.monotonic()
         meta = KvfleetMetadata(loads=self.loads, frees=self.frees)
         self.loads, self.frees = [], []
         while True:
@@ -646,7 +656,7 @@ class KvfleetConnector(KVConnectorBase_V1):
             layout = {"block_size_tokens": block_size, "layers": model.get_num_layers(parallel), "kv_heads": kv_heads,
                       "head_dim": head_dim}
             self._scheduler = _SchedulerSide(block_size, str(extra[EXTRA_SOCKET]), bytes.fromhex(str(extra[EXTRA_AUTHKEY])),
-                                             refusal, layout)
+                                             refusal, layout, float(extra.get(EXTRA_MIN_STEP_S, 0.0)))
         else:
             self._worker = _WorkerSide(block_size, kv_heads, head_dim)
 
