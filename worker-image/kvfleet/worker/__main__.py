@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=env("KVFLEET_DTYPE"),
                         help="float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--min-step-s", type=float, default=float(env("KVFLEET_MIN_STEP_S", "0")),
-                        help="builtin engine: a floor on one step's time, emulating a slower accelerator (tests, demos)")
+                        help="a floor on one engine step's time, emulating a slower accelerator (tests, demos)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=env("KVFLEET_PREFIX_CACHING", "0") == "1",
                         help="keep finished requests' KV by prompt prefix (context caching; vLLM: its own prefix caching)")
