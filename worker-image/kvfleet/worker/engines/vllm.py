@@ -467,9 +467,6 @@ class VLLMEngine:
     def running_request(self, request_id: str) -> _Request | None:
         return self._requests.get(request_id)
 
-    def running_ids(self) -> list[str]:
-        return list(self._requests)
-
     async def wake(self) -> None:
         """Makes an idle EngineCore take a step (any call into it does): the connector's asks run in steps."""
         if self._llm is not None:

@@ -268,7 +268,8 @@ class _Save:
 
 @dataclass
 class _Load:
-    request: str                      # vLLM's id of the resumed request
+    agent_id: str                     # the agent's id of the resumed request (what a failure is reported under)
+    request: str                      # vLLM's id of it
     block_ids: list[int]              # its blocks to write, from its first loaded block on
     data: torch.Tensor | None         # [layers, 2, blocks, block_size, heads, head_dim], or None:
     source_block_ids: list[int] | None = None   # copy from these blocks (its own kept KV) instead
@@ -278,7 +279,7 @@ class _Load:
 class KvfleetMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)
-    # vLLM ids of finished requests whose kept blocks vLLM may free now (get_finished).
+    # vLLM's ids of finished requests whose kept blocks vLLM may free now (get_finished).
     frees: list[str] = field(default_factory=list)
 
 
@@ -351,7 +352,7 @@ class _SchedulerSide:
             if self.pipe is not None and not self.pipe.closed.is_set():
                 conn.close()  # one agent per engine
                 continue
-            self.pipe = Pipe(conn, self._on_message, lambda: None, "kvfleet-connector")
+            self.pipe = Pipe(conn, self._on_message, self._on_pipe_closed, "kvfleet-connector")
             self.pipe.send({"op": "hello", "refusal": self.refusal, **self.layout})
 
     def reply(self, seq: int, **fields: Any) -> None:
@@ -366,6 +367,10 @@ class _SchedulerSide:
         pipe = self.pipe
         if pipe is not None:
             pipe.send({"event": True, **fields})
+
+    def _on_pipe_closed(self) -> None:
+        # The agent is gone (it stops with vLLM): nothing it suspended or staged will be asked for again.
+        self.inbox.put({"op": "release_all", "seq": 0, "id": ""})
 
     def _on_message(self, msg: dict[str, Any], tensor: torch.Tensor | None) -> None:
         op, seq, rid = msg.get("op"), int(msg.get("seq", 0)), str(msg.get("id", ""))
@@ -434,12 +439,12 @@ class _SchedulerSide:
         end = -(-(first_token + num_external_tokens) // bs)
         if staged is not None:
             blocks = _token_blocks(staged.data, bs)[:, :, first:end]
-            self.loads.append(_Load(request.request_id, block_ids[first:end], blocks))
+            self.loads.append(_Load(rid, request.request_id, block_ids[first:end], blocks))
             return
         if kept is None:  # matched_tokens offered nothing for it: vLLM would not have asked
             return
         del self.kept[rid]
-        self.loads.append(_Load(request.request_id, block_ids[first:end], None, kept.block_ids[first:end]))
+        self.loads.append(_Load(rid, request.request_id, block_ids[first:end], None, kept.block_ids[first:end]))
         self.frees.append(kept.request)   # after the copy, in the same step (get_finished runs after the load)
 
     def build(self, scheduler_output: SchedulerOutput, block_ids_of: Callable[[str], list[int]]) -> KvfleetMetadata:
@@ -474,6 +479,11 @@ class _SchedulerSide:
             with self.lock:
                 self.staged.pop(rid, None)
             self.reply(seq, ok=True)
+        elif op == "release_all":
+            meta.frees += [kept.request for kept in self.kept.values()]
+            self.kept.clear()
+            with self.lock:
+                self.staged.clear()
         elif op == "export":
             self._export(seq, rid, int(msg["first_block"]), msg.get("end_block"), meta, block_ids_of)
 
@@ -589,7 +599,7 @@ class _WorkerSide:
                 self._load(load)
             except Exception as err:  # reported: vLLM recomputes the blocks (kv_load_failure_policy)
                 log.warning("kvfleet connector: loading KV for %s failed: %s", load.request, err)
-                self.out.failed_loads[load.request] = str(err)
+                self.out.failed_loads[load.agent_id] = str(err)
                 self.failed_blocks.update(load.block_ids)
 
     def _load(self, load: _Load) -> None:

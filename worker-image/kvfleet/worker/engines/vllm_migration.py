@@ -155,12 +155,8 @@ class VLLMKVMigration:
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event.get("op") == "load_failed":
-            # vLLM's request id is the agent's id plus a suffix of vLLM's own.
-            request = str(event.get("request", ""))
-            for rid in list(self._engine.running_ids()):
-                if request.startswith(rid):
-                    self._notes.setdefault(rid, []).append(
-                        f"loading the KV into vLLM failed ({event.get('error')}): vLLM recomputed it")
+            self._notes.setdefault(str(event.get("request")), []).append(
+                f"loading the KV into vLLM failed ({event.get('error')}): vLLM recomputed it")
 
     def _ready(self) -> tuple[ConnectorClient, KVFormat]:
         if self._client is None or self._format is None:
