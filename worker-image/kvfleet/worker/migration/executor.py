@@ -13,9 +13,10 @@ the client's stream whole through the agent's hand-off (handoff.py). Modes:
 - **hybrid**: one KV stage of the full blocks while the request runs, then stop and commit; the
   destination re-prefills only the tail the blocks do not cover.
 
-KV modes need engines with the KV migration capability (engines/capabilities.py) on both sides: the
-builtin engine has it. Where either side lacks it (vLLM: its public API exposes no running request's
-KV) the migration runs in token mode and says so in its message (docs/migration.md).
+KV modes need engines with the KV migration capability (engines/capabilities.py) on both sides, in
+KV formats that agree (`kv_format_mismatch`): the builtin engine has it, and vLLM through kvfleet's KV
+connector. Where either side lacks it, or the formats differ, the migration runs in token mode and
+says why in its message (docs/migration.md).
 
 What can go wrong, and what is left:
 - the request holds no KV when the move starts (queued for blocks, or preempted): it moves by its
