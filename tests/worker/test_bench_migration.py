@@ -1,7 +1,9 @@
-"""bench/migration.py runs end to end (--quick) and ends with its JSON line of headline figures."""
+"""bench/migration.py runs end to end (--quick) and ends with its JSON line of headline figures, the vLLM
+section's too where vllm is installed (its workers' KV moves through kvfleet's connector)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,3 +23,17 @@ def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
     assert all(v > 0 for v in [*summary["kv_downtime_ms"].values(), *summary["token_downtime_ms"].values()])
     # No timing bounds here (a shared machine decides them): only that the figures are sane.
     assert 0 < summary["throughput_ratio_vs_socket"] < 10
+    vllm_keys = ["vllm_kv_downtime_ms", "vllm_token_downtime_ms", "vllm_builtin_kv_downtime_ms",
+                 "vllm_builtin_token_downtime_ms", "vllm_kv_flatness", "vllm"]
+    if importlib.util.find_spec("vllm") is None:
+        assert all(summary[key] is None for key in vllm_keys), summary
+        return
+    by_length = [summary["vllm_kv_downtime_ms"], summary["vllm_token_downtime_ms"],
+                 *summary["vllm_builtin_kv_downtime_ms"].values(), *summary["vllm_builtin_token_downtime_ms"].values()]
+    assert set(summary["vllm_builtin_kv_downtime_ms"]) == set(summary["vllm_builtin_token_downtime_ms"]) == \
+        {"vllm-to-builtin", "builtin-to-vllm"}
+    for downtime_ms in by_length:
+        assert set(downtime_ms) == {"64", "256"}
+        assert all(v > 0 for v in downtime_ms.values())
+    assert summary["vllm_kv_flatness"] > 0
+    assert isinstance(summary["vllm"], str) and summary["vllm"]
