@@ -434,29 +434,30 @@ class _SchedulerSide:
         if rid is not None:
             self.running[rid] = request
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def _loadable(self, request: Request) -> int:
+        """Tokens a resumed request can load: staged here for it, else its own kept blocks; vLLM computes
+        at least the last token itself."""
         rid = _load_id(request)
         if rid is None:
             return 0
         with self.lock:
             staged = self.staged.get(rid)
-            have = staged.num_tokens if staged is not None else 0
-        if staged is None and (kept := self.kept.get(rid)) is not None:
-            have = kept.num_tokens
-        # vLLM computes at least the last token itself.
-        return max(0, min(have, request.num_tokens - 1) - num_computed_tokens)
+        held = staged if staged is not None else self.kept.get(rid)
+        return 0 if held is None else min(held.num_tokens, request.num_tokens - 1)
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        return max(0, self._loadable(request) - num_computed_tokens)
 
     def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         rid = _load_id(request)
         if rid is None or num_external_tokens <= 0:
             return
+        # What vLLM found in its own prefix cache comes first (whole blocks), the loaded tokens after
+        # it, up to what matched_tokens offered.
+        first_token = self._loadable(request) - num_external_tokens
         with self.lock:
             staged = self.staged.pop(rid, None)
         kept = self.kept.get(rid) if staged is None else None
-        have = staged.num_tokens if staged is not None else kept.num_tokens if kept is not None else 0
-        # What vLLM found in its own prefix cache comes first (whole blocks), the loaded tokens after
-        # it, up to what matched_tokens offered.
-        first_token = min(have, request.num_tokens - 1) - num_external_tokens
         bs = self.block_size
         first = first_token // bs
         end = -(-(first_token + num_external_tokens) // bs)
@@ -572,15 +573,15 @@ class _SchedulerSide:
 
 
 def _agent_id(request: Request) -> str | None:
-    params = request.kv_transfer_params or {}
-    ours = params.get(PARAMS_KEY)
+    """The agent's id of a request it named to this connector (kv_params), or None."""
+    ours = (request.kv_transfer_params or {}).get(PARAMS_KEY)
     return str(ours["id"]) if isinstance(ours, dict) and "id" in ours else None
 
 
 def _load_id(request: Request) -> str | None:
-    params = request.kv_transfer_params or {}
-    ours = params.get(PARAMS_KEY)
-    return str(ours["id"]) if isinstance(ours, dict) and ours.get("load") else None
+    """The agent's id of a resumed request that asked to load what the connector holds for it, or None."""
+    ours = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+    return _agent_id(request) if isinstance(ours, dict) and ours.get("load") else None
 
 
 # -- the worker side -------------------------------------------------------------------------------
