@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any
 
-from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad, size_class_name
+from kvfleet.api.reports import KVLoadReport, RequestLoad, kvload_object, size_class_name
 from kvfleet.operator import reconcile
 from kvfleet.operator.memory import MemoryKube
 
@@ -36,7 +36,7 @@ CAPACITY_BYTES = 1_000_000
 
 
 class ScriptedWorkers:
-    """The workers' side: requests, reports on the pods, and migrations executed at once."""
+    """The workers' side: requests, reports in their KVLoads, and migrations executed at once."""
 
     def __init__(self, api: MemoryKube, seed: int) -> None:
         self.api = api
@@ -97,10 +97,10 @@ class ScriptedWorkers:
             loads = [RequestLoad(id=rid, kv_bytes=size, tokens=size // 1000,
                                  size_class=size_class_name(size, CAPACITY_BYTES))
                      for rid, size in sorted(reqs.items())]
-            text = KVLoadReport(capacity_bytes=CAPACITY_BYTES, used_bytes=sum(reqs.values()), requests=loads,
-                                sequence=0).to_annotation()
-            if pod["metadata"]["annotations"].get(ANNOTATION) != text:
-                pod["metadata"]["annotations"][ANNOTATION] = text
+            report = KVLoadReport(capacity_bytes=CAPACITY_BYTES, used_bytes=sum(reqs.values()), requests=loads,
+                                  sequence=0)
+            if KVLoadReport.from_kvload(self.api.kvloads.get(name)) != report:
+                self.api.kvloads[name] = kvload_object(name, pod["metadata"]["uid"], "bench", report)
                 self.report_writes += 1
 
 

@@ -43,6 +43,7 @@ from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import ready
 from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
+from kvfleet_e2e.reports import worker_reports
 
 LONG = os.environ.get("KVFLEET_CHAOS_LONG") == "1"
 NUM_OPERATOR_KILLS = 50 if LONG else 8
@@ -200,9 +201,10 @@ class Client(threading.Thread):
 def holder(cluster: Cluster, namespace: str, pool: str, request_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the worker whose KV-load report lists the request, another live worker), once reported."""
     pods = live_workers(cluster, namespace, pool) or []
+    reports = worker_reports(cluster, namespace, pool)
     for pod in pods:
-        report = json.loads((pod["metadata"].get("annotations") or {}).get("kvfleet.dev/kv-load") or '{"requests": []}')
-        if any(r["id"] == request_id for r in report["requests"]):
+        report = reports.get(pod["metadata"]["name"])
+        if report is not None and any(r.id == request_id for r in report.requests):
             others = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"] and ready(p)]
             return (pod, others[0]) if others else None
     return None

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from kvfleet.api.reports import KVLoadReport
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
+from kvfleet_e2e.reports import worker_report
 
 MIB = 2**20
 # (request id, prompt tokens, output tokens): long prompts whose prefills need tens of MiB of
@@ -110,8 +110,7 @@ def test_elastic_workers_serve_long_prompts_and_the_planned_capacity_follows_the
 
     def watch() -> None:
         while not done.is_set():
-            pod = cluster.get_json("pod", worker["metadata"]["name"], "-n", namespace)
-            report = KVLoadReport.from_annotations(pod["metadata"].get("annotations"))
+            report = worker_report(cluster, namespace, worker["metadata"]["name"])
             if report is not None:
                 seen_reported.append(report.capacity_bytes)
             value = planned()

@@ -27,6 +27,7 @@ from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import free_port, stop_process
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import scripted_pool as pool
+from kvfleet_e2e.reports import worker_reports
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +108,13 @@ def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]
 
 
 def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str]]:
-    """Each live worker's requests, from the reports on the pods."""
+    """Each live worker's requests, from their reports."""
     for handle in _running:
         handle.check()
     pods = cluster.get_json("pods", "-n", namespace, "-l", f"kvfleet.dev/pool={pool_name}")["items"]
-    out = {}
-    for pod in pods:
-        report = json.loads((pod["metadata"].get("annotations") or {}).get("kvfleet.dev/kv-load") or '{"requests": []}')
-        out[pod["metadata"]["name"]] = sorted(r["id"] for r in report["requests"])
-    return out
+    reports = worker_reports(cluster, namespace, pool_name)
+    return {name: sorted(r.id for r in report.requests) if (report := reports.get(name)) else []
+            for name in (pod["metadata"]["name"] for pod in pods)}
 
 
 REQUESTS = [("l1", 600_000), ("l2", 600_000), ("l3", 600_000), ("t1", 200_000), ("t2", 200_000)]

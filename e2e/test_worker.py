@@ -21,6 +21,7 @@ from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
 from kvfleet_e2e.real_workers import require_vllm
+from kvfleet_e2e.reports import worker_report
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,7 @@ def call(pod: dict[str, Any], path: str, body: dict[str, Any] | None = None, **h
 
 
 def report(cluster: Cluster, namespace: str, pod_name: str) -> KVLoadReport | None:
-    pod = cluster.get_json("pod", pod_name, "-n", namespace)
-    return KVLoadReport.from_annotations(pod["metadata"].get("annotations"))
+    return worker_report(cluster, namespace, pod_name)
 
 
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])

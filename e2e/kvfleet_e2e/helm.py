@@ -127,6 +127,7 @@ OPERATOR_CALLS: tuple[Call, ...] = (
     Call("delete", "kvmigrations", KV, "pool", "Kube.delete_migration"),
     Call("patch", "kvmigrations/status", KV, "pool", "Kube.patch_migration_status"),
     Call("list", "pods", "", "pool", "Kube.worker_pods"),
+    Call("list", "kvloads", KV, "pool", "Kube.list_kvloads"),
     Call("create", "pods", "", "pool", "Kube.create (worker pods)"),
     Call("delete", "pods", "", "pool", "Kube.delete_pod"),
     Call("patch", "pods", "", "pool", "Kube.patch_pod_metadata"),

@@ -5,8 +5,8 @@ what a worker does towards the control plane, with scripted requests instead of 
 - serves /healthz and /readyz on the pod's IP and port from the environment the operator sets;
 - takes requests (POST /script/requests: id, KV bytes, growth per second, duration), grows their KV
   over time and finishes them, like decoding would;
-- writes its KV-load report on its own Pod (annotation kvfleet.dev/kv-load) when a request arrives,
-  finishes or changes size class, at most once per report interval;
+- writes its KV-load report in its own KVLoad (the worker's own writer, kvfleet.worker.reporter.kvload_writer)
+  when a request arrives, finishes or changes size class, at most once per report interval;
 - executes the KVMigrations naming it as source: hands the request to the target's
   POST /internal/adopt (authenticated with the pool token) and writes the migration's status;
 - on SIGTERM, prints how many requests it still held, so a test can prove none was dropped.
@@ -15,6 +15,7 @@ It talks to the API server with its pod's ServiceAccount, so the operator's work
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import http.server
 import json
@@ -32,6 +33,7 @@ from kubernetes.client.rest import ApiException
 
 from kvfleet.api.models import GROUP, VERSION
 from kvfleet.api.reports import KVLoadReport, RequestLoad, size_class_name
+from kvfleet.worker.reporter import kvload_writer
 
 log = logging.getLogger("scripted-worker")
 BYTES_PER_TOKEN = 1024
@@ -54,6 +56,7 @@ class Worker:
         self.pod_name = os.environ["POD_NAME"]
         self.namespace = os.environ["POD_NAMESPACE"]
         self.pool = os.environ["KVFLEET_POOL"]
+        self.pod_uid = os.environ["POD_UID"]
         self.token = os.environ["KVFLEET_POOL_TOKEN"]
         self.capacity_bytes = int(os.environ["KVFLEET_KV_CAPACITY_BYTES"])
         self.report_interval_s = float(os.environ.get("KVFLEET_REPORT_INTERVAL_S", "0.5"))
@@ -66,6 +69,7 @@ class Worker:
         config.load_kube_config()
         self.core = client.CoreV1Api()
         self.custom = client.CustomObjectsApi()
+        self.write_report = kvload_writer(self.pod_name, self.namespace, self.pod_uid, self.pool, api_client=self.core.api_client)
         self.stopping = threading.Event()
 
     # ---------------------------------------------------------------------------------- requests
@@ -108,8 +112,7 @@ class Worker:
         self.sequence += 1
         report = report.model_copy(update={"sequence": self.sequence})
         try:
-            self.core.patch_namespaced_pod(self.pod_name, self.namespace,
-                                           {"metadata": {"annotations": {"kvfleet.dev/kv-load": report.to_annotation()}}})
+            asyncio.run(self.write_report(report))
             self.last_written = key
             self.last_write_s = time.monotonic()
         except ApiException as err:

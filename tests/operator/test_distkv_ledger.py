@@ -172,8 +172,7 @@ def test_a_lending_worker_is_not_released_nor_deleted() -> None:
     sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, load()), worker(1, load())])
     out = sched.epoch([worker(0, load()), worker(1, load(cap=800, lent=100))], {}, now_s=1.0)
     assert "w1" not in out.released_pods
-    info = pods.pod_info({"metadata": {"name": "p-worker-1", "annotations": {ANNOTATION: load(cap=800, lent=100).to_annotation()}},
-                          "status": {"phase": "Running"}})
+    info = pods.pod_info({"metadata": {"name": "p-worker-1"}, "status": {"phase": "Running"}}, load(cap=800, lent=100))
     assert info is not None and info.holding
     actions = pods.plan_pods([info], unserved_gpu_ids=(), released_pods=(), migration_targets=(), floor=0, max_workers=4,
                              scale_down_delay_s=0, now_s=100.0)

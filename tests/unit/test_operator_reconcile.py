@@ -169,11 +169,13 @@ def test_worker_pod_applies_the_template() -> None:
     assert env["KVFLEET_POOL_SECRET"] == "p-token"
 
 
-def test_worker_rbac_is_namespaced_and_never_creates_or_deletes() -> None:
+def test_worker_rbac_is_namespaced_and_creates_only_its_report_and_deletes_nothing() -> None:
     account, role, binding = resources.worker_rbac(POOL)
     assert (account["kind"], role["kind"], binding["kind"]) == ("ServiceAccount", "Role", "RoleBinding")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
-    assert not verbs & {"create", "delete", "deletecollection", "escalate", "bind", "impersonate"}
+    assert not verbs & {"delete", "deletecollection", "escalate", "bind", "impersonate"}
+    # Its KVLoad (the admission policy keeps it to its own, e2e/test_worker_report_policy.py).
+    assert [r["resources"] for r in role["rules"] if "create" in r["verbs"]] == [["kvloads"]]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "p-worker", "namespace": "ns"}]
     # Of Secrets, the pool's own and only to read it (it rotates while the worker runs).
     secret_rules = [r for r in role["rules"] if "secrets" in r["resources"]]
@@ -192,6 +194,8 @@ def test_router_objects_are_a_role_reading_the_pool_a_deployment_and_a_service()
         {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"],
          "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        # The workers' KV-load reports (the router places by them).
+        {"apiGroups": ["kvfleet.dev"], "resources": ["kvloads"], "verbs": ["list", "watch"]},
         # The pool's Secret, by name: the router follows its rotation (kvfleet.serving.credentials).
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["p-token"], "verbs": ["get"]}]
     service = objs["Service"]["spec"]
@@ -284,6 +288,39 @@ def test_a_pass_over_a_new_pool_makes_what_it_owns_then_a_quiet_pass_writes_noth
     api.pool["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert reconcile.reconcile_pool("ns", "p", logger, api) == reconcile.RETRY_S
     assert reconcile.pool_state("ns", "p") is None
+
+
+def test_a_pass_reads_kvloads_and_during_an_upgrade_old_workers_annotations() -> None:
+    """New workers report in their KVLoad, workers from before it in their pod's annotation; a KVLoad
+    left by a previous pod of the same name is not the new pod's."""
+    from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad, kvload_object
+    from kvfleet.operator import reconcile
+
+    body = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
+            "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
+                     "workers": {"min": 3, "max": 4}}}
+    api = MemoryKube(body)
+    reconcile.forget_pool("ns", "p")
+    logger = logging.getLogger("test")
+    reconcile.reconcile_pool("ns", "p", logger, api)
+
+    def load(request_id: str) -> KVLoadReport:
+        return KVLoadReport(capacity_bytes=2**30, used_bytes=2**20, sequence=1, requests=[
+            RequestLoad(id=request_id, kv_bytes=2**20, tokens=8, size_class="tiny")])
+
+    uid = {name: pod["metadata"]["uid"] for name, pod in api.pods.items()}
+    api.kvloads["p-worker-0"] = kvload_object("p-worker-0", uid["p-worker-0"], "p", load("new"))
+    api.pods["p-worker-1"]["metadata"]["annotations"][ANNOTATION] = load("old").to_annotation()
+    api.kvloads["p-worker-2"] = kvload_object("p-worker-2", "a-previous-pod", "p", load("gone"))
+    ctx = reconcile.PassContext(api, "ns", "p", body, LLMPoolSpec.model_validate(body["spec"]), logger)
+    reported = {w.pod_name: [r.id for r in w.report.requests] if w.report else None
+                for w in reconcile.read_observed(ctx).workers}
+    assert reported == {"p-worker-0": ["new"], "p-worker-1": ["old"], "p-worker-2": None}
+    reconcile.reconcile_pool("ns", "p", logger, api)
+    state = reconcile.pool_state("ns", "p")
+    assert state is not None and sorted(state.scheduler.sizes) == ["new", "old"]
+    reconcile.forget_pool("ns", "p")
 
 
 def test_elastic_memory_gives_workers_one_pool_and_a_cpu_buffer() -> None:

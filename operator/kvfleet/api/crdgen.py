@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet.api.models import GROUP, VERSION, KVMigration, LLMPool, _Model
+from pydantic import BaseModel
+
+from kvfleet.api.models import GROUP, VERSION, KVMigration, LLMPool
+from kvfleet.api.reports import KVLoad
 
 # Keys of pydantic's output that OpenAPI v3.0 structural schemas either forbid or do not need.
 _DROP_KEYS = {"title", "$defs", "propertyNames"}
@@ -109,7 +112,7 @@ def _resolve_optional(schema: dict[str, Any], defs: dict[str, Any]) -> bool:
 _NO_DEFAULT_OBJECTS = {"volume", "resources", "status", "persistentVolumeClaim", "hostPath"}
 
 
-def openapi_schema(model: type[_Model]) -> dict[str, Any]:
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural schema of a whole custom resource (spec and status, apiVersion/kind/metadata)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.get("$defs", {})
@@ -146,6 +149,14 @@ _LLMPOOL_COLUMNS = [
     _printer("Age", ".metadata.creationTimestamp", "date", "Age"),
 ]
 
+# A worker's report: no status, it is all the worker's own statement (kvfleet.api.reports).
+_KVLOAD_COLUMNS = [
+    _printer("Used", ".report.usedBytes", "integer", "KV bytes the worker's requests hold"),
+    _printer("Capacity", ".report.capacityBytes", "integer", "KV bytes the worker can hold now"),
+    _printer("Sequence", ".report.sequence", "integer", "Reports the worker has written"),
+    _printer("Age", ".metadata.creationTimestamp", "date", "Age"),
+]
+
 _KVMIGRATION_COLUMNS = [
     _printer("Pool", ".spec.pool", "string", "LLMPool"),
     _printer("Request", ".spec.requestId", "string", "Request id"),
@@ -160,10 +171,10 @@ _KVMIGRATION_COLUMNS = [
 ]
 
 
-def _crd(model: type[_Model], columns: list[dict[str, Any]], scale: bool) -> dict[str, Any]:
+def _crd(model: type[BaseModel], columns: list[dict[str, Any]], scale: bool, status: bool = True) -> dict[str, Any]:
     plural: str = model.plural  # type: ignore[attr-defined]
     kind: str = model.kind  # type: ignore[attr-defined]
-    subresources: dict[str, Any] = {"status": {}}
+    subresources: dict[str, Any] = {"status": {}} if status else {}
     if scale:
         subresources["scale"] = {
             "specReplicasPath": ".spec.replicas",
@@ -207,4 +218,5 @@ def all_crds() -> dict[str, dict[str, Any]]:
     return {
         "llmpools.yaml": _crd(LLMPool, _LLMPOOL_COLUMNS, scale=True),
         "kvmigrations.yaml": _crd(KVMigration, _KVMIGRATION_COLUMNS, scale=False),
+        "kvloads.yaml": _crd(KVLoad, _KVLOAD_COLUMNS, scale=False, status=False),
     }

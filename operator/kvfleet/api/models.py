@@ -22,6 +22,8 @@ from kvfleet.mell.models import kv_capacity_bytes, tpot_load_cap
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+# Every object of a pool (worker pods, KVMigrations, KV-load reports) carries its name in this label.
+POOL_LABEL = f"{GROUP}/pool"
 # Scale from zero (docs/router.md): the router writes on its LLMPool how many requests it holds for
 # want of a Ready worker and when ("<count> <unix seconds>"), re-written every HELD_REFRESH_S while
 # any are held; the operator keeps a worker while it reads a count written within HELD_FRESH_S, so a

@@ -1,23 +1,32 @@
-"""The KV-load report a worker writes on its own Pod, and the operator reads every epoch.
+"""The KV-load report a worker writes about itself, and the operator reads every epoch.
 
-The report lives in one annotation of the worker's Pod (`kvfleet.dev/kv-load`) because the pod is
-the object whose lifetime it describes: it vanishes with the pod, needs no extra RBAC beyond
-patching pods, and a restarted operator finds every worker's load by listing pods. Workers write it
-when a request arrives, finishes or changes MELL size class, coalesced to at most one write per
-epoch, never per token (docs/worker.md, docs/operator.md).
+A report lives in the worker's own `KVLoad` object (kvfleet.dev/v1alpha1, `kubectl get kvloads`):
+named after the worker's pod, labelled with its pool, owned by the pod so it goes with it. Before
+issue 21 it lived in an annotation of the pod (`kvfleet.dev/kv-load`); a busy worker rewrites its
+report every epoch, and every pod write fans out to every pod watcher of the cluster (the scheduler,
+the controller manager, the kubelet, the router), where a KVLoad reaches only the operator and the
+router (docs/scale.md has the measurements). Readers take the KVLoad and fall back to the annotation,
+so workers from before it keep being heard during an upgrade. Workers write when a request arrives,
+finishes or changes MELL size class, coalesced to at most one write per epoch, never per token
+(docs/worker.md, docs/operator.md).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
+from kvfleet.api.models import API_VERSION, POOL_LABEL
 from kvfleet.mell.models import SizeClass, size_class
 
+# Where workers from before the KVLoad object wrote their report (still read, see the module's docstring).
 ANNOTATION = "kvfleet.dev/kv-load"
+KVLOAD_KIND = "KVLoad"
+KVLOAD_PLURAL = "kvloads"
 # Annotations share 256 KiB per object; this keeps one report well inside it (~80 bytes a request).
 MAX_REQUESTS_PER_REPORT = 2048
 
@@ -119,10 +128,13 @@ class KVLoadReport(_Model):
                      for r in self.requests if not r.queued and r.tokens > 0 and not r.borrowed_bytes]
         return max(per_token, default=None)
 
-    def to_annotation(self) -> str:
+    def to_json(self) -> dict[str, Any]:
         # Unset optional fields are left out, so a report without measurements is exactly what
         # an operator from before these fields reads (its model forbids unknown keys).
-        return json.dumps(self.model_dump(by_alias=True, exclude_none=True), separators=(",", ":"))
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
     def from_annotations(cls, annotations: dict[str, str] | None) -> KVLoadReport | None:
@@ -134,3 +146,53 @@ class KVLoadReport(_Model):
             return cls.model_validate_json(text)
         except ValueError:
             return None
+
+    @classmethod
+    def from_kvload(cls, obj: Mapping[str, Any] | None) -> KVLoadReport | None:
+        """The report of a KVLoad object as the API serves it, or None when it does not parse."""
+        try:
+            return cls.model_validate((obj or {}).get("report"))
+        except ValueError:
+            return None
+
+
+class KVLoad(_Model):
+    """A worker's KV-load report, written by the worker about itself (`kubectl get kvloads`)."""
+
+    kind: ClassVar[str] = KVLOAD_KIND
+    plural: ClassVar[str] = KVLOAD_PLURAL
+    short_names: ClassVar[tuple[str, ...]] = ("kvl",)
+
+    report: KVLoadReport
+
+
+def kvload_object(pod_name: str, pod_uid: str, pool: str, report: KVLoadReport) -> dict[str, Any]:
+    """The KVLoad a worker creates for itself: its pod's name, owned by its pod (deleted with it; the
+    admission policy refuses a worker any other name or owner), labelled with its pool."""
+    return {
+        "apiVersion": API_VERSION, "kind": KVLOAD_KIND,
+        "metadata": {"name": pod_name, "labels": {POOL_LABEL: pool},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid}]},
+        "report": report.to_json(),
+    }
+
+
+def pool_reports(kvloads: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, KVLoadReport]:
+    """Pod name -> its report, for the pods given (as the API serves them): its KVLoad's, else (a worker
+    from before KVLoads, during an upgrade) the one in its annotation. A KVLoad owned by another pod
+    is a previous pod's of the same name, not yet garbage-collected: not this pod's. A pod with no
+    readable report has none yet."""
+    uid_of: dict[str, str] = {}
+    reports: dict[str, KVLoadReport] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        uid_of[meta.get("name", "")] = meta.get("uid", "")
+        if (report := KVLoadReport.from_annotations(meta.get("annotations"))) is not None:
+            reports[meta["name"]] = report
+    for obj in kvloads:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name", "")
+        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("kind") == "Pod"}
+        if name in uid_of and uid_of[name] in owners and (report := KVLoadReport.from_kvload(obj)) is not None:
+            reports[name] = report
+    return reports

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvfleet.api.models import GROUP, VERSION
+from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.operator import resources
 from kvfleet.operator.kube import PLURAL, kube
 from kvfleet.operator.reconcile import RETRY_S, reconcile_pool
@@ -70,17 +70,17 @@ def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
 _pod_lifecycle: dict[str, tuple[str, bool, bool]] = {}
 
 
-@kopf.on.event("", "v1", "pods", labels={resources.POOL_LABEL: kopf.PRESENT, resources.COMPONENT_LABEL: "worker"})
+@kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT, resources.COMPONENT_LABEL: "worker"})
 def worker_changed(type: str | None, body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     """Wake the pool when a worker's lifecycle changes (ready, gone), not on every load report:
     reports are read once per epoch, so waking on them would run MELL once per report."""
     uid = body["metadata"]["uid"]
     if type == "DELETED":
         _pod_lifecycle.pop(uid, None)
-        _poke_event(namespace, labels[resources.POOL_LABEL]).set()
+        _poke_event(namespace, labels[POOL_LABEL]).set()
         return
     pod = dict(body)
     state = (str(pod.get("status", {}).get("phase")), is_ready(pod), bool(body["metadata"].get("deletionTimestamp")))
     if _pod_lifecycle.get(uid) != state:
         _pod_lifecycle[uid] = state
-        _poke_event(namespace, labels[resources.POOL_LABEL]).set()
+        _poke_event(namespace, labels[POOL_LABEL]).set()

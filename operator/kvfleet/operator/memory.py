@@ -25,6 +25,8 @@ class MemoryKube:
     def __init__(self, pool: dict[str, Any], *, pods_per_node: int = 8, nodes_per_zone: int = 4) -> None:
         self.pool = pool
         self.pods: dict[str, dict[str, Any]] = {}
+        self.kvloads: dict[str, dict[str, Any]] = {}  # pod name -> its KVLoad
+        self.created_pods = 0
         self.migrations: dict[str, dict[str, Any]] = {}
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}  # everything else, by (kind, name)
         self.ready_replicas: dict[str, int] = {}  # Deployment name -> its Ready replicas
@@ -72,6 +74,8 @@ class MemoryKube:
             return False
         pod = copy.deepcopy(obj)
         pod["metadata"].setdefault("annotations", {})
+        self.created_pods += 1
+        pod["metadata"].setdefault("uid", f"uid-{self.created_pods}")  # the API server gives each pod a new one
         pod["spec"]["nodeName"] = f"node-{len(self.pods) // self.pods_per_node}"
         pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"},
                                                            {"type": "PodScheduled", "status": "True"}]}
@@ -103,9 +107,13 @@ class MemoryKube:
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(p) for p in self.pods.values()]
 
+    def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(k) for k in self.kvloads.values()]
+
     def delete_pod(self, namespace: str, name: str) -> None:
         self._record_write("delete_pod")
         self.pods.pop(name, None)
+        self.kvloads.pop(name, None)  # the garbage collector's part: it is owned by the pod
 
     def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
                            annotations: Mapping[str, str | None]) -> None:

@@ -16,13 +16,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfleet.api.models import API_VERSION, LLMPoolSpec
+from kvfleet.api.models import API_VERSION, POOL_LABEL, LLMPoolSpec
 from kvfleet.api.quantity import quantity_bytes
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell.migration import Boundaries, MoveMode, link_of, plan_migrations
 from kvfleet.mell.models import Location, Migration
 from kvfleet.operator.epoch import MoveOrder
-from kvfleet.operator.resources import MANAGED_BY, POOL_LABEL, owner_reference
+from kvfleet.operator.resources import MANAGED_BY, owner_reference
 
 FINISHED = ("Succeeded", "Failed")
 REQUEST_LABEL = "kvfleet.dev/request-hash"

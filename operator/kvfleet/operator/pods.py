@@ -45,14 +45,14 @@ class PodInfo:
         return self.num_requests > 0 or self.lent_bytes > 0
 
 
-def pod_info(pod: dict[str, Any]) -> PodInfo | None:
-    """The operator's view of one worker pod (None for a pod that is not one of the pool's workers)."""
+def pod_info(pod: dict[str, Any], report: KVLoadReport | None) -> PodInfo | None:
+    """The operator's view of one worker pod with its KV-load report, if it has one yet (None for a pod
+    that is not one of the pool's workers)."""
     meta = pod["metadata"]
     index = worker_index(meta["name"])
     if index is None:
         return None
     annotations = dict(meta.get("annotations") or {})
-    report = KVLoadReport.from_annotations(annotations)
     idle = annotations.get(IDLE_SINCE_ANNOTATION)
     try:
         idle_since_s = float(idle) if idle else None

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from kvfleet.api.models import LLMPoolSpec
 from kvfleet.api.quantity import format_bytes
-from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.reports import pool_reports
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
 from kvfleet.operator import distkv, epoch, metrics, migrations, pods, resources
@@ -160,16 +160,18 @@ def parse_spec(api: KubeApi, namespace: str, name: str, pool: dict[str, Any]) ->
 
 
 def read_observed(ctx: PassContext) -> Observed:
-    """Read the worker pods (with their KV-load reports), the nodes' zones and the pool's KVMigrations."""
+    """Read the worker pods, their KV-load reports (kvfleet.api.reports.pool_reports), the nodes' zones
+    and the pool's KVMigrations."""
     now_s = time.time()
     raw_pods = ctx.api.worker_pods(ctx.namespace, ctx.name)
-    infos = [info for p in raw_pods if (info := pods.pod_info(p)) is not None]
+    reports = pool_reports(ctx.api.list_kvloads(ctx.namespace, ctx.name), raw_pods)
+    infos = [info for p in raw_pods if (info := pods.pod_info(p, reports.get(p["metadata"]["name"]))) is not None]
     zones = ctx.api.node_zones()
     node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
     ip_of_pod = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") or "" for p in raw_pods}
     workers = [
         epoch.WorkerView(i.name, i.gpu_id, i.index, node_of_pod[i.name], zones.get(node_of_pod[i.name], ""), i.ready,
-                         KVLoadReport.from_annotations(dict(i.annotations)), ip_of_pod[i.name])
+                         reports.get(i.name), ip_of_pod[i.name])
         for i in infos if i.live
     ]
     reported_on: dict[str, list[str]] = {}

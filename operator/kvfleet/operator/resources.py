@@ -11,11 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvfleet.api.models import API_VERSION, LLMPoolSpec
+from kvfleet.api.models import API_VERSION, POOL_LABEL, LLMPoolSpec
 from kvfleet.api.quantity import quantity_bytes
 from kvfleet.serving.credentials import MIGRATION_KEY_ENV, MIGRATION_KEY_KEY, SECRET_ENV, TOKEN_ENV, TOKEN_KEY
 
-POOL_LABEL = "kvfleet.dev/pool"
 INDEX_LABEL = "kvfleet.dev/worker-index"
 GPU_LABEL = "kvfleet.dev/gpu-id"
 IDLE_SINCE_ANNOTATION = "kvfleet.dev/idle-since"
@@ -91,17 +90,21 @@ def _secret_rule(pool_name: str) -> dict[str, Any]:
 def worker_rbac(pool: dict[str, Any]) -> list[dict[str, Any]]:
     """ServiceAccount, Role and RoleBinding of the workers: what they need in their namespace, no more.
 
-    Workers read and patch pods (their own load report lives on their pod), execute KVMigrations
+    Workers write their own KV-load report (a KVLoad named after their pod: create it, patch it; the
+    admission policy keeps each to its own) and read pods; workers from before KVLoads patched the
+    report onto their pod, so patching pods stays allowed (again only their own) for an upgrade's
+    old workers under the new Role. They execute KVMigrations
     (read them, write their status) and read their own LLMPool, by name: under DistKV a borrower finds
     its creditor candidates in the pool's status (status.distkv.candidates). The pool rule is there
     whether or not DistKV is on, so that turning it on needs no change of the Role while workers run
-    (and this function stays a function of the pool alone). They never create or delete anything.
+    (and this function stays a function of the pool alone). They create only their KVLoad, and delete nothing.
     """
     name = pool["metadata"]["name"]
     account = worker_account_name(name)
     meta = {"name": account, "labels": _labels(name, "worker"), "ownerReferences": [owner_reference(pool)]}
     return account_with_role(pool, meta, [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": ["kvfleet.dev"], "resources": ["kvloads"], "verbs": ["create", "patch"]},
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["kvfleet.dev"], "resources": ["kvmigrations/status"], "verbs": ["get", "patch", "update"]},
         _secret_rule(name),
@@ -169,6 +172,7 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_UID", "metadata.uid"),  # the owner of its KVLoad
         _field_env("POD_IP", "status.podIP"),
         {"name": "KVFLEET_POOL", "value": name},
         {"name": "KVFLEET_ENGINE", "value": spec.engine},
@@ -375,8 +379,8 @@ def _router_container(name: str, spec: LLMPoolSpec) -> dict[str, Any]:
 def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, Any]]:
     """The pool's router: ServiceAccount, Role and RoleBinding, Deployment, and the Service `<pool>-router`.
 
-    The router watches its own LLMPool (the routing table) and the pool's worker pods (readiness,
-    addresses, KV-load reports), and writes nothing: its Role is get/list/watch on those, the pool by
+    The router watches its own LLMPool (the routing table), the pool's worker pods (readiness,
+    addresses) and their KVLoads (KV-load reports), and writes nothing: its Role is get/list/watch on those, the pool by
     name. One replica: placement counts the requests the router itself has in flight against each
     worker's capacity, which a second replica would not see (docs/router.md).
     """
@@ -401,6 +405,7 @@ def router_objects(pool: dict[str, Any], spec: LLMPoolSpec) -> list[dict[str, An
             {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": [name],
              "verbs": ["get", "list", "watch", "patch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["kvfleet.dev"], "resources": ["kvloads"], "verbs": ["list", "watch"]},
             _secret_rule(name),
         ]),
         {

@@ -23,13 +23,12 @@ from typing import Any, cast
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from kvfleet.api.models import GROUP, VERSION
+from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.api.speed import SpeedProfile
 from kvfleet.replay.streams import Clock
 
 logger = logging.getLogger(__name__)
 
-POOL_LABEL = "kvfleet.dev/pool"
 ROUTER_LABEL = "kvfleet.dev/router"
 WORKER_SELECTOR = "app.kubernetes.io/component=worker"
 GPU_RESOURCE = "nvidia.com/gpu"

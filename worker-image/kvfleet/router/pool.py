@@ -1,11 +1,21 @@
-"""How the router knows the pool: its LLMPool (the routing table) and its worker pods, from the API.
+"""How the router knows the pool: its LLMPool (the routing table), its worker pods and their
+KV-load reports, from the API.
 
-Two watches (the pool by name, the workers by label), each a list followed by a watch from the
-list's resourceVersion, re-listed after any error or a 410. A watch sees a worker go NotReady or a
-new report within milliseconds at no cost per request, where polling every second would cost two
-list calls a second per router and still lag; nothing on the request path calls the API server.
-The view is an immutable `PoolSnapshot` swapped under a lock, so a request reads one consistent
-state. Tests and a router run by hand use `StaticPoolView` instead: no API server needed.
+Three watches (the pool by name, the workers by label, the workers' KVLoads by label), each a list
+followed by a watch from the list's resourceVersion, re-listed after any error or a 410. A watch sees
+a worker go NotReady or a new report within milliseconds at no cost per request, where polling every
+second would cost three list calls a second per router and still lag; nothing on the request path
+calls the API server. The view is an immutable `PoolSnapshot` swapped under a lock, so a request
+reads one consistent state. Tests and a router run by hand use `StaticPoolView` instead: no API
+server needed.
+
+A worker's report is its own `KVLoad` object, not a pod annotation: a busy worker rewrites it every
+epoch, and every pod write fans out to every pod watcher of the cluster (scheduler, controller
+manager, kubelets, routers), where a KVLoad write reaches only the operator and the routers
+(docs/scale.md). A worker's state is its pod plus the report `kvfleet.api.reports.pool_reports`
+picks: its KVLoad if owned by the pod's current uid, else its annotation (workers from before
+KVLoads, during an upgrade). Each state is kept with the resourceVersions of the pod and KVLoad it
+was built from, so an event re-parses one worker's report, not the whole pool's.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from kvfleet.api.incluster import load_config
-from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, LLMPoolSpec
-from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, POOL_LABEL, LLMPoolSpec
+from kvfleet.api.reports import KVLOAD_PLURAL, KVLoadReport, pool_reports
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import SchedulerConfig
 from kvfleet.router.locality import LOCALITIES, Locality
@@ -29,7 +39,6 @@ from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState,
 
 log = logging.getLogger(__name__)
 
-POOL_LABEL = "kvfleet.dev/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 INDEX_LABEL = "kvfleet.dev/worker-index"
 WORKER_PORT = 8000
@@ -82,14 +91,14 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def worker_state(pod: Mapping[str, Any]) -> WorkerState:
-    """One worker pod (as the API returns it, camelCase dict) in the router's terms."""
+def worker_state(pod: Mapping[str, Any], report: KVLoadReport | None) -> WorkerState:
+    """One worker pod (as the API returns it, camelCase dict) and its KV-load report (None before its
+    first; `report_of` finds it) in the router's terms."""
     meta = pod.get("metadata") or {}
     name = str(meta.get("name", ""))
     labels = meta.get("labels") or {}
     index_text = labels.get(INDEX_LABEL) or (m.group(1) if (m := _INDEX.search(name)) else "")
     ip = (pod.get("status") or {}).get("podIP") or ""
-    report = KVLoadReport.from_annotations(meta.get("annotations"))
     reported: tuple[ReportedRequest, ...] = ()
     if report is not None:
         reported = tuple(ReportedRequest(r.id, r.kv_bytes, parse_class(r.size_class)) for r in report.requests)
@@ -97,6 +106,25 @@ def worker_state(pod: Mapping[str, Any]) -> WorkerState:
                        int(index_text) if index_text.isdigit() else -1,
                        report.capacity_bytes if report else None, reported,
                        report.prefix_cache_blocks if report else None)
+
+
+def report_of(pod: Mapping[str, Any], kvload: Mapping[str, Any] | None) -> KVLoadReport | None:
+    """The report of one worker pod given the KVLoad of its name (if any), as `pool_reports` decides:
+    the KVLoad's when the pod owns it, else the pod's annotation."""
+    name = str((pod.get("metadata") or {}).get("name", ""))
+    return pool_reports([kvload] if kvload is not None else [], [pod]).get(name)
+
+
+def _versions(pod: Mapping[str, Any], kvload: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """The resourceVersions a worker's state is built from ("" for no KVLoad), or None when one is
+    missing (an object not served by an API server): such a state is not cached."""
+    pod_version = (pod.get("metadata") or {}).get("resourceVersion")
+    if not pod_version:
+        return None
+    if kvload is None:
+        return str(pod_version), ""
+    kvload_version = (kvload.get("metadata") or {}).get("resourceVersion")
+    return (str(pod_version), str(kvload_version)) if kvload_version else None
 
 
 def routes_of(pool: Mapping[str, Any] | None) -> dict[str, str]:
@@ -135,18 +163,21 @@ def policy_of(pool: Mapping[str, Any] | None) -> str:
 
 
 class KubePoolView:
-    """The pool and its workers, kept current by two watches in background threads."""
+    """The pool, its workers and their KVLoads, kept current by three watches in background threads."""
 
     def __init__(self, namespace: str, pool_name: str) -> None:
         self.namespace = namespace
         self.pool_name = pool_name
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}
+        self._kvloads: dict[str, dict[str, Any]] = {}
+        # Pod name -> (the resourceVersions of its pod and KVLoad, the state built from them).
+        self._states: dict[str, tuple[tuple[str, str], WorkerState]] = {}
         self._pool: dict[str, Any] | None = None
         self._config: SchedulerConfig | None = None
         # The spec's generation the config was read from: status writes (every epoch) do not change it.
         self._config_generation: object = None
-        self._synced = {"pods": False, "pool": False}
+        self._synced = {"pods": False, "kvloads": False, "pool": False}
         self._snapshot = PoolSnapshot((), {}, synced=False)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -179,7 +210,11 @@ class KubePoolView:
             return custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
                                                         field_selector=f"metadata.name={self.pool_name}", **kw)
 
-        for kind, lister in (("pods", list_pods), ("pool", list_pool)):
+        def list_kvloads(**kw: Any) -> Any:
+            return custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, KVLOAD_PLURAL,
+                                                        label_selector=f"{POOL_LABEL}={self.pool_name}", **kw)
+
+        for kind, lister in (("pods", list_pods), ("kvloads", list_kvloads), ("pool", list_pool)):
             thread = threading.Thread(target=self._watch_loop, args=(kind, lister, sanitize), name=f"watch-{kind}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -235,6 +270,8 @@ class KubePoolView:
         with self._lock:
             if kind == "pods":
                 self._pods = {p["metadata"]["name"]: p for p in items}
+            elif kind == "kvloads":
+                self._kvloads = {k["metadata"]["name"]: k for k in items}
             else:
                 self._pool = items[0] if items else None
                 self._refresh_config()
@@ -243,11 +280,12 @@ class KubePoolView:
 
     def _apply(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
         with self._lock:
-            if kind == "pods":
+            if kind in ("pods", "kvloads"):
+                objects = self._pods if kind == "pods" else self._kvloads
                 if event_type == "DELETED":
-                    self._pods.pop(obj["metadata"]["name"], None)
+                    objects.pop(obj["metadata"]["name"], None)
                 else:
-                    self._pods[obj["metadata"]["name"]] = obj
+                    objects[obj["metadata"]["name"]] = obj
             else:
                 self._pool = None if event_type == "DELETED" else obj
                 self._refresh_config()
@@ -262,7 +300,20 @@ class KubePoolView:
             self._config_generation = generation
 
     def _publish(self) -> None:
-        workers = tuple(sorted((worker_state(p) for p in self._pods.values()), key=lambda w: w.pod_name))
+        # A worker whose pod and KVLoad are the versions its state was built from keeps that state:
+        # an event re-reads one worker, and a re-list (every WATCH_TIMEOUT_S) none that did not change.
+        cached, self._states = self._states, {}
+        states: list[WorkerState] = []
+        for name in sorted(self._pods):
+            pod, kvload = self._pods[name], self._kvloads.get(name)
+            versions = _versions(pod, kvload)
+            hit = cached.get(name)
+            state = hit[1] if hit is not None and versions is not None and hit[0] == versions else (
+                worker_state(pod, report_of(pod, kvload)))
+            if versions is not None:
+                self._states[name] = (versions, state)
+            states.append(state)
+        workers = tuple(states)
         locality, ttl_s = locality_of(self._pool)
         self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()),
                                       config=self._config, policy=policy_of(self._pool), locality=locality,

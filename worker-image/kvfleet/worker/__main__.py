@@ -16,9 +16,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from kvfleet.api.reports import ANNOTATION
 from kvfleet.worker.distkv.creditors import Creditor, Creditors, PoolPlanCreditors, StaticCreditors
 from kvfleet.worker.migration.transport import split_address
+
+if TYPE_CHECKING:
+    from kvfleet.worker.reporter import WriteReport
 
 # Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
@@ -126,7 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvfleet.serving.credentials import PoolCredentials
     from kvfleet.worker.agent import Agent, AgentConfig
     from kvfleet.worker.engines import EngineConfig, load_engine
-    from kvfleet.worker.reporter import pod_annotation_writer
     from kvfleet.worker.text import Tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,11 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
         **({"memory_chunk_bytes": args.memory_chunk_bytes} if args.memory_chunk_bytes else {})))
     pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
-    writer = pod_annotation_writer(pod_name, namespace) if pod_name and namespace else None
-    if writer is None:
-        logging.getLogger("kvfleet.worker").info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
+    pod_uid, pool = os.environ.get("POD_UID"), os.environ.get("KVFLEET_POOL")
+    writer = report_writer(pod_name, namespace, pod_uid, pool)
     credentials = PoolCredentials.from_env(os.environ, SecretReader)
-    pool = os.environ.get("KVFLEET_POOL")
     creditors = _creditors(args, pod_name, namespace, pool) if args.distkv else None
     agent = Agent(AgentConfig(model_name=args.model_name, credentials=credentials, report_interval_s=args.report_interval_s,
                               migration_host=args.host, migration_port=args.migration_port, creditors=creditors),
@@ -166,6 +168,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # each dropped SYN costs its client a second or more.
                 backlog=LISTEN_BACKLOG)
     return 0
+
+
+def report_writer(pod_name: str | None, namespace: str | None, pod_uid: str | None, pool: str | None,
+                  ) -> WriteReport | None:
+    """Where this worker's KV-load reports go: its KVLoad in a pod the operator made; its pod's annotation
+    in a pod made without the uid and pool (docs/worker.md); nowhere outside a pod."""
+    from kvfleet.worker.reporter import kvload_writer, pod_annotation_writer
+
+    log = logging.getLogger("kvfleet.worker")
+    if not (pod_name and namespace):
+        log.info("not in a pod (no POD_NAME/POD_NAMESPACE): no KV-load reports")
+        return None
+    if pod_uid and pool:
+        return kvload_writer(pod_name, namespace, pod_uid, pool)
+    log.warning("no POD_UID or KVFLEET_POOL: the KV-load report goes in the pod's annotation %s", ANNOTATION)
+    return pod_annotation_writer(pod_name, namespace)
 
 
 def _creditors(args: argparse.Namespace, pod_name: str | None, namespace: str | None, pool: str | None) -> Creditors:

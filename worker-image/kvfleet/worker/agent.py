@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell.migration import MoveMode
 from kvfleet.serving import httpapi
 from kvfleet.serving.credentials import PoolCredentials
@@ -209,8 +210,8 @@ class Agent:
         return sum(p.step_seconds * p.samples for p in profile.decode) / samples
 
     def _start_reporter(self, info: EngineInfo, write: WriteReport) -> None:
-        async def counted(annotation: str) -> None:
-            await write(annotation)
+        async def counted(report: KVLoadReport) -> None:
+            await write(report)
             self.metrics.report_writes.inc()
 
         elastic = self.engine.capabilities.elastic_memory

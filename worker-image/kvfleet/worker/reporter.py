@@ -1,7 +1,9 @@
-"""Writes the worker's KV-load report to its own Pod, the one place the operator reads load from.
+"""Writes the worker's KV-load report to its own KVLoad object, the one place the operator reads load from.
 
-The format is `kvfleet.api.reports.KVLoadReport` in the annotation `kvfleet.dev/kv-load`
-(docs/worker.md). MELL only needs to hear about a request when it arrives, finishes, or changes size
+The format is `kvfleet.api.reports.KVLoadReport` (docs/worker.md), in a KVLoad named after the
+worker's pod and owned by it (`kvload_writer`); `pod_annotation_writer` writes it where workers from
+before issue 21 did, an annotation of the pod, which bench/report_scale.py measures it against.
+MELL only needs to hear about a request when it arrives, finishes, or changes size
 class, so the reporter compares the set of (request, size class) pairs with what it last wrote and
 writes only when that changed, at most once per scheduling epoch, never per token. A failed write is
 retried on the next tick; a report is always a whole snapshot, so nothing is lost by coalescing.
@@ -19,17 +21,30 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
 
 from kvfleet.api.incluster import load_config
-from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad, size_class_name
+from kvfleet.api.models import GROUP, VERSION
+from kvfleet.api.reports import (
+    ANNOTATION,
+    KVLOAD_PLURAL,
+    MAX_REQUESTS_PER_REPORT,
+    KVLoadReport,
+    RequestLoad,
+    kvload_object,
+    size_class_name,
+)
 from kvfleet.worker.engines.base import RequestKV
 from kvfleet.worker.engines.capabilities import MemoryState
 
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
 log = logging.getLogger(__name__)
 
-WriteReport = Callable[[str], Awaitable[None]]
+WriteReport = Callable[[KVLoadReport], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -190,7 +205,7 @@ class LoadReporter:
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False
         try:
-            await self._write(report.to_annotation())
+            await self._write(report)
         except Exception as err:  # the API server may be briefly away; the next tick retries
             self.failures += 1
             log.warning("KV-load report not written (will retry): %s", err)
@@ -221,15 +236,73 @@ class LoadReporter:
                 pass
 
 
-def pod_annotation_writer(pod_name: str, namespace: str) -> WriteReport:
-    """Patches the report annotation on the worker's own Pod with its ServiceAccount's credentials."""
+def kvload_writer(pod_name: str, namespace: str, pod_uid: str, pool: str,
+                  api_client: ApiClient | None = None) -> WriteReport:
+    """Writes the report into the worker's KVLoad (kvfleet.api.reports.kvload_object), with its
+    ServiceAccount's credentials unless `api_client` is given.
+
+    A write is one JSON patch that replaces the report, on the condition that the object is this
+    pod's: a worker pod's name comes back after its pod is deleted (the operator reuses indices), and
+    the previous pod's KVLoad lingers until the garbage collector removes it. A missing object is
+    created; another pod's is taken over (owner and report replaced in one patch), so it is not
+    collected from under this worker."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
-    load_config()
-    core = client.CoreV1Api()
+    if api_client is None:
+        load_config()
+    custom = client.CustomObjectsApi(api_client)
 
-    async def write(annotation: str) -> None:
-        body = {"metadata": {"annotations": {ANNOTATION: annotation}}}
-        await asyncio.to_thread(core.patch_namespaced_pod, pod_name, namespace, body, _request_timeout=10)
+    def patch(ops: list[dict[str, Any]]) -> None:
+        _read_through(custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, KVLOAD_PLURAL, pod_name, ops, _content_type="application/json-patch+json",
+            _request_timeout=10, _preload_content=False))
+
+    def write_sync(report: KVLoadReport) -> None:
+        obj = kvload_object(pod_name, pod_uid, pool, report)
+        try:
+            patch([{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": pod_uid},
+                   {"op": "replace", "path": "/report", "value": obj["report"]}])
+            return
+        except ApiException as err:
+            if err.status not in (404, 422):
+                raise
+            if err.status == 422:  # the test failed: a previous pod's object of this name
+                try:
+                    patch([{"op": "add", "path": "/metadata/ownerReferences", "value": obj["metadata"]["ownerReferences"]},
+                           {"op": "add", "path": "/metadata/labels", "value": obj["metadata"]["labels"]},
+                           {"op": "add", "path": "/report", "value": obj["report"]}])
+                    return
+                except ApiException as again:
+                    if again.status != 404:  # collected meanwhile: create it
+                        raise
+        _read_through(custom.create_namespaced_custom_object(GROUP, VERSION, namespace, KVLOAD_PLURAL, obj,
+                                                             _request_timeout=10, _preload_content=False))
+
+    async def write(report: KVLoadReport) -> None:
+        await asyncio.to_thread(write_sync, report)
 
     return write
+
+
+def pod_annotation_writer(pod_name: str, namespace: str, api_client: ApiClient | None = None) -> WriteReport:
+    """Patches the report annotation on the worker's own Pod: how workers reported before KVLoads
+    (bench/report_scale.py's baseline)."""
+    from kubernetes import client
+
+    if api_client is None:
+        load_config()
+    core = client.CoreV1Api(api_client)
+
+    async def write(report: KVLoadReport) -> None:
+        body = {"metadata": {"annotations": {ANNOTATION: report.to_annotation()}}}
+        await asyncio.to_thread(lambda: _read_through(core.patch_namespaced_pod(
+            pod_name, namespace, body, _request_timeout=10, _preload_content=False)))
+
+    return write
+
+
+def _read_through(answer: object) -> None:
+    """Reads an answer asked for unparsed (`_preload_content=False`: nothing in it is needed, and a
+    pod's would cost more to parse than to write) to its end, which hands the connection back for reuse."""
+    cast(Any, answer).data  # noqa: B018 (the read is the point)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from kvfleet.api.incluster import load_config
-from kvfleet.api.models import GROUP, VERSION
+from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.migration.executor import MigrationResult, parse_mode
 from kvfleet.worker.migration.handoff import HandoffTarget
@@ -31,7 +31,6 @@ from kvfleet.worker.migration.handoff import HandoffTarget
 log = logging.getLogger(__name__)
 
 PLURAL = "kvmigrations"
-POOL_LABEL = "kvfleet.dev/pool"
 # A watch is re-opened this often (and after any error, after RETRY_S) so that a silently stalled
 # stream cannot hide new migrations for long.
 WATCH_TIMEOUT_S = 30
