@@ -130,7 +130,7 @@ OPERATOR_CALLS: tuple[Call, ...] = (
     Call("list", "kvloads", KV, "pool", "Kube.list_kvloads"),
     Call("create", "pods", "", "pool", "Kube.create (worker pods)"),
     Call("delete", "pods", "", "pool", "Kube.delete_pod"),
-    Call("patch", "pods", "", "pool", "Kube.patch_pod_metadata"),
+    Call("patch", "pods", "", "pool", "Kube.patch_pods_metadata"),
     Call("get", "secrets", "", "pool", "Kube.exists (pool token)"),
     Call("create", "secrets", "", "pool", "Kube.create (pool token)"),
     Call("get", "serviceaccounts", "", "pool", "Kube.exists (workers' ServiceAccount)"),

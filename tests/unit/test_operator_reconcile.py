@@ -85,7 +85,8 @@ def test_a_pod_holding_requests_or_awaiting_a_migration_is_never_deleted() -> No
     assert routed.delete == () and routed.metadata["p-worker-2"][1][resources.IDLE_SINCE_ANNOTATION] is None
     holding = plan(infos, floor=0).metadata["p-worker-1"][1]
     assert holding[pods.SAFE_TO_EVICT] == "false" and holding[pods.DO_NOT_DISRUPT] == "true"
-    assert holding[pods.DELETION_COST] == "200"
+    assert holding[pods.DELETION_COST] == "9"  # 200 MiB: 1 + its bit length
+    assert [pods.deletion_cost(mib << 20) for mib in (0, 1, 2, 3, 4, 200, 255, 256)] == [1, 2, 3, 3, 4, 9, 9, 10]
 
 
 def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:
@@ -94,7 +95,7 @@ def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:
     # A pod already terminating is not deleted again every epoch.
     assert plan([info(0, "gpu-0", requests=1), info(1, "gpu-1", live=False, deleting=True)]).delete == ()
     settled = info(0, "gpu-0", requests=1, annotations={pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true",
-                                                        pods.DELETION_COST: "100"})
+                                                        pods.DELETION_COST: "8"})
     assert plan([settled]).metadata == {}
 
 

@@ -1,7 +1,7 @@
 """kopf wiring: one daemon per LLMPool that runs its epochs (kvfleet.operator.reconcile), poked early by changes.
 
-The daemon runs a pass every `spec.scheduling.epochSeconds`. Watch events (the pool, its worker pods'
-lifecycle) only wake it sooner; they never carry state, so a missed event costs at most one epoch.
+The daemon runs a pass every `spec.scheduling.epochSeconds`. Watch events (a change of the pool's spec
+or held-requests count, its worker pods' lifecycle) only wake it sooner; they never carry state, so a missed event costs at most one epoch.
 `python -m kvfleet.operator` imports this module to register the handlers.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
+from kvfleet.api.models import GROUP, HELD_REQUESTS_ANNOTATION, POOL_LABEL, VERSION
 from kvfleet.operator import resources
 from kvfleet.operator.kube import PLURAL, kube
 from kvfleet.operator.reconcile import RETRY_S, reconcile_pool
 from kvfleet.operator.status import is_ready
 
-__all__ = ["configure", "pool_changed", "pool_daemon", "worker_changed"]
+__all__ = ["configure", "lifecycle_changed", "pool_changed", "pool_daemon", "worker_changed"]
 
 _pokes: dict[tuple[str | None, str], threading.Event] = {}
 _pokes_lock = threading.Lock()
@@ -62,25 +62,50 @@ def pool_daemon(stopped: kopf.DaemonStopped, namespace: str | None, name: str, l
             poke.wait(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
+_pool_seen: dict[tuple[str | None, str], tuple[object, ...]] = {}
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
+def pool_changed(type: str | None, body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+    """Wake the pool when what its pass reads from it changed (its spec, the router's held-requests
+    count, its deletion), not on every event: each pass writes the pool's status, and waking on that
+    ran passes back to back, several per epoch, each listing every worker (docs/scale.md)."""
+    key = (namespace, name)
+    meta = body.get("metadata") or {}
+    seen = (meta.get("generation"), (meta.get("annotations") or {}).get(HELD_REQUESTS_ANNOTATION),
+            bool(meta.get("deletionTimestamp")))
+    if type == "DELETED":
+        _pool_seen.pop(key, None)
+    elif _pool_seen.get(key) == seen:
+        return
+    else:
+        _pool_seen[key] = seen
     _poke_event(namespace, name).set()
 
 
 _pod_lifecycle: dict[str, tuple[str, bool, bool]] = {}
 
 
-@kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT, resources.COMPONENT_LABEL: "worker"})
+def _lifecycle(body: kopf.Body) -> tuple[str, bool, bool]:
+    pod = dict(body)
+    return (str(pod.get("status", {}).get("phase")), is_ready(pod), bool(body["metadata"].get("deletionTimestamp")))
+
+
+def lifecycle_changed(body: kopf.Body, **kwargs: Any) -> bool:
+    """kopf's filter for worker_changed: a pod gone, or its phase, readiness or deletion changed. Other
+    pod events (the operator's own label and annotation writes; before KVLoads, every load report) do
+    not reach the handler, so kopf neither runs nor logs it for them."""
+    return kwargs.get("type") == "DELETED" or _pod_lifecycle.get(body["metadata"]["uid"]) != _lifecycle(body)
+
+
+@kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT, resources.COMPONENT_LABEL: "worker"},
+               when=lifecycle_changed)
 def worker_changed(type: str | None, body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    """Wake the pool when a worker's lifecycle changes (ready, gone), not on every load report:
-    reports are read once per epoch, so waking on them would run MELL once per report."""
+    """Wake the pool when a worker's lifecycle changes (ready, gone), not on every load report or
+    metadata write: reports are read once per epoch, so waking on them would run MELL once per report."""
     uid = body["metadata"]["uid"]
     if type == "DELETED":
         _pod_lifecycle.pop(uid, None)
-        _poke_event(namespace, labels[POOL_LABEL]).set()
-        return
-    pod = dict(body)
-    state = (str(pod.get("status", {}).get("phase")), is_ready(pod), bool(body["metadata"].get("deletionTimestamp")))
-    if _pod_lifecycle.get(uid) != state:
-        _pod_lifecycle[uid] = state
-        _poke_event(namespace, labels[POOL_LABEL]).set()
+    else:
+        _pod_lifecycle[uid] = _lifecycle(body)
+    _poke_event(namespace, labels[POOL_LABEL]).set()

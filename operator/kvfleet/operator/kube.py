@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar, cast
 
 import kopf
@@ -28,6 +29,10 @@ from kvfleet.api.reports import KVLOAD_PLURAL
 from kvfleet.operator import resources
 
 T = TypeVar("T")
+# Labels, then annotations, to set on one pod (a None value removes the key).
+MetadataChanges = tuple[Mapping[str, str | None], Mapping[str, str | None]]
+# Pod patches of one epoch in flight at once (the client's connection pool holds cpu_count * 5).
+PATCH_CONCURRENCY = 8
 
 FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
@@ -104,9 +109,9 @@ class KubeApi(Protocol):
 
     def delete_pod(self, namespace: str, name: str) -> None: ...
 
-    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
-                           annotations: Mapping[str, str | None]) -> None:
-        """Set these labels and annotations of a pod (a None value removes the key)."""
+    def patch_pods_metadata(self, namespace: str, changes: Mapping[str, MetadataChanges]) -> None:
+        """Set these labels and annotations (in this order) of each pod named (a None value removes the
+        key); one write per pod, counted in the calling thread."""
         ...
 
     def node_zones(self) -> dict[str, str]:
@@ -165,6 +170,7 @@ class Kube:
         self.custom = client.CustomObjectsApi()
         self.apps = client.AppsV1Api()
         self.scheduling = client.SchedulingV1Api()
+        self._patchers = ThreadPoolExecutor(PATCH_CONCURRENCY, thread_name_prefix="pod-patch")
 
     def writes(self) -> dict[str, int]:
         counts: dict[str, int] = getattr(self._local, "writes", {})
@@ -280,15 +286,22 @@ class Kube:
         return {str(n["metadata"]["name"]): (n["metadata"].get("labels") or {}).get(zone_label, "")
                 for n in json.loads(answer.data)["items"]}
 
-    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
-                           annotations: Mapping[str, str | None]) -> None:
-        body: dict[str, Any] = {"metadata": {}}
-        if labels:
-            body["metadata"]["labels"] = dict(labels)
-        if annotations:
-            body["metadata"]["annotations"] = dict(annotations)
-        self.record_write("patch_pod")
-        _or_none_on(404, lambda: self.core.patch_namespaced_pod(name, namespace, body, field_manager=FIELD_MANAGER))
+    def patch_pods_metadata(self, namespace: str, changes: Mapping[str, MetadataChanges]) -> None:
+        # The patches go out together (PATCH_CONCURRENCY at a time): an epoch that rebinds hundreds of
+        # workers waited for each answer in turn, seconds at 1,000 workers (docs/scale.md).
+        def patch(name: str, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]) -> None:
+            body: dict[str, Any] = {"metadata": {}}
+            if labels:
+                body["metadata"]["labels"] = dict(labels)
+            if annotations:
+                body["metadata"]["annotations"] = dict(annotations)
+            _or_none_on(404, lambda: _read_through(self.core.patch_namespaced_pod(
+                name, namespace, body, field_manager=FIELD_MANAGER, _preload_content=False)))
+
+        for _ in changes:
+            self.record_write("patch_pod")
+        # list() waits for all and raises the first failure.
+        list(self._patchers.map(lambda item: patch(item[0], *item[1]), changes.items()))
 
     def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
@@ -330,3 +343,9 @@ def kube() -> Kube:
     if _kube is None:
         _kube = Kube()
     return _kube
+
+
+def _read_through(answer: object) -> None:
+    """Reads an answer asked for unparsed (`_preload_content=False`: nothing in it is needed, and a
+    pod's costs more to parse than to write) to its end, which hands the connection back for reuse."""
+    cast(Any, answer).data  # noqa: B018 (the read is the point)

@@ -115,18 +115,19 @@ class MemoryKube:
         self.pods.pop(name, None)
         self.kvloads.pop(name, None)  # the garbage collector's part: it is owned by the pod
 
-    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
-                           annotations: Mapping[str, str | None]) -> None:
-        self._record_write("patch_pod")
-        if name not in self.pods:
-            return
-        meta = self.pods[name]["metadata"]
-        for target, changes in ((meta.setdefault("labels", {}), labels), (meta.setdefault("annotations", {}), annotations)):
-            for key, value in changes.items():
-                if value is None:
-                    target.pop(key, None)
-                else:
-                    target[key] = value
+    def patch_pods_metadata(self, namespace: str, changes: Mapping[str, MetadataChanges]) -> None:
+        for name, (label_changes, annotation_changes) in changes.items():
+            self._record_write("patch_pod")
+            if name not in self.pods:
+                continue
+            meta = self.pods[name]["metadata"]
+            for target, diff in ((meta.setdefault("labels", {}), label_changes),
+                                 (meta.setdefault("annotations", {}), annotation_changes)):
+                for key, value in diff.items():
+                    if value is None:
+                        target.pop(key, None)
+                    else:
+                        target[key] = value
 
     def node_zones(self) -> dict[str, str]:
         nodes = {p["spec"]["nodeName"] for p in self.pods.values()}
@@ -159,7 +160,7 @@ class MemoryKube:
 
 
 if TYPE_CHECKING:
-    from kvfleet.operator.kube import KubeApi
+    from kvfleet.operator.kube import KubeApi, MetadataChanges
 
     def _implements_kube_api(api: MemoryKube) -> KubeApi:  # mypy fails here when MemoryKube falls behind KubeApi
         return api

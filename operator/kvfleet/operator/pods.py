@@ -149,6 +149,14 @@ def _bind_or_create(live: list[PodInfo], gpu_of: dict[str, str | None], unserved
     return create, waiting
 
 
+def deletion_cost(held_bytes: int) -> int:
+    """Whatever removes pods should pick the emptiest first: the KV a pod holds, in power-of-two steps
+    of MiB (1 for under 1 MiB, 2 for under 2, 3 for under 4, ...). An exact figure would change with
+    nearly every KV-load report, and the operator would then rewrite the pod, an event for every pod
+    watcher of the cluster, once per report (docs/scale.md); a step changes when the KV doubles or halves."""
+    return 1 + (held_bytes >> 20).bit_length()
+
+
 def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], now_s: float,
                       ) -> tuple[dict[str, str | None], dict[str, str | None]] | None:
     """The labels and annotations of a live pod that differ from what they should say (None: none do)."""
@@ -158,8 +166,7 @@ def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], n
     annotations = {
         SAFE_TO_EVICT: "false" if holding else "true",
         DO_NOT_DISRUPT: "true" if holding else "false",
-        # The replica set or autoscaler removing a pod should pick the emptiest one (MiB held).
-        DELETION_COST: str(min((pod.used_bytes + pod.lent_bytes) >> 20, 2**31 - 1)),
+        DELETION_COST: str(deletion_cost(pod.used_bytes + pod.lent_bytes) if holding else 0),
         IDLE_SINCE_ANNOTATION: (f"{pod.idle_since_s:.3f}" if pod.idle_since_s is not None else f"{now_s:.3f}")
         if idle else None,
     }

@@ -327,8 +327,8 @@ def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[s
     for pod_name in actions.delete:
         api.delete_pod(namespace, pod_name)
         ctx.logger.info("deleted worker %s", pod_name)
-    for pod_name, (label_changes, annotation_changes) in actions.metadata.items():
-        api.patch_pod_metadata(namespace, pod_name, label_changes, annotation_changes)
+    if actions.metadata:
+        api.patch_pods_metadata(namespace, actions.metadata)
     if actions.create:
         api.post_event(ctx.pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
     if actions.delete:
