@@ -24,6 +24,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from kvfleet.api.incluster import read_through
 from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.api.reports import KVLOAD_PLURAL
 from kvfleet.operator import resources
@@ -295,7 +296,7 @@ class Kube:
                 body["metadata"]["labels"] = dict(labels)
             if annotations:
                 body["metadata"]["annotations"] = dict(annotations)
-            _or_none_on(404, lambda: _read_through(self.core.patch_namespaced_pod(
+            _or_none_on(404, lambda: read_through(self.core.patch_namespaced_pod(
                 name, namespace, body, field_manager=FIELD_MANAGER, _preload_content=False)))
 
         for _ in changes:
@@ -344,8 +345,3 @@ def kube() -> Kube:
         _kube = Kube()
     return _kube
 
-
-def _read_through(answer: object) -> None:
-    """Reads an answer asked for unparsed (`_preload_content=False`: nothing in it is needed, and a
-    pod's costs more to parse than to write) to its end, which hands the connection back for reuse."""
-    cast(Any, answer).data  # noqa: B018 (the read is the point)

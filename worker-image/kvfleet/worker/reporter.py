@@ -21,11 +21,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from kvfleet.api.incluster import load_config
+from kvfleet.api.incluster import load_config, read_through
 from kvfleet.api.models import GROUP, VERSION
 from kvfleet.api.reports import (
     ANNOTATION,
@@ -254,7 +254,7 @@ def kvload_writer(pod_name: str, namespace: str, pod_uid: str, pool: str,
     custom = client.CustomObjectsApi(api_client)
 
     def patch(ops: list[dict[str, Any]]) -> None:
-        _read_through(custom.patch_namespaced_custom_object(
+        read_through(custom.patch_namespaced_custom_object(
             GROUP, VERSION, namespace, KVLOAD_PLURAL, pod_name, ops, _content_type="application/json-patch+json",
             _request_timeout=10, _preload_content=False))
 
@@ -276,7 +276,7 @@ def kvload_writer(pod_name: str, namespace: str, pod_uid: str, pool: str,
                 except ApiException as again:
                     if again.status != 404:  # collected meanwhile: create it
                         raise
-        _read_through(custom.create_namespaced_custom_object(GROUP, VERSION, namespace, KVLOAD_PLURAL, obj,
+        read_through(custom.create_namespaced_custom_object(GROUP, VERSION, namespace, KVLOAD_PLURAL, obj,
                                                              _request_timeout=10, _preload_content=False))
 
     async def write(report: KVLoadReport) -> None:
@@ -296,13 +296,8 @@ def pod_annotation_writer(pod_name: str, namespace: str, api_client: ApiClient |
 
     async def write(report: KVLoadReport) -> None:
         body = {"metadata": {"annotations": {ANNOTATION: report.to_annotation()}}}
-        await asyncio.to_thread(lambda: _read_through(core.patch_namespaced_pod(
+        await asyncio.to_thread(lambda: read_through(core.patch_namespaced_pod(
             pod_name, namespace, body, _request_timeout=10, _preload_content=False)))
 
     return write
 
-
-def _read_through(answer: object) -> None:
-    """Reads an answer asked for unparsed (`_preload_content=False`: nothing in it is needed, and a
-    pod's would cost more to parse than to write) to its end, which hands the connection back for reuse."""
-    cast(Any, answer).data  # noqa: B018 (the read is the point)
