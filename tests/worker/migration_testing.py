@@ -73,8 +73,8 @@ def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None 
     reports: list[KVLoadReport] = []
     port = port or free_port()
 
-    async def write(annotation: str) -> None:
-        reports.append(KVLoadReport.model_validate_json(annotation))
+    async def write(report: KVLoadReport) -> None:
+        reports.append(report)
 
     if engine is None:
         engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes,

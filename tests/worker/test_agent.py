@@ -61,7 +61,8 @@ def free_port() -> int:
 def worker(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[Worker]:
     reports: list[KVLoadReport] = []
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         reports.append(KVLoadReport.model_validate_json(annotation))
 
     engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,

@@ -23,7 +23,8 @@ def make(usage: list[RequestKV], fail: list[bool] | None = None) -> tuple[LoadRe
     written: list[KVLoadReport] = []
     clock = Clock()
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         if fail and fail.pop(0):
             raise ConnectionError("API server away")
         written.append(KVLoadReport.model_validate_json(annotation))
@@ -101,7 +102,8 @@ def test_queued_requests_are_reported_and_their_admission_is_news() -> None:
     written: list[KVLoadReport] = []
     clock = Clock()
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         written.append(KVLoadReport.model_validate_json(annotation))
 
     reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock, queued=lambda: list(queued))
@@ -127,7 +129,8 @@ def test_measured_rates_and_block_size_ride_on_the_report() -> None:
     written: list[KVLoadReport] = []
     usage = [RequestKV("a", tokens=10, kv_bytes=1000)]
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         written.append(KVLoadReport.model_validate_json(annotation))
 
     clock = Clock()
@@ -159,7 +162,8 @@ def test_a_request_about_to_end_is_news_marked_finishing() -> None:
     clock = Clock()
     steps: list[float | None] = [0.05]
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         assert '"finishing":false' not in annotation and "remaining" not in annotation  # only a true flag is written
         written.append(KVLoadReport.model_validate_json(annotation))
 
@@ -187,7 +191,8 @@ def test_an_elastic_worker_reports_its_moving_capacity_and_cpu_buffer() -> None:
     written: list[KVLoadReport] = []
     clock = Clock()
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         written.append(KVLoadReport.model_validate_json(annotation))
 
     reporter = LoadReporter(lambda: [], CAPACITY, write, interval_s=5.0, clock=clock, memory=lambda: state[0])
@@ -211,7 +216,8 @@ def test_a_distkv_worker_reports_what_it_lends_and_borrows_and_writes_when_that_
     written: list[KVLoadReport] = []
     clock = Clock()
 
-    async def write(annotation: str) -> None:
+    async def write(report: KVLoadReport) -> None:
+        annotation = report.to_annotation()  # what it would write
         written.append(KVLoadReport.model_validate_json(annotation))
 
     reporter = LoadReporter(lambda: list(usage), CAPACITY, write, interval_s=5.0, clock=clock,
