@@ -182,17 +182,17 @@ def pool_reports(kvloads: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
     from before KVLoads, during an upgrade) the one in its annotation. A KVLoad owned by another pod
     is a previous pod's of the same name, not yet garbage-collected: not this pod's. A pod with no
     readable report has none yet."""
-    uid_of: dict[str, str] = {}
+    kvload_of = {(obj.get("metadata") or {}).get("name", ""): obj for obj in kvloads}
     reports: dict[str, KVLoadReport] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
-        uid_of[meta.get("name", "")] = meta.get("uid", "")
-        if (report := KVLoadReport.from_annotations(meta.get("annotations"))) is not None:
-            reports[meta["name"]] = report
-    for obj in kvloads:
-        meta = obj.get("metadata") or {}
         name = meta.get("name", "")
-        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("kind") == "Pod"}
-        if name in uid_of and uid_of[name] in owners and (report := KVLoadReport.from_kvload(obj)) is not None:
+        kvload = kvload_of.get(name)
+        owners = {ref.get("uid") for ref in ((kvload or {}).get("metadata") or {}).get("ownerReferences") or []
+                  if ref.get("kind") == "Pod"}
+        report = KVLoadReport.from_kvload(kvload) if meta.get("uid", "") in owners else None
+        if report is None:
+            report = KVLoadReport.from_annotations(meta.get("annotations"))
+        if report is not None:
             reports[name] = report
     return reports
