@@ -14,7 +14,6 @@ tests/unit/test_chart.py reads them out of these sources to check the chart's RB
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from kvfleet.api.incluster import read_through
+from kvfleet.api.incluster import read_items, read_through
 from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.api.reports import KVLOAD_PLURAL
 from kvfleet.operator import resources
@@ -193,12 +192,9 @@ class Kube:
                     _or_none_on(404, lambda: self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)))
 
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        # The pods as the API serialises them (camelCase dicts), like every other object here, parsed
-        # straight from the answer: building the client's V1Pod models and turning them back into
-        # dicts cost ~1 s an epoch at 1,000 workers (docs/scale.md).
-        answer = cast(Any, self.core.list_namespaced_pod(namespace, label_selector=resources.worker_selector(pool_name),
-                                                         _preload_content=False))
-        return list(json.loads(answer.data)["items"])
+        # Dicts as the API serialises them, like every other object here.
+        return read_items(self.core.list_namespaced_pod(namespace, label_selector=resources.worker_selector(pool_name),
+                                                        _preload_content=False))
 
     def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
@@ -282,10 +278,8 @@ class Kube:
 
     def node_zones(self) -> dict[str, str]:
         zone_label = "topology.kubernetes.io/zone"
-        # Parsed straight from the answer, as worker_pods is: the client's V1Node models are slow to build.
-        answer = cast(Any, self.core.list_node(_preload_content=False))
         return {str(n["metadata"]["name"]): (n["metadata"].get("labels") or {}).get(zone_label, "")
-                for n in json.loads(answer.data)["items"]}
+                for n in read_items(self.core.list_node(_preload_content=False))}
 
     def patch_pods_metadata(self, namespace: str, changes: Mapping[str, MetadataChanges]) -> None:
         # The patches go out together (PATCH_CONCURRENCY at a time): an epoch that rebinds hundreds of
