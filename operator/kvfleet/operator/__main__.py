@@ -10,8 +10,9 @@ import sys
 import kopf
 
 import kvfleet.operator.handlers  # noqa: F401 - registers the handlers with kopf
+from kvfleet.api.incluster import load_config
 from kvfleet.operator import metrics
-from kvfleet.operator.kube import load_config, set_write_fence
+from kvfleet.operator.kube import set_write_fence
 from kvfleet.operator.leader import LeaderElector
 
 log = logging.getLogger("kvfleet.operator")

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar, cast
 
 import kopf
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvfleet.api.incluster import read_items, read_through
+from kvfleet.api.incluster import load_config, read_items, read_through
 from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
 from kvfleet.api.reports import KVLOAD_PLURAL
 from kvfleet.operator import resources
@@ -145,15 +145,6 @@ def _or_none_on(status: int, call: Callable[[], T]) -> T | None:
         if err.status == status:
             return None
         raise
-
-
-def load_config() -> None:
-    """The service account's credentials inside a pod, else the kubeconfig (a developer's machine, the e2e)."""
-    # The kubernetes client's config loaders carry no annotations.
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
 
 
 class Kube:
