@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from _machine import cpu_model  # noqa: E402
 
+from kvfleet.api.incluster import read_through  # noqa: E402
 from kvfleet.api.models import LLMPoolSpec  # noqa: E402
 from kvfleet.api.reports import ANNOTATION, KVLoadReport, size_class_name  # noqa: E402
 from kvfleet.localcluster.controlplane import (  # noqa: E402
@@ -125,12 +126,6 @@ def admin_client(kubeconfig: Path, pool_maxsize: int = 8) -> Any:
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
     configuration.connection_pool_maxsize = pool_maxsize
     return client.ApiClient(configuration)
-
-
-def drain(answer: Any) -> bytes:
-    """Reads an answer asked for unparsed to its end, which hands its connection back to the pool."""
-    data: bytes = answer.data
-    return data
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -599,9 +594,9 @@ class Run:
             name = names[index]
             labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                       "topology.kubernetes.io/zone": f"zone-{index % NUM_ZONES}", "nvidia.com/gpu.present": "true"}
-            drain(core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
-                                   _preload_content=False))
-            drain(core.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity, "conditions": [
+            read_through(core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}},
+                                          _preload_content=False))
+            read_through(core.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity, "conditions": [
                 {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "report-scale bench"}]}},
                 _preload_content=False))
 
@@ -648,7 +643,7 @@ class Run:
                       "containerStatuses": [{"name": "worker", "image": body["spec"]["containers"][0]["image"],
                                              "imageID": "", "ready": True, "started": True, "restartCount": 0,
                                              "state": {"running": {"startedAt": now}}}]}
-            drain(core.patch_namespaced_pod_status(name, NAMESPACE, {"status": status}, _preload_content=False))
+            read_through(core.patch_namespaced_pod_status(name, NAMESPACE, {"status": status}, _preload_content=False))
             return name, str(created["metadata"]["uid"])
 
         with ThreadPoolExecutor(8) as pool_threads:
