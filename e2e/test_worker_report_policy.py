@@ -85,8 +85,10 @@ def workers(cluster: Cluster, namespace: str) -> Iterator[Workers]:
             cluster.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
 
 
-def refused_until_in_force(attempt: Callable[[], object], message: str) -> None:
-    """`attempt` is refused by the policy (which may take a moment to be in force after its creation)."""
+def refused_until_in_force(attempt: Callable[[], object], message: str, undo: Callable[[], object] = lambda: None) -> None:
+    """`attempt` is refused by the policy (which may take a moment to be in force after its creation);
+    `undo` takes back what an attempt made before it was, so the next attempt meets the policy again
+    (a second create would otherwise be refused as a conflict instead)."""
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -94,6 +96,7 @@ def refused_until_in_force(attempt: Callable[[], object], message: str) -> None:
         except client.ApiException as err:
             assert err.status == 403 and message in str(err.body), err.body
             return
+        undo()
         assert time.monotonic() < deadline, f"not refused: {message}"
         time.sleep(0.5)
 
@@ -109,11 +112,11 @@ def test_a_worker_writes_its_own_kvload_and_no_other(cluster: Cluster, workers: 
     # Another pod's report, under that pod's name and owner: refused.
     forged = kvload_object(other, workers.uids[other], "p", report(1))
     refused_until_in_force(lambda: custom.create_namespaced_custom_object(GROUP, VERSION, ns, KVLOAD_PLURAL, forged),
-                           "only its own KVLoad")
+                           "only its own KVLoad", undo=lambda: cluster.kubectl("delete", "kvload", other, "-n", ns))
     # Its own name, owned by another pod: refused too.
     planted = kvload_object(own, workers.uids[other], "p", report(1))
     refused_until_in_force(lambda: custom.create_namespaced_custom_object(GROUP, VERSION, ns, KVLOAD_PLURAL, planted),
-                           "owned by its own Pod")
+                           "owned by its own Pod", undo=lambda: cluster.kubectl("delete", "kvload", own, "-n", ns))
 
     # The worker's own writer: creates its KVLoad, then patches it.
     write = kvload_writer(own, ns, workers.uids[own], "p", api_client=api)
