@@ -66,6 +66,45 @@ def sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+# Torch's own kernels (its normal_ fill, SDPA's backends) are not all safe on tensors of 2**31 or more
+# elements: an H100 run died with an illegal memory access at context 65,536 x batch 32, the first row
+# whose caches hold 2**31 elements each (`--crash-hunt` finds which op; docs/gpu.md has the answer).
+# kvfleet's kernels index with int64 and are meant to take such caches whole; the bench's fills and its
+# SDPA baseline stay below the limit, in slices along the first dimension.
+MAX_TORCH_ELEMENTS = 2**31 - 1
+SMOKE_LIMIT = 40_000
+
+
+def rows_per_slice(shape: tuple[int, ...], limit: int = MAX_TORCH_ELEMENTS) -> int:
+    """How many entries of the first dimension one slice may hold so it has at most `limit` elements."""
+    per_row = 1
+    for size in shape[1:]:
+        per_row *= size
+    if per_row > limit:
+        raise ValueError(f"one row of {shape} has {per_row} elements, over {limit}")
+    return max(1, min(shape[0], limit // max(1, per_row)))
+
+
+def filled_normal(torch: Any, shape: tuple[int, ...], dtype: Any, device: Any, limit: int = MAX_TORCH_ELEMENTS) -> Any:
+    """A tensor of N(0, 1) values, filled a slice at a time (see MAX_TORCH_ELEMENTS)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    step = rows_per_slice(shape, limit)
+    for start in range(0, shape[0], step):
+        tensor[start:start + step].normal_()
+    return tensor
+
+
+def chunked_sdpa(torch: Any, q: Any, k: Any, v: Any, limit: int = MAX_TORCH_ELEMENTS) -> Any:
+    """SDPA (GQA when the head counts differ) over batch slices whose K and V stay under the limit."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = q.shape[1] != k.shape[1]
+    step = rows_per_slice(tuple(k.shape), limit)
+    if step >= k.shape[0]:
+        return sdpa(q, k, v, enable_gqa=gqa)
+    return torch.cat([sdpa(q[i:i + step], k[i:i + step], v[i:i + step], enable_gqa=gqa)
+                      for i in range(0, k.shape[0], step)])
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 contexts x 2 batches per head shape")
@@ -75,6 +114,11 @@ def parse_args() -> argparse.Namespace:
                    help="graph: CUDA-graph replays, no launch overhead (default); events: do_bench")
     p.add_argument("--sweep", action="store_true", help="also sweep block_n/num_warps/num_stages at 32/8/128, 16K")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes through TRITON_INTERPRET=1 (tests this script)")
+    p.add_argument("--crash-hunt", action="store_true",
+                   help="run each op of one row alone (CUDA_LAUNCH_BLOCKING=1), a fresh process after a fatal error")
+    p.add_argument("--hunt-shape", default=None,
+                   help="q_heads,kv_heads,head_dim,context,batch of the hunt (default 32,8,128,65536,32)")
+    p.add_argument("--hunt-child", default=None, help=argparse.SUPPRESS)  # the steps one hunt process runs
     return p.parse_args()
 
 
@@ -90,6 +134,8 @@ def skipped(reason: str) -> dict[str, Any]:
 
 def main() -> int:
     args = parse_args()
+    if args.crash_hunt:
+        return crash_hunt(args)  # the parent never touches CUDA: a fatal error kills only a child
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     print(f"host: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), python {platform.python_version()}")
@@ -107,6 +153,8 @@ def main() -> int:
         return 0
     # Importable from a checkout without the editable install, too.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+    if args.hunt_child is not None:
+        return Hunt(Bench(args, torch), args.hunt_shape or default_hunt_shape(args)).run(args.hunt_child.split(","))
     return Bench(args, torch).run()
 
 
@@ -124,6 +172,8 @@ class Bench:
         self.device = torch.device("cpu" if self.cpu else "cuda")
         self.dtype = torch.float32 if self.cpu else torch.bfloat16  # the interpreter computes bf16 wrongly
         self.stream_kernel = _make_stream_kernel(triton)
+        # The smoke's tensors are tiny: a tiny limit makes its fills and SDPA take the sliced paths too.
+        self.limit = SMOKE_LIMIT if self.cpu else MAX_TORCH_ELEMENTS
         print(f"triton {triton.__version__}")
 
     # -- timing ------------------------------------------------------------------------------------
@@ -187,8 +237,8 @@ class Bench:
         blocks_per_seq = -(-context // BLOCK_SIZE)
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-        k_cache = torch.empty(shape, dtype=self.dtype, device=self.device).normal_()
-        v_cache = torch.empty(shape, dtype=self.dtype, device=self.device).normal_()
+        k_cache = filled_normal(torch, shape, self.dtype, self.device, self.limit)
+        v_cache = filled_normal(torch, shape, self.dtype, self.device, self.limit)
         block_table = torch.randperm(num_blocks, device=self.device).to(torch.int32).view(batch, blocks_per_seq)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
         q = torch.randn(batch, num_q_heads, head_dim, dtype=self.dtype, device=self.device)
@@ -222,11 +272,11 @@ class Bench:
         k_cache = v_cache = None  # free the paged cache before the contiguous one is allocated
 
         # SDPA on a contiguous [batch, kv_heads, context, dim] cache, one query token per sequence.
-        k_contig = torch.empty(batch, num_kv_heads, context, head_dim, dtype=self.dtype, device=self.device).normal_()
-        v_contig = torch.empty_like(k_contig).normal_()
+        contig_shape = (batch, num_kv_heads, context, head_dim)
+        k_contig = filled_normal(torch, contig_shape, self.dtype, self.device, self.limit)
+        v_contig = filled_normal(torch, contig_shape, self.dtype, self.device, self.limit)
         q4 = q.view(batch, num_q_heads, 1, head_dim)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        sdpa_s = self.time_s(lambda: sdpa(q4, k_contig, v_contig, enable_gqa=num_q_heads != num_kv_heads))
+        sdpa_s = self.time_s(lambda: chunked_sdpa(torch, q4, k_contig, v_contig, self.limit))
         k_contig = v_contig = None
         if not self.cpu:
             torch.cuda.empty_cache()
@@ -330,6 +380,238 @@ class Bench:
                     if r:
                         print(f"  {block_n:4d} {num_warps} {num_stages}: {r['achieved_tb_s']} TB/s, "
                               f"{r['fraction_of_peak']} of peak, {r['decode_us']} us", flush=True)
+
+
+# -- the crash hunt --------------------------------------------------------------------------------
+# Each op of one row, alone and in the row's order, eager then under CUDA-graph capture as the bench
+# times it; CUDA_LAUNCH_BLOCKING=1 makes a bad access fail in the op that made it. "fill_whole" and the
+# "sdpa_*" steps are torch's own ops on whole 2**31-element tensors; the rest are what the bench runs.
+HUNT_STEPS = ("setup", "fill_whole", "decode", "decode_graph", "split_merge", "part_merge", "stream", "stream_graph",
+              "sdpa_setup", "sdpa_default", "sdpa_default_graph", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
+              "sdpa_sliced", "sdpa_sliced_graph")
+
+
+def default_hunt_shape(args: argparse.Namespace) -> str:
+    return "4,1,32,600,3" if args.cpu_smoke else "32,8,128,65536,32"
+
+
+def crash_hunt(args: argparse.Namespace) -> int:
+    """Run the hunt's steps in child processes until each has an answer: a child that dies (or whose
+    CUDA context a failed op left unusable) is followed by a fresh one from the next step on."""
+    shape = args.hunt_shape or default_hunt_shape(args)
+    verdicts: dict[str, str] = {}
+    for _ in range(len(HUNT_STEPS)):
+        remaining = [step for step in HUNT_STEPS if step not in verdicts]
+        if not remaining:
+            break
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--hunt-child", ",".join(remaining), "--hunt-shape", shape]
+        if args.cpu_smoke:
+            cmd.append("--cpu-smoke")
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        running = None
+        for line in proc.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith("hunt-start "):
+                running = line.split()[1]
+            elif line.startswith("hunt ") and ": " in line:
+                name, verdict = line.removeprefix("hunt ").split(": ", 1)
+                verdicts[name] = verdict
+        if proc.returncode != 0:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+            died = running if running and running not in verdicts else remaining[0]
+            verdicts[died] = f"FAILED (the process died, exit {proc.returncode}): {tail}"
+            print(f"hunt {died}: {verdicts[died]}", flush=True)
+            if died == "setup":
+                break
+    failed = [step for step, verdict in verdicts.items() if verdict.startswith("FAILED")]
+    print(json.dumps({"hunt_shape": shape, "steps": verdicts, "failed": failed}))
+    return 0
+
+
+class Hunt:
+    """One child of the crash hunt: the state of one row and a function per step."""
+
+    def __init__(self, bench: Bench, shape: str) -> None:
+        self.bench, self.torch = bench, bench.torch
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.context, self.batch = map(int, shape.split(","))
+        self.state: dict[str, Any] = {}
+
+    def graph(self, fn: Callable[[], Any]) -> None:
+        if self.bench.cpu:
+            raise _Skip("no CUDA graphs on the CPU")
+        self.bench.triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+    def run(self, steps: list[str]) -> int:
+        torch = self.torch
+        die_at = os.environ.get("KVFLEET_HUNT_DIE_AT")  # a test's stand-in for a fatal CUDA error
+        for step in steps:
+            print(f"hunt-start {step}", flush=True)
+            if step == die_at:
+                os._exit(9)
+            started = time.perf_counter()
+            try:
+                getattr(self, f"step_{step}")()
+                if not self.bench.cpu:
+                    torch.cuda.synchronize()
+                verdict = f"ok ({time.perf_counter() - started:.2f} s)"
+            except _Skip as skip:
+                verdict = f"skipped: {skip}"
+            except Exception as e:  # noqa: BLE001  (the point is to see any error, then go on if we can)
+                verdict = f"FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            print(f"hunt {step}: {verdict}", flush=True)
+            if verdict.startswith("FAILED") and not self.alive():
+                return 3  # the parent starts a fresh process at the next step
+            if verdict.startswith("FAILED") and step == "setup":
+                return 3
+        return 0
+
+    def alive(self) -> bool:
+        if self.bench.cpu:
+            return True
+        try:
+            return float(self.torch.ones(1, device="cuda").add_(1).item()) == 2.0
+        except Exception:  # noqa: BLE001
+            return False
+
+    # The steps, in HUNT_STEPS' order; each may assume the ones before it ran in this process or,
+    # for those that build state, rebuilds it (a fresh process after a failure starts from scratch).
+    def paged(self) -> dict[str, Any]:
+        if "k" not in self.state:
+            self.step_setup()
+        return self.state
+
+    def step_setup(self) -> None:
+        torch, b = self.torch, self.bench
+        blocks_per_seq = -(-self.context // BLOCK_SIZE)
+        num_blocks = self.batch * blocks_per_seq
+        shape = (num_blocks, BLOCK_SIZE, self.num_kv_heads, self.head_dim)
+        s = self.state
+        s["k"] = filled_normal(torch, shape, b.dtype, b.device, b.limit)
+        s["v"] = filled_normal(torch, shape, b.dtype, b.device, b.limit)
+        s["table"] = torch.randperm(num_blocks, device=b.device).to(torch.int32).view(self.batch, blocks_per_seq)
+        s["lens"] = torch.full((self.batch,), self.context, dtype=torch.int32, device=b.device)
+        s["q"] = torch.randn(self.batch, self.num_q_heads, self.head_dim, dtype=b.dtype, device=b.device)
+        s["out"] = torch.empty(self.batch, self.num_q_heads, self.head_dim, dtype=torch.float32, device=b.device)
+        s["lse"] = torch.empty(self.batch, self.num_q_heads, dtype=torch.float32, device=b.device)
+        s["block_n"] = 16 if b.cpu else 64
+        s["splits"], s["per_split"] = b.plan_splits(self.batch, self.num_kv_heads, blocks_per_seq * BLOCK_SIZE, None,
+                                                    s["block_n"], b.device)
+        elements = num_blocks * BLOCK_SIZE * self.num_kv_heads * self.head_dim
+        print(f"hunt: caches of {elements} elements each ({elements / 2**31:.3f} x 2**31), {s['splits']} splits",
+              flush=True)
+
+    def step_fill_whole(self) -> None:
+        """torch's normal_ on the whole cache at once, as the bench filled it before; checks the values
+        too, since a 32-bit element count can leave part of a tensor unwritten rather than crash."""
+        torch, b, s = self.torch, self.bench, self.paged()
+        t = torch.empty(tuple(s["k"].shape), dtype=b.dtype, device=b.device).fill_(float("nan")).normal_()
+        tail = t[-max(1, t.shape[0] // 64):].float()
+        std, nans = float(tail.std()), int(torch.isnan(tail).sum())
+        del t, tail
+        if nans or not 0.9 < std < 1.1:
+            raise RuntimeError(f"normal_ left the tensor's tail wrong: std {std:.3f}, {nans} NaN")
+
+    def decode_call(self) -> Callable[[], Any]:
+        s = self.paged()
+        return lambda: self.bench.decode(s["q"], s["k"], s["v"], s["table"], s["lens"], out=s["out"], out_lse=s["lse"],
+                                         block_n=s["block_n"])
+
+    def step_decode(self) -> None:
+        self.decode_call()()
+
+    def step_decode_graph(self) -> None:
+        self.graph(self.decode_call())
+
+    def step_split_merge(self) -> None:
+        torch, b, s = self.torch, self.bench, self.paged()
+        if s["splits"] < 2:
+            raise _Skip("one split at this shape")
+        o = torch.randn(self.batch, self.num_q_heads, s["splits"], self.head_dim, device=b.device)
+        lse = torch.randn(self.batch, self.num_q_heads, s["splits"], device=b.device)
+        b.launch_scale_reduce(o, lse, s["out"], s["lse"])
+
+    def step_part_merge(self) -> None:
+        torch, b, s = self.torch, self.bench, self.paged()
+        o = torch.randn(2, self.batch, self.num_q_heads, self.head_dim, device=b.device)
+        lse = torch.randn(2, self.batch, self.num_q_heads, device=b.device)
+        b.scale_reduce(o, lse, out=s["out"], out_lse=s["lse"])
+
+    def stream_call(self) -> Callable[[], Any]:
+        torch, b, s = self.torch, self.bench, self.paged()
+        k = s["k"]
+        sink = torch.empty(self.batch * self.num_kv_heads * s["splits"] * self.head_dim, dtype=torch.float32,
+                           device=b.device)
+        grid = (self.batch, self.num_kv_heads, s["splits"])
+        return lambda: b.stream_kernel[grid](
+            k, s["v"], s["table"], s["lens"], sink, k.stride(0), k.stride(1), k.stride(2), s["table"].stride(0),
+            s["per_split"], self.num_kv_heads, s["splits"], HEAD_DIM=self.head_dim, BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=s["block_n"])
+
+    def step_stream(self) -> None:
+        self.stream_call()()
+
+    def step_stream_graph(self) -> None:
+        self.graph(self.stream_call())
+
+    def step_sdpa_setup(self) -> None:
+        """The contiguous caches of SDPA's baseline (the paged ones are freed first, as in the bench)."""
+        torch, b, s = self.torch, self.bench, self.state
+        for key in ("k", "v"):
+            s.pop(key, None)
+        if not b.cpu:
+            torch.cuda.empty_cache()
+        shape = (self.batch, self.num_kv_heads, self.context, self.head_dim)
+        s["kc"] = filled_normal(torch, shape, b.dtype, b.device, b.limit)
+        s["vc"] = filled_normal(torch, shape, b.dtype, b.device, b.limit)
+        s["q4"] = torch.randn(self.batch, self.num_q_heads, 1, self.head_dim, dtype=b.dtype, device=b.device)
+
+    def contiguous(self) -> dict[str, Any]:
+        if "kc" not in self.state:
+            self.step_sdpa_setup()
+        return self.state
+
+    def sdpa_call(self) -> Callable[[], Any]:
+        s = self.contiguous()
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        return lambda: sdpa(s["q4"], s["kc"], s["vc"], enable_gqa=self.num_q_heads != self.num_kv_heads)
+
+    def step_sdpa_default(self) -> None:
+        self.sdpa_call()()
+
+    def step_sdpa_default_graph(self) -> None:
+        self.graph(self.sdpa_call())
+
+    def with_backend(self, name: str) -> None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if self.bench.cpu:
+            raise _Skip("a CUDA backend")
+        with sdpa_kernel(getattr(SDPBackend, name)):
+            self.sdpa_call()()
+
+    def step_sdpa_flash(self) -> None:
+        self.with_backend("FLASH_ATTENTION")
+
+    def step_sdpa_efficient(self) -> None:
+        self.with_backend("EFFICIENT_ATTENTION")
+
+    def step_sdpa_cudnn(self) -> None:
+        self.with_backend("CUDNN_ATTENTION")
+
+    def sliced_call(self) -> Callable[[], Any]:
+        s = self.contiguous()
+        return lambda: chunked_sdpa(self.torch, s["q4"], s["kc"], s["vc"], self.bench.limit)
+
+    def step_sdpa_sliced(self) -> None:
+        self.sliced_call()()
+
+    def step_sdpa_sliced_graph(self) -> None:
+        self.graph(self.sliced_call())
+
+
+class _Skip(Exception):
+    """A hunt step that does not apply here."""
 
 
 def _make_stream_kernel(triton: Any) -> Any:

@@ -4,11 +4,13 @@ with the JSON line that says it skipped, instead of a traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,3 +42,58 @@ def test_without_cuda_it_says_so() -> None:
     lines, summary = _run("--quick")
     assert summary["device"] is None and summary["skipped"] == "no CUDA device"
     assert any("no CUDA device" in line for line in lines[:-1])
+
+
+def _bench_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_64k_row_is_sliced_below_2_31_elements() -> None:
+    """The row that crashed an H100 (context 65,536 x batch 32, heads 32/8/128): its contiguous caches
+    hold exactly 2**31 elements; the bench's fills and SDPA take them in slices of at most 2**31 - 1."""
+    bench = _bench_module()
+    shape = (32, 8, 65536, 128)
+    step = bench.rows_per_slice(shape)
+    assert step == 31 and step * 8 * 65536 * 128 <= 2**31 - 1
+    paged = (32 * 4096, 16, 8, 128)
+    assert bench.rows_per_slice(paged) * 16 * 8 * 128 <= 2**31 - 1 < paged[0] * 16 * 8 * 128
+    with pytest.raises(ValueError):
+        bench.rows_per_slice((2, 2**31))
+
+
+def test_sliced_fill_and_sdpa_equal_the_whole() -> None:
+    bench = _bench_module()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 1, 16, generator=gen)
+    k = torch.randn(5, 2, 33, 16, generator=gen)
+    v = torch.randn(5, 2, 33, 16, generator=gen)
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    limit = 2 * 2 * 33 * 16  # two sequences a slice: slices of 2, 2 and 1
+    sliced = bench.chunked_sdpa(torch, q, k, v, limit)
+    assert torch.allclose(sliced, whole, atol=1e-6)
+    filled = bench.filled_normal(torch, (7, 3, 5), torch.float32, torch.device("cpu"), limit=20)
+    assert bool(torch.isfinite(filled).all()) and float(filled.std()) > 0.5
+    assert all(float(filled[i].abs().sum()) > 0 for i in range(7))  # every slice written
+
+
+def test_crash_hunt_answers_every_step() -> None:
+    lines, summary = _run("--crash-hunt", "--cpu-smoke")
+    bench = _bench_module()
+    assert list(summary["steps"]) == list(bench.HUNT_STEPS)
+    assert summary["failed"] == []
+    assert summary["steps"]["decode"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
+
+
+def test_crash_hunt_goes_on_in_a_fresh_process_after_a_fatal_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"KVFLEET_HUNT_DIE_AT": "part_merge"}
+    result = subprocess.run([sys.executable, str(BENCH), "--crash-hunt", "--cpu-smoke"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["failed"] == ["part_merge"]
+    assert "process died" in summary["steps"]["part_merge"]
+    assert summary["steps"]["stream"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
