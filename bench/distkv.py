@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import cpu_model  # noqa: E402
+from _shapes import describe, shape  # noqa: E402
 
 from kvfleet.serving.credentials import PoolCredentials, PoolSecrets  # noqa: E402
 from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
@@ -51,7 +52,7 @@ from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin_borrowing import BuiltinKVBorrowing  # noqa: E402
-from kvfleet.worker.engines.builtin_model import read_architecture  # noqa: E402
+from kvfleet.worker.engines.builtin_model import read_architecture, torch_dtype  # noqa: E402
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
@@ -60,6 +61,8 @@ BLOCK_SIZE_TOKENS = 16  # the builtin engine's block
 WORKER_COUNTS = (1, 2, 4)
 CONTEXT_TARGET = 0.8
 STEP_TARGET = 1.5
+# On a GPU, with the Triton kernels, the issue asks for less: 1.2.
+GPU_STEP_TARGET = 1.2
 WIRE_TARGET = 0.1
 
 
@@ -116,9 +119,9 @@ def prompt_of(num_tokens: int) -> list[int]:
     return [(7 * i + 3) % 1900 + 3 for i in range(num_tokens)]
 
 
-def engine_config(model_dir: Path, device: str, capacity_tokens: int, attention: Literal["sdpa", "distattention"],
-                  kv_bytes_per_token: int, **kwargs: object) -> EngineConfig:
-    return EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token, dtype="float32",
+def engine_config(model_dir: Path, device: str, dtype: str, capacity_tokens: int,
+                  attention: Literal["sdpa", "distattention"], kv_bytes_per_token: int, **kwargs: object) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token, dtype=dtype,
                         device=device, attention=attention, **kwargs)  # type: ignore[arg-type]
 
 
@@ -273,25 +276,26 @@ async def decode_rounds(engines: dict[str, BuiltinEngine], lenders: Sequence[tup
 
 async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, object]:
     capacity = args.capacity_tokens
-    kv_bytes_per_token = read_architecture(model_dir).kv_bytes_per_token(torch.float32)
-    cfg = functools.partial(engine_config, model_dir, device, kv_bytes_per_token=kv_bytes_per_token)
+    kv_bytes_per_token = read_architecture(model_dir).kv_bytes_per_token(torch_dtype(args.dtype))
+    cfg = functools.partial(engine_config, model_dir, device, args.dtype, kv_bytes_per_token=kv_bytes_per_token)
     lend_all = capacity * kv_bytes_per_token
     prompt_tokens = 2 * capacity
     big_tokens = max(max(WORKER_COUNTS) * capacity, prompt_tokens + args.decode_tokens) + BLOCK_SIZE_TOKENS
-    print(f"model: tiny, KV {kv_bytes_per_token} bytes a token (float32, all layers), blocks of {BLOCK_SIZE_TOKENS} tokens; "
+    print(f"model: {args.shape} {describe(shape(args.shape, capacity))}, KV {kv_bytes_per_token} bytes a token "
+          f"({args.dtype}, all layers), blocks of {BLOCK_SIZE_TOKENS} tokens; "
           f"C = {capacity} tokens ({capacity // BLOCK_SIZE_TOKENS} blocks, {lend_all // 1024} KiB) per worker", flush=True)
     async with AsyncExitStack() as stack:
         big_sdpa = await stack.enter_async_context(started(cfg(big_tokens, "sdpa")))
         big_dist = await stack.enter_async_context(started(cfg(big_tokens, "distattention")))
         borrower = await stack.enter_async_context(started(cfg(capacity, "distattention", borrow=True)))
         lenders = [await stack.enter_async_context(lender(cfg(capacity, "distattention", lend_cap_bytes=lend_all)))
-                   for _ in range(max(WORKER_COUNTS) - 1)]
+                   for _ in range(0 if args.skip_context else max(WORKER_COUNTS) - 1)]
 
-        # 1. Longest context against N.
+        # 1. Longest context against N (a GPU run skips it: it is about the protocol, not the device).
         max_context: dict[str, int] = {}
         context_ratio: dict[str, float] = {}
         trials: dict[str, list[dict[str, object]]] = {}
-        for n in WORKER_COUNTS:
+        for n in () if args.skip_context else WORKER_COUNTS:
             started_s = time.perf_counter()
             longest, tried = await longest_context(borrower, big_sdpa, lenders[: n - 1], capacity, kv_bytes_per_token,
                                                    args.output_tokens, args.timeout_s)
@@ -331,21 +335,23 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
           f"back (partial outputs, lse), and {written_per_step:.0f} of the request's newest KV moving into the lease "
           f"(the whole traffic is {wire_all_ratio:.4f} x the remote KV); fetching the {remote_tokens:.0f} remote tokens' KV "
           f"each step instead: {remote_kv_bytes:.0f} bytes", flush=True)
-    context_met = all(context_ratio[str(n)] >= CONTEXT_TARGET for n in WORKER_COUNTS)
-    step_met = borrowed_over_local <= STEP_TARGET
+    context_met = all(context_ratio[str(n)] >= CONTEXT_TARGET for n in WORKER_COUNTS) if not args.skip_context else None
+    step_target = GPU_STEP_TARGET if args.gpu else STEP_TARGET
+    step_met = borrowed_over_local <= step_target
     wire_met = wire_ratio < WIRE_TARGET
     for name, met, value in (
             (f"longest context >= {CONTEXT_TARGET} x N x C for N = 1, 2, 4", context_met,
-             ", ".join(f"N={n}: {context_ratio[str(n)]:.2f}" for n in WORKER_COUNTS)),
-            (f"borrowed decode step <= {STEP_TARGET} x all local (distattention)", step_met, f"{borrowed_over_local:.2f}x"
+             ", ".join(f"N={n}: {context_ratio[str(n)]:.2f}" for n in WORKER_COUNTS) if context_ratio else "not measured"),
+            (f"borrowed decode step <= {step_target} x all local (distattention)", step_met, f"{borrowed_over_local:.2f}x"
              f" (vs sdpa {borrowed_over_sdpa:.2f}x)"),
             (f"query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_met, f"{wire_ratio:.4f}")):
-        print(f"{'PASS' if met else 'MISS'} {name}: {value}")
+        print(f"{'SKIP' if met is None else 'PASS' if met else 'MISS'} {name}: {value}")
     return {
         "max_context_tokens": max_context, "max_context_over_n_capacity": context_ratio,
         "borrowed_over_local_step": borrowed_over_local, "borrowed_over_local_sdpa_step": borrowed_over_sdpa,
         "wire_bytes_query_over_kv": wire_ratio, "device": device, "capacity_tokens": capacity,
         "block_size_tokens": BLOCK_SIZE_TOKENS, "kv_bytes_per_token": kv_bytes_per_token,
+        "step_target": step_target,
         "targets_met": {"max_context": context_met, "borrowed_over_local_step": step_met, "wire_bytes_query_over_kv": wire_met},
         "decode_ms_per_token": step_ms, "decode_prompt_tokens": prompt_tokens, "decode_tokens": args.decode_tokens,
         "rounds": args.rounds, "borrowed_share": borrowed_share, "outputs_equal": outputs_equal,
@@ -364,7 +370,17 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, help="tokens decoded per timed request (default 64; quick 8)")
     parser.add_argument("--rounds", type=int, help="timed rounds, median kept (default 5; quick 2)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request not done by then counts as not served")
+    parser.add_argument("--shape", default="tiny", help="model shape (bench/_shapes.py; default tiny)")
+    parser.add_argument("--dtype", default="float32", help="weights and KV dtype (default float32)")
+    parser.add_argument("--model-dir", type=Path, help="where the model is (built with make_tiny if missing)")
+    parser.add_argument("--skip-context", action="store_true", help="leave out the longest-context search")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU run: llama-1b in bfloat16, C = 4096 tokens, the decode steps only (about a minute)")
     args = parser.parse_args()
+    if args.gpu:
+        args.shape, args.dtype, args.skip_context = "llama-1b", "bfloat16", True
+        args.capacity_tokens = args.capacity_tokens or 4096
+        args.rounds = args.rounds or 3
     args.capacity_tokens = args.capacity_tokens or (64 if args.quick else 256)
     args.decode_tokens = args.decode_tokens or (8 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -377,10 +393,12 @@ def main() -> int:
     print(f"host: {platform.node()} ({cpu_model()}, {torch.get_num_threads()} torch threads), device: {device_name}, "
           f"torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny(Path(tmp) / "tiny", seed=0)
+        model_dir = make_tiny(args.model_dir or Path(tmp) / "model", seed=0,
+                              spec=shape(args.shape, 2 * args.capacity_tokens + args.decode_tokens + BLOCK_SIZE_TOKENS))
         summary = asyncio.run(measure(args, model_dir, device))
     summary["device"] = device_name
     summary["quick"] = args.quick
+    summary["shape"], summary["dtype"] = args.shape, args.dtype
     print(json.dumps(summary))
     return 0
 
