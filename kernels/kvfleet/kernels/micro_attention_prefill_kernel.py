@@ -22,6 +22,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvfleet.kernels import _interpreter_compat
+
+# Interpreted loops with runtime bounds under Triton 3.6 and NumPy >= 2.4 (see _interpreter_compat).
+_interpreter_compat.install()
+
 # A constexpr: jit code may read no other globals.
 LN2 = tl.constexpr(0.6931471805599453)
 

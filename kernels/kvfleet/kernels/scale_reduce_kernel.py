@@ -22,6 +22,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvfleet.kernels import _interpreter_compat
+
+# Interpreted loops with runtime bounds under Triton 3.6 and NumPy >= 2.4 (see _interpreter_compat).
+_interpreter_compat.install()
+
 
 @triton.jit
 def _clean_lse(lse):
