@@ -425,8 +425,34 @@ def crash_hunt(args: argparse.Namespace) -> int:
             if died == "setup":
                 break
     failed = [step for step, verdict in verdicts.items() if verdict.startswith("FAILED")]
-    print(json.dumps({"hunt_shape": shape, "steps": verdicts, "failed": failed}))
+    sanitizer = sanitize(args, shape, failed[0]) if failed and not args.cpu_smoke else None
+    print(json.dumps({"hunt_shape": shape, "steps": verdicts, "failed": failed, "sanitizer": sanitizer}))
     return 0
+
+
+def sanitize(args: argparse.Namespace, shape: str, step: str) -> list[str] | None:
+    """The first failed step again under compute-sanitizer's memcheck, which names the kernel and the
+    bad address; its report's first lines (None where the tool is missing)."""
+    import shutil
+
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if Path(p).exists()), None)
+    if tool is None:
+        print("hunt: no compute-sanitizer here", flush=True)
+        return None
+    steps = ",".join(dict.fromkeys(["setup", "sdpa_setup" if step.startswith("sdpa") else "setup", step]))
+    cmd = [tool, "--tool", "memcheck", "--print-limit", "4", sys.executable, str(Path(__file__).resolve()),
+           "--hunt-child", steps, "--hunt-shape", shape]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"{e.stdout or ''}{e.stderr or ''}\n(compute-sanitizer stopped after 90 s)"
+        output = output if isinstance(output, str) else str(output)
+    report = [line for line in output.splitlines() if line.startswith("=========") or line.startswith("hunt ")][:40]
+    for line in report:
+        print(f"sanitizer: {line}", flush=True)
+    return report
 
 
 class Hunt:
