@@ -649,10 +649,17 @@ class LlamaForward:
                         table = torch.tensor(list(seqs[i].block_table[: -(-context // bs)]), dtype=torch.long, device=device)
                         keys = kv[0][table].flatten(0, 1)[:context].transpose(0, 1)[None]
                         values = kv[1][table].flatten(0, 1)[:context].transpose(0, 1)[None]
-                    query_positions = torch.arange(start, start + n, device=device)
-                    mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
-                    out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
-                                                         attn_mask=mask[None, None], enable_gqa=True)
+                    if start == 0:
+                        # The plain causal mask: said as is_causal, SDPA takes a fused kernel on a GPU
+                        # (flash takes no mask, and with GQA and a mask a long prompt can fall back to
+                        # the math kernel, whose scores are heads x n x n: 64 GiB at 32K tokens).
+                        out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                                             is_causal=True, enable_gqa=True)
+                    else:
+                        query_positions = torch.arange(start, start + n, device=device)
+                        mask = torch.arange(context, device=device)[None, :] <= query_positions[:, None]
+                        out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                                             attn_mask=mask[None, None], enable_gqa=True)
                     attn[rows] = out[0].transpose(0, 1)
             x = x + F.linear(attn.reshape(-1, h * d), layer.o)
             normed = self._rms_norm(x, layer.post_norm)

@@ -33,7 +33,13 @@ class TargetError(Exception):
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes, without a copy (any dtype, bfloat16 included)."""
+    """The tensor's memory as bytes, without a copy for a contiguous CPU tensor (any dtype, bfloat16 included).
+
+    A tensor elsewhere (a GPU's) is copied to the CPU first, which is right for bytes to send; a buffer
+    to receive into must be a contiguous CPU tensor (`empty_stage_tensor`), as the bytes land in the
+    memory the view shows."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
     array: Any = tensor.contiguous().view(-1).view(torch.uint8).numpy()
     return memoryview(array)
 
@@ -50,12 +56,15 @@ def stage_shape(header: dict[str, Any]) -> tuple[int, ...]:
 
 
 def empty_stage_tensor(header: dict[str, Any]) -> torch.Tensor:
-    """A CPU tensor of the announced shape and dtype, for the `data` payload to be read into."""
+    """A CPU tensor of the announced shape and dtype, for the `data` payload to be read into.
+
+    On the CPU whatever torch's default device is: the transport writes into its memory, and the
+    engine's import moves it to the cache's device."""
     name = str(header["dtype"])
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise TargetError(f"unknown dtype {name!r}")
-    return torch.empty(stage_shape(header), dtype=dtype)
+    return torch.empty(stage_shape(header), dtype=dtype, device="cpu")
 
 
 def stage_blocks(request_id: str, header: dict[str, Any], data: torch.Tensor) -> KVBlocks:
