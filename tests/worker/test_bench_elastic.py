@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "elastic.py"
 
 
@@ -18,7 +20,36 @@ def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
     assert lines[0].startswith("host: ")
     summary = json.loads(lines[-1])
     assert {"static_max_batch", "elastic_max_batch", "batch_ratio", "goodput_ratio", "low_load_tpot_ratio",
-            "context_tokens", "device"} <= set(summary)
+            "context_tokens", "device", "max_batch", "low_load_tpot_ms", "gpu_chunk_map_us", "chunk_map_us"} <= set(summary)
+    assert summary["complete"] is True and "errors" not in summary, summary.get("errors")
     assert summary["static_max_batch"] >= 1 and summary["elastic_max_batch"] >= 1
-    assert summary["context_tokens"] == 1024
-    assert summary["low_load_tpot_ratio"] > 0
+    # Two contexts, each with its batches and ratio.
+    assert summary["context_tokens"] == [1024, 768]
+    assert set(summary["max_batch"]) == set(summary["batch_ratio"]) == {"1024", "768"}
+    assert all(b["static"] >= 1 and b["elastic"] >= 1 for b in summary["max_batch"].values())
+    # Low load with eLLM §5.1's overlap and without it.
+    assert set(summary["low_load_tpot_ms"]) == {"static", "elastic", "elastic_no_overlap"}
+    assert summary["low_load_tpot_ratio"] > 0 and summary["low_load_tpot_ratio_no_overlap"] > 0
+    # The elastic engines mapped ahead of need while steps computed; the backend's latency was measured.
+    assert all(row["elastic"]["mapping"]["maps_ahead"] > 0 for row in summary["rows"])
+    latency = summary["chunk_map_us"]
+    assert latency["backend"] == ("cuda" if summary["device"] == "cuda" else "host")
+    assert all(latency[k] > 0 for k in ("map", "unmap", "map_ahead", "unmap_deferred", "unmap_deferred_later"))
+    assert (summary["gpu_chunk_map_us"] is None) == (summary["device"] == "cpu")
+    # Every line of JSON before the last is a partial summary (a run stopped at a time limit keeps them).
+    partial = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(partial) > 3 and all(p["complete"] is False for p in partial[:-1])
+
+
+def test_the_gpu_preset_says_it_is_skipped_without_a_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the preset would run")
+    result = subprocess.run([sys.executable, str(BENCH), "--gpu", "--model-dir", str(tmp_path / "m")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("host: ") and any(line.startswith("SKIP --gpu") for line in lines)
+    summary = json.loads(lines[-1])
+    assert summary["skipped"] and summary["device"] == "cpu" and summary["context_tokens"] == [8192, 32768]
+    assert not (tmp_path / "m").exists()  # nothing was built

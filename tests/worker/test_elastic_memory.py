@@ -264,14 +264,14 @@ class FailingRange:
         self.memory, self.inner = memory, inner
         self.num_slots, self.slot_bytes = inner.num_slots, inner.slot_bytes
 
-    def map(self, slot: int, chunk_id: int) -> None:
+    def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
         self.memory.calls += 1
         if self.memory.calls == self.memory.fail_on_call:
             raise MapError("injected")
-        self.inner.map(slot, chunk_id)
+        self.inner.map(slot, chunk_id, synchronize=synchronize)
 
-    def unmap(self, slot: int) -> None:
-        self.inner.unmap(slot)
+    def unmap(self, slot: int, *, synchronize: bool = True) -> None:
+        self.inner.unmap(slot, synchronize=synchronize)
 
     def as_tensor(self, dtype: Any, shape: Sequence[int]) -> Any:
         return self.inner.as_tensor(dtype, shape)

@@ -7,7 +7,16 @@ elastic scheduler (engines/builtin_elastic.py) is their user; docs/elastic-memor
 
 from kvfleet.worker.elastic.chunks import ChunkPool, Owner, OwnershipError, PoolExhausted
 from kvfleet.worker.elastic.etensor import ETensor
-from kvfleet.worker.elastic.memory import MapError, PhysicalMemory, VirtualRange, granularity_bytes, open_memory
+from kvfleet.worker.elastic.memory import (
+    Fence,
+    MapError,
+    PhysicalMemory,
+    QueueFence,
+    VirtualRange,
+    granularity_bytes,
+    open_memory,
+    record_marker,
+)
 
-__all__ = ["ChunkPool", "ETensor", "MapError", "Owner", "OwnershipError", "PhysicalMemory", "PoolExhausted",
-           "VirtualRange", "granularity_bytes", "open_memory"]
+__all__ = ["ChunkPool", "ETensor", "Fence", "MapError", "Owner", "OwnershipError", "PhysicalMemory", "PoolExhausted",
+           "QueueFence", "VirtualRange", "granularity_bytes", "open_memory", "record_marker"]

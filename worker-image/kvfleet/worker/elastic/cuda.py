@@ -16,8 +16,12 @@ NaN), so a chunk's first mapping reads zero on both backends.
 
 CUDA cannot replace a mapping in place as mmap(MAP_FIXED) does: mapping a slot first unmaps the zero
 chunk there, and unmapping puts it back. Work queued on the GPU may still read or write the slot, so
-both synchronize the device first. The device's primary context (the one torch uses) is retained
-once and made current before every driver call, since the engine calls from its executor thread.
+both synchronize the device first, unless the caller passes `synchronize=False`: eLLM §5.1's
+pre-mapping (a slot no queued work reads, mapped while a step computes) and asynchronous unmapping (a
+slot whose fence, a CUDA event recorded behind the work that could read it, has passed; memory.py).
+The device's primary context (the one torch uses) is retained once and made current before every
+driver call, since the engine calls from threads torch did not start (its event loop's, while its
+executor thread runs the steps).
 
 tests/worker/test_elastic_memory.py runs its contract suite on this backend where a GPU is present and
 skips it otherwise (CI has none).
@@ -162,7 +166,7 @@ class CudaRange:
     def _map_zero(self, slot: int) -> None:
         self._map_handle(slot, self._memory.zero_handle, self._memory.zero_access)
 
-    def map(self, slot: int, chunk_id: int) -> None:
+    def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
         if self._released:
             raise MapError("the range was released")
         if not 0 <= slot < self.num_slots:
@@ -174,8 +178,9 @@ class CudaRange:
         if chunk_id in self._mapped_chunks:
             raise MapError(f"chunk {chunk_id} is already mapped in this range")
         _make_current(self._memory.device_index)
-        # Kernels still queued may read the slot's zero chunk: unmapping it under them would fault.
-        torch.cuda.synchronize(self._memory.device)
+        if synchronize:
+            # Kernels still queued may read the slot's zero chunk: unmapping it under them would fault.
+            torch.cuda.synchronize(self._memory.device)
         _check(_driver().cuMemUnmap(self._address(slot), self.slot_bytes), "cuMemUnmap")
         try:
             self._map_handle(slot, self._memory.handles[chunk_id], self._memory.access)
@@ -185,11 +190,12 @@ class CudaRange:
         self._chunk_at[slot] = chunk_id
         self._mapped_chunks.add(chunk_id)
 
-    def unmap(self, slot: int) -> None:
+    def unmap(self, slot: int, *, synchronize: bool = True) -> None:
         if self._released or slot not in self._chunk_at:
             return
         _make_current(self._memory.device_index)
-        torch.cuda.synchronize(self._memory.device)  # nothing queued may still read or write the chunk
+        if synchronize:
+            torch.cuda.synchronize(self._memory.device)  # nothing queued may still read or write the chunk
         _check(_driver().cuMemUnmap(self._address(slot), self.slot_bytes), "cuMemUnmap")
         self._mapped_chunks.discard(self._chunk_at.pop(slot))
         self._map_zero(slot)

@@ -76,7 +76,8 @@ class HostRange:
         _mmap(self._memory.libc, self._address(slot), self.slot_bytes, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED,
               self._memory.zero_fd, 0)
 
-    def map(self, slot: int, chunk_id: int) -> None:
+    def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
+        # (`synchronize` is for the GPU: the host runs no work behind the caller's back.)
         if self._released:
             raise MapError("the range was released")
         if not 0 <= slot < self.num_slots:
@@ -96,7 +97,7 @@ class HostRange:
         self._chunk_at[slot] = chunk_id
         self._mapped_chunks.add(chunk_id)
 
-    def unmap(self, slot: int) -> None:
+    def unmap(self, slot: int, *, synchronize: bool = True) -> None:
         if self._released or slot not in self._chunk_at:
             return
         # MAP_FIXED replaces the chunk's mapping in one call: the slot is never unbacked in between.

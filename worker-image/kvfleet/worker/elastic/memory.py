@@ -12,12 +12,19 @@ machines without a GPU, through the same calls. Semantics both keep:
   changes tensors without a copy, and how eLLM's asynchronous unmapping, §5.1, maps a chunk at its new
   slot before the old one is unmapped); a range may refuse one chunk at two of its own slots;
 - a failed map leaves the slot unmapped.
+
+Work queued on a GPU may still read a slot when the host maps or unmaps it, so the CUDA backend
+synchronizes the device before it does either. `synchronize=False` is the caller's word that no queued
+work touches the slot: eLLM §5.1 ("Overlapping (Un)mapping Overheads") maps slots ahead of the step
+that needs them while the step before computes, and unmaps an old slot once a `Fence` placed behind
+the work that may read it has passed, so neither waits for the whole device on a step's path.
 """
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Literal, Protocol
 
 import torch
@@ -33,12 +40,14 @@ class VirtualRange(Protocol):
     num_slots: int
     slot_bytes: int
 
-    def map(self, slot: int, chunk_id: int) -> None:
-        """Map a chunk at an unmapped slot; MapError (slot left unmapped) when it cannot."""
+    def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
+        """Map a chunk at an unmapped slot; MapError (slot left unmapped) when it cannot. With
+        `synchronize=False` the caller vouches that no queued device work reads the slot."""
         ...
 
-    def unmap(self, slot: int) -> None:
-        """The slot reads zero again; a no-op on an unmapped slot."""
+    def unmap(self, slot: int, *, synchronize: bool = True) -> None:
+        """The slot reads zero again; a no-op on an unmapped slot. With `synchronize=False` the
+        caller vouches that no queued device work reads or writes the slot (a fence has passed)."""
         ...
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -65,6 +74,59 @@ class PhysicalMemory(Protocol):
     def close(self) -> None:
         """Release every range and the chunks; idempotent."""
         ...
+
+
+class Fence(Protocol):
+    """A point behind work already queued (eLLM §5.1's asynchronous unmapping waits for one before it
+    unmaps a slot that work may still read)."""
+
+    def done(self) -> bool:
+        """Whether the work before it has finished (never blocks)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the work before it has finished; raises if the fence itself failed."""
+        ...
+
+
+class Marker(Protocol):
+    """The part of a recorded torch.cuda.Event that a fence reads."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+def record_marker(device: torch.device) -> Marker | None:
+    """A marker behind the device work this thread queued so far: a CUDA event recorded on the
+    current stream, or None on the host (whose work has run by the time the call returns)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class QueueFence:
+    """A fence behind a one-thread queue (the engine's executor) and the device work it launched:
+    `marker` is the future of `record_marker`, submitted to that queue, so it resolves once every job
+    queued before it has run, to a CUDA event that completes once their GPU work has."""
+
+    def __init__(self, marker: Future[Marker | None]) -> None:
+        self._marker = marker
+
+    def done(self) -> bool:
+        if not self._marker.done():
+            return False
+        if self._marker.exception() is not None:
+            return True  # `wait` raises: the caller falls back to synchronizing
+        marker = self._marker.result()
+        return marker is None or marker.query()
+
+    def wait(self) -> None:
+        marker = self._marker.result()
+        if marker is not None:
+            marker.synchronize()
 
 
 def granularity_bytes(kind: Literal["host", "cuda"], device: torch.device) -> int:

@@ -86,6 +86,10 @@ class EngineConfig:
     # Latency objectives that steer the buffer's logical size (Algorithm 2); None: no objective.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    # eLLM §5.1 (elastic memory): map the KV chunks the next decode step needs while the current step
+    # computes, and unmap deflated slots behind a fence instead of synchronizing the device on the
+    # step's path. False keeps every map and unmap inline (the baseline bench/elastic.py measures).
+    elastic_overlap_mapping: bool = True
     # Builtin engine's attention: "sdpa" (torch's fused attention over the local cache) or
     # "distattention" (micro-attention partials merged by ScaleReduce through kvfleet.kernels, Triton
     # on a GPU, torch on the CPU; the path that can take KV held elsewhere, Infinite-LLM section 4.2).

@@ -45,7 +45,7 @@ import torch
 
 from kvfleet.api.speed import SpeedProfile
 from kvfleet.serving.prompt_tree import PromptTree
-from kvfleet.worker.elastic import ChunkPool, PhysicalMemory, granularity_bytes, open_memory
+from kvfleet.worker.elastic import ChunkPool, Fence, PhysicalMemory, QueueFence, granularity_bytes, open_memory, record_marker
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
     EngineConfig,
@@ -101,7 +101,8 @@ class BuiltinEngine:
             self._elastic = ElasticScheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed, ElasticSettings(
                 cpu_buffer_bytes=config.cpu_buffer_bytes, threshold_bytes=0,
                 park_decodes_for_prefill=config.park_decodes_for_prefill,
-                ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s))
+                ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
+                overlap_mapping=config.elastic_overlap_mapping))
         self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         if config.prefix_caching:
             # With elastic memory the cache is free memory of the pool, and the CPU buffer its host
@@ -177,7 +178,7 @@ class BuiltinEngine:
             elastic.attach(kv, activations,
                            functools.partial(_activation_of, arch, dtype),
                            ACTIVATION_BASE_BYTES + model.decode_workspace_bytes, self._copy_out, self._copy_in,
-                           self._new_sink)
+                           self._new_sink, self._fence)
             capacity_bytes = elastic.memory_state().kv_capacity_bytes
             num_blocks = capacity_bytes // block_bytes
         else:
@@ -331,6 +332,14 @@ class BuiltinEngine:
         if memory is not None:
             memory.close()
 
+    def _fence(self) -> Fence:
+        """A fence behind every job queued on the executor so far and the device work they launched:
+        a job of its own that records a CUDA event on a GPU (eLLM §5.1's asynchronous unmapping waits
+        for it before it unmaps a slot those jobs may still read)."""
+        executor, memory = self._executor, self._memory
+        assert executor is not None and memory is not None
+        return QueueFence(executor.submit(record_marker, memory.device))
+
     def _copy_out(self, block_ids: list[int]) -> tuple[torch.Tensor, concurrent.futures.Future[None]]:
         """Queue a copy of blocks to the CPU buffer (host memory; pinned next to a GPU)."""
         cache, executor = self._cache, self._executor
@@ -363,6 +372,19 @@ class BuiltinEngine:
             raise RuntimeError("the builtin engine is not started")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
+    async def _run_step(self, step: Step) -> list[int]:
+        """The step on the executor; while it computes, elastic memory's (un)mapping that eLLM §5.1
+        takes off the step's path (ElasticScheduler.overlap)."""
+        if self._executor is None:
+            raise RuntimeError("the builtin engine is not started")
+        tokens = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(self._execute, step))
+        if self._elastic is not None:
+            try:
+                self._elastic.overlap(step)
+            except Exception:  # the step's path maps what it needs, as it would without the overlap
+                logger.exception("elastic memory: the (un)mapping overlapped with a step failed")
+        return await tokens
+
     async def _run(self) -> None:
         sched = self._sched
         wake_event = sched.wake_event
@@ -378,7 +400,7 @@ class BuiltinEngine:
                 succeeded = False
                 if step is not None:
                     try:
-                        tokens = await self._in_executor(functools.partial(self._execute, step))
+                        tokens = await self._run_step(step)
                         sched.process(step, tokens)
                         succeeded = True
                     except RemotePartLost as err:

@@ -2,11 +2,12 @@
 CPU buffer for the KV of requests that wait.
 
 A statically split worker keeps an activation reserve sized for its longest prefill, idle most of
-the time, while requests queue for KV blocks (`../shared/papers/ellm.txt` §3). Here the two share
-one `ChunkPool` (kvfleet.worker.elastic): the KV cache is a virtual tensor (`ETensor`, §4.2.1) whose
-chunks are mapped when blocks are needed and unmapped when a chunk's blocks are all free, and each
-step's activations are charged from its real shapes (`builtin_model.activation_bytes`) against the
-same pool, so the KV side grows into whatever activations leave (inflation and deflation, §4.3.1).
+the time, while requests queue for KV blocks (eLLM: Elastic Memory Management Framework for Efficient
+LLM Serving, §3). Here the two share one `ChunkPool` (kvfleet.worker.elastic): the KV cache is a
+virtual tensor (`ETensor`, §4.2.1) whose chunks are mapped when blocks are needed and unmapped when a
+chunk's blocks are all free, and each step's activations are charged from its real shapes
+(`builtin_model.activation_bytes`) against the same pool, so the KV side grows into whatever
+activations leave (inflation and deflation, §4.3.1).
 The KV of a request that cannot stay in the pool goes to a CPU buffer and comes back before it
 decodes, instead of being recomputed (§4.3.2). What to run each step is Algorithm 1 and the
 buffer's size Algorithm 2, both pure functions in builtin_elastic_policy.py; this module does what
@@ -29,6 +30,17 @@ migration importing KV), and every copy in precedes the step that reads it. On t
 do not overlap compute (both are the CPU); an offloaded prefill's copies on a GPU are non-blocking.
 Unmapping is not on the executor, so a chunk with a block still being copied out is not deflated
 (`ElasticKVBlocks.draining`): an unmapped slot reads as zero.
+
+eLLM §5.1, "Overlapping (Un)mapping Overheads" (`ElasticSettings.overlap_mapping`, on by default) keeps
+mapping off a step's path. Decoding speculative pre-mapping: once a step is handed to the executor,
+while it computes, `ElasticScheduler.overlap` assumes every sequence in it produces its next token and
+maps the chunks whose blocks those tokens go to (at most PREMAP_LIMIT_BYTES a step; the paper maps
+under 50 MB ahead), so the reservation after the step finds them mapped. Asynchronous unmapping:
+deflation hands a chunk on at once and leaves the old slot mapped behind a fence (a job queued on the
+executor that records a CUDA event on a GPU: everything that could read the slot was queued before it);
+the old slots are unmapped in the next step's overlap, once their fence has passed (etensor.py). The
+KV eTensor's slot 0 is neither: builtin_model pads the decode gathers' block tables with block 0, so a
+step may read slot 0 whatever its blocks, and only the time between steps may (un)map it.
 
 With prefix caching (MemServe's context caching, builtin_scheduler.py) the cache lives in the same
 pool: its blocks are free memory to Algorithm 1 (a batch's demand never counts them, and a block
@@ -55,7 +67,7 @@ from typing import cast
 import torch
 
 from kvfleet.serving.prompt_tree import Match
-from kvfleet.worker.elastic import ChunkPool, ETensor, Owner, PhysicalMemory, PoolExhausted
+from kvfleet.worker.elastic import ChunkPool, ETensor, Fence, MapError, Owner, PhysicalMemory, PoolExhausted
 from kvfleet.worker.engines.base import EngineError, RequestKV, RequestTooLong, SamplingParams, StepOutput, kv_blocks_bytes
 from kvfleet.worker.engines.builtin_blocks import BlockPool, blocks_for
 from kvfleet.worker.engines.builtin_elastic_policy import (
@@ -79,8 +91,13 @@ ActivationOf = Callable[[int, int], int]
 CopyOut = Callable[[list[int]], tuple[torch.Tensor, "Future[None]"]]
 # Queue a copy of host KV into blocks on the executor.
 CopyIn = Callable[[list[int], torch.Tensor], "Future[None]"]
+# A fence behind everything queued so far (eLLM §5.1's asynchronous unmapping; memory.Fence).
+FenceOf = Callable[[], Fence]
 # Steps whose activation peaks make up the reported capacity (a report interval's worth or so).
 CAPACITY_WINDOW_STEPS = 32
+# The most KV mapped ahead of need while one step computes (eLLM §5.1: "minimal additional memory
+# mapping (< 50MB)"); at least one chunk.
+PREMAP_LIMIT_BYTES = 48 * 1024 * 1024
 
 
 class ElasticKVBlocks(BlockPool):
@@ -99,6 +116,8 @@ class ElasticKVBlocks(BlockPool):
         # Blocks whose KV a queued copy still reads (parked or swapped out to the CPU buffer): free or
         # not, their chunk stays mapped until the copy has run (the executor runs it, not this thread).
         self.draining: dict[int, Future[None]] = {}
+        # Set: deflation's unmaps wait behind a fence (eLLM §5.1's asynchronous unmapping); None: inline.
+        self.unmap_fence: FenceOf | None = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -107,15 +126,19 @@ class ElasticKVBlocks(BlockPool):
     def _blocks_of(self, slot: int) -> range:
         return range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk)
 
-    def grow(self, num_chunks: int) -> int:
-        """Inflation (§4.3.1 ❸❹): map up to `num_chunks` FREE chunks at the lowest unmapped slots."""
+    def grow(self, num_chunks: int, *, ahead: bool = False) -> int:
+        """Inflation (§4.3.1 ❸❹): map up to `num_chunks` FREE chunks at the lowest unmapped slots (a
+        slot a deferred unmap still holds last: mapping it waits for its fence). `ahead`: while a step
+        computes (eLLM §5.1's pre-mapping): no device synchronize, and never slot 0, which a step's
+        decode gathers may read whatever its blocks (the padding of builtin_model's block tables)."""
         num_chunks = min(num_chunks, self.chunks.count(Owner.FREE))
         if num_chunks <= 0:
             return 0
-        mapped = self.tensor.mapped_slots
-        slots = [slot for slot in range(self.tensor.num_slots) if slot not in mapped][:num_chunks]
+        slots = _unmapped_slots(self.tensor, num_chunks, skip=0 if ahead else None)
+        if not slots:
+            return 0
         try:
-            self.tensor.map_slots(slots)
+            self.tensor.map_slots(slots, synchronize=not ahead)
         except PoolExhausted:
             return 0
         for slot in slots:
@@ -133,7 +156,14 @@ class ElasticKVBlocks(BlockPool):
                  if all(b in free for b in self._blocks_of(slot))][:num_chunks]
         if not empty:
             return 0
-        self.tensor.unmap_slots(empty)
+        # The chunks are FREE at once; their old slots are unmapped behind a fence (eLLM §5.1), but for
+        # slot 0, which a step may read whatever its blocks (`grow`): it is unmapped now, between steps.
+        deferred = [slot for slot in empty if slot != 0] if self.unmap_fence is not None else []
+        if deferred:
+            assert self.unmap_fence is not None
+            self.tensor.unmap_slots(deferred, self.unmap_fence())
+        if len(deferred) < len(empty):
+            self.tensor.unmap_slots([slot for slot in empty if slot not in deferred])
         gone = {b for slot in empty for b in self._blocks_of(slot)}
         self.free = [b for b in self.free if b not in gone]
         return len(empty)
@@ -150,6 +180,8 @@ class ActivationChunks:
     def __init__(self, chunks: ChunkPool, memory: PhysicalMemory) -> None:
         self.chunks = chunks
         self.tensor = ETensor(chunks, memory, Owner.ACTIVATION, chunks.num_chunks)
+        # As ElasticKVBlocks.unmap_fence: reclaimed chunks go to KV at once, their slots unmapped later.
+        self.unmap_fence: FenceOf | None = None
 
     @property
     def held_chunks(self) -> int:
@@ -162,15 +194,16 @@ class ActivationChunks:
             return True
         if self.chunks.count(Owner.FREE) < missing:
             return False
-        mapped = self.tensor.mapped_slots
-        self.tensor.map_slots([slot for slot in range(self.tensor.num_slots) if slot not in mapped][:missing])
+        self.tensor.map_slots(_unmapped_slots(self.tensor, missing))
         return True
 
     def reclaim(self, keep_chunks: int, num_chunks: int) -> int:
-        """Unmap up to `num_chunks` held chunks beyond the `keep_chunks` the current step needs."""
+        """Unmap up to `num_chunks` held chunks beyond the `keep_chunks` the current step needs (behind
+        a fence when `unmap_fence` is set: nothing reads activation slots, but the rule is one)."""
         idle = max(0, min(num_chunks, self.held_chunks - keep_chunks))
         if idle:
-            self.tensor.unmap_slots(sorted(self.tensor.mapped_slots, reverse=True)[:idle])
+            slots = sorted(self.tensor.mapped_slots, reverse=True)[:idle]
+            self.tensor.unmap_slots(slots, self.unmap_fence() if self.unmap_fence is not None else None)
         return idle
 
 
@@ -183,6 +216,8 @@ class ElasticSettings:
     park_decodes_for_prefill: bool = True
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    # eLLM §5.1: map ahead while a step computes, unmap behind fences (module docstring).
+    overlap_mapping: bool = True
 
 
 class ElasticScheduler(Scheduler):
@@ -236,17 +271,25 @@ class ElasticScheduler(Scheduler):
         # Counters: cached blocks copied to the host tier, and back in for a request.
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        # eLLM §5.1's counters: the eTensors' range calls made while a step computed (`overlap`), and
+        # chunks pre-mapped there; the rest of the range calls ran on a step's path (`maps_on_path`).
+        self.maps_ahead = 0
+        self.unmaps_ahead = 0
+        self.premapped_chunks = 0
 
     def attach(self, kv: ElasticKVBlocks, activations: ActivationChunks, activation_of: ActivationOf,
                base_activation_bytes: int, copy_out: CopyOut, copy_in: CopyIn,
-               new_sink: Callable[[int], torch.Tensor]) -> None:
+               new_sink: Callable[[int], torch.Tensor], fence: FenceOf | None = None) -> None:
         """Take the started engine's pool and the tensor work the scheduler queues (`open` takes `kv` too).
 
         `copy_out(blocks)` queues a copy of the blocks' KV to host memory; `copy_in` one of such KV
         into blocks; `new_sink(tokens)` makes the host tensor an offloaded prefill writes its KV to
-        ([layers, 2, whole blocks of tokens, kv_heads, head_dim]).
+        ([layers, 2, whole blocks of tokens, kv_heads, head_dim]); `fence()` queues a fence behind the
+        executor's work (with `overlap_mapping`, unmaps wait behind one; without a fence, inline).
         """
         self.kv, self.activations = kv, activations
+        if self.settings.overlap_mapping and fence is not None:
+            kv.unmap_fence = activations.unmap_fence = fence
         self._activation_of, self._base_activation_bytes = activation_of, base_activation_bytes
         self._copy_out, self._copy_in, self._new_sink = copy_out, copy_in, new_sink
         self._host_blocks.clear()  # (`open` started an empty prompt tree)
@@ -770,6 +813,84 @@ class ElasticScheduler(Scheduler):
         self._settle_offloaded()
         super()._reserve_next_slots()
 
+    # -- eLLM §5.1: (un)mapping off the step's path ------------------------------------------------
+
+    def overlap(self, step: Step) -> None:
+        """eLLM §5.1, "Overlapping (Un)mapping Overheads", while `step` computes: the engine calls this
+        right after handing the step to its executor, before it waits for the step's tokens.
+
+        Asynchronous unmapping: the old slots that deflation left behind fences are unmapped, those
+        whose fence has passed (none is waited for: a fence behind this step would hold the event loop
+        until the step ends). Decoding speculative pre-mapping: "assume each sequence will produce the
+        next token and proactively initiate asynchronous memory allocation in advance": the chunks
+        the step after needs for those tokens are mapped now, so the reservation after this step finds
+        its blocks free. Nothing here touches a slot the step may read (ElasticKVBlocks.grow)."""
+        kv, activations = self.kv, self.activations
+        if not self.settings.overlap_mapping or kv is None or activations is None:
+            return
+        maps, unmaps = self._range_calls()
+        try:
+            kv.tensor.complete_unmaps()
+            activations.tensor.complete_unmaps()
+            self._premap(step)
+        except MapError as err:  # all or nothing: the step's path maps what it needs, as without this
+            logger.warning("elastic memory: mapping ahead of the next step failed (%s)", err)
+        finally:
+            after_maps, after_unmaps = self._range_calls()
+            self.maps_ahead += after_maps - maps
+            self.unmaps_ahead += after_unmaps - unmaps
+
+    def _premap(self, step: Step) -> None:
+        kv, activations = self.kv, self.activations
+        assert kv is not None and activations is not None
+        bs = self.block_size_tokens
+        needed = 0
+        for req in step.requests:
+            if req.state is not RequestState.RUNNING or req.request_id in self._offloaded_now:
+                continue  # gone, or an offloaded prefill (it parks after the step)
+            if len(req.output) + 1 >= req.params.max_tokens:
+                continue  # this step's token is its last
+            # After the step: its tokens and the one it samples now, whose KV the step after writes.
+            needed += max(0, blocks_for(req.num_tokens + 1, bs) - len(req.blocks))
+        short = needed - len(kv.free)
+        if short <= 0:
+            return
+        chunk_bytes = kv.chunks.chunk_bytes
+        want = min(-(-short // kv.blocks_per_chunk), max(1, PREMAP_LIMIT_BYTES // chunk_bytes))
+        grown = kv.grow(want, ahead=True)
+        if grown < want:
+            # Idle activation chunks beyond what this step was charged (the reclaim `_make_room` would
+            # do after the step), handed to KV at once behind a fence.
+            in_flight = -(-self._recent_activation[-1] // chunk_bytes) if self._recent_activation else 0
+            activations.reclaim(in_flight, want - grown)
+            grown += kv.grow(want - grown, ahead=True)
+        self.inflated_chunks += grown
+        self.premapped_chunks += grown
+
+    def _range_calls(self) -> tuple[int, int]:
+        kv, activations = self.kv, self.activations
+        assert kv is not None and activations is not None
+        return (kv.tensor.num_maps + activations.tensor.num_maps, kv.tensor.num_unmaps + activations.tensor.num_unmaps)
+
+    @property
+    def maps_on_path(self) -> int:
+        """Range maps made on a step's path (between one step's tokens and the next step's start)."""
+        return self._range_calls()[0] - self.maps_ahead if self.kv is not None else 0
+
+    @property
+    def unmaps_on_path(self) -> int:
+        """Range unmaps made on a step's path (deferred ones done in `overlap` are not)."""
+        return self._range_calls()[1] - self.unmaps_ahead if self.kv is not None else 0
+
+    def mapping_counts(self) -> dict[str, int]:
+        """eLLM §5.1's figures: range calls on and off the steps' path, and unmaps still deferred."""
+        pending = 0
+        if self.kv is not None and self.activations is not None:
+            pending = len(self.kv.tensor.pending_slots) + len(self.activations.tensor.pending_slots)
+        return {"maps_on_path": self.maps_on_path, "maps_ahead": self.maps_ahead,
+                "unmaps_on_path": self.unmaps_on_path, "unmaps_ahead": self.unmaps_ahead,
+                "premapped_chunks": self.premapped_chunks, "unmaps_pending": pending}
+
     def _settle_offloaded(self) -> None:
         """Offloaded prefills that go on wait parked, their KV already in the buffer (their sink)."""
         bs = self.block_size_tokens
@@ -781,6 +902,17 @@ class ElasticScheduler(Scheduler):
             req.state = RequestState.WAITING
             self.parked.append(req)
         self._offloaded_now.clear()
+
+
+def _unmapped_slots(tensor: ETensor, num: int, skip: int | None = None) -> list[int]:
+    """The lowest `num` slots the eTensor's books call unmapped (but `skip`), those a deferred unmap
+    still holds last (mapping one waits for its fence)."""
+    mapped, pending = tensor.mapped_slots, tensor.pending_slots
+    slots = list(itertools.islice((slot for slot in range(tensor.num_slots)
+                                   if slot not in mapped and slot not in pending and slot != skip), num))
+    if len(slots) < num:
+        slots += sorted(slot for slot in pending if slot != skip)[: num - len(slots)]
+    return slots
 
 
 def _failed(copy: Future[None]) -> bool:
