@@ -187,6 +187,13 @@ class Bench:
             fn()
             return time.perf_counter() - start
         rep_ms = 50 if self.args.quick else 100
+        # do_bench_cudagraph runs `fn` on a stream of its own, which does not wait for the work queued on
+        # the default stream: the row's inputs (a multi-GiB fill, then the block table) may still be
+        # being written when its first call reads them. A block table read before it is written is
+        # recycled memory, whose block ids point anywhere: the illegal memory access at context 65,536
+        # x batch 32, the first row whose fill takes longer than the Python between it and the timing
+        # (docs/gpu.md). Everything queued so far finishes first.
+        self.torch.cuda.synchronize()
         if self.args.timing == "graph":
             try:
                 return float(self.triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")) / 1e3
@@ -389,6 +396,11 @@ class Bench:
 HUNT_STEPS = ("setup", "fill_whole", "decode", "decode_graph", "split_merge", "part_merge", "stream", "stream_graph",
               "sdpa_setup", "sdpa_default", "sdpa_default_graph", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
               "sdpa_sliced", "sdpa_sliced_graph")
+# The bench's own order, each in a fresh process without CUDA_LAUNCH_BLOCKING (which would serialise the
+# streams and hide it): inputs made on the default stream, read at once by do_bench_cudagraph's own
+# stream, with the block table's memory recycled from random data as in a bench that ran rows before;
+# then the same after a synchronize, as time_s now does.
+RACE_STEPS = ("race_unsynced", "race_synced")
 
 
 def default_hunt_shape(args: argparse.Namespace) -> str:
@@ -424,7 +436,21 @@ def crash_hunt(args: argparse.Namespace) -> int:
             print(f"hunt {died}: {verdicts[died]}", flush=True)
             if died == "setup":
                 break
-    failed = [step for step, verdict in verdicts.items() if verdict.startswith("FAILED")]
+    for step in RACE_STEPS:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--hunt-child", step, "--hunt-shape", shape]
+        if args.cpu_smoke:
+            cmd.append("--cpu-smoke")
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_LAUNCH_BLOCKING"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        for line in proc.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith(f"hunt {step}: "):
+                verdicts[step] = line.split(": ", 1)[1]
+        if proc.returncode != 0 or step not in verdicts:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+            verdicts[step] = f"FAILED (the process died, exit {proc.returncode}): {tail}"
+            print(f"hunt {step}: {verdicts[step]}", flush=True)
+    failed = [step for step, verdict in verdicts.items() if verdict.startswith("FAILED") and step not in RACE_STEPS]
     sanitizer = sanitize(args, shape, failed[0]) if failed and not args.cpu_smoke else None
     print(json.dumps({"hunt_shape": shape, "steps": verdicts, "failed": failed, "sanitizer": sanitizer}))
     return 0
@@ -634,6 +660,24 @@ class Hunt:
 
     def step_sdpa_sliced_graph(self) -> None:
         self.graph(self.sliced_call())
+
+    def race(self, synchronize: bool) -> None:
+        torch, b = self.torch, self.bench
+        if b.cpu:
+            raise _Skip("one stream on the CPU")
+        # Random data freed into the allocator's cache: the block table's memory is recycled from it.
+        junk = [torch.randn(self.batch * (-(-self.context // BLOCK_SIZE)), device=b.device) * 1e9 for _ in range(8)]
+        del junk
+        self.step_setup()  # the multi-GiB fill, then the block table, all queued on the default stream
+        if synchronize:
+            torch.cuda.synchronize()
+        self.graph(self.decode_call())
+
+    def step_race_unsynced(self) -> None:
+        self.race(synchronize=False)
+
+    def step_race_synced(self) -> None:
+        self.race(synchronize=True)
 
 
 class _Skip(Exception):

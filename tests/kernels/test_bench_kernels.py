@@ -83,7 +83,7 @@ def test_sliced_fill_and_sdpa_equal_the_whole() -> None:
 def test_crash_hunt_answers_every_step() -> None:
     lines, summary = _run("--crash-hunt", "--cpu-smoke")
     bench = _bench_module()
-    assert list(summary["steps"]) == list(bench.HUNT_STEPS)
+    assert list(summary["steps"]) == [*bench.HUNT_STEPS, *bench.RACE_STEPS]
     assert summary["failed"] == []
     assert summary["steps"]["decode"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
 
@@ -97,3 +97,31 @@ def test_crash_hunt_goes_on_in_a_fresh_process_after_a_fatal_error() -> None:
     assert summary["failed"] == ["part_merge"]
     assert "process died" in summary["steps"]["part_merge"]
     assert summary["steps"]["stream"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
+
+
+def test_timing_waits_for_the_inputs_before_cuda_graph_timing_reads_them() -> None:
+    """do_bench_cudagraph calls the kernel on a stream of its own; the row's inputs were queued on the
+    default stream. Unsynchronised, the first call read a block table not yet written (recycled memory):
+    the illegal memory access at 65,536 x 32 on the H100 and the H200 (docs/gpu.md)."""
+    bench = _bench_module()
+    calls: list[str] = []
+
+    class Cuda:
+        @staticmethod
+        def synchronize() -> None:
+            calls.append("synchronize")
+
+    class Testing:
+        @staticmethod
+        def do_bench_cudagraph(fn: Any, rep: int, return_mode: str) -> float:
+            calls.append("do_bench_cudagraph")
+            fn()
+            return 1.0
+
+    timer = bench.Bench.__new__(bench.Bench)
+    timer.cpu = False
+    timer.args = type("Args", (), {"quick": True, "timing": "graph"})()
+    timer.torch = type("Torch", (), {"cuda": Cuda})()
+    timer.triton = type("Triton", (), {"testing": Testing})()
+    assert timer.time_s(lambda: calls.append("kernel")) == 1e-3
+    assert calls == ["synchronize", "do_bench_cudagraph", "kernel"]
