@@ -251,6 +251,9 @@ async def low_load_tpot(configs: dict[str, EngineConfig], prompt_tokens: int, ou
                 served = await serve(engine, f"l{i}", prompt, output, "short")
                 assert served.tpot_s is not None
                 tpots[name].append(served.tpot_s)
+        for name, engine in engines.items():
+            if engine._elastic is not None:  # where §5.1's overlap spends its time, if it is on
+                print(f"low load, {name}: {engine._elastic.mapping_counts()}", flush=True)
         return {name: statistics.median(values) for name, values in tpots.items()}
     finally:
         for engine in engines.values():

@@ -276,6 +276,9 @@ class ElasticScheduler(Scheduler):
         self.maps_ahead = 0
         self.unmaps_ahead = 0
         self.premapped_chunks = 0
+        # Wall time spent in `overlap` (on the event loop, while the executor runs the step).
+        self.overlap_calls = 0
+        self.overlap_us = 0
 
     def attach(self, kv: ElasticKVBlocks, activations: ActivationChunks, activation_of: ActivationOf,
                base_activation_bytes: int, copy_out: CopyOut, copy_in: CopyIn,
@@ -829,6 +832,7 @@ class ElasticScheduler(Scheduler):
         if not self.settings.overlap_mapping or kv is None or activations is None:
             return
         maps, unmaps = self._range_calls()
+        started_s = time.perf_counter()
         try:
             kv.tensor.complete_unmaps()
             activations.tensor.complete_unmaps()
@@ -839,6 +843,8 @@ class ElasticScheduler(Scheduler):
             after_maps, after_unmaps = self._range_calls()
             self.maps_ahead += after_maps - maps
             self.unmaps_ahead += after_unmaps - unmaps
+            self.overlap_calls += 1
+            self.overlap_us += round(1e6 * (time.perf_counter() - started_s))
 
     def _premap(self, step: Step) -> None:
         kv, activations = self.kv, self.activations
@@ -857,13 +863,10 @@ class ElasticScheduler(Scheduler):
             return
         chunk_bytes = kv.chunks.chunk_bytes
         want = min(-(-short // kv.blocks_per_chunk), max(1, PREMAP_LIMIT_BYTES // chunk_bytes))
+        # FREE chunks only. Taking idle activation chunks here too (the reclaim `_make_room` does after
+        # the step) made them ping-pong on an H200: the next step mapped them back for its activations,
+        # on its path, with a device synchronize each time (low-load TPOT 1.27x static; docs/gpu.md).
         grown = kv.grow(want, ahead=True)
-        if grown < want:
-            # Idle activation chunks beyond what this step was charged (the reclaim `_make_room` would
-            # do after the step), handed to KV at once behind a fence.
-            in_flight = -(-self._recent_activation[-1] // chunk_bytes) if self._recent_activation else 0
-            activations.reclaim(in_flight, want - grown)
-            grown += kv.grow(want - grown, ahead=True)
         self.inflated_chunks += grown
         self.premapped_chunks += grown
 
@@ -889,7 +892,8 @@ class ElasticScheduler(Scheduler):
             pending = len(self.kv.tensor.pending_slots) + len(self.activations.tensor.pending_slots)
         return {"maps_on_path": self.maps_on_path, "maps_ahead": self.maps_ahead,
                 "unmaps_on_path": self.unmaps_on_path, "unmaps_ahead": self.unmaps_ahead,
-                "premapped_chunks": self.premapped_chunks, "unmaps_pending": pending}
+                "premapped_chunks": self.premapped_chunks, "unmaps_pending": pending,
+                "overlap_calls": self.overlap_calls, "overlap_us": self.overlap_us}
 
     def _settle_offloaded(self) -> None:
         """Offloaded prefills that go on wait parked, their KV already in the buffer (their sink)."""
