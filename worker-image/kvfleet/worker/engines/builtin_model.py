@@ -14,8 +14,9 @@ reads each sequence's context from the paged cache through its block table.
 Attention takes one of two paths (`attention`):
 - "distattention" (Infinite-LLM section 4.2): every sequence's attention is a ScaleReduce over
   micro-attention partials (output, log-sum-exp) of its context's parts: the stored part (tokens in
-  the paged cache before this step, seen whole), the in-hand part (this step's own K and V, causal
-  among themselves, straight from the layer) and any extra parts `SeqBatchEntry.extra_parts` supplies
+  the paged cache before this step, seen whole; for a decode, with its new token, written first), the
+  in-hand part of a prefill (this step's own K and V, causal among themselves, straight from the
+  layer) and any extra parts `SeqBatchEntry.extra_parts` supplies
   (KV held elsewhere, the seam for rManager's remote rBlocks, section 4.6's query shipping). The ops
   are kvfleet.kernels': Triton on a GPU, its torch backend elsewhere.
 - "sdpa": torch's scaled_dot_product_attention over K and V gathered from the cache (the new tokens
@@ -240,16 +241,19 @@ class KVParts(Protocol):
 class _DistPlan:
     """One step's DistAttention indices, built once and read by every layer (module docstring).
 
-    Rows are rows of the step's flat batch. Decodes' stored parts attend in groups bounded by the
-    decode workspace (LlamaForward._decode_groups); their in-hand part is the one new token, a cache
-    of one-token blocks. Prefills (packed in batch order) attend to their stored part with no mask
-    (causal offset = its length) and to their in-hand part causally, a cache of one-token blocks too.
+    Rows are rows of the step's flat batch. Decodes attend in groups bounded by the decode workspace
+    (LlamaForward._decode_groups) to their stored part and their new token at once: the layer writes
+    the new token's K and V into the cache before attention, so one micro-attention over the cache
+    covers both (a separate in-hand part would cost a second kernel and a merge per layer, for one
+    token). Prefills (packed in batch order) attend to their stored part with no mask (causal offset
+    = its length) and to their in-hand part causally, a cache of one-token blocks.
     """
 
     decode_rows: torch.Tensor  # long [decodes]
-    decode_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # rows long, table, stored lens
-    decode_hand_table: torch.Tensor  # int32 [decodes, 1]
-    decode_hand_lens: torch.Tensor  # int32 [decodes], ones
+    decode_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # rows long, table, lens with the new token
+    # Every row of the step is a decode, in one group, in order, none with extra parts: the group's
+    # micro-attention is the layer's whole attention (the common decode step, with no copy or merge).
+    decode_only: bool
     prefill_rows: torch.Tensor  # long [prefill tokens]
     prefill_starts: torch.Tensor  # int32 [prefills + 1]
     prefill_table: torch.Tensor  # int32 [prefills, blocks]
@@ -444,11 +448,11 @@ class LlamaForward:
 
         groups = []
         # Grouped by the whole context, as the SDPA path: the workspace bound (decode_workspace_bytes)
-        # holds for either path, and the stored part is never longer.
+        # holds for either path, and the local part is never longer.
         for group in self._decode_groups([seqs[i].start_position + 1 for i in decode], bs):
             members = [decode[j] for j in group]
-            stored = [stored_tokens(i) for i in members]
-            groups.append((long([offsets[i] for i in members]), tables(stored, members), int32(stored)))
+            local = [stored_tokens(i) + 1 for i in members]  # with the new token, written before attention
+            groups.append((long([offsets[i] for i in members]), tables(local, members), int32(local)))
         prefill_rows = [offsets[i] + j for i in prefill for j in range(lengths[i])]
         starts = [0]
         for i in prefill:
@@ -463,8 +467,7 @@ class LlamaForward:
         return _DistPlan(
             decode_rows=long([offsets[i] for i in decode]),
             decode_groups=tuple(groups),
-            decode_hand_table=int32([[j] for j in range(len(decode))]) if decode else int32([[0]])[:0],
-            decode_hand_lens=int32([1] * len(decode)),
+            decode_only=not prefill and len(groups) == 1 and not any(s.extra_parts for s in seqs),
             prefill_rows=long(prefill_rows),
             prefill_starts=int32(starts),
             prefill_table=tables(stored_prefill, prefill) if prefill else int32([[0]])[:0],
@@ -481,21 +484,22 @@ class LlamaForward:
                         kv: torch.Tensor, plan: _DistPlan) -> torch.Tensor:
         """Every row's attention as ScaleReduce over its parts: stored, in-hand, then extra parts (sent
         first, so that they are computed where they live while the local parts are computed here)."""
+        if plan.decode_only:
+            # Rows 0..n-1 are the group's rows in order (offsets of one-token sequences).
+            _, table, lens = plan.decode_groups[0]
+            out, _ = distattention.micro_attention_decode(q, kv[0], kv[1], table, lens)
+            return out.to(self.dtype)
         pending = [(span, part.submit(layer_index, q[span])) for span, parts in plan.extras for part in parts]
         num_rows, h, d = q.shape
         stored_o = torch.empty((num_rows, h, d), dtype=torch.float32, device=q.device)
         stored_lse = torch.empty((num_rows, h), dtype=torch.float32, device=q.device)
-        hand_o, hand_lse = torch.empty_like(stored_o), torch.empty_like(stored_lse)
-        if plan.decode_rows.numel():
-            for rows, table, lens in plan.decode_groups:
-                o, lse = distattention.micro_attention_decode(q[rows], kv[0], kv[1], table, lens)
-                stored_o[rows], stored_lse[rows] = o, lse
-            rows = plan.decode_rows
-            # The new token's K and V as a cache of one-token blocks: the in-hand part.
-            o, lse = distattention.micro_attention_decode(q[rows], k[rows][:, None], v[rows][:, None],
-                                                          plan.decode_hand_table, plan.decode_hand_lens)
-            hand_o[rows], hand_lse[rows] = o, lse
+        for rows, table, lens in plan.decode_groups:
+            o, lse = distattention.micro_attention_decode(q[rows], kv[0], kv[1], table, lens)
+            stored_o[rows], stored_lse[rows] = o, lse
         if plan.prefill_rows.numel():
+            # Decode rows have no in-hand part: an empty partial (0, -inf) leaves them as they are.
+            hand_o = torch.zeros_like(stored_o)
+            hand_lse = torch.full_like(stored_lse, float("-inf"))
             rows = plan.prefill_rows
             q_rows = q[rows]
             # Stored tokens all precede the new ones: causal offset = their count, so nothing is masked.
@@ -508,8 +512,8 @@ class LlamaForward:
                 q_rows, k[rows][:, None], v[rows][:, None], plan.prefill_hand_table, plan.prefill_hand_lens,
                 plan.prefill_starts, max_q_len=plan.max_prefill_tokens, max_logits_bytes=plan.max_logits_bytes)
             hand_o[rows], hand_lse[rows] = o, lse
-        distattention.scale_reduce_pair(stored_o, stored_lse, hand_o, hand_lse, out=stored_o, out_lse=stored_lse)
-        del hand_o, hand_lse
+            distattention.scale_reduce_pair(stored_o, stored_lse, hand_o, hand_lse, out=stored_o, out_lse=stored_lse)
+            del hand_o, hand_lse
         for span, collect in pending:
             # Folded in one at a time, as peers' answers arrive (the merge is associative).
             o, lse = collect()
