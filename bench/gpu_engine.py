@@ -188,10 +188,11 @@ def alternate(fns: dict[str, Callable[[], None]], rounds: int, reps: int, device
 
 
 def speed(spec: TinySpec, vocab: int, dtype: torch.dtype, device: torch.device, batches: list[int], context: int,
-          prefill_tokens: list[int], rounds: int, reps: int) -> dict[str, Any]:
+          prefill_tokens: list[int], rounds: int, reps: int, long_context: int) -> dict[str, Any]:
     arch = architecture(spec, vocab)
     t0 = time.perf_counter()
-    model = LlamaForward(arch, device_weights(arch, dtype, device), dtype, device, context + max(prefill_tokens) + 8)
+    model = LlamaForward(arch, device_weights(arch, dtype, device), dtype, device,
+                         max(context, long_context, max(prefill_tokens)) + 8)
     sync(device)
     weight_bytes = sum(t.numel() * t.element_size() for t in (model.embed, model.lm_head, model.final_norm)) + sum(
         sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down, w.input_norm, w.post_norm))
@@ -199,7 +200,8 @@ def speed(spec: TinySpec, vocab: int, dtype: torch.dtype, device: torch.device, 
     print(f"speed model: {describe(spec) | {'vocab': vocab}}, {weight_bytes / 2**30:.1f} GiB of weights "
           f"({time.perf_counter() - t0:.1f} s to make)", flush=True)
     blocks_each = -(-(context + 2) // BLOCK)
-    cache = PagedKVCache(arch, max(blocks_each * max(batches), -(-max(prefill_tokens) // BLOCK)), BLOCK, dtype, device)
+    num_blocks = max(blocks_each * max(batches), -(-max(prefill_tokens) // BLOCK), -(-(long_context + 2) // BLOCK))
+    cache = PagedKVCache(arch, num_blocks, BLOCK, dtype, device)
     for layer in cache.layers:
         layer.normal_()  # not zeros: a GPU can run faster on zeros than on real data
     kv_gib = cache.num_blocks * BLOCK * arch.kv_bytes_per_token(dtype) / 2**30
@@ -212,16 +214,18 @@ def speed(spec: TinySpec, vocab: int, dtype: torch.dtype, device: torch.device, 
         return run
 
     decode: dict[str, Any] = {}
-    for batch in batches:
+    long_decode: dict[str, Any] = {}
+    for batch, tokens, into in [*((b, context, decode) for b in batches), (1, long_context, long_decode)]:
         # Every sequence's context is already in the cache (its KV content does not change the work).
-        entries = [SeqBatchEntry([3], context, tuple(range(i * blocks_each, (i + 1) * blocks_each))) for i in range(batch)]
+        blocks = -(-(tokens + 2) // BLOCK)
+        entries = [SeqBatchEntry([3], tokens, tuple(range(i * blocks, (i + 1) * blocks))) for i in range(batch)]
         step_s = alternate({p: with_path(p, lambda e=entries: model.forward(e, cache)) for p in ATTENTION_PATHS},
                            rounds, reps, device)
-        decode[str(batch)] = {p: {"step_ms": round(1e3 * s, 3), "tokens_per_s": round(batch / s, 1)} for p, s in step_s.items()}
-        decode[str(batch)]["distattention_over_sdpa"] = round(step_s["distattention"] / step_s["sdpa"], 3)
-        print(f"decode batch {batch:3d} context {context}: " + "   ".join(
+        into[str(batch)] = {p: {"step_ms": round(1e3 * s, 3), "tokens_per_s": round(batch / s, 1)} for p, s in step_s.items()}
+        into[str(batch)]["distattention_over_sdpa"] = round(step_s["distattention"] / step_s["sdpa"], 3)
+        print(f"decode batch {batch:3d} context {tokens}: " + "   ".join(
             f"{p} {1e3 * s:7.2f} ms/step {batch / s:9.1f} tok/s" for p, s in step_s.items())
-            + f"   ratio {decode[str(batch)]['distattention_over_sdpa']:.3f}", flush=True)
+            + f"   ratio {into[str(batch)]['distattention_over_sdpa']:.3f}", flush=True)
     prefill: dict[str, Any] = {}
     for n in prefill_tokens:
         entries = [SeqBatchEntry(list(range(3, 3 + n)), 0, tuple(range(-(-n // BLOCK))))]
@@ -231,7 +235,8 @@ def speed(spec: TinySpec, vocab: int, dtype: torch.dtype, device: torch.device, 
         print(f"prefill {n:6d} tokens: " + "   ".join(f"{p} {1e3 * s:8.1f} ms {n / s:10.0f} tok/s" for p, s in step_s.items()),
               flush=True)
     return {"shape": describe(spec) | {"vocab": vocab}, "dtype": str(dtype).removeprefix("torch."),
-            "weight_gib": round(weight_bytes / 2**30, 2), "context_tokens": context, "decode": decode, "prefill": prefill}
+            "weight_gib": round(weight_bytes / 2**30, 2), "context_tokens": context, "decode": decode, "prefill": prefill,
+            "long_context_tokens": long_context, "long_context_decode": long_decode}
 
 
 def main() -> int:
@@ -241,6 +246,8 @@ def main() -> int:
     parser.add_argument("--check-shape", default="llama-1b", help="the greedy check's model shape (bench/_shapes.py)")
     parser.add_argument("--speed-shape", default="llama-8b", help="the speed model's layer shape (bench/_shapes.py)")
     parser.add_argument("--context", type=int, default=2048, help="decode context in tokens (default 2048)")
+    parser.add_argument("--long-context", type=int, default=32768,
+                        help="one more decode row, batch 1 at this context (default 32768)")
     parser.add_argument("--skip-greedy", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,12 +255,13 @@ def main() -> int:
     print(f"host: {platform.node()} ({cpu_model()}), device: {gpu or 'cpu'}, torch {torch.__version__}", flush=True)
     if args.quick:
         check_spec, speed_spec, vocab = shape("tiny", 512), shape("tiny", 512), 2048
-        batches, context, prefill_tokens, rounds, reps = [1, 4], 64, [48], 1, 1
+        batches, context, prefill_tokens, rounds, reps, long_context = [1, 4], 64, [48], 1, 1, 256
         greedy_dtypes, num_prompts, prompt_tokens, num_tokens = ["float32"], 2, 24, 6
         speed_dtype = torch.float32
     else:
         check_spec, speed_spec, vocab = shape(args.check_shape, args.context), shape(args.speed_shape, args.context), LLAMA3_VOCAB
         batches, context, prefill_tokens, rounds, reps = [1, 16, 64], args.context, [2048, 8192], 5, 5
+        long_context = args.long_context
         greedy_dtypes, num_prompts, prompt_tokens, num_tokens = ["float32", "bfloat16"], 4, 200, 32
         speed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
@@ -269,7 +277,7 @@ def main() -> int:
             greedy = greedy_check(model_dir, device, greedy_dtypes, num_prompts, prompt_tokens, num_tokens,
                                   check_spec.vocab_size)
     summary["greedy"] = greedy
-    measured = speed(speed_spec, vocab, speed_dtype, device, batches, context, prefill_tokens, rounds, reps)
+    measured = speed(speed_spec, vocab, speed_dtype, device, batches, context, prefill_tokens, rounds, reps, long_context)
     summary |= measured
     ratios = {b: measured["decode"][b]["distattention_over_sdpa"] for b in measured["decode"]}
     summary["distattention_over_sdpa"] = ratios
