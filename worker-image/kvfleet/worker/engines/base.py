@@ -88,8 +88,10 @@ class EngineConfig:
     tpot_slo_s: float | None = None
     # eLLM §5.1 (elastic memory): map the KV chunks the next decode step needs while the current step
     # computes, and unmap deflated slots behind a fence instead of synchronizing the device on the
-    # step's path. False keeps every map and unmap inline (the baseline bench/elastic.py measures).
-    elastic_overlap_mapping: bool = True
+    # step's path. Off by default because an H200 measured it slower (docs/gpu.md): its driver calls
+    # run in Python on the event loop while the executor's Python launches the step's kernels, and
+    # they take the interpreter the launches need (low-load TPOT 12.3 ms against 11.7 ms without).
+    elastic_overlap_mapping: bool = False
     # Builtin engine's attention: "sdpa" (torch's fused attention over the local cache) or
     # "distattention" (micro-attention partials merged by ScaleReduce through kvfleet.kernels, Triton
     # on a GPU, torch on the CPU; the path that can take KV held elsewhere, Infinite-LLM section 4.2).
