@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from _machine import cpu_model  # noqa: E402
 
 from kvfleet.mell.cluster import SchedulerConfig  # noqa: E402
+from kvfleet.sim import bundled  # noqa: E402
 from kvfleet.sim.cli import AZURE_TRACES, PAPER_RATES, SETUPS  # noqa: E402
 from kvfleet.sim.simulator import RunResult, Setup, make_setup, simulate, tpot_load_cap  # noqa: E402
 from kvfleet.sim.traces import (  # noqa: E402
@@ -52,7 +53,7 @@ from kvfleet.sim.traces import (  # noqa: E402
 POLICIES = ("mell", "mell-paper", "bf", "wf", "lb")
 BASELINES = ("bf", "wf", "lb")
 LONG_CONTEXT_RATE = 3.0
-TRACES = Path(os.environ.get("KVFLEET_TRACES", Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"))
+TRACES = bundled.trace_dir()
 
 
 def workloads(quick: bool) -> list[tuple[str, list[TraceRequest]]]:

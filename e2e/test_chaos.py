@@ -38,7 +38,8 @@ from typing import Any
 import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
-from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process
+from kvfleet.localcluster.controlplane import stop_process
+from kvfleet.sim import bundled
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import ready
@@ -52,7 +53,7 @@ NUM_OPERATOR_KILLS = 50 if LONG else 8
 REPLAY_WINDOW, REPLAY_EVERY = ("0:300", "10") if LONG else ("0:24", "3")
 SEED = 18
 pytestmark = pytest.mark.timeout(1800 if LONG else 900)
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = bundled.trace_path(bundled.CONV)
 WORKER = "app.kubernetes.io/component=worker"
 FINISHED = ("Succeeded", "Failed")
 

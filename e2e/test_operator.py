@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfleet.api.reports import size_class_name
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import free_port, stop_process
+from kvfleet.sim import bundled
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import scripted_pool as pool
 from kvfleet_e2e.reports import worker_reports
@@ -247,7 +248,7 @@ def test_a_standby_replica_never_acts_until_the_leader_is_gone(cluster: Cluster,
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llmpool.yaml"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = bundled.trace_path(bundled.CONV)
 BYTES_PER_TOKEN = 819_200  # LLaMA-2-13B in fp16, the example pool's model
 DECODE_TOKENS_PER_S = 50
 

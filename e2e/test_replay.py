@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
-from kvfleet.localcluster.controlplane import REPO_ROOT, Process, stop_process
+from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.replay.observe import timestamp_s
+from kvfleet.sim import bundled
 from kvfleet.worker.model.tiny import make_tiny
 from kvfleet_e2e.pools import ready
 
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = bundled.trace_path(bundled.CONV)
 
 
 @pytest.fixture(scope="module")

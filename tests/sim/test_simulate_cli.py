@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvfleet.cli import main
+from kvfleet.sim import bundled
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = bundled.trace_dir()
 CONV = TRACES / "AzureLLMInferenceTrace_conv.csv"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "azure_conv_600_120_13b.json"
 KEYS = {"peak_gpus", "mean_gpus", "utilization", "migrations_per_s", "migrated_bytes", "active_gpu_hours",

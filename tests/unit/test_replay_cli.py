@@ -3,15 +3,14 @@ any request is sent. (The replay itself runs against the real control plane: e2e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvfleet.cli import main
 from kvfleet.replay.cli import Shape
+from kvfleet.sim import bundled
 from kvfleet.sim.traces import TraceRequest
 
-TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = bundled.trace_path(bundled.CONV)
 
 
 @pytest.mark.parametrize(("args", "message"), [

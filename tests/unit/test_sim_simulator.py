@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
 from kvfleet.api.models import AutoscalingSpec
+from kvfleet.sim import bundled
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB, derive_capacity
 from kvfleet.sim.simulator import DEFAULT_SCALE_DOWN_DELAY_S, make_setup, nearest_rank, shared_bound, simulate
 from kvfleet.sim.traces import TraceRequest, read_trace, slice_trace
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = bundled.trace_dir()
 SETUP = make_setup("13b-a100", LLAMA2_13B, A100_40GB)
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvfleet.sim import bundled
 from kvfleet.sim.traces import TraceError, long_context_workload, poisson_workload, read_trace, slice_trace
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = bundled.trace_dir()
 
 
 def test_reads_the_azure_conversation_trace() -> None:
@@ -113,3 +114,20 @@ def test_long_context_workload_matches_its_stated_shape() -> None:
     assert 300 < sum(r.output_tokens for r in reqs) / len(reqs) < 400  # mean 350
     # About a quarter of the prompts alone exceed C of LLaMA-2-13B on an A100-40GB (15,408 tokens).
     assert 0.18 < sum(p > 15_408 for p in prompts) / len(prompts) < 0.30
+
+
+def test_the_shipped_azure_traces_are_the_datasets_bytes() -> None:
+    """kvfleet ships the two Azure traces (CC BY 4.0, attribution beside them) so a plain clone or a
+    wheel runs `kvfleet simulate` and the demo; an edited or truncated copy fails here."""
+    for name in bundled.AZURE_TRACES:
+        path = bundled.bundled_dir() / name
+        assert bundled.sha256_of(path) == bundled.SHA256[name], name
+    assert "CC BY 4.0" in (bundled.bundled_dir() / "README.md").read_text()
+    assert len(read_trace(bundled.bundled_dir() / bundled.CODE)) == 8819
+
+
+def test_kvfleet_traces_names_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLEET_TRACES", str(tmp_path))
+    assert bundled.trace_dir() == tmp_path and bundled.trace_path() == tmp_path / bundled.CONV
+    monkeypatch.delenv("KVFLEET_TRACES")
+    assert bundled.trace_dir() == bundled.bundled_dir()

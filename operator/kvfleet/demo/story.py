@@ -30,12 +30,14 @@ from kvfleet.replay.cli import summary as replay_summary
 from kvfleet.replay.observe import PoolObserver
 from kvfleet.replay.record import Record, write_record
 from kvfleet.replay.streams import Clock
+from kvfleet.sim import bundled
 from kvfleet.sim.profile import load_profile
 from kvfleet.sim.simulator import RunResult, profile_setup, simulate
 from kvfleet.sim.traces import read_trace
 from kvfleet.worker.model.tiny import make_tiny
 
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+# The shipped Azure conversation trace ($KVFLEET_TRACES chooses another folder).
+TRACE = bundled.trace_path(bundled.CONV)
 POOL = "demo"
 # One worker holds 768 tokens of the tiny model's KV (2 KiB a token), so the slice's ~230-token
 # requests come in every MELL size class and a handful of them fill a worker.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
@@ -30,9 +29,10 @@ from kvfleet.api.models import SchedulingSpec
 from kvfleet.replay.observe import PoolObserver
 from kvfleet.replay.record import Record, build_record, write_record
 from kvfleet.replay.streams import Clock, Stream, run_stream
+from kvfleet.sim import bundled
 from kvfleet.sim.traces import TraceError, TraceRequest, read_trace, slice_trace
 
-DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = bundled.CONV
 POOL_POLICIES = tuple(get_args(SchedulingSpec.model_fields["policy"].annotation))
 
 
@@ -73,12 +73,8 @@ class UsageError(ValueError):
 
 
 def default_trace() -> Path:
-    base = Path(os.environ["KVFLEET_TRACES"]) if "KVFLEET_TRACES" in os.environ else None
-    for candidate in ([base] if base else []) + [Path.cwd() / ".." / "shared" / "traces",
-                                                  Path(__file__).resolve().parents[3] / ".." / "shared" / "traces"]:
-        if (candidate / DEFAULT_TRACE).is_file():
-            return candidate / DEFAULT_TRACE
-    return Path("../shared/traces") / DEFAULT_TRACE
+    """The Azure conversation trace: from $KVFLEET_TRACES if set, else the copy kvfleet ships."""
+    return bundled.trace_path(DEFAULT_TRACE)
 
 
 def parse_window(text: str) -> tuple[float, float]:
@@ -170,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the pool's router, e.g. http://127.0.0.1:8000 after `kubectl port-forward "
                              "svc/POOL-router 8000` (default: the router pod's IP, reachable on the local cluster)")
     parser.add_argument("--trace", type=Path, default=None,
-                        help=f"a trace file (default: {DEFAULT_TRACE} from $KVFLEET_TRACES or ../shared/traces)")
+                        help=f"a trace file (default: {DEFAULT_TRACE} from $KVFLEET_TRACES, else the copy kvfleet ships)")
     parser.add_argument("--window", default="0:60", metavar="START:DURATION",
                         help="the slice of the trace replayed, in trace seconds (0:60)")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="X",

@@ -11,12 +11,13 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.sim import bundled
+from kvfleet.sim.bundled import AZURE_TRACES
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
 from kvfleet.sim.prefix_cache import PrefixCacheSpec
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
@@ -45,7 +46,6 @@ SETUPS = {
     "13b-a100": (LLAMA2_13B, A100_40GB),
     "7b-4090": (LLAMA2_7B, RTX4090_24GB),
 }
-AZURE_TRACES = ("AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv")
 PAPER_RATES = (0.5, 0.8, 1.1)
 
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help=f"prompt tokens per hash_ids block of JSONL traces ({DEFAULT_HASH_BLOCK_TOKENS}, as Mooncake's)")
     wl.add_argument("--azure", action="store_true", help="both Azure traces from --trace-dir")
     wl.add_argument("--trace-dir", type=Path, default=None,
-                    help="where the Azure traces are (default: $KVFLEET_TRACES or ../shared/traces)")
+                    help="where the Azure traces are (default: $KVFLEET_TRACES, else the copies kvfleet ships)")
     wl.add_argument("--poisson", action="append", type=float, default=[], metavar="RATE",
                     help="Poisson arrivals at RATE requests/s; repeatable")
     wl.add_argument("--duration-s", type=float, default=3600.0, help="length of Poisson workloads (3600)")
@@ -122,23 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _default_trace_dir() -> Path:
-    env = os.environ.get("KVFLEET_TRACES")
-    if env:
-        return Path(env)
-    for base in (Path.cwd(), Path(__file__).resolve().parents[3]):
-        candidate = base / ".." / "shared" / "traces"
-        if candidate.is_dir():
-            return candidate
-    return Path("../shared/traces")
-
-
 def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]:
     traces: list[Path] = list(args.trace)
     rates: list[float] = list(args.poisson)
     long_rates: list[float] = list(args.long_context)
     if args.azure or (not traces and not rates and not long_rates):
-        trace_dir = args.trace_dir or _default_trace_dir()
+        trace_dir = args.trace_dir or bundled.trace_dir()
         traces += [trace_dir / name for name in AZURE_TRACES]
     if not args.trace and not args.poisson and not args.azure and not long_rates:
         rates = list(PAPER_RATES)
