@@ -1,4 +1,4 @@
-"""ScaleReduce against its fp64 reference, and the merge rule's edge cases (FIELD-NOTES "Kernels"):
+"""ScaleReduce against its fp64 reference, and the merge rule's edge cases (scale_reduce_kernel.py):
 order independence, NaN/+inf LSE read as -inf, empty parts, all parts empty, extreme LSE values."""
 
 from __future__ import annotations

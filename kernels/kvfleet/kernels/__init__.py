@@ -1,4 +1,7 @@
-"""DistAttention kernels (Triton), their launchers and torch references (papers/infinite-llm-distattention.txt).
+"""DistAttention kernels (Triton), their launchers and torch references.
+
+DistAttention is from Infinite-LLM ("Infinite-LLM: Efficient LLM Service for Long Context with
+DistAttention and Distributed KVCache", Lin et al., arXiv 2401.02669).
 
 One request's KV cache can live on several workers: each part computes a micro-attention over its own
 blocks and returns (output, log-sum-exp), and ScaleReduce merges the parts exactly (section 4.2).

@@ -71,7 +71,7 @@ def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
 def check_out(
     name: str, out: torch.Tensor | None, shape: Sequence[int], device: torch.device
 ) -> torch.Tensor:
-    """Results are fp32 (FIELD-NOTES, merge rule): an `out=` tensor must be fp32, contiguous, right shape."""
+    """Results are fp32 (the merge rule keeps partials in fp32): an `out=` tensor must be fp32, contiguous, right shape."""
     if out is None:
         return torch.empty(tuple(shape), dtype=torch.float32, device=device)
     check_tensor(name, out, ndim=len(shape), dtypes=(torch.float32,), device=device)

@@ -1,6 +1,7 @@
 """Triton kernel: one decode micro-attention (MA) over the paged KV blocks that one part holds.
 
-DistAttention (papers/infinite-llm-distattention.txt, section 4.2) splits one request's attention into
+DistAttention (Infinite-LLM, "Infinite-LLM: Efficient LLM Service for Long Context with DistAttention
+and Distributed KVCache", arXiv 2401.02669, section 4.2) splits one request's attention into
 micro-attentions, each over a sub-sequence of the KV cache that may live on another worker, and
 merges them exactly afterwards (ScaleReduce, scale_reduce_kernel.py). For that merge each MA must
 return its normalised output together with the log-sum-exp of its logits: eq. (5) rescales each MA by

@@ -122,7 +122,7 @@ def micro_attention_decode(
         o_dst, lse_dst = out, out_lse
         o_split_stride, lse_split_stride = 0, 0
     else:
-        # fp32 partials, never 16-bit (FIELD-NOTES: vLLM's paged_attention_v2 loses precision there).
+        # fp32 partials, never 16-bit (vLLM's paged_attention_v2 keeps them in fp16/bf16 and loses precision there).
         o_dst = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         lse_dst = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
         o_split_stride, lse_split_stride = o_dst.stride(2), lse_dst.stride(2)

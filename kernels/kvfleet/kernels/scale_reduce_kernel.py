@@ -3,7 +3,7 @@
 Infinite-LLM section 4.2, eq. (5): the attention over a whole sequence equals the sum of the
 micro-attentions of its sub-sequences, each scaled by exp(max_j - max) and divided by the global sum.
 With normalised partial outputs o_i and natural-log LSEs lse_i, that is (the rule FlashInfer, SGLang,
-vLLM and tree attention share, FIELD-NOTES "Kernels"):
+vLLM and tree attention share):
 
     m = max_i lse_i;  w_i = exp(lse_i - m);  o = sum_i w_i o_i / sum_i w_i;  lse = m + log(sum_i w_i)
 

@@ -1,4 +1,7 @@
-"""MELL: the pure KV-cache scheduling core (papers/mell.txt). No kubernetes, kopf, torch, vllm or triton.
+"""MELL: the pure KV-cache scheduling core. No kubernetes, kopf, torch, vllm or triton.
+
+After MELL ("MELL: Memory-Efficient Large Language Model Serving via Multi-GPU KV Cache Management",
+Liu et al.).
 
 `make_policy(name, SchedulerConfig(capacity_bytes=C))` gives MELL or a baseline; `policy.schedule(batch)`
 turns one epoch of events into a Plan. `plan_epoch` is the same as a pure function of a snapshot, and

@@ -534,8 +534,8 @@ class ClusterPolicy(abc.ABC):
         return chunks, size_bytes - chunks * self.capacity_bytes
 
     def _arrive(self, request_id: str, size_bytes: int) -> None:
-        """A request larger than C is not a failure (DESIGN.md): whole chunks of C fill GPUs of their
-        own and the tail is scheduled like any request; DistAttention spans them (Infinite-LLM)."""
+        """A request larger than C is not a failure but the DistAttention case (Infinite-LLM): whole chunks
+        of C fill GPUs of their own and the tail is scheduled like any request; DistAttention spans them."""
         chunks, tail = self._split(size_bytes)
         if chunks:
             self._heads[request_id] = [self._new_head(request_id) for _ in range(chunks)]

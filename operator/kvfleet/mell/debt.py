@@ -3,7 +3,8 @@
 A request larger than one worker's KV capacity (MELL's size class X, a `Span`) keeps part of its KV
 cache in rBlocks lent by other workers and is attended with DistAttention. Somebody has to know who
 has room, who owes whom, and when lending has fragmented so badly that debts run in circles; in
-Infinite-LLM that is the gManager (papers/infinite-llm-distattention.txt). The operator plays the
+Infinite-LLM ("Infinite-LLM: Efficient LLM Service for Long Context with DistAttention and
+Distributed KVCache", Lin et al., arXiv 2401.02669) that is the gManager. The operator plays the
 gManager: it builds a `DebtLedger` from the workers' reports each epoch, answers borrowing with
 `creditor_candidates` / `plan_borrowing` (the contract protocol, §4.4), and runs
 `eliminate_debt_cycles` (DGFM, §4.5, Algorithm 1) to give borrowed memory back. Everything here is a

@@ -1,9 +1,9 @@
 """Domain values of the scheduling core: KV capacity, size classes, events, plans.
 
 Everything the scheduler consumes or produces is a frozen dataclass defined here, so that the
-operator, the router, the simulator and the tests speak the same vocabulary (DESIGN.md, "The
-scheduling core"). Sizes are bytes of KV cache; C (``capacity_bytes``) is one worker's KV capacity
-(MELL §VI-A), computed by `kv_capacity_bytes`. Model shapes and GPU types, which only the simulator
+operator, the router, the simulator and the tests speak the same vocabulary (docs/mell.md). Sizes
+are bytes of KV cache; C (``capacity_bytes``) is one worker's KV capacity (MELL §VI-A), computed by
+`kv_capacity_bytes`. Model shapes and GPU types, which only the simulator
 and the benches need to turn a preset into bytes, live in kvfleet.sim.hardware.
 """
 

@@ -3,8 +3,9 @@
 The operator names a policy in the LLMPool spec (`mell`, `mell-paper`, `best-fit`, `worst-fit`,
 `load-balance`); the simulator runs all five. `mell` is kvfleet's default (fleet.py), `mell-paper`
 MELL's Fig. 10 exactly as the paper states it (mell.py with every kvfleet refinement off), kept so
-that the default's gain is always measured against it. `plan_epoch` is the function DESIGN.md asks for: no state survives the
-call, so the operator can rebuild the snapshot from worker reports after a restart.
+that the default's gain is always measured against it. `plan_epoch` is the core as a pure function of
+(snapshot, events) -> plan: no state survives the call, so the operator can rebuild the snapshot from
+worker reports after a restart.
 """
 
 from __future__ import annotations

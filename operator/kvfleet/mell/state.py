@@ -74,7 +74,7 @@ class GpuSnapshot:
 
 @dataclass(frozen=True)
 class ClusterSnapshot:
-    """The whole scheduling state as a value: rebuildable from worker reports (DESIGN.md)."""
+    """The whole scheduling state as a value: rebuildable from worker reports after an operator restart."""
 
     gpus: tuple[GpuSnapshot, ...]
     items: tuple[ItemSnapshot, ...]

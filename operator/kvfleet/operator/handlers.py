@@ -35,7 +35,7 @@ def _poke_event(namespace: str | None, name: str) -> threading.Event:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Watches can stall silently without these (FIELD-NOTES, kopf).
+    # kopf's watches can stall silently without these timeouts.
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 90
     settings.watching.connect_timeout = 10

@@ -1,6 +1,6 @@
 """Leader election on a coordination.k8s.io Lease, so that two operator replicas never both act.
 
-kopf's peering is not leader election: replicas of equal priority all pause (FIELD-NOTES, kopf).
+kopf's peering is not leader election: replicas of equal priority all pause (kopf's docs, "peering").
 This is the client-go pattern instead: a replica acts only while it holds the Lease, renews it every
 third of its duration, and exits the moment it cannot prove it still holds it, so a replica that
 was partitioned away stops before another one takes over. Waiting replicas take over once the Lease

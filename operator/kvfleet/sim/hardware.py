@@ -31,7 +31,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        # K and V, per layer, per KV head (DESIGN.md: 2 x layers x kv_heads x head_dim x dtype bytes).
+        # K and V, per layer, per KV head: 2 x layers x kv_heads x head_dim x dtype bytes.
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property

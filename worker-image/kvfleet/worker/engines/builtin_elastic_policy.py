@@ -2,7 +2,8 @@
 
 The builtin engine's elastic scheduler (builtin_elastic.py) asks these functions what to do and then
 does it (maps chunks, moves KV); keeping the decisions apart from the doing lets them be tested
-exactly, on numbers, as the paper states them (`../shared/papers/ellm.txt`):
+exactly, on numbers, as the paper states them ("eLLM: Elastic Memory Management Framework for
+Efficient LLM Serving", Xu et al.):
 
 - `plan_batch` is Algorithm 1 (§4.4.1, "Scheduling with Elastic Memory"): a request joins the
   step's batch only if the whole step (KV and activations of every request in it) leaves at least

@@ -1,6 +1,6 @@
 """A small Llama-architecture model built on this machine, so tests and the demo need no model hub.
 
-Engines are tested against a real model (DESIGN.md, "Testing against real things"), but nothing may
+Engines are tested against a real model, not a mock, but nothing may
 be downloaded at test or run time. `make_tiny` writes an HF-format directory that transformers,
 vLLM and the builtin engine all load offline: a Llama config, seeded random float32 weights, and a
 byte-level BPE tokenizer trained on `corpus.txt` (this repository's own docs, shipped in the package
