@@ -20,7 +20,7 @@ first, and keeps going when one part fails:
 The parts that serve a model share one (a random-weight Llama 3.2 1B shape, bench/_shapes.py), built
 once in the background while the kernel parts run.
 
-    python bench/gpu.py                  # on the GPU machine, from the repository root (about 8 minutes)
+    python bench/gpu.py                  # on the GPU machine, from the repository root (about 6 minutes on an H200)
     python bench/gpu.py --dry-run        # here: every part at toy sizes on the CPU (make test runs it)
 
 First line: the device. The log of every part goes to OUT/gpu.log and the summary to OUT/gpu.json
