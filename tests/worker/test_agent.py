@@ -197,17 +197,26 @@ def test_internal_endpoints_require_the_pool_token(worker: Worker) -> None:
     assert json.loads(raw)["capacityBytes"] == worker.agent.engine.info.kv_capacity_bytes
 
 
-def test_metrics_show_kv_capacity_and_tokens(worker: Worker) -> None:
-    worker.post("/v1/completions", completion(max_tokens=4))
+def _metric_samples(worker: Worker) -> dict[str, float]:
     status, raw = worker.request("GET", "/metrics")
     assert status == 200
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in raw.decode().splitlines()
-               if line and not line.startswith("#")}
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in raw.decode().splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_show_kv_capacity_and_tokens(worker: Worker) -> None:
+    # The worker is shared with other tests: counters are compared with their values before.
+    rejected = 'kvfleet_worker_rejected_requests_total{status="400"}'
+    before = _metric_samples(worker)
+    worker.post("/v1/completions", completion(max_tokens=4))
+    assert worker.post("/v1/completions", completion(no_such_field=1))[0] == 400
+    samples = _metric_samples(worker)
     assert samples["kvfleet_worker_kv_capacity_bytes"] == worker.agent.engine.info.kv_capacity_bytes
-    assert samples["kvfleet_worker_generation_tokens_total"] >= 4
+    assert samples["kvfleet_worker_generation_tokens_total"] - before.get("kvfleet_worker_generation_tokens_total", 0) == 4
     assert samples["kvfleet_worker_requests_running"] == 0
-    assert samples['kvfleet_worker_requests_total{finish_reason="length"}'] >= 1
-    assert samples['kvfleet_worker_rejected_requests_total{status="400"}'] >= 0
+    length = 'kvfleet_worker_requests_total{finish_reason="length"}'
+    assert samples[length] - before.get(length, 0) == 1
+    assert samples[rejected] - before.get(rejected, 0) == 1
 
 
 def test_reports_follow_a_request_in_and_out(worker: Worker) -> None:
