@@ -416,44 +416,46 @@ def crash_hunt(args: argparse.Namespace) -> int:
         remaining = [step for step in HUNT_STEPS if step not in verdicts]
         if not remaining:
             break
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--hunt-child", ",".join(remaining), "--hunt-shape", shape]
-        if args.cpu_smoke:
-            cmd.append("--cpu-smoke")
-        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        running = None
-        for line in proc.stdout.splitlines():
-            print(line, flush=True)
-            if line.startswith("hunt-start "):
-                running = line.split()[1]
-            elif line.startswith("hunt ") and ": " in line:
-                name, verdict = line.removeprefix("hunt ").split(": ", 1)
-                verdicts[name] = verdict
-        if proc.returncode != 0:
-            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
-            died = running if running and running not in verdicts else remaining[0]
-            verdicts[died] = f"FAILED (the process died, exit {proc.returncode}): {tail}"
-            print(f"hunt {died}: {verdicts[died]}", flush=True)
-            if died == "setup":
-                break
+        died = run_hunt_child(args, shape, remaining, verdicts, launch_blocking=True)
+        if died == "setup":
+            break
     for step in RACE_STEPS:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--hunt-child", step, "--hunt-shape", shape]
-        if args.cpu_smoke:
-            cmd.append("--cpu-smoke")
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_LAUNCH_BLOCKING"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        for line in proc.stdout.splitlines():
-            print(line, flush=True)
-            if line.startswith(f"hunt {step}: "):
-                verdicts[step] = line.split(": ", 1)[1]
-        if proc.returncode != 0 or step not in verdicts:
-            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
-            verdicts[step] = f"FAILED (the process died, exit {proc.returncode}): {tail}"
-            print(f"hunt {step}: {verdicts[step]}", flush=True)
+        run_hunt_child(args, shape, [step], verdicts, launch_blocking=False)
     failed = [step for step, verdict in verdicts.items() if verdict.startswith("FAILED") and step not in RACE_STEPS]
     sanitizer = sanitize(args, shape, failed[0]) if failed and not args.cpu_smoke else None
     print(json.dumps({"hunt_shape": shape, "steps": verdicts, "failed": failed, "sanitizer": sanitizer}))
     return 0
+
+
+def run_hunt_child(args: argparse.Namespace, shape: str, steps: list[str], verdicts: dict[str, str],
+                   launch_blocking: bool) -> str | None:
+    """One child process running `steps` in order, its output echoed and its verdicts added to
+    `verdicts`; the step it died in (recorded as FAILED) if it died, else None."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--hunt-child", ",".join(steps), "--hunt-shape", shape]
+    if args.cpu_smoke:
+        cmd.append("--cpu-smoke")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_LAUNCH_BLOCKING"}
+    if launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    running = None
+    for line in proc.stdout.splitlines():
+        print(line, flush=True)
+        if line.startswith("hunt-start "):
+            running = line.split()[1]
+        elif line.startswith("hunt ") and ": " in line:
+            name, verdict = line.removeprefix("hunt ").split(": ", 1)
+            verdicts[name] = verdict
+    if running is not None and running not in verdicts:
+        died = running  # it died inside this step
+    elif running is None and proc.returncode != 0:
+        died = steps[0]  # it died before its first step
+    else:
+        return None  # every step it started has its verdict (after a FAILED one it may stop, exit 3)
+    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+    verdicts[died] = f"FAILED (the process died, exit {proc.returncode}): {tail}"
+    print(f"hunt {died}: {verdicts[died]}", flush=True)
+    return died
 
 
 def sanitize(args: argparse.Namespace, shape: str, step: str) -> list[str] | None:
