@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_testing import run, tokens_of  # noqa: E402
+from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
@@ -33,9 +33,7 @@ from kvfleet.worker.engines.builtin_model import (  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
-# Long enough to grow several blocks and to still be running when the pool runs short.
-PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 20 + 3 * i)] for i in range(10)]
-MAX_TOKENS = 40
+PROMPTS, MAX_TOKENS = ELASTIC_PROMPTS, ELASTIC_MAX_TOKENS
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:

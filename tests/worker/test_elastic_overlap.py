@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_testing import greedy, run, tokens_of  # noqa: E402
+from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, greedy, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.elastic import (  # noqa: E402
     ChunkPool,
@@ -39,9 +39,7 @@ from kvfleet.worker.engines.builtin_scheduler import Step  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
-# As test_elastic_engine.py: prompts that grow several blocks and still run when the pool runs short.
-PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 20 + 3 * i)] for i in range(10)]
-MAX_TOKENS = 40
+PROMPTS, MAX_TOKENS = ELASTIC_PROMPTS, ELASTIC_MAX_TOKENS
 
 
 class ManualFence:

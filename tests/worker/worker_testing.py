@@ -100,3 +100,9 @@ async def tokens_of(stream: AsyncIterator[StepOutput]) -> list[int]:
 
 def tokens(outs: list[StepOutput]) -> list[int]:
     return [t for out in outs for t in out.new_token_ids]
+
+
+# The elastic-memory tests' workload: prompts long enough to grow several blocks and still running
+# when the pool runs short (test_elastic_engine.py, test_elastic_overlap.py).
+ELASTIC_PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 20 + 3 * i)] for i in range(10)]
+ELASTIC_MAX_TOKENS = 40
