@@ -19,9 +19,7 @@ OUTSIDE = re.compile(
     r"\.\./shared|shared/(papers|traces)|\"\.\.\" / \"shared\"|\"shared\" / \"(traces|papers)\"|parent / \"shared\""
     r"|FIELD-NOTES|DESIGN\.md|papers/[a-z-]+\.txt"
 )
-# The tokenizer's training corpus is old prose kept byte for byte (the tiny model's identity hashes
-# it; a different corpus is a different model): text to learn from, not a reference to follow.
-EXEMPT = {"worker-image/kvfleet/worker/model/corpus.txt", "tests/unit/test_repository_stands_alone.py"}
+EXEMPT = {"tests/unit/test_repository_stands_alone.py"}
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh", ".cfg", ".ini", ".tpl", ""}
 
 
