@@ -37,7 +37,7 @@ def main() -> None:
 
     import torch  # after argparse, so --help is instant
 
-    from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, SeqBatchEntry, read_architecture
+    from kvfleet.worker.engines.builtin.model import LlamaForward, PagedKVCache, SeqBatchEntry, read_architecture
     from kvfleet.worker.model.tiny import make_tiny
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

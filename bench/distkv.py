@@ -50,9 +50,9 @@ from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
 from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors  # noqa: E402
 from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
-from kvfleet.worker.engines.builtin_borrowing import BuiltinKVBorrowing  # noqa: E402
-from kvfleet.worker.engines.builtin_model import read_architecture, torch_dtype  # noqa: E402
+from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 

@@ -72,10 +72,10 @@ from kvfleet.worker.elastic import (  # noqa: E402
     open_memory,
     record_marker,
 )
-from kvfleet.worker.engines import builtin_model  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
-from kvfleet.worker.engines.builtin_model import read_architecture, torch_dtype  # noqa: E402
+from kvfleet.worker.engines.builtin import model as builtin_model  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
+from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
 MIB = 1024 * 1024

@@ -41,7 +41,7 @@ from _shapes import LLAMA3_VOCAB, describe, shape  # noqa: E402
 
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
 from kvfleet.worker.engines.base import SamplingParams  # noqa: E402
-from kvfleet.worker.engines.builtin_model import (  # noqa: E402
+from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     ATTENTION_PATHS,
     LlamaArchitecture,
     LlamaForward,
@@ -82,7 +82,7 @@ def transformers_greedy(model: Any, prompt: list[int], num_tokens: int, device: 
 
 async def engine_greedy(model_dir: Path, dtype: str, device: str, attention: str, prompts: list[list[int]],
                         num_tokens: int) -> list[list[int]]:
-    from kvfleet.worker.engines.builtin_model import read_architecture, torch_dtype
+    from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype
 
     # Room for every request at once, so they decode as one batch.
     max_model_len = max(map(len, prompts)) + num_tokens + BLOCK

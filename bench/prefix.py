@@ -58,7 +58,7 @@ from kvfleet.serving.prompt_tree import PromptTree  # noqa: E402
 from kvfleet.sim.simulator import nearest_rank  # noqa: E402
 from kvfleet.worker.agent import Agent, AgentConfig  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.model.tiny import TinySpec, make_tiny  # noqa: E402
 from kvfleet.worker.text import Tokenizer  # noqa: E402
 

@@ -31,9 +31,9 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     StepOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
-from kvfleet.worker.engines.builtin_model import LlamaForward, PagedKVCache, SeqBatchEntry  # noqa: E402
-from kvfleet.worker.engines.builtin_sampling import Sampling, sample_token  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.model import LlamaForward, PagedKVCache, SeqBatchEntry  # noqa: E402
+from kvfleet.worker.engines.builtin.sampling import Sampling, sample_token  # noqa: E402
 from kvfleet.worker.engines.capabilities import KVBlocks, KVMigratable, MigrationError  # noqa: E402
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The builtin engine's DistAttention path (builtin_model.py, attention="distattention"): greedy outputs
+"""The builtin engine's DistAttention path (builtin/model.py, attention="distattention"): greedy outputs
 equal the SDPA path's (single requests, prefills batched with decodes, prompts of several blocks,
 elastic memory with the prefix cache and offloaded prefills), KV held outside the cache merges in
 through the extra-part seam (KVParts) to the all-local logits, and a step's memory stays within what
@@ -18,8 +18,8 @@ from worker_testing import TEST_KV_CAPACITY_BYTES, greedy, run, tokens_of  # noq
 
 from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
-from kvfleet.worker.engines.builtin_model import (  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     ACTIVATION_BASE_BYTES,
     LlamaForward,
     PagedKVCache,

@@ -19,7 +19,7 @@ from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors
 from kvfleet.worker.distkv.lender import serve_lease
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import RequestTooLong, SamplingParams
-from kvfleet.worker.engines.builtin import BuiltinEngine
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport
 
 TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("borrow-token", b"borrow-key")))
@@ -197,8 +197,8 @@ class _Remote:
 
 
 def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_never_preempts_it() -> None:
-    from kvfleet.worker.engines.builtin_blocks import BlockPool
-    from kvfleet.worker.engines.builtin_scheduler import ModelLimits, Scheduler
+    from kvfleet.worker.engines.builtin.blocks import BlockPool
+    from kvfleet.worker.engines.builtin.scheduler import ModelLimits, Scheduler
 
     async def scenario() -> None:
         sched = Scheduler(max_num_seqs=4, block_size_tokens=BLOCK, seed=0)
@@ -214,7 +214,7 @@ def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_nev
         sched.process(step, [9])
         assert (req.num_cached, req.output) == (64, [])  # a chunk samples nothing
         assert sched.spanning_shortfall(req) == 3 and sched.schedule() is None  # 36 more tokens need 3 blocks
-        # What builtin_borrowing's spill does: the 3 oldest blocks move to a lender.
+        # What builtin.borrowing's spill does: the 3 oldest blocks move to a lender.
         sched.pool.release(req.blocks[:3])
         del req.blocks[:3]
         req.remote = _Remote(48)  # type: ignore[assignment]
@@ -258,7 +258,7 @@ class _BrokenLease:
 
 def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_model_dir: Path) -> None:
     from kvfleet.worker.engines.base import EngineError
-    from kvfleet.worker.engines.builtin_borrowing import MAX_LOSSES
+    from kvfleet.worker.engines.builtin.borrowing import MAX_LOSSES
 
     async def scenario() -> None:
         borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))

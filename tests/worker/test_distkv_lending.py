@@ -19,8 +19,8 @@ from kvfleet.worker.distkv.borrower import RemoteLease
 from kvfleet.worker.distkv.lender import serve_lease
 from kvfleet.worker.distkv.wire import LendingRefused
 from kvfleet.worker.engines import EngineConfig, load_engine
-from kvfleet.worker.engines.builtin import BuiltinEngine
-from kvfleet.worker.engines.builtin_lending import BuiltinKVLending
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine
+from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
 from kvfleet.worker.migration.transport import Channel, TCPTransport
 
 TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("lending-token", b"lending-key")))

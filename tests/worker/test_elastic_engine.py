@@ -1,4 +1,4 @@
-"""The builtin engine with elastic memory (eLLM, builtin_elastic.py): same tokens, more room.
+"""The builtin engine with elastic memory (eLLM, builtin/elastic.py): same tokens, more room.
 
 Outputs are compared token for token with the engine without elastic memory (greedy decoding of the
 tiny model has clear top-1 margins, test_builtin_engine.py), under memory pressure that makes the
@@ -20,9 +20,9 @@ torch = pytest.importorskip("torch")
 from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
-from kvfleet.worker.engines.builtin_elastic import ElasticScheduler  # noqa: E402
-from kvfleet.worker.engines.builtin_model import (  # noqa: E402
+from kvfleet.worker.engines.builtin.elastic import ElasticScheduler  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
+from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     ACTIVATION_BASE_BYTES,
     LlamaForward,
     PagedKVCache,
@@ -211,7 +211,7 @@ def test_a_parked_request_migrates_by_kv_and_gives_the_unmigrated_output(tiny_mo
                          [(512, 512, 1), (2048, 2048, 1), (1, 1024, 8), (1, 2000, 32), (1, 2000, 64), (40, 40, 1)])
 def test_activation_charge_bounds_what_torch_allocates(tiny_model_dir: Path, new_tokens: int, context_tokens: int,
                                                        batch: int) -> None:
-    """The charge (builtin_model.activation_bytes) is never below the forward's measured peak and at
+    """The charge (builtin.model.activation_bytes) is never below the forward's measured peak and at
     most 1.6x it (plus the fixed base): what a step holds of the pool is what it really needs."""
     from torch.profiler import ProfilerActivity, profile
 

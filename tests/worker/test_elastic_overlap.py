@@ -1,5 +1,5 @@
 """eLLM §5.1, "Overlapping (Un)mapping Overheads", in the builtin engine's elastic memory: decoding
-speculative pre-mapping and asynchronous unmapping (builtin_elastic.py, etensor.py), on the host backend.
+speculative pre-mapping and asynchronous unmapping (builtin/elastic.py, etensor.py), on the host backend.
 
 The seam is the scheduler's count of range maps and unmaps made while a step computes (`overlap`)
 against those made on a step's path. With the overlap on, steady decoding maps nothing on the path;
@@ -33,9 +33,9 @@ from kvfleet.worker.elastic import (  # noqa: E402
     record_marker,
 )
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
-from kvfleet.worker.engines.builtin_elastic import ElasticKVBlocks, ElasticScheduler  # noqa: E402
-from kvfleet.worker.engines.builtin_scheduler import Step  # noqa: E402
+from kvfleet.worker.engines.builtin.elastic import ElasticKVBlocks, ElasticScheduler  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.scheduler import Step  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -183,7 +183,7 @@ def test_mapping_a_chunk_or_slot_a_deferred_unmap_holds_waits_for_that_fence_fir
 
 
 def test_kv_slot_0_is_never_mapped_ahead_nor_unmapped_behind_a_fence(host_memory: Any) -> None:
-    """builtin_model pads the decode gathers' block tables with block 0, so a running step may read KV
+    """builtin.model pads the decode gathers' block tables with block 0, so a running step may read KV
     slot 0 whatever its blocks: only the time between steps (un)maps it."""
     block_bytes = host_memory.chunk_bytes // 2
     kv = ElasticKVBlocks(ChunkPool(4, host_memory.chunk_bytes), host_memory, block_bytes)

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from worker_testing import greedy, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.engines.base import EngineConfig, StepOutput  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 
 SYSTEM = [1, *range(100, 180)]  # 81 tokens: 5 full blocks of 16 shared by every conversation
 

@@ -1,4 +1,4 @@
-"""Context caching with elastic memory (builtin_elastic.py): the prefix cache in eLLM's one pool, and
+"""Context caching with elastic memory (builtin/elastic.py): the prefix cache in eLLM's one pool, and
 the CPU buffer as its host tier (MemServe §4.1 Table 1, swap_out / swap_in).
 
 Outputs are compared token for token with the elastic engine without the cache (greedy decoding of
@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 from worker_testing import greedy, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
-from kvfleet.worker.engines.builtin import BuiltinEngine  # noqa: E402
-from kvfleet.worker.engines.builtin_elastic import ElasticScheduler  # noqa: E402
+from kvfleet.worker.engines.builtin.elastic import ElasticScheduler  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 
 T = TypeVar("T")
 KIB = 1024
@@ -259,7 +259,7 @@ def test_a_chunk_is_not_deflated_while_a_copy_out_of_its_blocks_is_pending() -> 
     from concurrent.futures import Future
 
     from kvfleet.worker.elastic import ChunkPool, open_memory
-    from kvfleet.worker.engines.builtin_elastic import ElasticKVBlocks
+    from kvfleet.worker.engines.builtin.elastic import ElasticKVBlocks
 
     chunk_bytes, block_bytes = 64 * KIB, 16 * KIB
     memory = open_memory("host", 4, chunk_bytes, torch.device("cpu"))

@@ -23,9 +23,9 @@ from kvfleet.serving.openai_api import APIError
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import EngineInfo
-from kvfleet.worker.engines.builtin import BuiltinEngine
-from kvfleet.worker.engines.builtin_model import SeqBatchEntry
-from kvfleet.worker.engines.builtin_scheduler import Step
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine
+from kvfleet.worker.engines.builtin.model import SeqBatchEntry
+from kvfleet.worker.engines.builtin.scheduler import Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities
 from kvfleet.worker.engines.speed import SpeedRecorder
 from kvfleet.worker.text import Tokenizer

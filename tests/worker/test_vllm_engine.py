@@ -1,4 +1,4 @@
-"""The vLLM engine (engines/vllm.py) on the CPU: what the contract tests cannot see from outside.
+"""The vLLM engine (engines/vllm/engine.py) on the CPU: what the contract tests cannot see from outside.
 
 The session's vLLM engine (worker_testing.start_engine, shared with test_engine_contract.py, since
 loading takes ~25 s) is checked against vLLM's own cache config and against transformers' greedy
@@ -56,7 +56,7 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     StepOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.vllm import VLLMEngine  # noqa: E402
+from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
 from kvfleet.worker.gpu import GPUProbe  # noqa: E402
 from kvfleet.worker.metrics import WorkerMetrics  # noqa: E402
 
@@ -227,7 +227,7 @@ def test_own_engine_rounds_capacity_to_blocks_and_stop_leaves_no_process(tiny_mo
         with pytest.raises(RequestTooLong):
             engine.generate("too-long", [1] * 600, greedy(41))
         started = {p.pid for p in me.children(recursive=True)} - before
-        # The EngineCore, and its model worker unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines/vllm.py).
+        # The EngineCore, and its model worker unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines/vllm/engine.py).
         assert "VLLM::EngineCore" in {psutil.Process(pid).name() for pid in started}
         # A request still running when stop() comes is aborted, its stream ended.
         stream = engine.generate("running", [1, 2, 3], greedy(400))

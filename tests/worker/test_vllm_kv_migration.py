@@ -1,4 +1,4 @@
-"""vLLM's KV migration capability (engines/vllm_migration.py over engines/vllm_connector.py), engine to engine.
+"""vLLM's KV migration capability (engines/vllm/migration.py over engines/vllm/connector.py), engine to engine.
 
 What a migration's two executors do, called directly: suspend a running request on one engine, export
 its KV, import it into another, resume there; the output must equal the unmigrated greedy output,
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 from kvfleet.worker.engines.base import Engine, EngineConfig  # noqa: E402
 from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError, kv_format_mismatch, split_blocks  # noqa: E402
-from kvfleet.worker.engines.vllm import VLLMEngine  # noqa: E402
-from kvfleet.worker.engines.vllm_connector import KVLayout  # noqa: E402
+from kvfleet.worker.engines.vllm.connector import KVLayout  # noqa: E402
+from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(300)]   # past two of vLLM's 128-token blocks
 MAX_TOKENS = 40

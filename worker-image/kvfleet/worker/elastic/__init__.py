@@ -2,7 +2,7 @@
 
 chunks.py keeps who owns each chunk, memory.py the backends' protocol (host.py: memfd and mmap;
 cuda.py: CUDA's VMM), etensor.py the virtual tensors that map chunks on demand. The builtin engine's
-elastic scheduler (engines/builtin_elastic.py) is their user; docs/elastic-memory.md says why.
+elastic scheduler (engines/builtin/elastic.py) is their user; docs/elastic-memory.md says why.
 """
 
 from kvfleet.worker.elastic.chunks import ChunkPool, Owner, OwnershipError, PoolExhausted

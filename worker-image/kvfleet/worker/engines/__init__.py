@@ -14,11 +14,11 @@ ENGINE_NAMES = ("builtin", "vllm")
 def load_engine(name: str, config: EngineConfig) -> Engine:
     """An engine, not yet started (call `await engine.start()`)."""
     if name == "builtin":
-        from kvfleet.worker.engines.builtin import BuiltinEngine
+        from kvfleet.worker.engines.builtin.engine import BuiltinEngine
 
         return BuiltinEngine(config)
     if name == "vllm":
-        from kvfleet.worker.engines.vllm import VLLMEngine
+        from kvfleet.worker.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(config)
     raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINE_NAMES)}")

@@ -235,7 +235,13 @@ class Engine(Protocol):
         ...
 
 
+def blocks_for(num_tokens: int, block_size_tokens: int) -> int:
+    """Blocks that hold `num_tokens` tokens (the last one may be partial): requests are sized in whole
+    blocks, as a paged cache allocates them and as MELL sizes them, by every engine and the migration
+    that reserves blocks for one."""
+    return -(-num_tokens // block_size_tokens)
+
+
 def kv_blocks_bytes(num_tokens: int, block_size_tokens: int, kv_bytes_per_token: int) -> int:
     """Bytes of the paged blocks that hold num_tokens: whole blocks, as a paged cache allocates."""
-    blocks = -(-num_tokens // block_size_tokens)
-    return blocks * block_size_tokens * kv_bytes_per_token
+    return blocks_for(num_tokens, block_size_tokens) * block_size_tokens * kv_bytes_per_token

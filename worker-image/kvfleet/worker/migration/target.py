@@ -13,8 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvfleet.worker.engines.base import EngineError
-from kvfleet.worker.engines.builtin_blocks import blocks_for
+from kvfleet.worker.engines.base import EngineError, blocks_for
 from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
 from kvfleet.worker.migration.handoff import HandedRequest
 from kvfleet.worker.migration.host import Host, continue_on

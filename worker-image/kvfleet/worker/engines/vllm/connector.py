@@ -1,13 +1,13 @@
 """kvfleet's KV connector for vLLM: a running request's KV blocks out of and into vLLM, with no patch to vLLM.
 
 vLLM keeps its block tables and KV cache in its EngineCore process; the worker's agent lives in the
-process that runs AsyncLLM (engines/vllm.py). vLLM's own extension point for moving KV is the KV
+process that runs AsyncLLM (engines/vllm/engine.py). vLLM's own extension point for moving KV is the KV
 connector (vllm/distributed/kv_transfer/kv_connector/v1/base.py), which vLLM loads by module path
 (`KVTransferConfig(kv_connector="KvfleetConnector", kv_connector_module_path=<this module>)`) in
 two roles: the SCHEDULER side inside the scheduler, the WORKER side next to the model (in the same
 EngineCore process on one device, as here). This module is both, plus the socket through which the
-agent's process drives them (`Pipe`, a Unix socket in a private folder, authenticated with a key
-that only the two processes know). What the agent asks (engines/vllm_migration.py speaks for it):
+agent's process drives them (pipe.py: a Unix socket in a private folder, authenticated with a key
+that only the two processes know). What the agent asks (engines/vllm/migration.py speaks for it):
 
 - `suspend` (the source stops a request, keeping its KV): the scheduler side caps the running
   request's `max_tokens` at one more token, so that vLLM finishes it as length-capped after its next
@@ -47,13 +47,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+
+from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,92 +87,10 @@ EXTRA_MIN_STEP_S = "kvfleet_min_step_s"
 # travels here.
 PARAMS_KEY = "kvfleet"
 
-# Asks the loop thread carries out (the rest the pipe's reader answers itself).
-LOOP_OPS = frozenset({"suspend", "export", "release"})
-
 
 def kv_params(request_id: str, load: bool = False) -> dict[str, Any]:
     """The kv_transfer_params that name a request to this connector (and ask to load its staged KV)."""
     return {PARAMS_KEY: {"id": request_id, "load": load}}
-
-
-# -- the pipe between the agent's process and the EngineCore ----------------------------------------
-
-
-class Pipe:
-    """One authenticated connection carrying (header dict, optional tensor) messages, both ways.
-
-    Headers are pickled (the peer is authenticated and local); a tensor goes as its raw bytes after a
-    header that says its shape and dtype, read straight into a tensor of that shape. A writer thread
-    sends, so a caller never waits for the peer to read; a reader thread hands each message to
-    `on_message`. `on_close` runs once when the connection ends (either side).
-    """
-
-    def __init__(self, conn: Connection, on_message: Callable[[dict[str, Any], torch.Tensor | None], None],
-                 on_close: Callable[[], None], name: str) -> None:
-        self._conn = conn
-        self._on_message = on_message
-        self._on_close = on_close
-        self._outbox: queue.SimpleQueue[tuple[dict[str, Any], torch.Tensor | None] | None] = queue.SimpleQueue()
-        self.closed = threading.Event()
-        threading.Thread(target=self._write, name=f"{name}-writer", daemon=True).start()
-        threading.Thread(target=self._read, name=f"{name}-reader", daemon=True).start()
-
-    def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
-        if tensor is not None:
-            tensor = tensor.detach().to("cpu").contiguous()
-            header = {**header, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
-        self._outbox.put((header, tensor))
-
-    def close(self) -> None:
-        self._outbox.put(None)
-
-    def _write(self) -> None:
-        try:
-            while (item := self._outbox.get()) is not None:
-                header, tensor = item
-                self._conn.send(header)
-                if tensor is not None:
-                    self._conn.send_bytes(_bytes_of(tensor))
-        except OSError:
-            pass
-        finally:
-            self._finish()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                header = self._conn.recv()
-                tensor = None
-                if "shape" in header:
-                    tensor = torch.empty([int(d) for d in header["shape"]], dtype=getattr(torch, str(header["dtype"])))
-                    self._conn.recv_bytes_into(_bytes_of(tensor))
-                self._on_message(header, tensor)
-        except (EOFError, OSError):
-            pass
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
-        self._outbox.put(None)
-        try:
-            self._conn.close()
-        except OSError:
-            pass
-        self._on_close()
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    array: Any = tensor.view(-1).view(torch.uint8).numpy()
-    return memoryview(array)
-
-
-def connect(socket_path: str, authkey: bytes) -> Connection:
-    """The agent's end of the pipe (the EngineCore listens)."""
-    return Client(socket_path, family="AF_UNIX", authkey=authkey)
 
 
 # -- vLLM's KV layout <-> kvfleet's ----------------------------------------------------------------
@@ -359,7 +277,7 @@ class _SchedulerSide:
         self.saves: dict[int, tuple[int, dict[str, Any]]] = {}   # task -> (seq, reply so far)
         self.tasks = itertools.count(1)
         self.pipe: Pipe | None = None
-        self._listener = Listener(socket_path, family="AF_UNIX", authkey=authkey)
+        self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
 
     # The pipe (reader thread) ------------------------------------------------------------------
@@ -757,9 +675,3 @@ class KvfleetConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
-
-
-def new_socket_path(folder: str) -> str:
-    """A socket path in a folder only this user can enter."""
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    return os.path.join(folder, "kv.sock")

@@ -1,6 +1,6 @@
 """The vLLM engine's `KVMigratable` capability: KV moves through kvfleet's connector inside vLLM.
 
-capabilities.py documents the calls; vllm_connector.py is the half that runs inside vLLM's EngineCore
+capabilities.py documents the calls; vllm/connector.py is the half that runs inside vLLM's EngineCore
 and says how each ask is carried out there. This half is the agent's: it speaks to the connector over
 its pipe (`ConnectorClient`), and keeps what the agent must see of moves in flight:
 - a suspended request's KV stays in vLLM's blocks until `release` (or its resume here): it counts in
@@ -29,10 +29,10 @@ import torch
 
 from kvfleet.worker.engines.base import RequestKV, SamplingParams, StepOutput, kv_blocks_bytes
 from kvfleet.worker.engines.capabilities import KVBlocks, KVFormat, MigrationError, SuspendedRequest
-from kvfleet.worker.engines.vllm_connector import LOOP_OPS, Pipe, connect
+from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, connect
 
 if TYPE_CHECKING:
-    from kvfleet.worker.engines.vllm import VLLMEngine
+    from kvfleet.worker.engines.vllm.engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """eLLM's scheduling decisions as pure functions: which requests a step runs, and how big the CPU buffer is.
 
-The builtin engine's elastic scheduler (builtin_elastic.py) asks these functions what to do and then
+The builtin engine's elastic scheduler (builtin/elastic.py) asks these functions what to do and then
 does it (maps chunks, moves KV); keeping the decisions apart from the doing lets them be tested
 exactly, on numbers, as the paper states them ("eLLM: Elastic Memory Management Framework for
 Efficient LLM Serving", Xu et al.):

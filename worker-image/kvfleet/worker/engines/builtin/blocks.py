@@ -1,10 +1,10 @@
 """The builtin engine's KV block accounting: which blocks of the paged cache are free, and whose.
 
-The cache's tensors are builtin_model.PagedKVCache; this is the bookkeeping around them that the
-scheduler (builtin_scheduler.py) and the migration calls (builtin_migration.py) share on the event
-loop: the free list, how many blocks a number of tokens takes, and the blocks held for a request
-that is not running here yet (imported or reserved by a migration). Requests are sized in whole
-blocks, as MELL sizes them, and that rule lives here once.
+The cache's tensors are model.PagedKVCache; this is the bookkeeping around them that the
+scheduler (builtin/scheduler.py) and the migration calls (builtin/migration.py) share on the event
+loop: the free list and the blocks held for a request that is not running here yet (imported or
+reserved by a migration). How many blocks a number of tokens takes is the engines' shared rule
+(base.blocks_for).
 """
 
 from __future__ import annotations
@@ -12,11 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BLOCK_SIZE_TOKENS = 16
-
-
-def blocks_for(num_tokens: int, block_size_tokens: int) -> int:
-    """Blocks that hold `num_tokens` tokens (the last one may be partial)."""
-    return -(-num_tokens // block_size_tokens)
 
 
 class BlockPool:

@@ -21,9 +21,9 @@ import concurrent.futures
 import torch
 
 from kvfleet.kernels.dispatch import micro_attention_decode
-from kvfleet.worker.engines.builtin_blocks import blocks_for
-from kvfleet.worker.engines.builtin_model import PagedKVCache
-from kvfleet.worker.engines.builtin_scheduler import Scheduler
+from kvfleet.worker.engines.base import blocks_for
+from kvfleet.worker.engines.builtin.model import PagedKVCache
+from kvfleet.worker.engines.builtin.scheduler import Scheduler
 from kvfleet.worker.engines.capabilities import LendingError
 
 

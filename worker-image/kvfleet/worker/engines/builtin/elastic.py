@@ -6,18 +6,18 @@ the time, while requests queue for KV blocks (eLLM: Elastic Memory Management Fr
 LLM Serving, §3). Here the two share one `ChunkPool` (kvfleet.worker.elastic): the KV cache is a
 virtual tensor (`ETensor`, §4.2.1) whose chunks are mapped when blocks are needed and unmapped when a
 chunk's blocks are all free, and each step's activations are charged from its real shapes
-(`builtin_model.activation_bytes`) against the same pool, so the KV side grows into whatever
+(`model.activation_bytes`) against the same pool, so the KV side grows into whatever
 activations leave (inflation and deflation, §4.3.1).
 The KV of a request that cannot stay in the pool goes to a CPU buffer and comes back before it
 decodes, instead of being recomputed (§4.3.2). What to run each step is Algorithm 1 and the
-buffer's size Algorithm 2, both pure functions in builtin_elastic_policy.py; this module does what
+buffer's size Algorithm 2, both pure functions in builtin/elastic_policy.py; this module does what
 they decide.
 
 | piece | what it owns |
 |---|---|
 | `ElasticKVBlocks` | the KV eTensor and the free list of the blocks in its mapped chunks |
 | `ActivationChunks` | the activation eTensor: the chunks the step's activations are charged to |
-| `ElasticScheduler` | the requests (builtin_scheduler.Scheduler) plus parked ones, Algorithms 1 and 2 |
+| `ElasticScheduler` | the requests (scheduler.Scheduler) plus parked ones, Algorithms 1 and 2 |
 
 The activations themselves are allocated by torch; the pool charges them (a chunk the activation
 side holds is mapped into its eTensor and the KV side cannot use it), which is what decides how much
@@ -39,10 +39,10 @@ under 50 MB ahead), so the reservation after the step finds them mapped. Asynchr
 deflation hands a chunk on at once and leaves the old slot mapped behind a fence (a job queued on the
 executor that records a CUDA event on a GPU: everything that could read the slot was queued before it);
 the old slots are unmapped in the next step's overlap, once their fence has passed (etensor.py). The
-KV eTensor's slot 0 is neither: builtin_model pads the decode gathers' block tables with block 0, so a
+KV eTensor's slot 0 is neither: model pads the decode gathers' block tables with block 0, so a
 step may read slot 0 whatever its blocks, and only the time between steps may (un)map it.
 
-With prefix caching (MemServe's context caching, builtin_scheduler.py) the cache lives in the same
+With prefix caching (MemServe's context caching, builtin/scheduler.py) the cache lives in the same
 pool: its blocks are free memory to Algorithm 1 (a batch's demand never counts them, and a block
 several requests read counts once), and they are evicted, least recently used and unpinned only,
 before the batch shrinks, a request parks or recomputes, or activations go without the chunks they
@@ -68,9 +68,17 @@ import torch
 
 from kvfleet.serving.prompt_tree import Match
 from kvfleet.worker.elastic import ChunkPool, ETensor, Fence, MapError, Owner, PhysicalMemory, PoolExhausted
-from kvfleet.worker.engines.base import EngineError, RequestKV, RequestTooLong, SamplingParams, StepOutput, kv_blocks_bytes
-from kvfleet.worker.engines.builtin_blocks import BlockPool, blocks_for
-from kvfleet.worker.engines.builtin_elastic_policy import (
+from kvfleet.worker.engines.base import (
+    EngineError,
+    RequestKV,
+    RequestTooLong,
+    SamplingParams,
+    StepOutput,
+    blocks_for,
+    kv_blocks_bytes,
+)
+from kvfleet.worker.engines.builtin.blocks import BlockPool
+from kvfleet.worker.engines.builtin.elastic_policy import (
     Admission,
     Demand,
     PoolState,
@@ -78,14 +86,14 @@ from kvfleet.worker.engines.builtin_elastic_policy import (
     plan_batch,
     scale_logical_buffer,
 )
-from kvfleet.worker.engines.builtin_model import SeqBatchEntry
-from kvfleet.worker.engines.builtin_sampling import Sampling
-from kvfleet.worker.engines.builtin_scheduler import PREFILL_TOKENS_PER_STEP, Request, RequestState, Scheduler, Step
+from kvfleet.worker.engines.builtin.model import SeqBatchEntry
+from kvfleet.worker.engines.builtin.sampling import Sampling
+from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, Request, RequestState, Scheduler, Step
 from kvfleet.worker.engines.capabilities import MemoryState
 
 logger = logging.getLogger(__name__)
 
-# Activations' bytes for (new tokens, context tokens) of one sequence (builtin_model.activation_bytes).
+# Activations' bytes for (new tokens, context tokens) of one sequence (model.activation_bytes).
 ActivationOf = Callable[[int, int], int]
 # Queue a copy of blocks to host memory on the executor: the host tensor (filled once it ran) and the copy.
 CopyOut = Callable[[list[int]], tuple[torch.Tensor, "Future[None]"]]
@@ -130,7 +138,7 @@ class ElasticKVBlocks(BlockPool):
         """Inflation (§4.3.1 ❸❹): map up to `num_chunks` FREE chunks at the lowest unmapped slots (a
         slot a deferred unmap still holds last: mapping it waits for its fence). `ahead`: while a step
         computes (eLLM §5.1's pre-mapping): no device synchronize, and never slot 0, which a step's
-        decode gathers may read whatever its blocks (the padding of builtin_model's block tables)."""
+        decode gathers may read whatever its blocks (the padding of model's block tables)."""
         num_chunks = min(num_chunks, self.chunks.count(Owner.FREE))
         if num_chunks <= 0:
             return 0

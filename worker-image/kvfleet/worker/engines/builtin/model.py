@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kvfleet.kernels import dispatch as distattention
 from kvfleet.worker.engines.base import EngineError
-from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS
+from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS
 
 AttentionPath = Literal["sdpa", "distattention"]
 ATTENTION_PATHS: tuple[AttentionPath, ...] = ("sdpa", "distattention")

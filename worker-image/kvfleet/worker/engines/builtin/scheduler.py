@@ -14,12 +14,12 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
 - DistKV (Infinite-LLM §4.3, docs/distkv.md): a request larger than the whole local cache may still
   be admitted when other workers can lend the difference (`borrowable_blocks`). Such a request
   `spans`: it is prefilled in chunks that fit its local blocks, and before each step the engine's
-  borrowing side (builtin_borrowing.py) moves its oldest full blocks into blocks lent elsewhere
+  borrowing side (builtin/borrowing.py) moves its oldest full blocks into blocks lent elsewhere
   (`remote`), so its local blocks always hold its newest tokens. It is never preempted for others
   (its remote KV would be lost); a request short of blocks while only spanning requests could make
   room waits instead.
 - A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
-  suspend hands it on (builtin_sampling.py says why the seed is all a resume needs).
+  suspend hands it on (builtin/sampling.py says why the seed is all a resume needs).
 
 `num_preemptions` and `num_prefilled_tokens` count what recompute cost, for metrics and to check
 what a resume re-prefilled.
@@ -46,11 +46,12 @@ from kvfleet.worker.engines.base import (
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    blocks_for,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.builtin_blocks import BlockPool, StagedKV, blocks_for
-from kvfleet.worker.engines.builtin_model import KVParts, SeqBatchEntry
-from kvfleet.worker.engines.builtin_sampling import Sampling
+from kvfleet.worker.engines.builtin.blocks import BlockPool, StagedKV
+from kvfleet.worker.engines.builtin.model import KVParts, SeqBatchEntry
+from kvfleet.worker.engines.builtin.sampling import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class RequestState(enum.Enum):
 
 
 class RemoteKV(KVParts, Protocol):
-    """A spanning request's oldest KV, held in blocks other workers lent it (builtin_borrowing.py)."""
+    """A spanning request's oldest KV, held in blocks other workers lent it (builtin/borrowing.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +95,7 @@ class Request:
     # Tokens whose K and V are written in `blocks`.
     num_cached: int = 0
     admitted_seq: int = -1
-    # Elastic memory's CPU buffer (builtin_elastic.py): the request's KV parked in host memory, in
+    # Elastic memory's CPU buffer (builtin/elastic.py): the request's KV parked in host memory, in
     # PagedKVCache.read_blocks' layout, while it holds no blocks; None when it is not parked.
     parked: torch.Tensor | None = None
     # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
@@ -155,7 +156,7 @@ class Scheduler:
         self.wake_event: asyncio.Event | None = None
         self._admissions = 0
         self._rng = random.Random(seed)
-        # DistKV (builtin_borrowing.py sets both): blocks other workers could lend now, and how a
+        # DistKV (builtin/borrowing.py sets both): blocks other workers could lend now, and how a
         # request's remote KV is given back when it finishes or is preempted.
         self.borrowable_blocks: Callable[[], int] = lambda: 0
         self.release_remote: Callable[[Request], None] = lambda req: None
@@ -394,7 +395,7 @@ class Scheduler:
 
     def _top_up(self, req: Request) -> None:
         """Give a spanning request what is free toward its next chunk or token; the rest comes of moving
-        its oldest blocks to lenders before the next step (builtin_borrowing.py), never of preempting."""
+        its oldest blocks to lenders before the next step (builtin/borrowing.py), never of preempting."""
         num_new_blocks = min(self._next_chunk_blocks(req), len(self.pool.free))
         if num_new_blocks > 0:
             req.blocks.extend(self.pool.allocate(num_new_blocks))

@@ -1,7 +1,7 @@
 """The builtin engine's `KVMigratable` capability: export, reserve, import, suspend, resume, release.
 
 capabilities.py documents the calls and their contract; this module is how the builtin engine keeps
-it, apart from the scheduling it builds on (builtin_scheduler.py). What it means here:
+it, apart from the scheduling it builds on (builtin/scheduler.py). What it means here:
 - A stage's blocks are copied through the engine's one-thread executor, queued behind any step in
   flight, so an export sees every token the request has cached.
 - KV imported or reserved for a request is held apart ("staged") until `resume` takes it; it counts
@@ -21,10 +21,10 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from kvfleet.worker.engines.base import DuplicateRequest, SamplingParams, StepOutput
-from kvfleet.worker.engines.builtin_blocks import StagedKV, blocks_for
-from kvfleet.worker.engines.builtin_model import PagedKVCache
-from kvfleet.worker.engines.builtin_scheduler import RequestState, Scheduler
+from kvfleet.worker.engines.base import DuplicateRequest, SamplingParams, StepOutput, blocks_for
+from kvfleet.worker.engines.builtin.blocks import StagedKV
+from kvfleet.worker.engines.builtin.model import PagedKVCache
+from kvfleet.worker.engines.builtin.scheduler import RequestState, Scheduler
 from kvfleet.worker.engines.capabilities import KVBlocks, KVFormat, MigrationError, SuspendedRequest
 
 T = TypeVar("T")

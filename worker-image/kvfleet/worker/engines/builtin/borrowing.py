@@ -29,8 +29,8 @@ import torch
 from kvfleet.kernels.dispatch import scale_reduce_pair
 from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.engines.base import EngineError
-from kvfleet.worker.engines.builtin_model import PagedKVCache
-from kvfleet.worker.engines.builtin_scheduler import Request, RequestState, Scheduler
+from kvfleet.worker.engines.builtin.model import PagedKVCache
+from kvfleet.worker.engines.builtin.scheduler import Request, RequestState, Scheduler
 from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, RemoteKVLease
 
 # A remote micro-attention waits behind the lender's own step: past this the lender counts as lost

@@ -104,15 +104,15 @@ from kvfleet.worker.engines.base import (
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
-from kvfleet.worker.engines.vllm_connector import (
+from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
     EXTRA_AUTHKEY,
     EXTRA_MIN_STEP_S,
     EXTRA_SOCKET,
     kv_params,
-    new_socket_path,
 )
-from kvfleet.worker.engines.vllm_migration import VLLMKVMigration
+from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
+from kvfleet.worker.engines.vllm.pipe import new_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class _Request:
     abort_requested: bool = False
     # Whether its prefix-cache hit has been counted (vLLM tells it with its first token).
     cache_hit_counted: bool = False
-    # A KV migration stops it (vllm_migration.py): its stream ends, unfinished, when vLLM stops it.
+    # A KV migration stops it (vllm/migration.py): its stream ends, unfinished, when vLLM stops it.
     suspending: bool = False
     suspended: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -251,7 +251,7 @@ class VLLMEngine:
         self._num_prefilled_tokens = 0
         # vLLM's own Prometheus families, filled in at start (module docstring).
         self.prometheus_metrics = VLLMMetrics()
-        # KV moves through kvfleet's connector in the EngineCore (vllm_connector.py), over a socket in a
+        # KV moves through kvfleet's connector in the EngineCore (vllm/connector.py), over a socket in a
         # folder of this process's own, with a key only this process hands to the EngineCore.
         self._migration = VLLMKVMigration(self)
         self._socket_dir: str | None = None
@@ -390,9 +390,9 @@ class VLLMEngine:
             enforce_eager=config.device == "cpu",
             disable_log_stats=True,
             # kvfleet's connector, loaded by module path (no patch to vLLM); a KV load that fails is
-            # recomputed, not an error (vllm_connector.py).
+            # recomputed, not an error (vllm/connector.py).
             kv_transfer_config=KVTransferConfig(
-                kv_connector=CONNECTOR_NAME, kv_connector_module_path="kvfleet.worker.engines.vllm_connector",
+                kv_connector=CONNECTOR_NAME, kv_connector_module_path="kvfleet.worker.engines.vllm.connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
                 kv_connector_extra_config={EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex(),
                                            EXTRA_MIN_STEP_S: config.min_step_s}),
@@ -427,7 +427,7 @@ class VLLMEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        # KV migration through kvfleet's connector (vllm_migration.py); where the connector cannot move
+        # KV migration through kvfleet's connector (vllm/migration.py); where the connector cannot move
         # KV (an unknown layout, tensor parallelism) its kv_format says why and moves go by tokens.
         return EngineCapabilities(migration=self._migration,
                                   prefix_cache=self if self.config.prefix_caching else None,
@@ -453,7 +453,7 @@ class VLLMEngine:
 
     def continue_request(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                          params: SamplingParams, load: bool) -> AsyncIterator[StepOutput]:
-        """A request resumed here (vllm_migration.py): prompt + output so far go in as its prompt, with the
+        """A request resumed here (vllm/migration.py): prompt + output so far go in as its prompt, with the
         rest of its budget; with `load`, the KV the connector holds for it is loaded instead of recomputed."""
         remaining = params.max_tokens - len(output_token_ids)
         if remaining < 1:

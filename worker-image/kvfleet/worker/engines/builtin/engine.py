@@ -5,20 +5,8 @@ kvfleet needs an engine whose KV blocks it can read and write to migrate running
 that runs wherever torch does (tests, the demo, CPUs). This is that engine: it keeps the `Engine`
 contract of base.py exactly, and declares the KV migration capability (capabilities.py).
 
-This module holds the engine's life cycle and its step loop; the parts it drives live beside it:
-
-| module | what it owns |
-|---|---|
-| builtin_model.py | the Llama forward pass and the paged KV cache's tensors |
-| builtin_blocks.py | block accounting: the free list, blocks per token count, staged KV |
-| builtin_scheduler.py | the requests, admission, preemption, continuous batching, kv_usage() |
-| builtin_sampling.py | greedy and seeded (seed, position) sampling |
-| builtin_migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
-| builtin_elastic.py | elastic memory (eLLM): one chunk pool for KV and activations, the CPU buffer |
-| builtin_elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
-| builtin_lending.py | DistKV's lender side: blocks lent to requests of other workers (`capabilities.lending`) |
-| builtin_borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases |
-| speed.py | the step periods measured, bucketed by batch and context (`speed_profile`) |
+This module holds the engine's life cycle and its step loop; the package's docstring (builtin/__init__.py)
+says which module owns each of the parts it drives.
 
 Threads: one background asyncio task runs the steps; the torch work of a step runs in a one-thread
 executor, so the event loop (shared with the HTTP server) stays responsive, and every tensor
@@ -54,13 +42,14 @@ from kvfleet.worker.engines.base import (
     RequestKV,
     SamplingParams,
     StepOutput,
+    blocks_for,
 )
-from kvfleet.worker.engines.builtin_blocks import BLOCK_SIZE_TOKENS, BlockPool, blocks_for
-from kvfleet.worker.engines.builtin_borrowing import BuiltinKVBorrowing, RemotePartLost
-from kvfleet.worker.engines.builtin_elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
-from kvfleet.worker.engines.builtin_lending import BuiltinKVLending
-from kvfleet.worker.engines.builtin_migration import BuiltinKVMigration
-from kvfleet.worker.engines.builtin_model import (
+from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS, BlockPool
+from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, RemotePartLost
+from kvfleet.worker.engines.builtin.elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
+from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
+from kvfleet.worker.engines.builtin.migration import BuiltinKVMigration
+from kvfleet.worker.engines.builtin.model import (
     ACTIVATION_BASE_BYTES,
     LlamaArchitecture,
     LlamaForward,
@@ -71,8 +60,8 @@ from kvfleet.worker.engines.builtin_model import (
     read_architecture,
     torch_dtype,
 )
-from kvfleet.worker.engines.builtin_sampling import next_tokens
-from kvfleet.worker.engines.builtin_scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
+from kvfleet.worker.engines.builtin.sampling import next_tokens
+from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
 from kvfleet.worker.engines.speed import SpeedRecorder
 
@@ -85,7 +74,7 @@ DEFAULT_KV_CAPACITY_BYTES = 64 * 1024 * 1024
 
 
 class BuiltinEngine:
-    """The torch engine (builtin_scheduler.py for scheduling; capabilities.py for migration)."""
+    """The torch engine (builtin/scheduler.py for scheduling; capabilities.py for migration)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -106,7 +95,7 @@ class BuiltinEngine:
         self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
         if config.prefix_caching:
             # With elastic memory the cache is free memory of the pool, and the CPU buffer its host
-            # tier (builtin_elastic.py).
+            # tier (builtin/elastic.py).
             self._sched.prefix = PromptTree(BLOCK_SIZE_TOKENS)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)

@@ -1,0 +1,24 @@
+"""The builtin engine: plain torch, a paged KV cache, continuous batching, and every memory technique.
+
+kvfleet needs an engine whose KV blocks it can read and write (live migration, elastic memory, KV
+lending and borrowing, a prefix cache), and one that runs wherever torch does (tests, the demo, CPUs).
+The engine-neutral mechanisms live once, outside this package (`kvfleet.worker.elastic`: the chunk
+pool and its memory backends; `kvfleet.worker.distkv`: DistKV's wire and lease protocol;
+`kvfleet.worker.migration`: the migration transport); the modules here adapt them to this engine:
+
+| module | what it owns |
+|---|---|
+| engine.py | `BuiltinEngine`: the engine's life cycle and its step loop (the `Engine` contract of ../base.py) |
+| model.py | the Llama forward pass and the paged KV cache's tensors |
+| blocks.py | block accounting: the free list, blocks per token count, staged KV |
+| scheduler.py | the requests, admission, preemption, continuous batching, kv_usage() |
+| sampling.py | greedy and seeded (seed, position) sampling |
+| migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
+| elastic.py | elastic memory (eLLM): one chunk pool for KV and activations, the CPU buffer |
+| elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
+| lending.py | DistKV's lender side: blocks lent to requests of other workers (`capabilities.lending`) |
+| borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases |
+
+Importing this package imports no torch: `kvfleet.worker.engines.load_engine("builtin", ...)` imports
+engine.py when a worker runs this engine.
+"""

@@ -1,0 +1,12 @@
+"""The vLLM engine: vLLM's AsyncLLM behind kvfleet's `Engine` contract, extended only through vLLM's seams.
+
+| module | what it owns |
+|---|---|
+| engine.py | `VLLMEngine`: AsyncLLM in the worker's process, its KV usage, prefix caching, speed |
+| connector.py | kvfleet's KV connector, which vLLM loads in its EngineCore (both its roles) |
+| pipe.py | the authenticated local socket between the agent's process and the connector |
+| migration.py | the agent's half of a KV move (the `KVMigratable` capability), spoken through the pipe |
+
+Importing this package imports no vllm: only engine.py and connector.py do, and only a worker that
+runs this engine (or vLLM's EngineCore, loading the connector by module path) imports them.
+"""
