@@ -5,6 +5,10 @@ strided caches, and the merge's edge cases. The dispatch sends CPU tensors here,
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from kernel_testing import ATOL, RTOL, assert_close, make_paged
@@ -144,3 +148,27 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="num_q_heads"):
         torch_backend.micro_attention_decode(torch.randn(2, 3, HEAD_DIM), cache, cache, table,
                                              torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("op", [dispatch.micro_attention_decode, torch_backend.micro_attention_decode])
+def test_dispatch_and_backend_check_by_the_one_validator(op: Callable[..., Any]) -> None:
+    """Both take the contract's signature and docstring from its validator and name a bad input as the
+    launchers do; CPU tensors are checked by the torch rules, which take strided caches."""
+    assert op.__name__ == "micro_attention_decode" and "Decode attention" in (op.__doc__ or "")
+    assert list(inspect.signature(op).parameters) == ["q", "k_cache", "v_cache", "block_table", "seq_lens", "scale",
+                                                      "out", "out_lse"]
+    q = torch.randn(2, 4, HEAD_DIM)
+    cache = torch.randn(3, 8, 2, HEAD_DIM)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    with pytest.raises(TypeError, match="seq_lens must have dtype in \\(int32\\)"):
+        op(q, cache, cache, table, lens.long())
+    with pytest.raises(ValueError, match="block_table has 1 rows for 2 sequences"):
+        op(q, cache, cache, table[:1], lens)
+    with pytest.raises(ValueError, match="out_lse must have shape"):
+        op(q, cache, cache, table, lens, out_lse=torch.empty(2, 3))
+    strided = torch.randn(3, 2, 8, HEAD_DIM).transpose(1, 2)
+    out, lse = op(q, strided, strided, table, lens)
+    ref_out, ref_lse = micro_attention_decode_reference(q, strided, strided, table, lens)
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)

@@ -10,8 +10,10 @@ blocks and returns (output, log-sum-exp), and ScaleReduce merges the parts exact
 - `micro_attention_prefill`: causal prefill of new tokens with the same partial contract;
 - `scale_reduce`, `scale_reduce_varlen`, `scale_reduce_pair`: the merge, dense, varlen, pairwise.
 
-Each op has three modules: `*_kernel` (Triton), `*_launcher` (checks, grid, `out=`), `*_reference`
-(torch, fp64). The names below are imported on first use, so importing the package loads neither
+Each op has three modules: `*_kernel` (Triton), `*_launcher` (grid, tiles, launch), `*_reference`
+(torch, fp64). `_checks` holds each op's contract and its input checks, written once for every entry
+point (the launchers, `torch_backend`, `dispatch`); `_online_softmax` the tile update both attention
+kernels run. The names below are imported on first use, so importing the package loads neither
 torch nor triton and never touches a GPU.
 """
 

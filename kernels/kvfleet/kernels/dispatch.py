@@ -1,114 +1,55 @@
 """The DistAttention ops for serving: Triton kernels for CUDA tensors, the torch backend otherwise.
 
-An engine calls these and never chooses a backend itself. The Triton launchers are imported only
-when a CUDA tensor arrives, so a CPU worker neither loads triton nor needs it installed, and CPU
-tensors never reach the Triton interpreter, which is for tests (tests/kernels), not for serving.
-The signatures are the launchers' common ground; tuning knobs of one backend (split counts, tile
-sizes) stay with that backend.
+An engine calls these and never chooses a backend itself. Each op checks its inputs once, by the
+rules of the backend the tensors' device selects (_checks.py: the one validator per op, whose
+signature and docstring these functions take), and hands the checked record to that backend, which
+checks nothing again. The Triton launchers are imported only when a CUDA tensor arrives, so a CPU
+worker neither loads triton nor needs it installed, and CPU tensors never reach the Triton
+interpreter, which is for tests (tests/kernels), not for serving. Tuning knobs of one backend
+(split counts, tile sizes) stay with that backend; hints for one (max_q_len for Triton,
+max_logits_bytes for torch) are part of the contract and ignored by the other.
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvfleet.kernels import torch_backend
-
-
-def on_gpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+from kvfleet.kernels import _checks, torch_backend
+from kvfleet.kernels._checks import Partial, entry_point
 
 
-def micro_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See micro_attention_decode_launcher.micro_attention_decode."""
-    if on_gpu(q):
-        from kvfleet.kernels.micro_attention_decode_launcher import micro_attention_decode as launch
+def _decode(inputs: _checks.PagedAttention) -> Partial:
+    if inputs.triton:
+        from kvfleet.kernels.micro_attention_decode_launcher import launch_decode
 
-        return launch(q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out, out_lse=out_lse)
-    return torch_backend.micro_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out,
-                                                out_lse=out_lse)
+        return launch_decode(inputs)
+    return torch_backend.decode(inputs)
 
 
-def micro_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    causal_offsets: torch.Tensor | None = None,
-    max_q_len: int | None = None,
-    scale: float | None = None,
-    max_logits_bytes: int | None = None,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See micro_attention_prefill_launcher.micro_attention_prefill. max_q_len spares the GPU path a
-    device sync; max_logits_bytes bounds the torch backend's query tiles (the Triton kernel tiles on
-    chip and needs no bound)."""
-    if on_gpu(q):
-        from kvfleet.kernels.micro_attention_prefill_launcher import micro_attention_prefill as launch
+def _prefill(inputs: _checks.PagedPrefill) -> Partial:
+    if inputs.triton:
+        from kvfleet.kernels.micro_attention_prefill_launcher import launch_prefill
 
-        return launch(q, k_cache, v_cache, block_table, kv_lens, query_start_loc, causal_offsets=causal_offsets,
-                      max_q_len=max_q_len, scale=scale, out=out, out_lse=out_lse)
-    return torch_backend.micro_attention_prefill(q, k_cache, v_cache, block_table, kv_lens, query_start_loc,
-                                                 causal_offsets=causal_offsets, scale=scale,
-                                                 max_logits_bytes=max_logits_bytes, out=out, out_lse=out_lse)
+        return launch_prefill(inputs)
+    return torch_backend.prefill(inputs)
 
 
-def scale_reduce(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See scale_reduce_launcher.scale_reduce."""
-    if on_gpu(o_parts):
-        from kvfleet.kernels.scale_reduce_launcher import scale_reduce as launch
+def _merge(inputs: _checks.Merge) -> Partial:
+    if inputs.triton:
+        from kvfleet.kernels.scale_reduce_launcher import launch_merge
 
-        return launch(o_parts, lse_parts, out=out, out_lse=out_lse)
-    return torch_backend.scale_reduce(o_parts, lse_parts, out=out, out_lse=out_lse)
+        return launch_merge(inputs)
+    return torch_backend.merge(inputs)
 
 
-def scale_reduce_varlen(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    indptr: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See scale_reduce_launcher.scale_reduce_varlen."""
-    if on_gpu(o_parts):
-        from kvfleet.kernels.scale_reduce_launcher import scale_reduce_varlen as launch
+def _merge_pair(inputs: _checks.PairMerge) -> Partial:
+    if inputs.triton:
+        from kvfleet.kernels.scale_reduce_launcher import launch_pair
 
-        return launch(o_parts, lse_parts, indptr, out=out, out_lse=out_lse)
-    return torch_backend.scale_reduce_varlen(o_parts, lse_parts, indptr, out=out, out_lse=out_lse)
+        return launch_pair(inputs)
+    return torch_backend.merge_pair(inputs)
 
 
-def scale_reduce_pair(
-    o_a: torch.Tensor,
-    lse_a: torch.Tensor,
-    o_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See scale_reduce_launcher.scale_reduce_pair."""
-    if on_gpu(o_a):
-        from kvfleet.kernels.scale_reduce_launcher import scale_reduce_pair as launch
-
-        return launch(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
-    return torch_backend.scale_reduce_pair(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
+micro_attention_decode = entry_point(_checks.micro_attention_decode_inputs, "by_device", _decode)
+micro_attention_prefill = entry_point(_checks.micro_attention_prefill_inputs, "by_device", _prefill)
+scale_reduce = entry_point(_checks.scale_reduce_inputs, "by_device", _merge)
+scale_reduce_varlen = entry_point(_checks.scale_reduce_varlen_inputs, "by_device", _merge)
+scale_reduce_pair = entry_point(_checks.scale_reduce_pair_inputs, "by_device", _merge_pair)

@@ -24,12 +24,10 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels import _interpreter_compat
+from kvfleet.kernels._online_softmax import attend_kv_tile, dot_operand, online_softmax_finish, online_softmax_start
 
 # Interpreted loops with runtime bounds under Triton 3.6 and NumPy >= 2.4 (see _interpreter_compat).
 _interpreter_compat.install()
-
-# A constexpr: jit code may read no other globals.
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -88,51 +86,23 @@ def micro_attention_decode_kernel(
         mask=group_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        # 16-bit operands for the tensor cores; the products accumulate in fp32.
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = dot_operand(q, k_cache_ptr, UPCAST)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, base 2
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(logit - m_i)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
-
+    m_i, l_i, acc = online_softmax_start(GROUP_PAD, HEAD_DIM_PAD)
     bt_row = block_table_ptr + seq_id.to(tl.int64) * stride_bt_seq
-    # Every iteration holds at least one real token (tok < tok_end), so m_i is finite after the
-    # first one and exp2(m_i - m_new) never sees -inf - -inf.
+    k_head_ptr = k_cache_ptr + kv_head_id * stride_k_head
+    v_head_ptr = v_cache_ptr + kv_head_id * stride_v_head
+    # Every iteration holds at least one real token (tok < tok_end) that every query head sees, so
+    # m_i is finite after the first one and the tile update needs no guard against an all -inf max.
     for tok0 in range(tok_start, tok_end, BLOCK_N):
         tok = tok0 + tl.arange(0, BLOCK_N)
         tok_mask = tok < tok_end
-        block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        in_block = (tok % BLOCK_SIZE).to(tl.int64)
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-
-        k_rows = block_ids * stride_k_block + in_block * stride_k_tok + kv_head_id * stride_k_head
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        # The scale is applied to the fp32 logits, not to q, so a large scale cannot overflow fp16.
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v_rows = block_ids * stride_v_block + in_block * stride_v_tok + kv_head_id * stride_v_head
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # An empty part (or a split past the end of a short sequence) has l_i == 0: it contributes
-    # output 0 and LSE -inf, which the merge weighs by exactly zero, and no NaN is ever formed.
-    has_tokens = l_i > 0.0
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
-    lse = tl.where(has_tokens, (m_i + tl.log2(tl.where(has_tokens, l_i, 1.0))) * LN2, float("-inf"))
+        m_i, l_i, acc = attend_kv_tile(
+            q, m_i, l_i, acc, k_head_ptr, v_head_ptr, bt_row, tok, tok_mask, tok_mask[None, :], dim_offs, dim_mask,
+            stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, scale_log2, BLOCK_SIZE=BLOCK_SIZE, UPCAST=UPCAST,
+            DOT_PRECISION=DOT_PRECISION, ROWS_MAY_SEE_NOTHING=False,
+        )
+    out, lse = online_softmax_finish(m_i, l_i, acc)
 
     out_offs = seq_id * stride_out_seq + q_head_ids * stride_out_head + split_id * stride_out_split
     tl.store(out_ptr + out_offs[:, None] + dim_offs[None, :], out, mask=group_mask[:, None] & dim_mask[None, :])

@@ -1,5 +1,6 @@
-"""Launcher for the decode micro-attention: checks inputs, picks the split-KV count and tile sizes,
-runs the kernel and, when the context was split, merges the splits with ScaleReduce.
+"""Launcher for the decode micro-attention: picks the split-KV count and tile sizes, runs the kernel
+and, when the context was split, merges the splits with ScaleReduce. The inputs are checked by the
+op's one validator (_checks.py), here or in dispatch, before `launch_decode` sees them.
 
 The result is one DistAttention partial (Infinite-LLM section 4.2): the normalised output of this
 part's tokens in fp32 and their natural-log LSE in fp32, ready to be merged with the partials of the
@@ -11,13 +12,12 @@ from __future__ import annotations
 import torch
 
 from kvfleet.kernels._checks import (
-    ATTENTION_DTYPES,
+    PagedAttention,
+    Partial,
     check_block_table,
-    check_out,
-    check_paged_kv,
-    check_shape,
-    check_tensor,
+    check_tile,
     interpreting,
+    micro_attention_decode_inputs,
     next_power_of_2,
 )
 from kvfleet.kernels.micro_attention_decode_kernel import micro_attention_decode_kernel
@@ -78,44 +78,44 @@ def micro_attention_decode(
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
     check_bounds: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query token per sequence over the KV blocks this part holds.
+) -> Partial:
+    """Decode attention on the Triton kernel. The contract (shapes, dtypes, the (out, lse) partial,
+    tokens past a row of the block table ignored rather than read out of bounds) is
+    `_checks.micro_attention_decode_inputs`'s, which checks the inputs.
 
-    q [num_seqs, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (same dtype as q: fp16, bf16 or fp32); block_table int32 [num_seqs, max_num_blocks]
-    (physical block ids, in token order); seq_lens int32 [num_seqs] (tokens of each sequence in this
-    part, 0 allowed). num_q_heads must be a multiple of num_kv_heads (GQA). scale defaults to
-    head_dim ** -0.5. num_splits: split-KV count, None to choose from the shapes and the GPU.
-    block_n, num_warps, num_stages: tile size and Triton launch options (None: Triton's defaults),
-    exposed for bench/kernels.py to sweep.
-
-    Returns (out fp32 [num_seqs, num_q_heads, head_dim], lse fp32 [num_seqs, num_q_heads], natural
-    log); a sequence with no tokens here gets out 0 and lse -inf. `out=`/`out_lse=` are written in place.
-
-    Tokens past a row of the block table (seq_len > max_num_blocks * block_size) are ignored rather
-    than read out of bounds. check_bounds=True also checks seq_lens and the block ids on the host
+    num_splits: split-KV count, None to choose from the shapes and the GPU. block_n, num_warps,
+    num_stages: tile size and Triton launch options (None: Triton's defaults), exposed for
+    bench/kernels.py to sweep. check_bounds=True also checks seq_lens and the block ids on the host
     (a device sync: for tests and debugging, not for the decode loop).
     """
-    num_blocks, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES)
-    num_seqs, num_q_heads, head_dim = q.shape
-    device = q.device
-    if block_table.shape[0] != num_seqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences in q")
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("seq_lens", seq_lens, (num_seqs,))
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    inputs = micro_attention_decode_inputs(
+        "triton", q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out, out_lse=out_lse
+    )
+    if check_bounds:
+        check_block_table(inputs.block_table, inputs.lens, inputs.block_size, inputs.num_blocks)
+    return launch_decode(inputs, num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_decode(
+    inputs: PagedAttention,
+    *,
+    num_splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Partial:
+    """Runs the kernel on inputs checked by the Triton rules (dispatch's, or the function above's)."""
+    check_tile("block_n", block_n)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    out = check_out("out", out, (num_seqs, num_q_heads, head_dim), device)
-    out_lse = check_out("out_lse", out_lse, (num_seqs, num_q_heads), device)
-    if check_bounds:
-        check_block_table(block_table, seq_lens, block_size, num_blocks)
+    q, out, out_lse = inputs.q, inputs.out, inputs.out_lse
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = inputs.num_kv_heads
     if num_seqs == 0 or num_q_heads == 0:
         return out, out_lse
 
     num_splits, tokens_per_split = plan_splits(
-        num_seqs, num_kv_heads, block_table.shape[1] * block_size, num_splits, block_n, device
+        num_seqs, num_kv_heads, inputs.max_num_tokens, num_splits, block_n, q.device
     )
 
     if num_splits == 1:
@@ -123,14 +123,12 @@ def micro_attention_decode(
         o_split_stride, lse_split_stride = 0, 0
     else:
         # fp32 partials, never 16-bit (vLLM's paged_attention_v2 keeps them in fp16/bf16 and loses precision there).
-        o_dst = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-        lse_dst = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+        o_dst = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         o_split_stride, lse_split_stride = o_dst.stride(2), lse_dst.stride(2)
 
     upcast = interpreting() or q.dtype == torch.float32
     group_size = num_q_heads // num_kv_heads
-    if scale is None:
-        scale = head_dim**-0.5
     launch_options = {}
     if num_warps is not None:
         launch_options["num_warps"] = num_warps
@@ -138,22 +136,14 @@ def micro_attention_decode(
         launch_options["num_stages"] = num_stages
     micro_attention_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.block_table,
+        inputs.lens,
         o_dst,
         lse_dst,
-        float(scale) * 1.4426950408889634,  # log2(e)
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_table.stride(0),
+        float(inputs.scale) * 1.4426950408889634,  # log2(e)
+        *inputs.kernel_strides(),
         o_dst.stride(0),
         o_dst.stride(1),
         o_split_stride,
@@ -161,10 +151,10 @@ def micro_attention_decode(
         lse_dst.stride(1),
         lse_split_stride,
         tokens_per_split,
-        block_table.shape[1] * block_size,
+        inputs.max_num_tokens,
         HEAD_DIM=head_dim,
         GROUP_SIZE=group_size,
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=inputs.block_size,
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         GROUP_PAD=max(16, next_power_of_2(group_size)),
         BLOCK_N=block_n,

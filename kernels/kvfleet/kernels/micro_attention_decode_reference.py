@@ -33,6 +33,17 @@ def attention_with_lse(
     return out, lse.transpose(0, 1)
 
 
+def empty_partials(
+    q: torch.Tensor, scale: float | None, compute_dtype: torch.dtype
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """(scale, or head_dim ** -0.5 when None; out 0 and lse -inf for every row and head of q): what a
+    row that sees no key keeps."""
+    rows, heads, head_dim = q.shape
+    out = torch.zeros(rows, heads, head_dim, dtype=compute_dtype)
+    lse = torch.full((rows, heads), float("-inf"), dtype=compute_dtype)
+    return head_dim**-0.5 if scale is None else scale, out, lse
+
+
 def micro_attention_decode_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -44,12 +55,8 @@ def micro_attention_decode_reference(
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `micro_attention_decode`, results in compute_dtype."""
-    num_seqs, num_q_heads, head_dim = q.shape
-    if scale is None:
-        scale = head_dim**-0.5
-    outs = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=compute_dtype)
-    lses = torch.full((num_seqs, num_q_heads), float("-inf"), dtype=compute_dtype)
-    for seq_id in range(num_seqs):
+    scale, outs, lses = empty_partials(q, scale, compute_dtype)
+    for seq_id in range(q.shape[0]):
         num_tokens = int(seq_lens[seq_id])
         if num_tokens == 0:
             continue

@@ -23,12 +23,10 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels import _interpreter_compat
+from kvfleet.kernels._online_softmax import attend_kv_tile, dot_operand, online_softmax_finish, online_softmax_start
 
 # Interpreted loops with runtime bounds under Triton 3.6 and NumPy >= 2.4 (see _interpreter_compat).
 _interpreter_compat.install()
-
-# A constexpr: jit code may read no other globals.
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -86,15 +84,9 @@ def micro_attention_prefill_kernel(
         mask=q_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = dot_operand(q, k_cache_ptr, UPCAST)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, HEAD_DIM_PAD)
     # The last query row of the tile bounds what any row of it can see: skip the blocks past it.
     last_q = tl.minimum(q_tile_id * BLOCK_M + BLOCK_M, q_len) - 1
     kv_end = tl.minimum(kv_len, tl.maximum(last_q + causal_offset + 1, 0))
@@ -102,39 +94,19 @@ def micro_attention_prefill_kernel(
     # and stores nothing (its q_mask is all false).
     kv_end = tl.where(q_tile_id * BLOCK_M < q_len, kv_end, 0)
     bt_row = block_table_ptr + seq_id.to(tl.int64) * stride_bt_seq
+    k_head_ptr = k_cache_ptr + kv_head_id * stride_k_head
+    v_head_ptr = v_cache_ptr + kv_head_id * stride_v_head
     for kv0 in range(0, kv_end, BLOCK_N):
         kv_idx = kv0 + tl.arange(0, BLOCK_N)
         kv_in = kv_idx < kv_end
-        block_ids = tl.load(bt_row + kv_idx // BLOCK_SIZE, mask=kv_in, other=0).to(tl.int64)
-        in_block = (kv_idx % BLOCK_SIZE).to(tl.int64)
-        kv_mask = kv_in[:, None] & dim_mask[None, :]
-
-        k_rows = block_ids * stride_k_block + in_block * stride_k_tok + kv_head_id * stride_k_head
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = kv_in[None, :] & (kv_idx[None, :] <= q_idx[:, None] + causal_offset) & q_mask[:, None]
-        s = tl.where(visible, s, float("-inf"))
-
-        # Unlike decode, a row can see nothing in a whole tile (the causal diagonal): measure against 0
-        # while its max is still -inf, so no -inf - -inf appears.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v_rows = block_ids * stride_v_block + in_block * stride_v_tok + kv_head_id * stride_v_head
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dim_offs[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    has_tokens = l_i > 0.0
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
-    lse = tl.where(has_tokens, (m_i + tl.log2(tl.where(has_tokens, l_i, 1.0))) * LN2, float("-inf"))
+        # Unlike decode, a row can see nothing in a whole tile (the causal diagonal).
+        m_i, l_i, acc = attend_kv_tile(
+            q, m_i, l_i, acc, k_head_ptr, v_head_ptr, bt_row, kv_idx, kv_in, visible, dim_offs, dim_mask,
+            stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, scale_log2, BLOCK_SIZE=BLOCK_SIZE, UPCAST=UPCAST,
+            DOT_PRECISION=DOT_PRECISION, ROWS_MAY_SEE_NOTHING=True,
+        )
+    out, lse = online_softmax_finish(m_i, l_i, acc)
     tl.store(
         out_ptr + q_rows[:, None] * stride_out_tok + q_head_id * stride_out_head + dim_offs[None, :],
         out,

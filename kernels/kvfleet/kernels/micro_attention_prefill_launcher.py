@@ -1,4 +1,5 @@
-"""Launcher for the prefill micro-attention: checks inputs, sizes the grid and runs the kernel.
+"""Launcher for the prefill micro-attention: sizes the grid and runs the kernel, on inputs checked by
+the op's one validator (_checks.py), here or in dispatch.
 
 Returns the same DistAttention partial as decode (fp32 output, natural-log fp32 LSE, per query token
 and head), so the parts of a long prompt spread over several workers merge with `scale_reduce*`
@@ -10,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from kvfleet.kernels._checks import (
-    ATTENTION_DTYPES,
+    PagedPrefill,
+    Partial,
     check_block_table,
-    check_out,
-    check_paged_kv,
-    check_shape,
-    check_tensor,
+    check_query_starts,
+    check_tile,
     interpreting,
+    micro_attention_prefill_inputs,
     next_power_of_2,
 )
 from kvfleet.kernels.micro_attention_prefill_kernel import micro_attention_prefill_kernel
@@ -38,44 +39,37 @@ def micro_attention_prefill(
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
     check_bounds: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of new tokens over the KV blocks this part holds.
+) -> Partial:
+    """Causal prefill attention on the Triton kernel. The contract (packed queries, the causal
+    offset, shapes, dtypes, the (out, lse) partial, KV tokens past a row of the block table ignored
+    rather than read out of bounds) is `_checks.micro_attention_prefill_inputs`'s, which checks the
+    inputs.
 
-    q [total_q_tokens, num_q_heads, head_dim] (sequences packed; sequence s owns rows
-    query_start_loc[s] .. query_start_loc[s+1]-1, int32 [num_seqs + 1]); k_cache, v_cache
-    [num_blocks, block_size, num_kv_heads, head_dim] already holding the new tokens' K/V where this
-    part holds them; block_table int32 [num_seqs, max_num_blocks]; kv_lens int32 [num_seqs].
-    causal_offsets int32 [num_seqs]: query i sees KV j iff j <= i + offset; default kv_lens - q_lens
-    (this part ends with the new tokens). max_q_len: longest q_len, read from query_start_loc (one
-    device sync) when not given.
-
-    Returns (out fp32 [total_q_tokens, num_q_heads, head_dim], lse fp32 [total_q_tokens, num_q_heads]).
-    KV tokens past a row of the block table are ignored rather than read out of bounds;
+    block_m, block_n: query and KV tile sizes (None: chosen by dtype and interpreter).
     check_bounds=True checks kv_lens, block ids and query_start_loc on the host (a device sync).
     """
-    num_blocks, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES)
-    total_q, num_q_heads, head_dim = q.shape
-    device = q.device
-    num_seqs = block_table.shape[0]
-    check_tensor("kv_lens", kv_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("kv_lens", kv_lens, (num_seqs,))
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    inputs = micro_attention_prefill_inputs(
+        "triton", q, k_cache, v_cache, block_table, kv_lens, query_start_loc, causal_offsets=causal_offsets,
+        max_q_len=max_q_len, scale=scale, out=out, out_lse=out_lse,
+    )
     if check_bounds:
-        check_block_table(block_table, kv_lens, block_size, num_blocks)
-        starts = query_start_loc.cpu()
-        if int(starts[0]) != 0 or bool((starts[1:] < starts[:-1]).any()) or int(starts[-1]) != total_q:
-            raise ValueError(f"query_start_loc must start at 0, never decrease and end at {total_q} (rows of q)")
+        check_block_table(inputs.block_table, inputs.lens, inputs.block_size, inputs.num_blocks)
+        check_query_starts(inputs.query_start_loc, inputs.q.shape[0])
+    return launch_prefill(inputs, block_m=block_m, block_n=block_n)
+
+
+def launch_prefill(inputs: PagedPrefill, *, block_m: int | None = None, block_n: int | None = None) -> Partial:
+    """Runs the kernel on inputs checked by the Triton rules (dispatch's, or the function above's)."""
+    q, kv_lens, query_start_loc, out, out_lse = inputs.q, inputs.lens, inputs.query_start_loc, inputs.out, inputs.out_lse
+    total_q, num_q_heads, head_dim = q.shape
+    num_seqs = inputs.block_table.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    causal_offsets = inputs.causal_offsets
     if causal_offsets is None:
         causal_offsets = (kv_lens - q_lens).to(torch.int32)
-    else:
-        check_tensor("causal_offsets", causal_offsets, ndim=1, dtypes=(torch.int32,), device=device)
-        check_shape("causal_offsets", causal_offsets, (num_seqs,))
-    out = check_out("out", out, (total_q, num_q_heads, head_dim), device)
-    out_lse = check_out("out_lse", out_lse, (total_q, num_q_heads), device)
     if num_seqs == 0 or total_q == 0:
         return out, out_lse
+    max_q_len = inputs.max_q_len
     if max_q_len is None:
         max_q_len = int(q_lens.max())
     if max_q_len <= 0:
@@ -88,40 +82,29 @@ def micro_attention_prefill(
         block_m = 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
     if block_n is None:
         block_n = 32 if interpreting() else 64
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    if scale is None:
-        scale = head_dim**-0.5
+    check_tile("block_m", block_m)
+    check_tile("block_n", block_n)
     grid = (num_seqs, -(-max_q_len // block_m), num_q_heads)
     micro_attention_prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
-        block_table,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.block_table,
         kv_lens,
         query_start_loc,
         causal_offsets,
         out,
         out_lse,
-        float(scale) * 1.4426950408889634,  # log2(e)
-        block_table.shape[1] * block_size,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_table.stride(0),
+        float(inputs.scale) * 1.4426950408889634,  # log2(e)
+        inputs.max_num_tokens,
+        *inputs.kernel_strides(),
         out.stride(0),
         out.stride(1),
         out_lse.stride(0),
         out_lse.stride(1),
         HEAD_DIM=head_dim,
-        GROUP_SIZE=num_q_heads // num_kv_heads,
-        BLOCK_SIZE=block_size,
+        GROUP_SIZE=num_q_heads // inputs.num_kv_heads,
+        BLOCK_SIZE=inputs.block_size,
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,

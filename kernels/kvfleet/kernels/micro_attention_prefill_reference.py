@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse, gather_pages
+from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse, empty_partials, gather_pages
 
 
 def micro_attention_prefill_reference(
@@ -22,12 +22,8 @@ def micro_attention_prefill_reference(
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `micro_attention_prefill`, results in compute_dtype."""
-    total_q, num_q_heads, head_dim = q.shape
-    if scale is None:
-        scale = head_dim**-0.5
+    scale, out, lse = empty_partials(q, scale, compute_dtype)
     starts = query_start_loc.tolist()
-    out = torch.zeros(total_q, num_q_heads, head_dim, dtype=compute_dtype)
-    lse = torch.full((total_q, num_q_heads), float("-inf"), dtype=compute_dtype)
     for seq_id in range(len(starts) - 1):
         q0, q1 = starts[seq_id], starts[seq_id + 1]
         kv_len = int(kv_lens[seq_id])

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.kernels._checks import check_device, check_out, check_shape, check_tensor, next_power_of_2
+from kvfleet.kernels._checks import (
+    Merge,
+    PairMerge,
+    Partial,
+    entry_point,
+    next_power_of_2,
+    scale_reduce_inputs,
+    scale_reduce_pair_inputs,
+    scale_reduce_varlen_inputs,
+)
 from kvfleet.kernels.scale_reduce_kernel import scale_reduce_kernel, scale_reduce_pair_kernel
-
-_F32 = (torch.float32,)
 
 
 def _block_p(num_parts: int) -> int:
@@ -29,25 +36,17 @@ def _block_p(num_parts: int) -> int:
     return max(2, min(64, next_power_of_2(num_parts)))
 
 
-def scale_reduce(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge o_parts [num_parts, num_rows, num_heads, head_dim] and lse_parts [num_parts, num_rows,
-    num_heads] (fp32) into (out [num_rows, num_heads, head_dim], out_lse [num_rows, num_heads])."""
-    check_tensor("o_parts", o_parts, ndim=4, dtypes=_F32)
-    check_device("o_parts", o_parts)
-    num_parts, num_rows, num_heads, head_dim = o_parts.shape
-    check_tensor("lse_parts", lse_parts, ndim=3, dtypes=_F32, device=o_parts.device)
-    check_shape("lse_parts", lse_parts, (num_parts, num_rows, num_heads))
-    out = check_out("out", out, (num_rows, num_heads, head_dim), o_parts.device)
-    out_lse = check_out("out_lse", out_lse, (num_rows, num_heads), o_parts.device)
-    launch_scale_reduce(
-        o_parts.permute(1, 2, 0, 3), lse_parts.permute(1, 2, 0), out, out_lse
-    )
+def launch_merge(inputs: Merge) -> Partial:
+    """Runs `scale_reduce` or `scale_reduce_varlen` on inputs checked by the Triton rules."""
+    o_parts, lse_parts, out, out_lse = inputs.o_parts, inputs.lse_parts, inputs.out, inputs.out_lse
+    if inputs.indptr is None:
+        launch_scale_reduce(o_parts.permute(1, 2, 0, 3), lse_parts.permute(1, 2, 0), out, out_lse)
+        return out, out_lse
+    total_parts, num_heads, _ = o_parts.shape
+    num_rows = out.shape[0]
+    # Packed parts: the index pointer finds a row's parts, so a row has no stride of its own.
+    _launch(o_parts, lse_parts, inputs.indptr, out, out_lse, 0, (o_parts.stride(0), 0, o_parts.stride(1)),
+            (lse_parts.stride(0), 0, lse_parts.stride(1)), _block_p(max(1, total_parts // max(1, num_rows))))
     return out, out_lse
 
 
@@ -56,119 +55,62 @@ def launch_scale_reduce(
 ) -> None:
     """Unchecked dense merge over views o_parts [rows, heads, parts, dim] and lse_parts [rows, heads,
     parts] of any strides (last dim of o unit-stride); also merges the splits of one micro-attention."""
-    num_rows, num_heads, num_parts, head_dim = o_parts.shape
+    num_parts = o_parts.shape[2]
+    _launch(o_parts, lse_parts, None, out, out_lse, num_parts, (o_parts.stride(2), o_parts.stride(0), o_parts.stride(1)),
+            (lse_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1)), _block_p(num_parts))
+
+
+def _launch(
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    indptr: torch.Tensor | None,
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+    num_parts: int,
+    o_strides: tuple[int, int, int],
+    lse_strides: tuple[int, int, int],
+    block_p: int,
+) -> None:
+    """One (row, head) program each; strides are (part, row, head) and num_parts the dense form's."""
+    num_rows, num_heads = out_lse.shape
     if num_rows == 0 or num_heads == 0:
         return
+    head_dim = out.shape[-1]
     scale_reduce_kernel[(num_rows, num_heads)](
         o_parts,
         lse_parts,
-        lse_parts,  # no index pointer in the dense form; never read
+        lse_parts if indptr is None else indptr,  # the dense form has no index pointer; never read
         out,
         out_lse,
         num_parts,
-        o_parts.stride(2),
-        o_parts.stride(0),
-        o_parts.stride(1),
-        lse_parts.stride(2),
-        lse_parts.stride(0),
-        lse_parts.stride(1),
+        *o_strides,
+        *lse_strides,
         out.stride(0),
         out.stride(1),
         out_lse.stride(0),
         out_lse.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_P=_block_p(num_parts),
-        VARLEN=False,
+        BLOCK_P=block_p,
+        VARLEN=indptr is not None,
     )
 
 
-def scale_reduce_varlen(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    indptr: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge packed partials o_parts [total_parts, num_heads, head_dim], lse_parts [total_parts,
-    num_heads]: row r merges parts indptr[r] .. indptr[r+1]-1 (int32 indptr [num_rows + 1],
-    non-decreasing, indptr[0] == 0, indptr[-1] <= total_parts). A row without parts gets 0 and -inf."""
-    check_tensor("o_parts", o_parts, ndim=3, dtypes=_F32)
-    check_device("o_parts", o_parts)
-    total_parts, num_heads, head_dim = o_parts.shape
-    check_tensor("lse_parts", lse_parts, ndim=2, dtypes=_F32, device=o_parts.device)
-    check_shape("lse_parts", lse_parts, (total_parts, num_heads))
-    check_tensor("indptr", indptr, ndim=1, dtypes=(torch.int32,), device=o_parts.device)
-    if indptr.numel() < 1:
-        raise ValueError("indptr must have num_rows + 1 >= 1 entries, got an empty tensor")
-    num_rows = indptr.numel() - 1
-    out = check_out("out", out, (num_rows, num_heads, head_dim), o_parts.device)
-    out_lse = check_out("out_lse", out_lse, (num_rows, num_heads), o_parts.device)
-    if num_rows == 0 or num_heads == 0:
-        return out, out_lse
-    # The index pointer is validated on the host: a bad one would read other rows' memory. This costs a
-    # device sync, accepted because merges happen once per step, not per layer tile.
-    ptr = indptr.cpu()
-    if int(ptr[0]) != 0 or bool((ptr[1:] < ptr[:-1]).any()) or int(ptr[-1]) > total_parts:
-        raise ValueError(
-            f"indptr must start at 0, never decrease and end at most at total_parts={total_parts}, "
-            f"got {ptr.tolist()[:8]}{'...' if ptr.numel() > 8 else ''}"
-        )
-    scale_reduce_kernel[(num_rows, num_heads)](
-        o_parts,
-        lse_parts,
-        indptr,
-        out,
-        out_lse,
-        0,
-        o_parts.stride(0),
-        0,
-        o_parts.stride(1),
-        lse_parts.stride(0),
-        0,
-        lse_parts.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out_lse.stride(0),
-        out_lse.stride(1),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_P=_block_p(max(1, total_parts // max(1, num_rows))),
-        VARLEN=True,
-    )
-    return out, out_lse
-
-
-def scale_reduce_pair(
-    o_a: torch.Tensor,
-    lse_a: torch.Tensor,
-    o_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partials o [..., head_dim], lse [...] of equal shapes. `out=o_a, out_lse=lse_a`
-    merges in place (each element is read before it is written)."""
-    if not isinstance(o_a, torch.Tensor) or o_a.dim() < 1:
-        raise ValueError("o_a must be a tensor [..., head_dim] with at least one dimension")
-    check_tensor("o_a", o_a, ndim=o_a.dim(), dtypes=_F32)
-    check_device("o_a", o_a)
-    check_tensor("o_b", o_b, ndim=o_a.dim(), dtypes=_F32, device=o_a.device)
-    check_shape("o_b", o_b, o_a.shape)
-    lse_shape = o_a.shape[:-1]
-    check_tensor("lse_a", lse_a, ndim=len(lse_shape), dtypes=_F32, device=o_a.device)
-    check_shape("lse_a", lse_a, lse_shape)
-    check_tensor("lse_b", lse_b, ndim=len(lse_shape), dtypes=_F32, device=o_a.device)
-    check_shape("lse_b", lse_b, lse_shape)
-    out = check_out("out", out, o_a.shape, o_a.device)
-    out_lse = check_out("out_lse", out_lse, lse_shape, o_a.device)
-    num_rows = lse_a.numel()
-    head_dim = o_a.shape[-1]
+def launch_pair(inputs: PairMerge) -> Partial:
+    """Runs `scale_reduce_pair` on inputs checked by the Triton rules."""
+    out, out_lse = inputs.out, inputs.out_lse
+    num_rows = inputs.lse_a.numel()
+    head_dim = inputs.o_a.shape[-1]
     if num_rows == 0:
         return out, out_lse
     scale_reduce_pair_kernel[(num_rows,)](
-        o_a, lse_a, o_b, lse_b, out, out_lse, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim)
+        inputs.o_a, inputs.lse_a, inputs.o_b, inputs.lse_b, out, out_lse, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
     )
     return out, out_lse
+
+
+# The public launchers: the contract (signature, docstring, checks) is the op's validator's.
+scale_reduce = entry_point(scale_reduce_inputs, "triton", launch_merge)
+scale_reduce_varlen = entry_point(scale_reduce_varlen_inputs, "triton", launch_merge)
+scale_reduce_pair = entry_point(scale_reduce_pair_inputs, "triton", launch_pair)

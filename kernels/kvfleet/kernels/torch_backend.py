@@ -3,9 +3,11 @@
 The builtin engine attends through micro-attention partials merged by ScaleReduce (Infinite-LLM
 section 4.2) on every device. On a GPU that is the Triton kernels; on the CPU the Triton interpreter
 would run them in numpy, a thousand times too slow to serve, so these functions implement the same
-contracts (`micro_attention_decode`, `micro_attention_prefill`, `scale_reduce*` in the launchers:
-shapes, fp32 results, natural-log LSE, `out=`, empty parts as 0 and -inf) with batched torch ops.
-`kvfleet.kernels.dispatch` picks between the two by the tensors' device.
+contracts (`micro_attention_decode`, `micro_attention_prefill`, `scale_reduce*`, each written once
+with its checks in _checks.py: shapes, fp32 results, natural-log LSE, `out=`, empty parts as 0 and
+-inf) with batched torch ops. `kvfleet.kernels.dispatch` picks between the two by the tensors'
+device, checks the inputs once and calls `decode`, `prefill`, `merge` and `merge_pair` here, which
+trust their checked inputs; the public functions at the end check, then call the same.
 
 Unlike the fp64 references these compute in the inputs' dtype with fp32 softmax: the score and
 value products run in the model dtype (the CPU's BLAS accumulates 16-bit products in fp32), the
@@ -16,9 +18,20 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.kernels._checks import ATTENTION_DTYPES, check_out, check_paged_kv, check_shape, check_tensor
+from kvfleet.kernels._checks import (
+    Merge,
+    PagedAttention,
+    PagedPrefill,
+    PairMerge,
+    Partial,
+    entry_point,
+    micro_attention_decode_inputs,
+    micro_attention_prefill_inputs,
+    scale_reduce_inputs,
+    scale_reduce_pair_inputs,
+    scale_reduce_varlen_inputs,
+)
 
-_F32 = (torch.float32,)
 # The fp32 logits one prefill tile may hold when the caller sets no bound: 16 MiB keeps a tile in the
 # last-level cache's neighbourhood while still covering thousands of keys per row.
 DEFAULT_MAX_LOGITS_BYTES = 16 * 1024 * 1024
@@ -45,42 +58,22 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pages.view(num_seqs, num_pages * block_size, kv_heads, dim).transpose(1, 2).contiguous()
 
 
-def micro_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract of `micro_attention_decode_launcher.micro_attention_decode`, all sequences in one
-    batch padded to the longest: q [seqs, q_heads, dim], caches [blocks, block_size, kv_heads, dim],
-    block_table int32 [seqs, max_blocks], seq_lens int32 [seqs] -> (out fp32 [seqs, q_heads, dim],
-    lse fp32 [seqs, q_heads]). Transient memory: K and V of the padded batch twice (the page gather
-    and its head-major copy) plus fp32 logits, 4 x q_heads bytes per padded token."""
-    _, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES,
-                                                    kernel_device=False)
+def decode(inputs: PagedAttention) -> Partial:
+    """`micro_attention_decode` on checked inputs, all sequences in one batch padded to the longest.
+    Transient memory: K and V of the padded batch twice (the page gather and its head-major copy)
+    plus fp32 logits, 4 x q_heads bytes per padded token."""
+    q, k_cache, v_cache, block_table, out, out_lse = (inputs.q, inputs.k_cache, inputs.v_cache, inputs.block_table,
+                                                      inputs.out, inputs.out_lse)
     num_seqs, num_q_heads, head_dim = q.shape
-    device = q.device
-    if block_table.shape[0] != num_seqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences in q")
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("seq_lens", seq_lens, (num_seqs,))
-    out = check_out("out", out, (num_seqs, num_q_heads, head_dim), device)
-    out_lse = check_out("out_lse", out_lse, (num_seqs, num_q_heads), device)
+    block_size, num_kv_heads, scale, device = inputs.block_size, inputs.num_kv_heads, inputs.scale, q.device
     # Tokens past a row of the table are ignored, as the kernel does.
-    lens = seq_lens.long().clamp(max=block_table.shape[1] * block_size)
+    lens = inputs.lens.long().clamp(max=inputs.max_num_tokens)
     # A host read of the longest length: free on the CPU, and it trims the gather to what is used.
     max_len = int(lens.max()) if num_seqs else 0
     if num_seqs == 0 or num_q_heads == 0 or max_len <= 0:
         out.zero_()
         out_lse.fill_(float("-inf"))
         return out, out_lse
-    if scale is None:
-        scale = head_dim**-0.5
     group = num_q_heads // num_kv_heads
     table = block_table[:, : -(-max_len // block_size)].long()
     if max_len == 1:
@@ -107,51 +100,26 @@ def micro_attention_decode(
     return out, out_lse
 
 
-def micro_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    causal_offsets: torch.Tensor | None = None,
-    scale: float | None = None,
-    max_logits_bytes: int | None = None,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract of `micro_attention_prefill_launcher.micro_attention_prefill`: packed queries q
-    [total_q, q_heads, dim], sequence s owning rows query_start_loc[s]..[s+1]-1; query i of a
-    sequence sees key j of its part iff j <= i + causal_offsets[s] (default kv_lens - q_lens).
+def prefill(inputs: PagedPrefill) -> Partial:
+    """`micro_attention_prefill` on checked inputs: query i of a sequence sees key j of its part iff
+    j <= i + causal_offsets[s] (default kv_lens - q_lens).
 
     One sequence at a time (prompts differ too much in length to pad), its keys gathered once and its
     queries in tiles whose fp32 logits stay within max_logits_bytes (default DEFAULT_MAX_LOGITS_BYTES;
     at least one query row): a step's transient memory is bounded whatever the prompt's length."""
-    _, block_size, num_kv_heads, _ = check_paged_kv(q, k_cache, v_cache, block_table, ATTENTION_DTYPES,
-                                                    kernel_device=False)
+    q, k_cache, v_cache, block_table, out, out_lse = (inputs.q, inputs.k_cache, inputs.v_cache, inputs.block_table,
+                                                      inputs.out, inputs.out_lse)
     total_q, num_q_heads, head_dim = q.shape
-    device = q.device
+    block_size, num_kv_heads, scale, device = inputs.block_size, inputs.num_kv_heads, inputs.scale, q.device
     num_seqs = block_table.shape[0]
-    check_tensor("kv_lens", kv_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("kv_lens", kv_lens, (num_seqs,))
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    if causal_offsets is not None:
-        check_tensor("causal_offsets", causal_offsets, ndim=1, dtypes=(torch.int32,), device=device)
-        check_shape("causal_offsets", causal_offsets, (num_seqs,))
-    out = check_out("out", out, (total_q, num_q_heads, head_dim), device)
-    out_lse = check_out("out_lse", out_lse, (total_q, num_q_heads), device)
     out.zero_()
     out_lse.fill_(float("-inf"))
-    if scale is None:
-        scale = head_dim**-0.5
-    budget = DEFAULT_MAX_LOGITS_BYTES if max_logits_bytes is None else max_logits_bytes
+    budget = DEFAULT_MAX_LOGITS_BYTES if inputs.max_logits_bytes is None else inputs.max_logits_bytes
     group = num_q_heads // num_kv_heads
-    starts = query_start_loc.tolist()
-    capacity = block_table.shape[1] * block_size
-    lens = kv_lens.tolist()
-    offsets = None if causal_offsets is None else causal_offsets.tolist()
+    starts = inputs.query_start_loc.tolist()
+    capacity = inputs.max_num_tokens
+    lens = inputs.lens.tolist()
+    offsets = None if inputs.causal_offsets is None else inputs.causal_offsets.tolist()
     for s in range(num_seqs):
         q0, q1 = starts[s], starts[s + 1]
         kv_len = min(lens[s], capacity)
@@ -201,56 +169,28 @@ def _merge(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor
     return merged, merged_lse
 
 
-def scale_reduce(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract of `scale_reduce_launcher.scale_reduce`: o_parts fp32 [parts, rows, heads, dim],
-    lse_parts fp32 [parts, rows, heads] -> (out [rows, heads, dim], out_lse [rows, heads])."""
-    check_tensor("o_parts", o_parts, ndim=4, dtypes=_F32)
-    num_parts, num_rows, num_heads, head_dim = o_parts.shape
-    check_tensor("lse_parts", lse_parts, ndim=3, dtypes=_F32, device=o_parts.device)
-    check_shape("lse_parts", lse_parts, (num_parts, num_rows, num_heads))
-    out = check_out("out", out, (num_rows, num_heads, head_dim), o_parts.device)
-    out_lse = check_out("out_lse", out_lse, (num_rows, num_heads), o_parts.device)
-    if num_parts == 0:
+def merge(inputs: Merge) -> Partial:
+    """`scale_reduce` (dense) or `scale_reduce_varlen` on checked inputs."""
+    if inputs.indptr is not None:
+        return _merge_varlen(inputs, inputs.indptr)
+    out, out_lse = inputs.out, inputs.out_lse
+    if inputs.o_parts.shape[0] == 0:
         out.zero_()
         out_lse.fill_(float("-inf"))
         return out, out_lse
-    merged, merged_lse = _merge(o_parts, lse_parts)
+    merged, merged_lse = _merge(inputs.o_parts, inputs.lse_parts)
     out.copy_(merged)
     out_lse.copy_(merged_lse)
     return out, out_lse
 
 
-def scale_reduce_varlen(
-    o_parts: torch.Tensor,
-    lse_parts: torch.Tensor,
-    indptr: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract of `scale_reduce_launcher.scale_reduce_varlen`: row r merges the packed parts
-    indptr[r]..indptr[r+1]-1 of o_parts [total_parts, heads, dim], lse_parts [total_parts, heads]."""
-    check_tensor("o_parts", o_parts, ndim=3, dtypes=_F32)
-    total_parts, num_heads, head_dim = o_parts.shape
+def _merge_varlen(inputs: Merge, indptr: torch.Tensor) -> Partial:
+    """Row r merges the packed parts indptr[r]..indptr[r+1]-1: scatter-reductions by row, no loop."""
+    o_parts, lse_parts, out, out_lse = inputs.o_parts, inputs.lse_parts, inputs.out, inputs.out_lse
+    num_heads, head_dim = o_parts.shape[1:]
     device = o_parts.device
-    check_tensor("lse_parts", lse_parts, ndim=2, dtypes=_F32, device=device)
-    check_shape("lse_parts", lse_parts, (total_parts, num_heads))
-    check_tensor("indptr", indptr, ndim=1, dtypes=(torch.int32,), device=device)
-    if indptr.numel() < 1:
-        raise ValueError("indptr must have num_rows + 1 >= 1 entries, got an empty tensor")
     num_rows = indptr.numel() - 1
-    out = check_out("out", out, (num_rows, num_heads, head_dim), device)
-    out_lse = check_out("out_lse", out_lse, (num_rows, num_heads), device)
     ptr = indptr.long()
-    if int(ptr[0]) != 0 or bool((ptr[1:] < ptr[:-1]).any()) or int(ptr[-1]) > total_parts:
-        raise ValueError(f"indptr must start at 0, never decrease and end at most at total_parts={total_parts}, "
-                         f"got {ptr.tolist()[:8]}")
     used = int(ptr[-1])
     row_of_part = torch.repeat_interleave(torch.arange(num_rows, device=device), ptr[1:] - ptr[:-1])
     lse = _clean_lse(lse_parts[:used])
@@ -268,33 +208,13 @@ def scale_reduce_varlen(
     return out, out_lse
 
 
-def scale_reduce_pair(
-    o_a: torch.Tensor,
-    lse_a: torch.Tensor,
-    o_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract of `scale_reduce_launcher.scale_reduce_pair`: merge two partials of equal shapes;
-    `out=o_a, out_lse=lse_a` merges in place."""
-    if not isinstance(o_a, torch.Tensor) or o_a.dim() < 1:
-        raise ValueError("o_a must be a tensor [..., head_dim] with at least one dimension")
-    check_tensor("o_a", o_a, ndim=o_a.dim(), dtypes=_F32)
-    check_tensor("o_b", o_b, ndim=o_a.dim(), dtypes=_F32, device=o_a.device)
-    check_shape("o_b", o_b, o_a.shape)
-    lse_shape = o_a.shape[:-1]
-    check_tensor("lse_a", lse_a, ndim=len(lse_shape), dtypes=_F32, device=o_a.device)
-    check_shape("lse_a", lse_a, lse_shape)
-    check_tensor("lse_b", lse_b, ndim=len(lse_shape), dtypes=_F32, device=o_a.device)
-    check_shape("lse_b", lse_b, lse_shape)
-    out = check_out("out", out, o_a.shape, o_a.device)
-    out_lse = check_out("out_lse", out_lse, lse_shape, o_a.device)
+def merge_pair(inputs: PairMerge) -> Partial:
+    """`scale_reduce_pair` on checked inputs."""
+    o_a, o_b, out, out_lse = inputs.o_a, inputs.o_b, inputs.out, inputs.out_lse
     # No stacked copy of the two outputs: the engine folds every layer's parts through here, and a
     # prefill's partials are the largest attention tensors it holds. Each output is read before out
     # is written, so out may alias either input.
-    la, lb = _clean_lse(lse_a), _clean_lse(lse_b)
+    la, lb = _clean_lse(inputs.lse_a), _clean_lse(inputs.lse_b)
     top = torch.maximum(la, lb)
     top_safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     wa, wb = torch.exp(la - top_safe), torch.exp(lb - top_safe)
@@ -308,3 +228,12 @@ def scale_reduce_pair(
     out.copy_(merged)
     out_lse.copy_(torch.where(nonempty, top_safe + torch.log(safe_total), torch.full_like(total, float("-inf"))))
     return out, out_lse
+
+
+# The public functions: the contract (signature, docstring, checks) is the op's validator's, by the
+# torch backend's rules (any device, caches that are strided views).
+micro_attention_decode = entry_point(micro_attention_decode_inputs, "torch", decode)
+micro_attention_prefill = entry_point(micro_attention_prefill_inputs, "torch", prefill)
+scale_reduce = entry_point(scale_reduce_inputs, "torch", merge)
+scale_reduce_varlen = entry_point(scale_reduce_varlen_inputs, "torch", merge)
+scale_reduce_pair = entry_point(scale_reduce_pair_inputs, "torch", merge_pair)
