@@ -1,6 +1,6 @@
 """Decode step time of the builtin engine's two attention paths, DistAttention against SDPA.
 
-The engine's default attention (EngineConfig.attention) is chosen on these figures: DistAttention
+The engine's default attention (BuiltinOptions.attention) is chosen on these figures: DistAttention
 (micro-attention partials merged by ScaleReduce, kvfleet.kernels; the torch backend on the CPU)
 against torch's fused SDPA, one decode step of the tiny model (float32) at batch 1 and 16 and
 contexts of 256 and 2048 tokens. Both paths are loaded side by side and measured in alternating

@@ -1,7 +1,7 @@
 """DistKV on the builtin engine (Infinite-LLM §4.2-4.6): how long a context a few small workers serve
 together, what borrowed KV costs a decode step, and how few bytes cross the wire for it.
 
-Issue 16 claims three things for borrowing KV blocks from other workers; this bench measures each on
+DistKV makes three claims for borrowing KV blocks from other workers; this bench measures each on
 this machine, all engines in one process talking over loopback TCP with the pool's real transport:
 1. Longest context against the number of workers N = 1, 2, 4, each with C tokens of KV cache and
    lenders lending all of theirs (N = 1: the borrower alone). The longest prompt + output, in block
@@ -49,10 +49,12 @@ from kvfleet.serving.credentials import PoolCredentials, PoolSecrets  # noqa: E4
 from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
 from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors  # noqa: E402
 from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
+from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
@@ -120,14 +122,16 @@ def prompt_of(num_tokens: int) -> list[int]:
 
 
 def engine_config(model_dir: Path, device: str, dtype: str, capacity_tokens: int,
-                  attention: Literal["sdpa", "distattention"], kv_bytes_per_token: int, **kwargs: object) -> EngineConfig:
-    return EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token, dtype=dtype,
-                        device=device, attention=attention, **kwargs)  # type: ignore[arg-type]
+                  attention: Literal["sdpa", "distattention"], kv_bytes_per_token: int,
+                  lend_cap_bytes: int = 0, borrow: bool = False) -> tuple[EngineConfig, BuiltinOptions]:
+    return (EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token, dtype=dtype,
+                         device=device),
+            BuiltinOptions(attention=attention, distkv=DistKVOptions(lend_cap_bytes=lend_cap_bytes, borrow=borrow)))
 
 
 @asynccontextmanager
-async def started(config: EngineConfig) -> AsyncIterator[BuiltinEngine]:
-    engine = BuiltinEngine(config)
+async def started(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[BuiltinEngine]:
+    engine = BuiltinEngine(*config)
     await engine.start()
     try:
         yield engine
@@ -136,7 +140,7 @@ async def started(config: EngineConfig) -> AsyncIterator[BuiltinEngine]:
 
 
 @asynccontextmanager
-async def lender(config: EngineConfig) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
+async def lender(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
     """A started engine lending its blocks to leases served on a loopback port (as a worker's migration port does)."""
     async with started(config) as engine:
         async def handle(channel: Channel) -> None:

@@ -17,7 +17,7 @@ printed, flushed, as it is measured, and followed by a JSON line of everything m
    pre-mapping: no device synchronize) and asynchronous (§5.1's asynchronous unmapping: what the step
    sees of it, and the unmap done later).
 1. Low load, one request at a time: TPOT of the static engine, the elastic one, and the elastic one
-   without §5.1's overlap (`EngineConfig.elastic_overlap_mapping=False`). Target: elastic at most
+   without §5.1's overlap (`MemoryOptions.overlap_mapping=False`). Target: elastic at most
    1.05x static.
 2. Offline, at each context of `--contexts`: every request at once (prompt = context less a short
    output); the largest decode batch each engine held and its decode tokens/s (from the engines' own
@@ -72,10 +72,12 @@ from kvfleet.worker.elastic import (  # noqa: E402
     open_memory,
     record_marker,
 )
+from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin import model as builtin_model  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
 from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
 MIB = 1024 * 1024
@@ -183,7 +185,21 @@ def elastic_figures(engine: BuiltinEngine) -> dict[str, Any]:
             "mapping": elastic.mapping_counts()}
 
 
-async def offline(config: EngineConfig, context: int, output: int, count: int, stop_early: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Run:
+    """One engine setting the bench compares: the shared config and the memory options of the builtin engine."""
+
+    config: EngineConfig
+    memory: MemoryOptions
+
+    def engine(self) -> BuiltinEngine:
+        return BuiltinEngine(self.config, BuiltinOptions(memory=self.memory))
+
+    def with_memory(self, **changes: Any) -> Run:
+        return replace(self, memory=replace(self.memory, **changes))
+
+
+async def offline(run: Run, context: int, output: int, count: int, stop_early: bool) -> dict[str, Any]:
     """All requests at once at the context: the largest decode batch and decode tokens/s.
 
     With `stop_early` the rest are aborted once the batch has been as large as it gets. A static
@@ -191,7 +207,7 @@ async def offline(config: EngineConfig, context: int, output: int, count: int, s
     one ends (`output` is that long): so at the first request's end. An elastic one parks KV in its
     buffer and fetches it back, so its batch is largest once nothing waits or is parked any more: two
     steps after that (the first of them may still hold the last prefill)."""
-    engine = BuiltinEngine(config)
+    engine = run.engine()
     await engine.start()
     rng = random.Random(1)
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
@@ -210,7 +226,7 @@ async def offline(config: EngineConfig, context: int, output: int, count: int, s
         start = time.perf_counter()
         tasks = [asyncio.create_task(consume(f"o{i}", prompt_of(rng, context - output))) for i in range(count)]
         if stop_early:
-            if config.elastic_memory:
+            if run.memory.elastic:
                 waiter = asyncio.create_task(everyone_in.wait())
                 await asyncio.wait([waiter, asyncio.gather(*tasks, return_exceptions=True)],
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -234,10 +250,10 @@ async def offline(config: EngineConfig, context: int, output: int, count: int, s
         release_device_memory()
 
 
-async def low_load_tpot(configs: dict[str, EngineConfig], prompt_tokens: int, output: int, rounds: int) -> dict[str, float]:
+async def low_load_tpot(configs: dict[str, Run], prompt_tokens: int, output: int, rounds: int) -> dict[str, float]:
     """TPOT with one request at a time: the engines loaded side by side, warmed up, and measured in
     alternating rounds (median kept), so load from elsewhere on the machine slows all alike."""
-    engines = {name: BuiltinEngine(config) for name, config in configs.items()}
+    engines = {name: run.engine() for name, run in configs.items()}
     rng = random.Random(5)
     tpots: dict[str, list[float]] = {name: [] for name in engines}
     try:
@@ -261,9 +277,9 @@ async def low_load_tpot(configs: dict[str, EngineConfig], prompt_tokens: int, ou
         release_device_memory()
 
 
-async def unloaded(config: EngineConfig, long_tokens: int, short_tokens: int, output: int) -> dict[str, float]:
+async def unloaded(run: Run, long_tokens: int, short_tokens: int, output: int) -> dict[str, float]:
     """TTFT of each kind and TPOT, one request at a time (the SLOs' base and the low-load figure)."""
-    engine = BuiltinEngine(config)
+    engine = run.engine()
     await engine.start()
     rng = random.Random(2)
     try:
@@ -281,8 +297,8 @@ async def unloaded(config: EngineConfig, long_tokens: int, short_tokens: int, ou
         release_device_memory()
 
 
-async def online(config: EngineConfig, arrivals: list[tuple[float, str, int]], output: int) -> list[Served]:
-    engine = BuiltinEngine(config)
+async def online(run: Run, arrivals: list[tuple[float, str, int]], output: int) -> list[Served]:
+    engine = run.engine()
     await engine.start()
     rng = random.Random(3)
     try:
@@ -444,12 +460,12 @@ def main() -> int:
     def reserve_of(context: int, budget: int | None = None) -> int:
         return static_activation_reserve_bytes(arch, dtype, context, args.max_num_seqs, budget)
 
-    def configs(context: int, budget: int) -> tuple[EngineConfig, EngineConfig]:
-        base = EngineConfig(model_path=model_dir, max_model_len=context, max_num_seqs=args.max_num_seqs, dtype=plan.dtype,
-                            device=device, memory_budget_bytes=budget)
+    def configs(context: int, budget: int) -> tuple[Run, Run]:
+        base = Run(EngineConfig(model_path=model_dir, max_model_len=context, max_num_seqs=args.max_num_seqs,
+                                dtype=plan.dtype, device=device), MemoryOptions(budget_bytes=budget))
         # "elastic" is eLLM with §5.1's overlap (the engine's default leaves it off: docs/gpu.md);
         # the low-load rows measure it against the engine without it.
-        return base, replace(base, elastic_memory=True, cpu_buffer_bytes=budget, elastic_overlap_mapping=True)
+        return base, base.with_memory(elastic=True, cpu_buffer_bytes=budget, overlap_mapping=True)
 
     def budgets(context: int) -> list[tuple[float | None, int]]:
         if plan.budget_bytes is not None:
@@ -464,7 +480,7 @@ def main() -> int:
     low_budget = min(budgets(first)[0][1], 2 * reserve_of(first))
     static_cfg, elastic_cfg = configs(first, low_budget)
     low_configs = {"static": static_cfg, "elastic": elastic_cfg,
-                   "elastic_no_overlap": replace(elastic_cfg, elastic_overlap_mapping=False)}
+                   "elastic_no_overlap": elastic_cfg.with_memory(overlap_mapping=False)}
     low = report.guarded("low_load", lambda: asyncio.run(low_load_tpot(
         low_configs, min(256, first // 2), plan.low_load_output, plan.low_load_rounds)))
     phase_s["low_load"] = round(time.perf_counter() - t, 2)
@@ -504,7 +520,7 @@ def main() -> int:
             row["elastic_strict"] = None
             if plan.strict_row and len(rows) == 1:
                 # The paper's Algorithm 1 read strictly (a full decoding batch holds prefills off), first row only.
-                runs.append(("elastic_strict", replace(elastic_cfg, park_decodes_for_prefill=False)))
+                runs.append(("elastic_strict", elastic_cfg.with_memory(park_decodes_for_prefill=False)))
             for name, config in runs:
                 try:
                     row[name] = asyncio.run(offline(config, context, output, count, plan.stop_early))
@@ -561,7 +577,7 @@ def main() -> int:
     return 0
 
 
-def run_online(report: Report, configs: tuple[EngineConfig, EngineConfig], context: int, plan: Plan) -> None:
+def run_online(report: Report, configs: tuple[Run, Run], context: int, plan: Plan) -> None:
     """The online part (module docstring, 3.) at `context`, its figures into the report."""
     static_cfg, elastic_cfg = configs
     long_tokens, short_tokens = context // 2, 64
@@ -572,7 +588,7 @@ def run_online(report: Report, configs: tuple[EngineConfig, EngineConfig], conte
     arrivals = poisson(rate, plan.online_requests, long_tokens, short_tokens)
     slo_config = dict(ttft_slo_s=slo["ttft_long_s"], tpot_slo_s=slo["tpot_s"])
     figures = {}
-    for name, config in (("static", static_cfg), ("elastic", replace(elastic_cfg, **slo_config))):
+    for name, config in (("static", static_cfg), ("elastic", elastic_cfg.with_memory(**slo_config))):
         start = time.perf_counter()
         served = asyncio.run(online(config, arrivals, plan.online_output))
         figures[name] = online_figures(served, slo, time.perf_counter() - start)

@@ -49,6 +49,7 @@ from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     RopeSpec,
     SeqBatchEntry,
 )
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 from kvfleet.worker.model.tiny import TinySpec, make_tiny  # noqa: E402
 
 BLOCK = 16
@@ -87,9 +88,9 @@ async def engine_greedy(model_dir: Path, dtype: str, device: str, attention: str
     # Room for every request at once, so they decode as one batch.
     max_model_len = max(map(len, prompts)) + num_tokens + BLOCK
     kv_bytes = len(prompts) * (max_model_len + BLOCK) * read_architecture(model_dir).kv_bytes_per_token(torch_dtype(dtype))
-    config = EngineConfig(model_path=model_dir, dtype=dtype, device=device, attention=attention,  # type: ignore[arg-type]
-                          max_model_len=max_model_len, max_num_seqs=len(prompts), kv_capacity_bytes=kv_bytes)
-    engine = load_engine("builtin", config)
+    config = EngineConfig(model_path=model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
+                          max_num_seqs=len(prompts), kv_capacity_bytes=kv_bytes)
+    engine = load_engine("builtin", config, BuiltinOptions(attention=attention))  # type: ignore[arg-type]
     await engine.start()
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
 

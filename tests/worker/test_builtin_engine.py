@@ -93,7 +93,7 @@ async def assert_all_free(engine: BuiltinEngine) -> None:
         await asyncio.sleep(0.01)
     assert engine.kv_usage() == []
     assert engine.num_waiting() == 0
-    assert sorted(engine._sched.pool.free) == list(range(num_blocks(engine)))
+    assert sorted(engine._sched.space.free) == list(range(num_blocks(engine)))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 from worker_testing import TEST_KV_CAPACITY_BYTES, greedy, run, tokens_of  # noqa: E402
 
 from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse  # noqa: E402
+from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import (  # noqa: E402
@@ -27,15 +29,16 @@ from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     activation_bytes,
     read_architecture,
 )
+from kvfleet.worker.engines.builtin.options import Attention, BuiltinOptions  # noqa: E402
 
 KIB = 1024
 PROMPTS = [[1, 5, 9, 13], [1, *range(200, 300)], [1, 42], [1, *range(600, 637)], [1, 7, 7, 7, 7, 7, 7]]
 
 
-def _engine(model_dir: Path, attention: str, **kw: object) -> BuiltinEngine:
-    options: dict[str, object] = {"kv_capacity_bytes": TEST_KV_CAPACITY_BYTES, **kw}
-    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, max_num_seqs=16,
-                                      attention=attention, **options))  # type: ignore[arg-type]
+def _engine(model_dir: Path, attention: Attention, memory: MemoryOptions | None = None, **kw: Any) -> BuiltinEngine:
+    settings: dict[str, Any] = {"kv_capacity_bytes": TEST_KV_CAPACITY_BYTES, **kw}
+    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, max_num_seqs=16, **settings),
+                         BuiltinOptions(attention=attention, memory=memory))
 
 
 async def _serve(engine: BuiltinEngine, prompts: list[list[int]], max_tokens: int, stagger_s: float) -> list[list[int]]:
@@ -51,7 +54,7 @@ async def _serve(engine: BuiltinEngine, prompts: list[list[int]], max_tokens: in
         await engine.stop()
 
 
-def _both(model_dir: Path, prompts: list[list[int]], max_tokens: int, stagger_s: float, **kw: object) -> tuple[list[list[int]], list[list[int]]]:
+def _both(model_dir: Path, prompts: list[list[int]], max_tokens: int, stagger_s: float, **kw: Any) -> tuple[list[list[int]], list[list[int]]]:
     sdpa = run(_serve(_engine(model_dir, "sdpa", **kw), prompts, max_tokens, stagger_s))
     dist = run(_serve(_engine(model_dir, "distattention", **kw), prompts, max_tokens, stagger_s))
     return sdpa, dist
@@ -74,8 +77,8 @@ def test_greedy_outputs_equal_with_elastic_memory_and_the_prefix_cache(tiny_mode
     for offloaded prefills and parked decodes, the CPU buffer on."""
     system = [1, *range(100, 180)]
     prompts = [system + [300 + i, 301 + i] for i in range(6)] + [PROMPTS[1]]
-    kw: dict[str, object] = dict(kv_capacity_bytes=None, memory_budget_bytes=20 * 256 * KIB, memory_chunk_bytes=256 * KIB,
-                                 elastic_memory=True, cpu_buffer_bytes=4 * 1024 * KIB, prefix_caching=True)
+    memory = MemoryOptions(budget_bytes=20 * 256 * KIB, chunk_bytes=256 * KIB, elastic=True, cpu_buffer_bytes=4 * 1024 * KIB)
+    kw: dict[str, Any] = dict(kv_capacity_bytes=None, memory=memory, prefix_caching=True)
     sdpa, dist = _both(tiny_model_dir, prompts, 16, 0.02, **kw)
     assert all(len(t) == 16 for t in dist)
     assert dist == sdpa

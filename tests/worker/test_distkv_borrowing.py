@@ -17,9 +17,11 @@ from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.distkv.borrower import RemoteLease
 from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors
 from kvfleet.worker.distkv.lender import serve_lease
+from kvfleet.worker.distkv.options import DistKVOptions
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import RequestTooLong, SamplingParams
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine
+from kvfleet.worker.engines.builtin.options import BuiltinOptions
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport
 
 TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("borrow-token", b"borrow-key")))
@@ -28,15 +30,16 @@ BLOCK = 16
 BLOCK_BYTES = BLOCK * 2048  # the tiny model: 2 layers x K,V x 2 kv heads x 64 x float32 = 2 KiB a token
 
 
-def config(model_dir: Path, blocks: int, **kwargs: object) -> EngineConfig:
-    return EngineConfig(model_path=model_dir, kv_capacity_bytes=blocks * BLOCK_BYTES, dtype="float32",
-                        attention="distattention", **kwargs)  # type: ignore[arg-type]
+def config(model_dir: Path, blocks: int, lend_cap_bytes: int = 0, borrow: bool = False,
+           min_step_s: float = 0.0) -> tuple[EngineConfig, BuiltinOptions]:
+    return (EngineConfig(model_path=model_dir, kv_capacity_bytes=blocks * BLOCK_BYTES, dtype="float32", min_step_s=min_step_s),
+            BuiltinOptions(attention="distattention", distkv=DistKVOptions(lend_cap_bytes=lend_cap_bytes, borrow=borrow)))
 
 
 @asynccontextmanager
 async def lender(model_dir: Path, blocks: int, cap_blocks: int) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
     """A started builtin engine lending up to `cap_blocks` of its `blocks`, on a loopback port."""
-    engine = load_engine("builtin", config(model_dir, blocks, lend_cap_bytes=cap_blocks * BLOCK_BYTES))
+    engine = load_engine("builtin", *config(model_dir, blocks, lend_cap_bytes=cap_blocks * BLOCK_BYTES))
     assert isinstance(engine, BuiltinEngine)
     await engine.start()
 
@@ -79,7 +82,7 @@ def test_a_request_three_times_the_workers_memory_equals_one_big_workers_greedy(
         want = await reference(tiny_model_dir, prompt, max_tokens)
         async with AsyncExitStack() as stack:
             lenders = [await stack.enter_async_context(lender(tiny_model_dir, 8, 6)) for _ in range(2)]
-            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+            borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
             assert isinstance(borrower, BuiltinEngine)
             await borrower.start()
             stack.push_async_callback(borrower.stop)
@@ -107,7 +110,7 @@ def test_a_request_three_times_the_workers_memory_equals_one_big_workers_greedy(
                 await asyncio.sleep(0.02)
             assert all(engine.capabilities.lending.lent_blocks() == 0 for engine, _ in lenders)  # type: ignore[union-attr]
             assert borrowing.borrowed_bytes() == {}
-            assert len(borrower._sched.pool.free) == 4
+            assert len(borrower._sched.space.free) == 4
 
     asyncio.run(scenario())
 
@@ -121,7 +124,7 @@ def test_lenders_with_uneven_room_are_used_to_the_last_block(tiny_model_dir: Pat
         want = await reference(tiny_model_dir, prompt, max_tokens)
         async with AsyncExitStack() as stack:
             lenders = [await stack.enter_async_context(lender(tiny_model_dir, 8, 6)) for _ in range(2)]
-            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+            borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
             assert isinstance(borrower, BuiltinEngine)
             await borrower.start()
             stack.push_async_callback(borrower.stop)
@@ -142,7 +145,7 @@ def test_a_lender_that_dies_costs_a_re_prefill_elsewhere_not_the_stream(tiny_mod
         async with AsyncExitStack() as stack:
             doomed_engine, doomed = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
             _, spare = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
-            borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True, min_step_s=0.01))
+            borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True, min_step_s=0.01))
             assert isinstance(borrower, BuiltinEngine)
             await borrower.start()
             stack.push_async_callback(borrower.stop)
@@ -166,7 +169,7 @@ def test_a_lender_that_dies_costs_a_re_prefill_elsewhere_not_the_stream(tiny_mod
 
 def test_without_room_in_the_pool_the_request_is_refused_clearly(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
-        borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
         assert isinstance(borrower, BuiltinEngine)
         await borrower.start()
         try:
@@ -183,7 +186,7 @@ def test_without_room_in_the_pool_the_request_is_refused_clearly(tiny_model_dir:
 
 def test_borrowing_needs_distattention() -> None:
     with pytest.raises(Exception, match="distattention"):
-        load_engine("builtin", EngineConfig(model_path=Path("/nonexistent"), borrow=True))
+        load_engine("builtin", EngineConfig(model_path=Path("/nonexistent")), BuiltinOptions(distkv=DistKVOptions(borrow=True)))
 
 
 class _Remote:
@@ -198,14 +201,24 @@ class _Remote:
 
 def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_never_preempts_it() -> None:
     from kvfleet.worker.engines.builtin.blocks import BlockPool
-    from kvfleet.worker.engines.builtin.scheduler import ModelLimits, Scheduler
+    from kvfleet.worker.engines.builtin.scheduler import ModelLimits, Request, Scheduler
+
+    class Lenders:  # the scheduler's RemoteKVHooks: what the creditors offer, nothing to give back
+        lendable_blocks = 0
+
+        def borrowable_blocks(self, block_bytes: int) -> int:
+            return self.lendable_blocks
+
+        def release_remote(self, req: Request) -> None:
+            pass
 
     async def scenario() -> None:
-        sched = Scheduler(max_num_seqs=4, block_size_tokens=BLOCK, seed=0)
+        lenders = Lenders()
+        sched = Scheduler(max_num_seqs=4, block_size_tokens=BLOCK, seed=0, remote=lenders)
         sched.open(BlockPool(4, BLOCK_BYTES), ModelLimits(2048, 256, 2048), frozenset())
         with pytest.raises(RequestTooLong, match="this engine has 4$"):
             sched.new_request("r", prompt_of(100), [], SamplingParams(max_tokens=4))
-        sched.borrowable_blocks = lambda: 6
+        lenders.lendable_blocks = 6
         req = sched.new_request("r", prompt_of(100), [], SamplingParams(max_tokens=4))
         assert req.spans
         sched.enqueue(req)
@@ -215,7 +228,7 @@ def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_nev
         assert (req.num_cached, req.output) == (64, [])  # a chunk samples nothing
         assert sched.spanning_shortfall(req) == 3 and sched.schedule() is None  # 36 more tokens need 3 blocks
         # What builtin.borrowing's spill does: the 3 oldest blocks move to a lender.
-        sched.pool.release(req.blocks[:3])
+        sched.space.release(req.blocks[:3])
         del req.blocks[:3]
         req.remote = _Remote(48)  # type: ignore[assignment]
         step = sched.schedule()
@@ -231,7 +244,7 @@ def test_the_scheduler_chunks_a_spanning_request_keeps_its_newest_blocks_and_nev
         usage = {u.request_id: u for u in sched.kv_usage()}
         assert (usage["r"].kv_bytes, usage["r"].borrowed_bytes) == (4 * BLOCK_BYTES, 3 * BLOCK_BYTES)
         sched.abort(req)
-        assert len(sched.pool.free) == 4 and req.remote is None
+        assert len(sched.space.free) == 4 and req.remote is None
 
     asyncio.run(scenario())
 
@@ -261,7 +274,7 @@ def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_m
     from kvfleet.worker.engines.builtin.borrowing import MAX_LOSSES
 
     async def scenario() -> None:
-        borrower = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
         assert isinstance(borrower, BuiltinEngine)
         await borrower.start()
         try:
@@ -271,7 +284,7 @@ def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_m
             with pytest.raises(EngineError, match=f"lost the KV other workers lent it {MAX_LOSSES + 1} times"):
                 await asyncio.wait_for(greedy(borrower, prompt_of(100), 5), 30)
             assert borrower.num_preemptions == MAX_LOSSES
-            assert len(borrower._sched.pool.free) == 4
+            assert len(borrower._sched.space.free) == 4
         finally:
             await borrower.stop()
 
@@ -285,7 +298,7 @@ def test_a_worker_refuses_a_request_longer_than_it_and_its_pool_hold_with_a_clea
     from kvfleet.worker.text import Tokenizer
 
     async def scenario() -> None:
-        engine = load_engine("builtin", config(tiny_model_dir, 4, borrow=True))
+        engine = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
         agent = Agent(AgentConfig(model_name="tiny", migration_port=None), engine, Tokenizer(tiny_model_dir), None)
         async with TestClient(TestServer(agent.app())) as client:
             for _ in range(600):

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, run, tokens_of  # noqa: E402
 
+from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin.elastic import ElasticScheduler  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
@@ -30,6 +31,7 @@ from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     activation_bytes,
     read_architecture,
 )
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -48,13 +50,14 @@ async def serve_all(engine: BuiltinEngine, prompts: list[list[int]]) -> list[lis
         await engine.stop()
 
 
-def elastic_config(model_dir: Path, **kw: Any) -> EngineConfig:
+def elastic_engine(model_dir: Path, *, min_step_s: float = 0.0, **memory: Any) -> BuiltinEngine:
     # 3.5 MiB in 256 KiB chunks (8 blocks of the tiny model in float32): ten requests' KV and their
     # decode activations do not fit at once, so the pool is always short.
-    kw.setdefault("memory_budget_bytes", 14 * 256 * KIB)
-    kw.setdefault("memory_chunk_bytes", 256 * KIB)
-    kw.setdefault("elastic_memory", True)
-    return EngineConfig(model_path=model_dir, max_model_len=512, **kw)
+    memory.setdefault("budget_bytes", 14 * 256 * KIB)
+    memory.setdefault("chunk_bytes", 256 * KIB)
+    memory.setdefault("elastic", True)
+    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, min_step_s=min_step_s),
+                         BuiltinOptions(memory=MemoryOptions(**memory)))
 
 
 def elastic_of(engine: BuiltinEngine) -> ElasticScheduler:
@@ -70,20 +73,20 @@ def reference(tiny_model_dir: Path) -> list[list[int]]:
 
 
 def test_outputs_equal_with_the_cpu_buffer_under_pressure(tiny_model_dir: Path, reference: list[list[int]]) -> None:
-    engine = BuiltinEngine(elastic_config(tiny_model_dir, cpu_buffer_bytes=4 * MIB))
+    engine = elastic_engine(tiny_model_dir, cpu_buffer_bytes=4 * MIB)
     assert run(serve_all(engine, PROMPTS)) == reference
     elastic = elastic_of(engine)
     # The buffer was really used: requests parked and fetched back, prefills admitted with their KV
     # sent straight to host memory, and no recompute.
     assert elastic.num_parked + elastic.num_offloaded_prefills > 0
-    assert elastic.num_fetched > 0
+    assert elastic.buffer.num_fetched > 0
     assert elastic.num_preemptions == 0
     assert elastic.inflated_chunks > 0
 
 
 def test_outputs_equal_without_a_buffer_where_requests_wait_or_recompute(tiny_model_dir: Path,
                                                                          reference: list[list[int]]) -> None:
-    engine = BuiltinEngine(elastic_config(tiny_model_dir))
+    engine = elastic_engine(tiny_model_dir)
     assert run(serve_all(engine, PROMPTS)) == reference
     elastic = elastic_of(engine)
     assert elastic.num_parked == elastic.num_offloaded_prefills == 0
@@ -94,9 +97,9 @@ def test_a_pool_at_rest_gives_kv_more_than_the_static_split(tiny_model_dir: Path
     budget = 512 * MIB
 
     async def capacities() -> tuple[int, int, int]:
-        static = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, memory_budget_bytes=budget, max_model_len=2048))
-        elastic = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, memory_budget_bytes=budget, max_model_len=2048,
-                                             elastic_memory=True))
+        config = EngineConfig(model_path=tiny_model_dir, max_model_len=2048)
+        static = BuiltinEngine(config, BuiltinOptions(memory=MemoryOptions(budget_bytes=budget)))
+        elastic = BuiltinEngine(config, BuiltinOptions(memory=MemoryOptions(budget_bytes=budget, elastic=True)))
         try:
             info_static, info_elastic = await static.start(), await elastic.start()
             return info_static.kv_capacity_bytes, info_elastic.kv_capacity_bytes, elastic.memory_state().budget_bytes
@@ -116,15 +119,16 @@ def test_a_pool_at_rest_gives_kv_more_than_the_static_split(tiny_model_dir: Path
 
 
 def test_a_budget_below_the_static_reserve_is_refused_with_the_reason(tiny_model_dir: Path) -> None:
-    engine = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, memory_budget_bytes=64 * MIB, max_model_len=2048))
+    engine = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=2048),
+                           BuiltinOptions(memory=MemoryOptions(budget_bytes=64 * MIB)))
     with pytest.raises(EngineError, match="leaves no KV block after the activation reserve"):
         run(engine.start())
 
 
 def test_reported_capacity_moves_with_activations(tiny_model_dir: Path) -> None:
     async def scenario() -> tuple[int, int, int]:
-        engine = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, memory_budget_bytes=128 * MIB, max_model_len=2048,
-                                            elastic_memory=True))
+        engine = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=2048),
+                               BuiltinOptions(memory=MemoryOptions(budget_bytes=128 * MIB, elastic=True)))
         await engine.start()
         try:
             at_rest = engine.memory_state().kv_capacity_bytes
@@ -143,7 +147,7 @@ def test_reported_capacity_moves_with_activations(tiny_model_dir: Path) -> None:
 
 def test_a_request_whose_prefill_cannot_fit_the_pool_is_refused(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
-        engine = BuiltinEngine(elastic_config(tiny_model_dir, cpu_buffer_bytes=64 * MIB))
+        engine = elastic_engine(tiny_model_dir, cpu_buffer_bytes=64 * MIB)
         await engine.start()
         try:
             with pytest.raises(RequestTooLong, match="memory pool"):
@@ -158,7 +162,7 @@ def test_without_a_buffer_a_prefill_whose_kv_and_activations_cannot_fit_together
     # No CPU buffer: the prefill's KV cannot be offloaded, so it needs the pool beside its activations.
     # A prompt whose activations alone fit but not with its KV used to be admitted and wait forever.
     async def scenario() -> None:
-        engine = BuiltinEngine(elastic_config(tiny_model_dir, memory_budget_bytes=24 * 256 * KIB))
+        engine = elastic_engine(tiny_model_dir, budget_bytes=24 * 256 * KIB)
         await engine.start()
         try:
             with pytest.raises(RequestTooLong, match="memory pool"):
@@ -173,7 +177,7 @@ def test_without_a_buffer_a_prefill_whose_kv_and_activations_cannot_fit_together
 def test_a_parked_request_migrates_by_kv_and_gives_the_unmigrated_output(tiny_model_dir: Path,
                                                                          reference: list[list[int]]) -> None:
     async def scenario() -> tuple[list[int], list[int]]:
-        source = BuiltinEngine(elastic_config(tiny_model_dir, cpu_buffer_bytes=4 * MIB, min_step_s=0.02))
+        source = elastic_engine(tiny_model_dir, cpu_buffer_bytes=4 * MIB, min_step_s=0.02)
         target = BuiltinEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=8 * MIB, max_model_len=512))
         await source.start()
         await target.start()

@@ -32,9 +32,11 @@ from kvfleet.worker.elastic import (  # noqa: E402
     open_memory,
     record_marker,
 )
+from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
-from kvfleet.worker.engines.builtin.elastic import ElasticKVBlocks, ElasticScheduler  # noqa: E402
+from kvfleet.worker.engines.builtin.elastic import ElasticKVBlocks, ElasticScheduler, MappingOverlap  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 from kvfleet.worker.engines.builtin.scheduler import Step  # noqa: E402
 
 KIB = 1024
@@ -59,14 +61,21 @@ class ManualFence:
 
 def elastic_engine(model_dir: Path, *, overlap: bool, chunks: int, cpu_buffer_bytes: int = 0) -> BuiltinEngine:
     # 256 KiB chunks: 8 blocks of the tiny model in float32 (2 KiB a token).
-    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, memory_budget_bytes=chunks * 256 * KIB,
-                                      memory_chunk_bytes=256 * KIB, elastic_memory=True, cpu_buffer_bytes=cpu_buffer_bytes,
-                                      elastic_overlap_mapping=overlap))
+    memory = MemoryOptions(budget_bytes=chunks * 256 * KIB, chunk_bytes=256 * KIB, elastic=True,
+                           cpu_buffer_bytes=cpu_buffer_bytes, overlap_mapping=overlap)
+    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512), BuiltinOptions(memory=memory))
 
 
 def elastic_of(engine: BuiltinEngine) -> ElasticScheduler:
     assert engine.elastic is not None
     return engine.elastic
+
+
+def mapping_of(engine: BuiltinEngine) -> MappingOverlap:
+    """eLLM §5.1's part of a started engine's scheduler (its counters)."""
+    mapping = elastic_of(engine).mapping
+    assert mapping is not None
+    return mapping
 
 
 async def serve(engine: BuiltinEngine, prompts: list[list[int]], prefix: str = "r") -> list[list[int]]:
@@ -99,7 +108,7 @@ def check_books(sched: ElasticScheduler) -> None:
             c for c in range(pool.num_chunks) if pool.owner(c) is owner)
         assert pool.count(owner) == len(mapped)
         assert not tensor.pending_slots & tensor.mapped_slots
-        physical = tensor._range._chunk_at  # type: ignore[attr-defined]  # the host range's own books
+        physical = tensor._range._slots.chunk_at  # type: ignore[attr-defined]  # the host range's own books
         expected = {**mapped, **{slot: tensor.pending_chunk(slot) for slot in tensor.pending_slots}}
         assert physical == expected
     assert pool.count(Owner.FREE) == pool.num_chunks - pool.count(Owner.KV) - pool.count(Owner.ACTIVATION)
@@ -186,14 +195,13 @@ def test_kv_slot_0_is_never_mapped_ahead_nor_unmapped_behind_a_fence(host_memory
     """builtin.model pads the decode gathers' block tables with block 0, so a running step may read KV
     slot 0 whatever its blocks: only the time between steps (un)maps it."""
     block_bytes = host_memory.chunk_bytes // 2
-    kv = ElasticKVBlocks(ChunkPool(4, host_memory.chunk_bytes), host_memory, block_bytes)
     fences: list[ManualFence] = []
 
     def fence() -> ManualFence:
         fences.append(ManualFence())
         return fences[-1]
 
-    kv.unmap_fence = fence
+    kv = ElasticKVBlocks(ChunkPool(4, host_memory.chunk_bytes), host_memory, block_bytes, unmap_fence=fence)
     try:
         assert kv.grow(2) == 2 and kv.tensor.mapped_slots == {0, 1}
         assert kv.shrink(2) == 2 and len(fences) == 1
@@ -284,11 +292,11 @@ def test_steady_decoding_maps_nothing_on_the_steps_path(tiny_model_dir: Path, ov
 
     async def go() -> list[list[int]]:
         await engine.start()
-        sched = elastic_of(engine)
+        sched, mapping = elastic_of(engine), mapping_of(engine)
 
         def mark(step: Step | None) -> None:
             if step is not None:
-                marks.append((sched.maps_on_path, all(len(e.token_ids) == 1 for e in step.entries), len(step.entries)))
+                marks.append((mapping.maps_on_path, all(len(e.token_ids) == 1 for e in step.entries), len(step.entries)))
 
         watch_steps(sched, mark)
         try:
@@ -302,10 +310,10 @@ def test_steady_decoding_maps_nothing_on_the_steps_path(tiny_model_dir: Path, ov
     on_path = sum(b[0] - a[0] for a, b in steady)
     if overlap:
         assert on_path == 0
-        assert elastic_of(engine).premapped_chunks > 0
+        assert mapping_of(engine).premapped_chunks > 0
     else:
         assert on_path > 0
-        assert elastic_of(engine).maps_ahead == 0
+        assert mapping_of(engine).maps_ahead == 0
 
 
 def test_outputs_with_the_overlap_equal_those_without_it_and_the_static_engines(

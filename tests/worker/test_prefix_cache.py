@@ -47,7 +47,7 @@ async def served(e: BuiltinEngine, body: Any) -> Any:
 def books_balance(e: BuiltinEngine) -> None:
     sched = e._sched
     assert sched.prefix is not None
-    assert len(sched.pool.free) + sched.prefix.num_blocks == sched.pool.num_blocks
+    assert len(sched.space.free) + sched.prefix.num_blocks == sched.space.num_blocks
     assert sched.prefix.num_evictable_blocks == sched.prefix.num_blocks  # nothing runs: nothing pinned
 
 
@@ -157,7 +157,7 @@ def test_usage_counts_a_shared_block_once_and_the_cache_apart(tiny_model_dir: Pa
 
     async def body(e: BuiltinEngine) -> None:
         await tokens_of(e.generate("warm", SYSTEM + [1, 2], greedy(2)))  # leaves SYSTEM's 5 blocks cached
-        block_bytes = e._sched.pool.block_bytes
+        block_bytes = e._sched.space.block_bytes
         assert e.kv_usage() == [] and e.prefix_cache_stats().evictable_blocks == 5
         a = e.generate("a", SYSTEM + [3, 4], greedy(40))
         b = e.generate("b", SYSTEM + [5, 6], greedy(40))
@@ -169,7 +169,7 @@ def test_usage_counts_a_shared_block_once_and_the_cache_apart(tiny_model_dir: Pa
         assert usage[older].shared_bytes == 0 and usage[older].kv_bytes == held[older != "a"] * block_bytes
         assert usage[newer].shared_bytes == 5 * block_bytes
         assert usage[newer].kv_bytes == (held[newer != "a"] - 5) * block_bytes
-        in_use = e._sched.pool.num_blocks - len(e._sched.pool.free)
+        in_use = e._sched.space.num_blocks - len(e._sched.space.free)
         assert sum(r.kv_bytes for r in usage.values()) == in_use * block_bytes  # each block once
         stats = e.prefix_cache_stats()
         assert stats.evictable_blocks == 0  # both read the 5 cached blocks: pinned

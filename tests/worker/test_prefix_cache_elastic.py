@@ -20,9 +20,11 @@ torch = pytest.importorskip("torch")
 
 from worker_testing import greedy, run, tokens_of  # noqa: E402
 
+from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig  # noqa: E402
 from kvfleet.worker.engines.builtin.elastic import ElasticScheduler  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
 
 T = TypeVar("T")
 KIB = 1024
@@ -33,9 +35,10 @@ SYSTEM = [1, *range(100, 180)]  # 81 tokens: 5 full blocks of 16 shared by every
 def elastic_engine(model_dir: Path, *, caching: bool, chunks: int, cpu_buffer_bytes: int = 0,
                    min_step_s: float = 0.0) -> BuiltinEngine:
     # Chunks of 256 KiB: 8 blocks of the tiny model in float32 (2 KiB a token).
-    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, memory_budget_bytes=chunks * 256 * KIB,
-                                      memory_chunk_bytes=256 * KIB, elastic_memory=True, cpu_buffer_bytes=cpu_buffer_bytes,
-                                      prefix_caching=caching, min_step_s=min_step_s))
+    memory = MemoryOptions(budget_bytes=chunks * 256 * KIB, chunk_bytes=256 * KIB, elastic=True,
+                           cpu_buffer_bytes=cpu_buffer_bytes)
+    return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, prefix_caching=caching,
+                                      min_step_s=min_step_s), BuiltinOptions(memory=memory))
 
 
 def elastic_of(engine: BuiltinEngine) -> ElasticScheduler:
@@ -50,7 +53,7 @@ def check_books(engine: BuiltinEngine) -> None:
     sched = elastic_of(engine)
     assert sched.kv is not None and sched.prefix is not None
     owners: list[int] = list(sched.kv.free)
-    stack = list(sched.prefix._root.children.values())
+    stack = list(sched.prefix.tree._root.children.values())
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
@@ -64,11 +67,11 @@ def check_books(engine: BuiltinEngine) -> None:
         owners += req.blocks[num_shared:]
     for staged in sched.staged.values():
         owners += staged.blocks
-    total = sched.kv.mapped_bytes // sched.pool.block_bytes
+    total = sched.kv.mapped_bytes // sched.space.block_bytes
     assert len(owners) == len(set(owners)) == total, "a block is lost or held twice"
-    assert sched.prefix.num_host_blocks == len(sched._host_blocks)
-    block_bytes = sched.pool.block_bytes
-    assert sched.prefix.num_host_blocks * block_bytes + sched.buffer_held_bytes() <= sched.settings.cpu_buffer_bytes
+    assert sched.prefix.tree.num_host_blocks == len(sched.buffer._host_blocks)
+    block_bytes = sched.space.block_bytes
+    assert sched.prefix.tree.num_host_blocks * block_bytes + sched.buffer.held_bytes() <= sched.buffer.capacity_bytes
 
 
 def check_books_at_rest(engine: BuiltinEngine) -> None:
@@ -77,9 +80,9 @@ def check_books_at_rest(engine: BuiltinEngine) -> None:
     sched = elastic_of(engine)
     assert sched.kv is not None and sched.prefix is not None
     assert not sched.requests and not sched._matches
-    assert len(sched.kv.free) + sched.prefix.num_blocks == sched.kv.mapped_bytes // sched.pool.block_bytes
+    assert len(sched.kv.free) + sched.prefix.num_blocks == sched.kv.mapped_bytes // sched.space.block_bytes
     assert sched.prefix.num_evictable_blocks == sched.prefix.num_blocks
-    assert sched.prefix.num_evictable_host_blocks == sched.prefix.num_host_blocks
+    assert sched.prefix.tree.num_evictable_host_blocks == sched.prefix.tree.num_host_blocks
 
 
 async def checked_between_steps(engine: BuiltinEngine, body: Coroutine[Any, Any, T]) -> T:
@@ -161,7 +164,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back(tiny_model_dir: Path) -> No
     without, with_host = dropping.prefix_cache_stats(), swapping.prefix_cache_stats()
     assert without.host_blocks is None and without.num_swap_outs == without.num_swap_ins == 0
     assert with_host.num_swap_outs > 0 and with_host.num_swap_ins > 0
-    assert with_host.host_blocks == elastic_of(swapping).prefix.num_host_blocks  # type: ignore[union-attr]
+    assert with_host.host_blocks == elastic_of(swapping).prefix.tree.num_host_blocks  # type: ignore[union-attr]
     assert with_host.prefilled_tokens < without.prefilled_tokens
     # Every token is either prefilled or comes from the cache, the device's or the host's.
     assert with_host.hit_tokens + with_host.prefilled_tokens == without.hit_tokens + without.prefilled_tokens
@@ -203,10 +206,10 @@ def test_a_parked_request_that_read_cached_blocks_comes_back_with_its_own_kv(tin
         async with e._step_lock:
             req = sched.requests["x"]
             assert req.shared is not None and len(req.shared.nodes) == 5
-            sched._evict(req)
+            sched.evict(req)
             assert req.parked is not None and req.shared is None and not req.blocks
             assert sched.prefix.num_evictable_blocks == sched.prefix.num_blocks == 5  # unpinned
-            assert sched._evict_cached(5) == 5 and sched.prefix.num_blocks == 0  # (swapped out)
+            assert sched.evict_cached(5) == 5 and sched.prefix.num_blocks == 0  # (swapped out)
             cache = e._cache
             assert sched.kv is not None
             free = list(sched.kv.free)
@@ -214,7 +217,7 @@ def test_a_parked_request_that_read_cached_blocks_comes_back_with_its_own_kv(tin
             await e._in_executor(lambda: cache.write_blocks(free, garbage))
             check_books(e)
         rest = [t async for out in stream for t in out.new_token_ids]
-        assert sched.num_parked >= 1 and sched.num_fetched >= 1
+        assert sched.num_parked >= 1 and sched.buffer.num_fetched >= 1
         return first + rest
 
     cached = elastic_engine(tiny_model_dir, caching=True, chunks=48, cpu_buffer_bytes=4 * MIB, min_step_s=0.01)
@@ -233,23 +236,23 @@ def test_parked_requests_take_the_buffer_from_the_host_tier(tiny_model_dir: Path
 
     async def watched(e: BuiltinEngine) -> list[list[int]]:
         sched = elastic_of(e)
-        make_room = sched._make_buffer_room
+        make_room = sched.buffer.make_room
 
         def recording(num_blocks: int) -> bool:
             assert sched.prefix is not None
-            before = sched.prefix.num_host_blocks
+            before = sched.prefix.tree.num_host_blocks
             room = make_room(num_blocks)
-            yielded.append((before, sched.prefix.num_host_blocks))
+            yielded.append((before, sched.prefix.tree.num_host_blocks))
             return room
 
-        sched._make_buffer_room = recording  # type: ignore[method-assign]
+        sched.buffer.make_room = recording  # type: ignore[method-assign]
         return await workload(e)
 
     reference = run(served(elastic_engine(tiny_model_dir, caching=False, chunks=48), workload, check=False))
     e = elastic_engine(tiny_model_dir, caching=True, chunks=20, cpu_buffer_bytes=1 * MIB)
     assert run(served(e, watched)) == reference
     sched = elastic_of(e)
-    assert sched.num_parked > 0 and sched.num_swap_outs > 0
+    assert sched.num_parked > 0 and sched.buffer.num_swap_outs > 0
     assert any(after < before for before, after in yielded)
 
 

@@ -21,7 +21,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from worker_testing import (
@@ -249,13 +248,6 @@ def _resource_tracker_pid() -> int | None:
     # multiprocessing's resource tracker starts with the first spawned process and lives as long as
     # this one: it is not the engine's.
     return multiprocessing.resource_tracker._resource_tracker._pid  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("settings", [{"elastic_memory": True, "memory_budget_bytes": 2**26}, {"cpu_buffer_bytes": 2**26}])
-def test_elastic_memory_and_a_cpu_buffer_are_refused_with_the_reason(tiny_model_dir: Path, settings: dict[str, Any]) -> None:
-    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, **settings))
-    with pytest.raises(EngineError, match="need the builtin engine"):
-        asyncio.run(engine.start())
 
 
 # Two prompts of 300 tokens sharing their first 290: two whole 128-token blocks and 34 tokens of a third.

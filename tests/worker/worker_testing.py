@@ -11,14 +11,15 @@ import importlib.util
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from kvfleet.worker.elastic.options import MemoryOptions
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine, EngineInfo, SamplingParams, StepOutput
+from kvfleet.worker.engines.builtin.options import BuiltinOptions
 
 T = TypeVar("T")
 
@@ -70,10 +71,11 @@ def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], 
     if name not in engines:
         config = EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                               max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16, dtype="float32")
+        options = None
         if name == "builtin-elastic":  # the builtin engine with elastic memory keeps the same contract
-            config = replace(config, memory_budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic_memory=True,
-                             cpu_buffer_bytes=TEST_KV_CAPACITY_BYTES)
-        engine = load_engine(name.removesuffix("-elastic"), config)
+            options = BuiltinOptions(memory=MemoryOptions(budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic=True,
+                                                          cpu_buffer_bytes=TEST_KV_CAPACITY_BYTES))
+        engine = load_engine(name.removesuffix("-elastic"), config, options)
         info = loop.run(engine.start(), timeout_s=300)
         engines[name] = StartedEngine(name, engine, info, loop)
     return engines[name]

@@ -23,6 +23,7 @@ from kvfleet.worker.distkv.creditors import Creditor, Creditors, PoolPlanCredito
 from kvfleet.worker.migration.transport import split_address
 
 if TYPE_CHECKING:
+    from kvfleet.worker.engines.builtin.options import BuiltinOptions
     from kvfleet.worker.reporter import WriteReport
 
 # Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
@@ -102,10 +103,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.distkv_peers = parse_peers(args.distkv_peers)
     except ValueError as err:
         parser.error(f"--distkv-peers: {err}")
+    if args.engine == "vllm":
+        builtin_only = [flag for flag, value in (
+            ("--attention distattention", args.attention != "sdpa"), ("--memory-budget-bytes", args.memory_budget_bytes),
+            ("--elastic-memory", args.elastic_memory), ("--cpu-buffer-bytes", args.cpu_buffer_bytes),
+            ("--lend-cap-bytes", args.lend_cap_bytes), ("--distkv", args.distkv)) if value]
+        if builtin_only:
+            # vLLM sizes its KV cache once at start and attends only over its own cache (load_engine says
+            # more): refused rather than ignored, so a pool never believes it runs what it does not.
+            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM's KV "
+                         "cache cannot grow or shrink while it serves, and its attention takes no remote KV")
     if args.elastic_memory and args.memory_budget_bytes is None:
         parser.error("--elastic-memory needs --memory-budget-bytes (KVFLEET_MEMORY_BUDGET_BYTES): the pool to share")
     args.model_name = args.model_name or args.model_path.name
     return args
+
+
+def builtin_options(args: argparse.Namespace) -> BuiltinOptions:
+    """The builtin engine's own settings, from its flags."""
+    from kvfleet.worker.distkv.options import DistKVOptions
+    from kvfleet.worker.elastic.options import DEFAULT_CHUNK_BYTES, MemoryOptions
+    from kvfleet.worker.engines.builtin.options import BuiltinOptions
+
+    memory = None if args.memory_budget_bytes is None else MemoryOptions(
+        budget_bytes=args.memory_budget_bytes, elastic=args.elastic_memory, cpu_buffer_bytes=args.cpu_buffer_bytes,
+        ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
+        tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
+        chunk_bytes=args.memory_chunk_bytes or DEFAULT_CHUNK_BYTES)
+    return BuiltinOptions(attention=args.attention, memory=memory,
+                          distkv=DistKVOptions(lend_cap_bytes=args.lend_cap_bytes, borrow=args.distkv))
 
 
 def parse_peers(text: str) -> list[tuple[str, str]]:
@@ -138,12 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
-        prefix_caching=args.prefix_caching, attention=args.attention,
-        memory_budget_bytes=args.memory_budget_bytes, elastic_memory=args.elastic_memory,
-        cpu_buffer_bytes=args.cpu_buffer_bytes, lend_cap_bytes=args.lend_cap_bytes, borrow=args.distkv,
-        ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
-        tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
-        **({"memory_chunk_bytes": args.memory_chunk_bytes} if args.memory_chunk_bytes else {})))
+        prefix_caching=args.prefix_caching), builtin_options(args) if args.engine == "builtin" else None)
     pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
     pod_uid, pool = os.environ.get("POD_UID"), os.environ.get("KVFLEET_POOL")
     writer = report_writer(pod_name, namespace, pod_uid, pool)

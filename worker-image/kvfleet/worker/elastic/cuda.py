@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.elastic.memory import MapError, check_view
+from kvfleet.worker.elastic.memory import MapError, RangeBook, SlotBook, check_view
 
 
 @functools.cache
@@ -137,9 +137,7 @@ class CudaRange:
         _make_current(memory.device_index)
         self.base = int(_check(drv.cuMemAddressReserve(num_slots * self.slot_bytes, 0, 0, 0), "cuMemAddressReserve",
                                RuntimeError))
-        self._chunk_at: dict[int, int] = {}
-        self._mapped_chunks: set[int] = set()
-        self._released = False
+        self._slots = SlotBook(num_slots, memory.num_chunks)
         slot = 0
         try:
             for slot in range(num_slots):
@@ -167,16 +165,7 @@ class CudaRange:
         self._map_handle(slot, self._memory.zero_handle, self._memory.zero_access)
 
     def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
-        if self._released:
-            raise MapError("the range was released")
-        if not 0 <= slot < self.num_slots:
-            raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
-        if not 0 <= chunk_id < self._memory.num_chunks:
-            raise MapError(f"chunk {chunk_id} does not exist (the memory has {self._memory.num_chunks})")
-        if slot in self._chunk_at:
-            raise MapError(f"slot {slot} already maps chunk {self._chunk_at[slot]}")
-        if chunk_id in self._mapped_chunks:
-            raise MapError(f"chunk {chunk_id} is already mapped in this range")
+        self._slots.check_map(slot, chunk_id)
         _make_current(self._memory.device_index)
         if synchronize:
             # Kernels still queued may read the slot's zero chunk: unmapping it under them would fault.
@@ -187,22 +176,21 @@ class CudaRange:
         except MapError:
             self._map_zero(slot)  # the contract: a failed map leaves the slot reading zero
             raise
-        self._chunk_at[slot] = chunk_id
-        self._mapped_chunks.add(chunk_id)
+        self._slots.mapped(slot, chunk_id)
 
     def unmap(self, slot: int, *, synchronize: bool = True) -> None:
-        if self._released or slot not in self._chunk_at:
+        if not self._slots.maps(slot):
             return
         _make_current(self._memory.device_index)
         if synchronize:
             torch.cuda.synchronize(self._memory.device)  # nothing queued may still read or write the chunk
         _check(_driver().cuMemUnmap(self._address(slot), self.slot_bytes), "cuMemUnmap")
-        self._mapped_chunks.discard(self._chunk_at.pop(slot))
+        self._slots.unmapped(slot)
         self._map_zero(slot)
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         check_view(self.num_slots, self.slot_bytes, dtype, shape)
-        if self._released:
+        if self._slots.released:
             raise MapError("the range was released")
         raw = torch.as_tensor(_ArrayInterface(self.base, self.num_slots * self.slot_bytes), device=self._memory.device)
         return raw.view(dtype).view(tuple(shape))
@@ -210,17 +198,14 @@ class CudaRange:
     def release(self) -> None:
         """Unmap every slot and free the addresses; idempotent. Tensors viewing the range must be dropped
         first: the addresses they point at are gone."""
-        if self._released:
+        if not self._slots.release():
             return
-        self._released = True
         drv = _driver()
         _make_current(self._memory.device_index)
         torch.cuda.synchronize(self._memory.device)
         # Not checked: release also runs on the way out of a failure, and must finish.
         for slot in range(self.num_slots):
             drv.cuMemUnmap(self._address(slot), self.slot_bytes)
-        self._chunk_at.clear()
-        self._mapped_chunks.clear()
         drv.cuMemAddressFree(self._address(0), self.num_slots * self.slot_bytes)
 
 
@@ -239,8 +224,7 @@ class CudaMemory:
         prop = _prop(self.device_index)
         self.access = _access(self.device_index, read_only=False)
         self.handles: list[Any] = []
-        self._ranges: list[CudaRange] = []
-        self._closed = False
+        self._ranges: RangeBook[CudaRange] = RangeBook()
         try:
             for _ in range(num_chunks + 1):
                 self.handles.append(_check(drv.cuMemCreate(chunk_bytes, prop, 0), "cuMemCreate", RuntimeError))
@@ -291,21 +275,11 @@ class CudaMemory:
             drv.cuMemAddressFree(base, self.chunk_bytes)
 
     def reserve(self, num_slots: int) -> CudaRange:
-        if self._closed:
-            raise MapError("the memory was closed")
-        if num_slots < 1:
-            raise ValueError("a range needs at least one slot")
-        virtual = CudaRange(self, num_slots)
-        self._ranges.append(virtual)
-        return virtual
+        return self._ranges.reserve(num_slots, lambda n: CudaRange(self, n))
 
     def close(self) -> None:
-        if self._closed:
+        if not self._ranges.close():
             return
-        self._closed = True
-        for virtual in self._ranges:
-            virtual.release()
-        self._ranges.clear()
         drv = _driver()
         for handle in [*self.handles, self.zero_handle]:
             drv.cuMemRelease(handle)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfleet.worker.elastic.memory import MapError, check_view
+from kvfleet.worker.elastic.memory import MapError, RangeBook, SlotBook, check_view
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -58,10 +58,8 @@ class HostRange:
         libc = memory.libc
         self.base = _mmap(libc, None, num_slots * self.slot_bytes, PROT_NONE,
                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-        self._chunk_at: dict[int, int] = {}
-        self._mapped_chunks: set[int] = set()
+        self._slots = SlotBook(num_slots, memory.num_chunks)
         self._buffer: ctypes.Array[ctypes.c_char] | None = None
-        self._released = False
         try:
             for slot in range(num_slots):
                 self._map_zero(slot)
@@ -78,35 +76,25 @@ class HostRange:
 
     def map(self, slot: int, chunk_id: int, *, synchronize: bool = True) -> None:
         # (`synchronize` is for the GPU: the host runs no work behind the caller's back.)
-        if self._released:
-            raise MapError("the range was released")
-        if not 0 <= slot < self.num_slots:
-            raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
-        if not 0 <= chunk_id < self._memory.num_chunks:
-            raise MapError(f"chunk {chunk_id} does not exist (the memory has {self._memory.num_chunks})")
-        if slot in self._chunk_at:
-            raise MapError(f"slot {slot} already maps chunk {self._chunk_at[slot]}")
-        if chunk_id in self._mapped_chunks:
-            raise MapError(f"chunk {chunk_id} is already mapped in this range")
+        self._slots.check_map(slot, chunk_id)
         try:
             _mmap(self._memory.libc, self._address(slot), self.slot_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
                   mmap.MAP_SHARED | MAP_FIXED, self._memory.fd, chunk_id * self.slot_bytes)
         except MapError:
             self._map_zero(slot)  # whatever MAP_FIXED left there, the slot reads zero again
             raise
-        self._chunk_at[slot] = chunk_id
-        self._mapped_chunks.add(chunk_id)
+        self._slots.mapped(slot, chunk_id)
 
     def unmap(self, slot: int, *, synchronize: bool = True) -> None:
-        if self._released or slot not in self._chunk_at:
+        if not self._slots.maps(slot):
             return
         # MAP_FIXED replaces the chunk's mapping in one call: the slot is never unbacked in between.
         self._map_zero(slot)
-        self._mapped_chunks.discard(self._chunk_at.pop(slot))
+        self._slots.unmapped(slot)
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         check_view(self.num_slots, self.slot_bytes, dtype, shape)
-        if self._released:
+        if self._slots.released:
             raise MapError("the range was released")
         if self._buffer is None:
             # Kept on the range: the tensors borrow its memory, and frombuffer makes no copy.
@@ -116,11 +104,8 @@ class HostRange:
     def release(self) -> None:
         """Unmap every slot and give the addresses back; idempotent. Tensors viewing the range must be
         dropped first: the addresses they point at are gone (a read through one faults)."""
-        if self._released:
+        if not self._slots.release():
             return
-        self._released = True
-        self._chunk_at.clear()
-        self._mapped_chunks.clear()
         self._buffer = None
         self._memory.libc.munmap(self.base, self.num_slots * self.slot_bytes)
 
@@ -144,24 +129,13 @@ class HostMemory:
             os.close(self.fd)
             os.close(self.zero_fd)
             raise
-        self._ranges: list[HostRange] = []
-        self._closed = False
+        self._ranges: RangeBook[HostRange] = RangeBook()
 
     def reserve(self, num_slots: int) -> HostRange:
-        if self._closed:
-            raise MapError("the memory was closed")
-        if num_slots < 1:
-            raise ValueError("a range needs at least one slot")
-        virtual = HostRange(self, num_slots)
-        self._ranges.append(virtual)
-        return virtual
+        return self._ranges.reserve(num_slots, lambda n: HostRange(self, n))
 
     def close(self) -> None:
-        if self._closed:
+        if not self._ranges.close():
             return
-        self._closed = True
-        for virtual in self._ranges:
-            virtual.release()
-        self._ranges.clear()
         os.close(self.fd)
         os.close(self.zero_fd)

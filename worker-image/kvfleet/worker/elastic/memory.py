@@ -23,9 +23,9 @@ the work that may read it has passed, so neither waits for the whole device on a
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -162,3 +162,78 @@ def check_view(num_slots: int, slot_bytes: int, dtype: torch.dtype, shape: Seque
         nbytes *= n
     if nbytes != num_slots * slot_bytes:
         raise ValueError(f"a {tuple(shape)} {dtype} view is {nbytes} bytes; the range is {num_slots * slot_bytes}")
+
+
+class SlotBook:
+    """Which chunk each slot of one range maps: the checks every backend's `map` makes before it touches
+    the device or the address space, and the books after, kept once for all backends."""
+
+    def __init__(self, num_slots: int, num_chunks: int) -> None:
+        self.num_slots = num_slots
+        self.num_chunks = num_chunks
+        self.chunk_at: dict[int, int] = {}
+        self.mapped_chunks: set[int] = set()
+        self.released = False
+
+    def check_map(self, slot: int, chunk_id: int) -> None:
+        """Raise MapError unless `chunk_id` may be mapped at `slot` now."""
+        if self.released:
+            raise MapError("the range was released")
+        if not 0 <= slot < self.num_slots:
+            raise MapError(f"slot {slot} is outside the range's {self.num_slots}")
+        if not 0 <= chunk_id < self.num_chunks:
+            raise MapError(f"chunk {chunk_id} does not exist (the memory has {self.num_chunks})")
+        if slot in self.chunk_at:
+            raise MapError(f"slot {slot} already maps chunk {self.chunk_at[slot]}")
+        if chunk_id in self.mapped_chunks:
+            raise MapError(f"chunk {chunk_id} is already mapped in this range")
+
+    def mapped(self, slot: int, chunk_id: int) -> None:
+        self.chunk_at[slot] = chunk_id
+        self.mapped_chunks.add(chunk_id)
+
+    def maps(self, slot: int) -> bool:
+        """Whether `slot` maps a chunk (a released range maps none)."""
+        return not self.released and slot in self.chunk_at
+
+    def unmapped(self, slot: int) -> None:
+        self.mapped_chunks.discard(self.chunk_at.pop(slot))
+
+    def release(self) -> bool:
+        """Forget every mapping; False if the range was already released (release is idempotent)."""
+        if self.released:
+            return False
+        self.released = True
+        self.chunk_at.clear()
+        self.mapped_chunks.clear()
+        return True
+
+
+RangeT = TypeVar("RangeT", bound=VirtualRange)
+
+
+class RangeBook(Generic[RangeT]):
+    """The ranges one backend's memory has reserved, so that `close` releases them all once."""
+
+    def __init__(self) -> None:
+        self._ranges: list[RangeT] = []
+        self.closed = False
+
+    def reserve(self, num_slots: int, make: Callable[[int], RangeT]) -> RangeT:
+        if self.closed:
+            raise MapError("the memory was closed")
+        if num_slots < 1:
+            raise ValueError("a range needs at least one slot")
+        virtual = make(num_slots)
+        self._ranges.append(virtual)
+        return virtual
+
+    def close(self) -> bool:
+        """Release every range; False if the memory was already closed (close is idempotent)."""
+        if self.closed:
+            return False
+        self.closed = True
+        for virtual in self._ranges:
+            virtual.release()
+        self._ranges.clear()
+        return True

@@ -46,7 +46,8 @@ class DuplicateRequest(EngineError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a worker knows when it starts its engine (the pod's environment, see resources.py)."""
+    """What a worker knows when it starts its engine (the pod's environment, see resources.py): the
+    settings every engine takes. An engine's own settings are its options (engines/builtin/options.py)."""
 
     model_path: Path
     # Bytes of KV cache the engine allocates; None lets the engine choose (tests, the bench).
@@ -65,44 +66,10 @@ class EngineConfig:
     # slower accelerator, so that on a fast CPU a tiny model's requests live long enough for the
     # control loop (epochs of seconds) to act on them: the migration e2e test and the demo use it.
     min_step_s: float = 0.0
-    # Context caching (MemServe, builtin engine): finished requests' full KV blocks stay, indexed by
-    # their tokens, until their memory is needed; a new request starts after its prompt's cached prefix.
+    # Context caching (MemServe): finished requests' full KV blocks stay, indexed by their tokens, until
+    # their memory is needed; a new request starts after its prompt's cached prefix (the builtin engine's
+    # prompt tree; vLLM's own prefix caching).
     prefix_caching: bool = False
-    # Elastic memory (eLLM, docs/elastic-memory.md; builtin engine). With a memory budget the engine
-    # keeps KV cache and activations in one pool of physical chunks (kvfleet.worker.elastic) instead
-    # of sizing the KV cache by kv_capacity_bytes: `elastic_memory` False splits the budget statically
-    # (an activation reserve sized for the longest prefill, as vLLM does), True lets each side take
-    # what the step needs (§4.3.1). None: no pool, the KV cache is kv_capacity_bytes of plain tensors.
-    memory_budget_bytes: int | None = None
-    elastic_memory: bool = False
-    # The pool's unit (rounded up to a multiple of the backend's granularity and of one KV block).
-    memory_chunk_bytes: int = 2 * 1024 * 1024
-    # Host memory that holds the KV of waiting or preempted requests instead of recomputing it (§4.3.2);
-    # 0 disables the buffer (preemption recomputes, as vLLM v1 does).
-    cpu_buffer_bytes: int = 0
-    # Park the newest decodes' KV to make room for a prefill that fits no other way (True), or keep
-    # eLLM's Algorithm 1 strictly, where a full decoding batch holds prefills off (builtin_elastic_policy).
-    park_decodes_for_prefill: bool = True
-    # Latency objectives that steer the buffer's logical size (Algorithm 2); None: no objective.
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    # eLLM §5.1 (elastic memory): map the KV chunks the next decode step needs while the current step
-    # computes, and unmap deflated slots behind a fence instead of synchronizing the device on the
-    # step's path. Off by default because an H200 measured it slower (docs/gpu.md): its driver calls
-    # run in Python on the event loop while the executor's Python launches the step's kernels, and
-    # they take the interpreter the launches need (low-load TPOT 12.3 ms against 11.7 ms without).
-    elastic_overlap_mapping: bool = False
-    # Builtin engine's attention: "sdpa" (torch's fused attention over the local cache) or
-    # "distattention" (micro-attention partials merged by ScaleReduce through kvfleet.kernels, Triton
-    # on a GPU, torch on the CPU; the path that can take KV held elsewhere, Infinite-LLM section 4.2).
-    # Greedy outputs are the same; sdpa is the default because on the CPU its decode steps are faster
-    # at small batches (bench/attention.py).
-    attention: Literal["sdpa", "distattention"] = "sdpa"
-    # DistKV (Infinite-LLM §4.3, docs/distkv.md; builtin engine): lend up to this many bytes of free KV
-    # blocks to requests of other workers (0: lend none), and borrow for a request larger than this
-    # engine's whole cache (needs attention "distattention" and a static cache, not elastic memory).
-    lend_cap_bytes: int = 0
-    borrow: bool = False
 
 
 @dataclass(frozen=True)

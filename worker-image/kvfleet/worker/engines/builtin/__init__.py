@@ -10,14 +10,16 @@ pool and its memory backends; `kvfleet.worker.distkv`: DistKV's wire and lease p
 |---|---|
 | engine.py | `BuiltinEngine`: the engine's life cycle and its step loop (the `Engine` contract of ../base.py) |
 | model.py | the Llama forward pass and the paged KV cache's tensors |
-| blocks.py | block accounting: the free list, blocks per token count, staged KV |
-| scheduler.py | the requests, admission, preemption, continuous batching, kv_usage() |
+| blocks.py | block accounting: the `KVSpace` protocol, the static free list, staged KV |
+| scheduler.py | the requests, admission (one `admit`), preemption, continuous batching, kv_usage(); composed of a `KVSpace`, a `PrefixCache` and DistKV's `RemoteKVHooks`, passed in |
+| prefix.py | the prefix cache part (MemServe): match / start / insert / evict / unlock over a `PromptTree` |
 | sampling.py | greedy and seeded (seed, position) sampling |
 | migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
-| elastic.py | elastic memory (eLLM): one chunk pool for KV and activations, the CPU buffer |
+| elastic.py | elastic memory (eLLM): one chunk pool for KV and activations (`ElasticSpace`), §5.1's overlapped (un)mapping (`MappingOverlap`); `ElasticScheduler` replaces only the batch choice (Algorithm 1) and sizes the CPU buffer (Algorithm 2), composed of those parts and a `CpuBuffer` |
+| cpu_buffer.py | eLLM's CPU buffer (§4.3.2, `CpuBuffer`): parked KV, offloaded prefills' sinks, their copies; with prefix caching the cache's host tier (`HostTierPrefixCache`) |
 | elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
 | lending.py | DistKV's lender side: blocks lent to requests of other workers (`capabilities.lending`) |
-| borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases |
+| borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases (`Lenders`: the scheduler's hooks) |
 
 Importing this package imports no torch: `kvfleet.worker.engines.load_engine("builtin", ...)` imports
 engine.py when a worker runs this engine.

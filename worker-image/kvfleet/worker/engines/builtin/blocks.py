@@ -5,13 +5,54 @@ scheduler (builtin/scheduler.py) and the migration calls (builtin/migration.py) 
 loop: the free list and the blocks held for a request that is not running here yet (imported or
 reserved by a migration). How many blocks a number of tokens takes is the engines' shared rule
 (base.blocks_for).
+
+`KVSpace` is what the scheduler asks of the memory its blocks live in (vLLM v1's scheduler calls a
+KV cache manager the same way): a static cache (`BlockPool`) or elastic memory's pool
+(builtin/elastic.py) behind one protocol, so the scheduler's request state machine is written once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_SIZE_TOKENS = 16
+
+
+class KVSpace(Protocol):
+    """The blocks a scheduler allocates from (on the event loop only)."""
+
+    @property
+    def free(self) -> list[int]:
+        """The free block ids: read on every step, so a plain list (`len(space.free)` is the free count)."""
+        ...
+
+    @property
+    def num_blocks(self) -> int:
+        """Every block id the space may ever hand out (and so the most one request may hold)."""
+        ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks; the caller has checked there are enough."""
+        ...
+
+    def release(self, block_ids: list[int]) -> None: ...
+
+    def grow_for(self, num_blocks: int) -> None:
+        """Try to have `num_blocks` blocks free by growing the space itself (elastic memory inflates);
+        a static cache cannot grow. The scheduler evicts cached blocks after this, not before."""
+        ...
+
+    def park(self, request_id: str, block_ids: list[int]) -> torch.Tensor | None:
+        """Queue a copy of a request leaving the device to host memory and return where it goes, or None
+        when there is no room for it there (the request is recomputed instead)."""
+        ...
 
 
 class BlockPool:
@@ -34,6 +75,13 @@ class BlockPool:
 
     def release(self, block_ids: list[int]) -> None:
         self.free.extend(block_ids)
+
+    def grow_for(self, num_blocks: int) -> None:
+        """A static cache has the blocks it was opened with."""
+
+    def park(self, request_id: str, block_ids: list[int]) -> torch.Tensor | None:
+        """No host buffer: a preempted request is recomputed (vLLM's recompute policy)."""
+        return None
 
 
 @dataclass(eq=False)

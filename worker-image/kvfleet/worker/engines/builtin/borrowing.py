@@ -103,31 +103,60 @@ class RemoteParts:
         await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
 
 
+class Lenders:
+    """Whom a borrowing engine asks and how it reaches them, and the leases it gives back: the
+    scheduler's `RemoteKVHooks`, built before the scheduler and handed to it (so it holds nothing of
+    the borrower's side but these two calls)."""
+
+    def __init__(self) -> None:
+        self.open_lease: LeaseOpener | None = None
+        self.creditors: Creditors | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        # Bytes written to and read from lenders by closed leases, for the bench (wire bytes per step).
+        self.bytes_sent = self.bytes_received = 0
+
+    def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
+        """How to reach lenders (leases over the pool's authenticated migration port) and whom to ask."""
+        self.open_lease, self.creditors = open_lease, creditors
+
+    def borrowable_blocks(self, block_bytes: int) -> int:
+        """Blocks the creditors said they could lend (a hint: the contract decides)."""
+        if self.creditors is None or self.open_lease is None:
+            return 0
+        return sum(c.lendable_bytes for c in self.creditors.candidates()) // block_bytes if block_bytes else 0
+
+    def release_remote(self, req: Request) -> None:
+        """Free a request's leases (in the background: the scheduler does not wait for lenders)."""
+        remote = req.remote
+        if not isinstance(remote, RemoteParts):
+            return
+        for part in remote.parts:
+            self.bytes_sent += part.lease.bytes_sent
+            self.bytes_received += part.lease.bytes_received
+        task = asyncio.get_running_loop().create_task(remote.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+
 class BuiltinKVBorrowing:
     """Leases at other workers for this engine's spanning requests (module docstring)."""
 
-    def __init__(self, sched: Scheduler, block_size_tokens: int) -> None:
+    def __init__(self, sched: Scheduler, lenders: Lenders, block_size_tokens: int) -> None:
         self._sched = sched
+        self._lenders = lenders
         self._block_size_tokens = block_size_tokens
         # Lease ids are unique per lender across all its borrowers: this engine's random id first.
         self._engine_id = uuid.uuid4().hex[:12]
-        self._open_lease: LeaseOpener | None = None
-        self._creditors: Creditors | None = None
         self._cache: PagedKVCache | None = None
         self._executor: concurrent.futures.Executor | None = None
-        self._closing: set[asyncio.Task[None]] = set()
         self._losses: dict[str, int] = {}  # request id -> times its remote KV was lost
         self._lease_seq = 0
-        # Bytes written to and read from lenders, for the bench (wire bytes per step).
-        self.bytes_sent = self.bytes_received = 0
-        sched.borrowable_blocks = self.borrowable_blocks
-        sched.release_remote = self._release
 
     # -- wiring --------------------------------------------------------------------------------------
 
     def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
         """How to reach lenders (leases over the pool's authenticated migration port) and whom to ask."""
-        self._open_lease, self._creditors = open_lease, creditors
+        self._lenders.attach(open_lease, creditors)
 
     def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor) -> None:
         self._cache, self._executor = cache, executor
@@ -139,14 +168,11 @@ class BuiltinKVBorrowing:
 
     def borrowable_blocks(self) -> int:
         """Blocks the creditors said they could lend (a hint: the contract decides)."""
-        if self._creditors is None or self._open_lease is None:
-            return 0
-        block_bytes = self._sched.pool.block_bytes
-        return sum(c.lendable_bytes for c in self._creditors.candidates()) // block_bytes if block_bytes else 0
+        return self._lenders.borrowable_blocks(self._sched.space.block_bytes)
 
     def borrowed_bytes(self) -> Mapping[str, int]:
         """Creditor pod -> bytes of blocks it lends this engine's requests now."""
-        block_bytes = self._sched.pool.block_bytes
+        block_bytes = self._sched.space.block_bytes
         borrowed: dict[str, int] = {}
         for req in self._sched.requests.values():
             if isinstance(req.remote, RemoteParts):
@@ -157,7 +183,7 @@ class BuiltinKVBorrowing:
 
     def wire_bytes(self) -> tuple[int, int]:
         """(sent, received) bytes over every lease so far, closed ones included."""
-        sent, received = self.bytes_sent, self.bytes_received
+        sent, received = self._lenders.bytes_sent, self._lenders.bytes_received
         for req in self._sched.requests.values():
             if isinstance(req.remote, RemoteParts):
                 sent += sum(p.lease.bytes_sent for p in req.remote.parts)
@@ -205,7 +231,7 @@ class BuiltinKVBorrowing:
 
     async def _spill(self, req: Request, num_blocks: int) -> None:
         cache, executor = self._cache, self._executor
-        if cache is None or executor is None or self._open_lease is None or self._creditors is None:
+        if cache is None or executor is None or self._lenders.open_lease is None or self._lenders.creditors is None:
             raise NoRoomToBorrow("this worker is not set up to borrow KV (KVFLEET_DISTKV)")
         remote = req.remote
         if not isinstance(remote, RemoteParts):
@@ -224,7 +250,7 @@ class BuiltinKVBorrowing:
             if req.state is not RequestState.RUNNING:
                 return  # aborted meanwhile: its leases were released with it
             part.num_tokens += granted * self._block_size_tokens
-            self._sched.pool.release(blocks)
+            self._sched.space.release(blocks)
             del req.blocks[:granted]
             moved += granted
 
@@ -232,7 +258,8 @@ class BuiltinKVBorrowing:
         """A lease that took up to `num_blocks` more blocks, and how many: one of the request's leases if
         its lender has room (the newest first), else a new one at the best candidate that has. A lender
         short of `num_blocks` says how many it has, and that is taken (§4.4: the creditor answers)."""
-        assert self._open_lease is not None and self._creditors is not None
+        open_lease, creditors = self._lenders.open_lease, self._lenders.creditors
+        assert open_lease is not None and creditors is not None
         for part in reversed(remote.parts):
             try:
                 granted = await self._grow(part.lease, num_blocks)
@@ -242,18 +269,18 @@ class BuiltinKVBorrowing:
                 raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
             if granted:
                 return part, granted
-        for creditor in self._creditors.candidates():
+        for creditor in creditors.candidates():
             if any(p.lease.address == creditor.address for p in remote.parts):
                 continue  # asked above
             self._lease_seq += 1
-            lease = self._open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
+            lease = open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
             try:
                 granted = await self._grow(lease, num_blocks)
             except Exception as err:  # refused, or unreachable: the next candidate
                 log.info("creditor %s refused %d blocks: %s", creditor.pod, num_blocks, err)
                 granted = 0
             if not granted or lease.block_size_tokens != self._block_size_tokens:
-                self._creditors.refused(creditor.address)
+                creditors.refused(creditor.address)
                 await lease.free()
                 continue
             part = _Part(lease, creditor.pod)
@@ -279,15 +306,3 @@ class BuiltinKVBorrowing:
         except LendingError:
             return 0  # taken by another borrower meanwhile
         return room_blocks
-
-    def _release(self, req: Request) -> None:
-        remote = req.remote
-        if not isinstance(remote, RemoteParts):
-            return
-        for part in remote.parts:
-            self.bytes_sent += part.lease.bytes_sent
-            self.bytes_received += part.lease.bytes_received
-        task = asyncio.get_running_loop().create_task(remote.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-

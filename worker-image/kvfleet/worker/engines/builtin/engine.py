@@ -32,7 +32,6 @@ from typing import Literal, TypeVar
 import torch
 
 from kvfleet.api.speed import SpeedProfile
-from kvfleet.serving.prompt_tree import PromptTree
 from kvfleet.worker.elastic import ChunkPool, Fence, PhysicalMemory, QueueFence, granularity_bytes, open_memory, record_marker
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
@@ -45,7 +44,8 @@ from kvfleet.worker.engines.base import (
     blocks_for,
 )
 from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS, BlockPool
-from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, RemotePartLost
+from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, Lenders, RemotePartLost
+from kvfleet.worker.engines.builtin.cpu_buffer import CpuBuffer
 from kvfleet.worker.engines.builtin.elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
 from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
 from kvfleet.worker.engines.builtin.migration import BuiltinKVMigration
@@ -60,6 +60,8 @@ from kvfleet.worker.engines.builtin.model import (
     read_architecture,
     torch_dtype,
 )
+from kvfleet.worker.engines.builtin.options import BuiltinOptions
+from kvfleet.worker.engines.builtin.prefix import PrefixCache
 from kvfleet.worker.engines.builtin.sampling import next_tokens
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
@@ -76,8 +78,10 @@ DEFAULT_KV_CAPACITY_BYTES = 64 * 1024 * 1024
 class BuiltinEngine:
     """The torch engine (builtin/scheduler.py for scheduling; capabilities.py for migration)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, options: BuiltinOptions | None = None) -> None:
         self.config = config
+        self.options = options = options or BuiltinOptions()
+        memory, distkv = options.memory, options.distkv
         self._info: EngineInfo | None = None
         self._model: LlamaForward | None = None
         self._cache: PagedKVCache | None = None
@@ -86,28 +90,29 @@ class BuiltinEngine:
         self._step_lock: asyncio.Lock | None = None
         self._elastic: ElasticScheduler | None = None
         self._memory: PhysicalMemory | None = None
-        if config.memory_budget_bytes is not None and config.elastic_memory:
+        # DistKV's borrower side as the scheduler sees it (docs/distkv.md); only when configured.
+        lenders = Lenders() if distkv.borrow else None
+        if memory is not None and memory.elastic:
+            # With prefix caching the cache is free memory of the pool, and the CPU buffer its host
+            # tier (builtin/elastic.py, builtin/cpu_buffer.py).
             self._elastic = ElasticScheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed, ElasticSettings(
-                cpu_buffer_bytes=config.cpu_buffer_bytes, threshold_bytes=0,
-                park_decodes_for_prefill=config.park_decodes_for_prefill,
-                ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
-                overlap_mapping=config.elastic_overlap_mapping))
-        self._sched: Scheduler = self._elastic or Scheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed)
-        if config.prefix_caching:
-            # With elastic memory the cache is free memory of the pool, and the CPU buffer its host
-            # tier (builtin/elastic.py).
-            self._sched.prefix = PromptTree(BLOCK_SIZE_TOKENS)
+                threshold_bytes=0, park_decodes_for_prefill=memory.park_decodes_for_prefill,
+                ttft_slo_s=memory.ttft_slo_s, tpot_slo_s=memory.tpot_slo_s, overlap_mapping=memory.overlap_mapping),
+                CpuBuffer(memory.cpu_buffer_bytes, BLOCK_SIZE_TOKENS, prefix_caching=config.prefix_caching))
+        self._sched: Scheduler = self._elastic or Scheduler(
+            config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed,
+            prefix=PrefixCache(BLOCK_SIZE_TOKENS) if config.prefix_caching else None, remote=lenders)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
         # DistKV (docs/distkv.md): the lender's and the borrower's sides, each only when configured.
-        if config.borrow and config.attention != "distattention":
+        if distkv.borrow and options.attention != "distattention":
             raise EngineError("borrowing KV (DistKV) needs attention 'distattention': remote KV is attended where it lives")
-        if (config.borrow or config.lend_cap_bytes) and self._elastic is not None:
+        if (distkv.borrow or distkv.lend_cap_bytes) and self._elastic is not None:
             raise EngineError("DistKV lending and borrowing need a static KV cache, not elastic memory")
-        if config.lend_cap_bytes < 0:
-            raise EngineError(f"the lending cap must be at least 0 bytes, not {config.lend_cap_bytes}")
-        self._lending = BuiltinKVLending(self._sched, 0) if config.lend_cap_bytes else None
-        self._borrowing = BuiltinKVBorrowing(self._sched, BLOCK_SIZE_TOKENS) if config.borrow else None
+        if distkv.lend_cap_bytes < 0:
+            raise EngineError(f"the lending cap must be at least 0 bytes, not {distkv.lend_cap_bytes}")
+        self._lending = BuiltinKVLending(self._sched, 0) if distkv.lend_cap_bytes else None
+        self._borrowing = BuiltinKVBorrowing(self._sched, lenders, BLOCK_SIZE_TOKENS) if lenders is not None else None
         self._speed = SpeedRecorder("builtin")
 
     # -- the Engine contract -------------------------------------------------------------------
@@ -124,11 +129,12 @@ class BuiltinEngine:
             raise EngineError(f"max_model_len {max_model_len} exceeds the model's {arch.max_position_embeddings} positions")
         kv_bytes_per_token = arch.kv_bytes_per_token(dtype)
         block_bytes = BLOCK_SIZE_TOKENS * kv_bytes_per_token
-        budget_bytes = config.memory_budget_bytes
-        if budget_bytes is not None and not config.elastic_memory:
+        pool = self.options.memory
+        budget_bytes = None if pool is None else pool.budget_bytes
+        if pool is not None and not pool.elastic:
             # The static split of the same budget: KV gets what the worst step's activations leave.
-            reserve_bytes = static_activation_reserve_bytes(arch, dtype, max_model_len, config.max_num_seqs, budget_bytes)
-            capacity_bytes = budget_bytes - reserve_bytes
+            reserve_bytes = static_activation_reserve_bytes(arch, dtype, max_model_len, config.max_num_seqs, pool.budget_bytes)
+            capacity_bytes = pool.budget_bytes - reserve_bytes
             if capacity_bytes < block_bytes:
                 raise EngineError(f"a memory budget of {budget_bytes} bytes leaves no KV block after the activation "
                                   f"reserve of {reserve_bytes} bytes that its largest step needs (a {max_model_len}-token prefill, or "
@@ -150,7 +156,7 @@ class BuiltinEngine:
             storage = None
 
         def load() -> tuple[LlamaForward, PagedKVCache]:
-            model = LlamaForward.load(config.model_path, dtype, device, max_model_len, config.attention)
+            model = LlamaForward.load(config.model_path, dtype, device, max_model_len, self.options.attention)
             model.decode_workspace_bytes = decode_workspace_bytes(arch, dtype, max_model_len, BLOCK_SIZE_TOKENS,
                                                                   budget_bytes)
             return model, PagedKVCache(arch, num_blocks, BLOCK_SIZE_TOKENS, dtype, device, storage=storage)
@@ -163,11 +169,11 @@ class BuiltinEngine:
         self._model, self._cache = model, cache
         limits = ModelLimits(max_model_len, model.arch.vocab_size, kv_bytes_per_token)
         if elastic is not None:
-            elastic.open(kv, limits, frozenset(arch.eos_token_ids))
-            elastic.attach(kv, activations,
-                           functools.partial(_activation_of, arch, dtype),
-                           ACTIVATION_BASE_BYTES + model.decode_workspace_bytes, self._copy_out, self._copy_in,
-                           self._new_sink, self._fence)
+            space = elastic.attach(kv, activations,
+                                   functools.partial(_activation_of, arch, dtype),
+                                   ACTIVATION_BASE_BYTES + model.decode_workspace_bytes, self._copy_out, self._copy_in,
+                                   self._new_sink)
+            elastic.open(space, limits, frozenset(arch.eos_token_ids))
             capacity_bytes = elastic.memory_state().kv_capacity_bytes
             num_blocks = capacity_bytes // block_bytes
         else:
@@ -175,7 +181,7 @@ class BuiltinEngine:
         self._step_lock = asyncio.Lock()
         self._migration.open(cache, self._executor, self._step_lock)
         if self._lending is not None:
-            self._lending.open(cache, self._executor, self.config.lend_cap_bytes // block_bytes)
+            self._lending.open(cache, self._executor, self.options.distkv.lend_cap_bytes // block_bytes)
         if self._borrowing is not None:
             self._borrowing.open(cache, self._executor)
         self._info = EngineInfo(
@@ -243,10 +249,10 @@ class BuiltinEngine:
         stats = PrefixCacheStats(sched.num_cache_hit_tokens, sched.num_prefilled_tokens, sched.prefix.num_blocks,
                                  sched.prefix.num_evictable_blocks)
         elastic = self._elastic
-        if elastic is None or not elastic.host_tier:
+        if elastic is None or not elastic.buffer.host_tier:
             return stats
-        return dataclasses.replace(stats, host_blocks=sched.prefix.num_host_blocks, num_swap_outs=elastic.num_swap_outs,
-                                   num_swap_ins=elastic.num_swap_ins)
+        return dataclasses.replace(stats, host_blocks=sched.prefix.tree.num_host_blocks,
+                                   num_swap_outs=elastic.buffer.num_swap_outs, num_swap_ins=elastic.buffer.num_swap_ins)
 
     def memory_state(self) -> MemoryState:
         """The elastic pool now (capabilities.ElasticMemory); only asked of an elastic engine."""
@@ -276,12 +282,12 @@ class BuiltinEngine:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         sched = self._sched
-        if request_id in sched.requests or request_id in sched.staged:
+        if sched.has(request_id):
             raise DuplicateRequest(f"request {request_id!r} is already on this engine")
         return sched.enqueue(sched.new_request(request_id, list(prompt_token_ids), [], params))
 
     async def abort(self, request_id: str) -> None:
-        req = self._sched.requests.get(request_id)
+        req = self._sched.get(request_id)
         if req is not None:
             self._sched.abort(req)
         self._sched.wake()
@@ -304,13 +310,17 @@ class BuiltinEngine:
         """The unified pool (eLLM §4.2.2): whole chunks of whole KV blocks, on the device's backend."""
         kind: Literal["host", "cuda"] = "cuda" if device.type == "cuda" else "host"
         unit = math.lcm(granularity_bytes(kind, device), block_bytes)
-        chunk_bytes = -(-self.config.memory_chunk_bytes // unit) * unit
+        assert self.options.memory is not None
+        chunk_bytes = -(-self.options.memory.chunk_bytes // unit) * unit
         num_chunks = budget_bytes // chunk_bytes
         if num_chunks < 2:
             raise EngineError(f"a memory budget of {budget_bytes} bytes holds fewer than 2 chunks of {chunk_bytes} bytes")
         memory = self._memory = open_memory(kind, num_chunks, chunk_bytes, device)
         chunks = ChunkPool(num_chunks, chunk_bytes)
-        return memory, ElasticKVBlocks(chunks, memory, block_bytes), ActivationChunks(chunks, memory)
+        # eLLM §5.1's asynchronous unmapping: with overlap_mapping, unmaps wait behind a fence.
+        fence = self._fence if self.options.memory.overlap_mapping else None
+        return (memory, ElasticKVBlocks(chunks, memory, block_bytes, unmap_fence=fence),
+                ActivationChunks(chunks, memory, unmap_fence=fence))
 
     def _close_pool(self) -> None:
         memory, self._memory = self._memory, None
@@ -396,7 +406,7 @@ class BuiltinEngine:
                         # Only that request's remote KV is gone: it is prefilled again, and the step's
                         # other requests run this step again (their KV writes are the same).
                         logger.warning("%s; it is prefilled again", err)
-                        lost = sched.requests.get(err.request_id)
+                        lost = sched.get(err.request_id)
                         if lost is not None and self._borrowing is not None:
                             self._borrowing.lose(lost)
                     except Exception as err:  # a failed step fails its requests, not the engine

@@ -62,7 +62,7 @@ class BuiltinKVLending:
         return sum(len(blocks) for blocks in self._leases.values())
 
     def room_blocks(self) -> int:
-        return max(0, min(self._cap_blocks - self.lent_blocks(), len(self._sched.pool.free))) if self._cache else 0
+        return max(0, min(self._cap_blocks - self.lent_blocks(), len(self._sched.space.free))) if self._cache else 0
 
     def lend(self, lease_id: str, num_blocks: int) -> None:
         if self._cache is None:
@@ -71,9 +71,9 @@ class BuiltinKVLending:
             raise LendingError(f"a lease grows by at least one block, not {num_blocks}")
         if self.lent_blocks() + num_blocks > self._cap_blocks:
             raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}")
-        if len(self._sched.pool.free) < num_blocks:
-            raise LendingError(f"{num_blocks} blocks asked, {len(self._sched.pool.free)} free")
-        self._leases.setdefault(lease_id, []).extend(self._sched.pool.allocate(num_blocks))
+        if len(self._sched.space.free) < num_blocks:
+            raise LendingError(f"{num_blocks} blocks asked, {len(self._sched.space.free)} free")
+        self._leases.setdefault(lease_id, []).extend(self._sched.space.allocate(num_blocks))
 
     def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
         blocks = self._leases.get(lease_id)
@@ -128,7 +128,7 @@ class BuiltinKVLending:
         blocks = self._leases.pop(lease_id, None)
         if not blocks:
             return 0
-        self._sched.pool.release(blocks)
+        self._sched.space.release(blocks)
         self._sched.wake()
         return len(blocks)
 

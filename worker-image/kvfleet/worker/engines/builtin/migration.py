@@ -80,7 +80,7 @@ class BuiltinKVMigration:
         assert self._step_lock is not None, "start() first"
         sched = self._sched
         async with self._step_lock:
-            req = sched.requests.get(request_id)
+            req = sched.get(request_id)
             if req is None or req.state not in (RequestState.WAITING, RequestState.RUNNING):
                 raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
             if req.spans:
@@ -101,7 +101,7 @@ class BuiltinKVMigration:
 
     async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> KVBlocks:
         """Copy blocks [first_block, end_block) of the request's KV to the CPU (see KVMigratable in capabilities.py)."""
-        req = self._sched.requests.get(request_id)
+        req = self._sched.get(request_id)
         if req is None or not (req.blocks or req.parked is not None):
             raise MigrationError(f"request {request_id!r} holds no KV on this engine")
         bs = self._sched.block_size_tokens
@@ -131,7 +131,7 @@ class BuiltinKVMigration:
         destination refuses at once (MigrationError) instead of after the copy; `import_kv` then
         writes into the reserved blocks, and `release` frees them if the migration is abandoned.
         """
-        if request_id in self._sched.requests:
+        if self._sched.get(request_id) is not None:
             raise DuplicateRequest(f"request {request_id!r} is already on this engine")
         self._require_cache()
         self._stage_blocks(request_id, num_blocks)
@@ -139,7 +139,7 @@ class BuiltinKVMigration:
     async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
         """Allocate and fill blocks for a request about to be resumed here (see KVMigratable in capabilities.py)."""
         sched = self._sched
-        if request_id in sched.requests:
+        if sched.get(request_id) is not None:
             raise DuplicateRequest(f"request {request_id!r} is already on this engine")
         cache = self._require_cache()
         bs = sched.block_size_tokens
@@ -147,7 +147,7 @@ class BuiltinKVMigration:
         if kv.block_size_tokens != bs or tuple(kv.data.shape[1:]) != expected or kv.data.shape[0] != len(cache.layers):
             raise MigrationError(f"KV blocks of shape {tuple(kv.data.shape)} (block size {kv.block_size_tokens}) do not fit "
                                  f"this engine's cache ({len(cache.layers)}, {', '.join(map(str, expected))})")
-        staged = sched.staged.get(request_id) or StagedKV()
+        staged = sched.staged_kv(request_id) or StagedKV()
         if kv.first_block > len(staged.blocks) or kv.first_block * bs > staged.num_tokens:
             raise MigrationError(f"KV of {request_id!r} from block {kv.first_block} leaves a gap: "
                                  f"{staged.num_tokens} tokens imported so far")
@@ -159,19 +159,18 @@ class BuiltinKVMigration:
     def _stage_blocks(self, request_id: str, num_blocks: int) -> StagedKV:
         """Grow the request's staged KV to at least `num_blocks` blocks, or refuse if they are not free."""
         sched = self._sched
-        staged = sched.staged.get(request_id) or StagedKV()
-        num_new = max(0, num_blocks - len(staged.blocks))
-        if not sched.ensure_free(num_new):
-            raise MigrationError(f"no room for {num_new} KV blocks of {request_id!r}: {len(sched.pool.free)} free")
-        staged.blocks.extend(sched.pool.allocate(num_new))
-        sched.staged[request_id] = staged
+        staged = sched.stage(request_id, num_blocks)
+        if staged is None:
+            held = sched.staged_kv(request_id)
+            num_new = num_blocks - (len(held.blocks) if held is not None else 0)
+            raise MigrationError(f"no room for {num_new} KV blocks of {request_id!r}: {sched.num_free_blocks} free")
         return staged
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Continue a request from its tokens and any KV held for it here (see KVMigratable in capabilities.py)."""
         sched = self._sched
-        own = sched.requests.get(request_id)
+        own = sched.get(request_id)
         if own is not None and own.state is not RequestState.SUSPENDED:
             raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
         if len(output_token_ids) >= params.max_tokens:
@@ -180,8 +179,7 @@ class BuiltinKVMigration:
         if own is not None:
             req.blocks, req.num_cached, req.parked, req.shared = own.blocks, own.num_cached, own.parked, own.shared
             own.blocks, own.parked, own.shared, own.state = [], None, None, RequestState.FINISHED
-        elif request_id in sched.staged:
-            staged = sched.staged.pop(request_id)
+        elif (staged := sched.take_staged(request_id)) is not None:
             req.blocks, req.num_cached = staged.blocks, staged.num_tokens
         # At least the last token is computed again: its logits give the next token.
         req.num_cached = min(req.num_cached, req.num_tokens - 1)
@@ -191,7 +189,7 @@ class BuiltinKVMigration:
     def release(self, request_id: str) -> None:
         """Free the KV of a suspended request, or KV imported for one (see KVMigratable in capabilities.py)."""
         sched = self._sched
-        req = sched.requests.get(request_id)
+        req = sched.get(request_id)
         if req is not None:
             if req.state is not RequestState.SUSPENDED:
                 raise MigrationError(f"request {request_id!r} is {req.state.value}: abort it instead")

@@ -1,6 +1,6 @@
 """The builtin engine's batch scheduler: its requests, their queues and blocks, and what each step runs.
 
-Everything here runs on the event loop and touches no tensor (the engine, builtin.py, runs the
+Everything here runs on the event loop and touches no tensor (the engine, engine.py, runs the
 step's torch work on its own thread between `schedule` and `process`), so the request state machine
 can be read and tested apart from the model. Scheduling is vLLM-like:
 - Each step admits waiting requests (FIFO) while max_num_seqs and free blocks allow, prefills them
@@ -12,7 +12,7 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
   is preempted: its blocks are freed and it goes back to the front of the queue, to be re-prefilled
   from prompt + generated tokens (vLLM's recompute policy; its stream sees no gap but a delay).
 - DistKV (Infinite-LLM §4.3, docs/distkv.md): a request larger than the whole local cache may still
-  be admitted when other workers can lend the difference (`borrowable_blocks`). Such a request
+  be admitted when other workers can lend the difference (the `RemoteKVHooks` it is built with). Such a request
   `spans`: it is prefilled in chunks that fit its local blocks, and before each step the engine's
   borrowing side (builtin/borrowing.py) moves its oldest full blocks into blocks lent elsewhere
   (`remote`), so its local blocks always hold its newest tokens. It is never preempted for others
@@ -20,6 +20,13 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
   room waits instead.
 - A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
   suspend hands it on (builtin/sampling.py says why the seed is all a resume needs).
+
+The scheduler is composed, not extended: the memory its blocks come from is a `KVSpace`
+(builtin/blocks.py: a static `BlockPool`, or elastic memory's pool, which can grow and park a request's
+KV in the CPU buffer), the prefix cache a `PrefixCache` part (builtin/prefix.py), and DistKV's
+borrower side `RemoteKVHooks`, all handed in; `admit` is the one waiting -> running transition every
+path takes. Elastic memory's scheduler (builtin/elastic.py) replaces only the batch choice (eLLM's
+Algorithm 1) and what it observes of each step.
 
 `num_preemptions` and `num_prefilled_tokens` count what recompute cost, for metrics and to check
 what a resume re-prefilled.
@@ -32,13 +39,13 @@ import enum
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvfleet.serving.prompt_tree import Match, PromptTree
+from kvfleet.serving.prompt_tree import Match
 from kvfleet.worker.engines.base import (
     EngineError,
     FinishReason,
@@ -49,9 +56,12 @@ from kvfleet.worker.engines.base import (
     blocks_for,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.builtin.blocks import BlockPool, StagedKV
+from kvfleet.worker.engines.builtin.blocks import BlockPool, KVSpace, StagedKV
 from kvfleet.worker.engines.builtin.model import KVParts, SeqBatchEntry
 from kvfleet.worker.engines.builtin.sampling import Sampling
+
+if TYPE_CHECKING:
+    from kvfleet.worker.engines.builtin.prefix import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +86,18 @@ class RemoteKV(KVParts, Protocol):
         ...
 
 
+class RemoteKVHooks(Protocol):
+    """DistKV's borrower side as the scheduler sees it (builtin/borrowing.py's `Lenders`)."""
+
+    def borrowable_blocks(self, block_bytes: int) -> int:
+        """Blocks of `block_bytes` other workers could lend now (a hint for admission)."""
+        ...
+
+    def release_remote(self, req: Request) -> None:
+        """Give back a request's remote KV (it finished, or was preempted and is prefilled again)."""
+        ...
+
+
 # What a request's stream receives: an output, an error, or None when it was suspended.
 StreamItem = StepOutput | EngineError | None
 
@@ -95,7 +117,7 @@ class Request:
     # Tokens whose K and V are written in `blocks`.
     num_cached: int = 0
     admitted_seq: int = -1
-    # Elastic memory's CPU buffer (builtin/elastic.py): the request's KV parked in host memory, in
+    # Elastic memory's CPU buffer (builtin/cpu_buffer.py): the request's KV parked in host memory, in
     # PagedKVCache.read_blocks' layout, while it holds no blocks; None when it is not parked.
     parked: torch.Tensor | None = None
     # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
@@ -139,41 +161,44 @@ class ModelLimits:
 class Scheduler:
     """The requests of one builtin engine and the choice of what each step computes."""
 
-    def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None) -> None:
+    def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None, *,
+                 prefix: PrefixCache | None = None, remote: RemoteKVHooks | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.block_size_tokens = block_size_tokens
-        self.pool = BlockPool(0, 0)
+        # The memory blocks come from; none until `open` (a stopped engine has no cache).
+        self.space: KVSpace = BlockPool(0, 0)
         self.limits: ModelLimits | None = None
         self.eos_ids: frozenset[int] = frozenset()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # Waiting requests whose KV is in host memory (parked by the space), in the order they resume.
+        self.parked: deque[Request] = deque()
         self.staged: dict[str, StagedKV] = {}
-        # Context caching (MemServe §4.1-4.2): finished requests' full KV blocks by token prefix; None
-        # when off. Cached blocks are neither free nor any request's until evicted.
-        self.prefix: PromptTree[int] | None = None
+        # Context caching (MemServe §4.1-4.2); None when off.
+        self.prefix = prefix
+        # DistKV's borrower side; None when this engine does not borrow.
+        self.remote = remote
         # Set when there may be work for the engine's step loop.
         self.wake_event: asyncio.Event | None = None
         self._admissions = 0
         self._rng = random.Random(seed)
-        # DistKV (builtin/borrowing.py sets both): blocks other workers could lend now, and how a
-        # request's remote KV is given back when it finishes or is preempted.
-        self.borrowable_blocks: Callable[[], int] = lambda: 0
-        self.release_remote: Callable[[Request], None] = lambda req: None
         # Counters for metrics and benchmarks: how much recompute preemption and re-prefill cost.
         self.num_preemptions = 0
         self.num_prefilled_tokens = 0
+        # Requests parked in host memory instead of recomputed (elastic memory's CPU buffer).
+        self.num_parked = 0
         # Prompt tokens whose KV came from the prefix cache instead of a prefill.
         self.num_cache_hit_tokens = 0
 
-    def open(self, pool: BlockPool, limits: ModelLimits, eos_ids: frozenset[int]) -> None:
-        """Take a started engine's cache and model limits."""
-        self.pool = pool
+    def open(self, space: KVSpace, limits: ModelLimits, eos_ids: frozenset[int]) -> None:
+        """Take a started engine's KV space and model limits."""
+        self.space = space
         self.limits = limits
         self.eos_ids = eos_ids
         self.wake_event = asyncio.Event()
         if self.prefix is not None:  # block ids of another cache mean nothing here
-            self.prefix = PromptTree(self.block_size_tokens)
+            self.prefix.reset()
 
     def abort_all(self) -> None:
         """Abort every request and free staged KV (the engine is stopping)."""
@@ -184,7 +209,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Let go of the stopped engine's cache: new requests are refused until the next `open`."""
-        self.pool = BlockPool(0, 0)
+        self.space = BlockPool(0, 0)
         self.limits = None
 
     def wake(self) -> None:
@@ -192,6 +217,18 @@ class Scheduler:
             self.wake_event.set()
 
     # -- requests ------------------------------------------------------------------------------------
+
+    def get(self, request_id: str) -> Request | None:
+        """The request of that id that is waiting, running or suspended here."""
+        return self.requests.get(request_id)
+
+    def has(self, request_id: str) -> bool:
+        """Whether the id is taken here: by a request, or by KV staged for one."""
+        return request_id in self.requests or request_id in self.staged
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.space.free)
 
     def new_request(self, request_id: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
         """A request checked against the model's limits, with a seed (not queued yet)."""
@@ -208,24 +245,28 @@ class Scheduler:
                                  f"model's context of {limits.max_model_len} tokens")
         # The most KV it ever holds: every token but the last one sampled.
         most_blocks = blocks_for(len(prompt) + params.max_tokens - 1, self.block_size_tokens)
-        spans = most_blocks > self.pool.num_blocks
+        space = self.space
+        spans = most_blocks > space.num_blocks
         if spans:
             # Infinite-LLM §4.3: the difference may live in blocks other workers lend.
-            borrowable = self.borrowable_blocks() if self.pool.num_blocks > 0 else 0
-            if most_blocks > self.pool.num_blocks + borrowable:
+            remote = self.remote
+            borrowable = remote.borrowable_blocks(space.block_bytes) if remote is not None and space.num_blocks > 0 else 0
+            if most_blocks > space.num_blocks + borrowable:
                 lend = f" and the pool can lend it {borrowable} more" if borrowable else ""
                 raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need {most_blocks} KV "
-                                     f"blocks; this engine has {self.pool.num_blocks}{lend}")
+                                     f"blocks; this engine has {space.num_blocks}{lend}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Request(request_id, prompt, output, replace(params, seed=seed), seed, spans=spans)
 
     def enqueue(self, req: Request, *, front: bool = False) -> AsyncIterator[StepOutput]:
-        """Queue a request (at the front: it is already late) and return its stream."""
+        """Queue a request (at the front: it is already late) and return its stream; one whose KV is
+        still in host memory (a migration rolled back) waits parked."""
         self.requests[req.request_id] = req
+        queue = self.waiting if req.parked is None else self.parked
         if front:
-            self.waiting.appendleft(req)
+            queue.appendleft(req)
         else:
-            self.waiting.append(req)
+            queue.append(req)
         self.wake()
         return self._stream(req)
 
@@ -248,7 +289,10 @@ class Scheduler:
     def detach(self, req: Request) -> None:
         """Take a waiting or running request out of its queue (it is being aborted or suspended)."""
         if req.state is RequestState.WAITING:
-            self.waiting.remove(req)
+            if req.parked is not None and req in self.parked:
+                self.parked.remove(req)
+            else:
+                self.waiting.remove(req)
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
 
@@ -269,10 +313,30 @@ class Scheduler:
             del self.requests[req.request_id]
         self.wake()
 
+    # -- KV staged for a request that is not here yet (a migration's destination) --------------------
+
+    def staged_kv(self, request_id: str) -> StagedKV | None:
+        return self.staged.get(request_id)
+
+    def stage(self, request_id: str, num_blocks: int) -> StagedKV | None:
+        """Grow the KV staged for `request_id` to at least `num_blocks` blocks; None (nothing changed)
+        if they cannot be made free."""
+        staged = self.staged.get(request_id) or StagedKV()
+        num_new = max(0, num_blocks - len(staged.blocks))
+        if not self.ensure_free(num_new):
+            return None
+        staged.blocks.extend(self.space.allocate(num_new))
+        self.staged[request_id] = staged
+        return staged
+
+    def take_staged(self, request_id: str) -> StagedKV | None:
+        """The KV staged for a request that is resumed now: its blocks become the request's."""
+        return self.staged.pop(request_id, None)
+
     def release_staged(self, request_id: str) -> None:
         staged = self.staged.pop(request_id, None)
         if staged is not None:
-            self.pool.release(staged.blocks)
+            self.space.release(staged.blocks)
 
     # -- accounting ----------------------------------------------------------------------------------
 
@@ -280,7 +344,7 @@ class Scheduler:
         """Every request holding blocks; a cached block that several read is counted once, to the
         oldest of them (RequestKV says why), and blocks only the cache holds to none (they are
         evictable: `num_evictable_blocks`)."""
-        block_bytes = self.pool.block_bytes
+        block_bytes = self.space.block_bytes
         usage = []
         counted: set[int] = set()  # ids of the shared prompt-tree nodes counted already
         for req in sorted(self.requests.values(), key=lambda r: (r.admitted_seq, r.request_id)):
@@ -298,34 +362,35 @@ class Scheduler:
         return sorted(usage, key=lambda r: r.request_id)
 
     def num_waiting(self) -> int:
-        return sum(1 for req in self.waiting if not req.blocks)
+        return sum(1 for req in self.waiting if not req.blocks) + len(self.parked)
 
     def queued(self) -> list[RequestKV]:
+        """Waiting requests and parked ones: both hold no blocks and need them to run (MELL's demand)."""
         if self.limits is None:
             return []
         kv_bytes_per_token = self.limits.kv_bytes_per_token
         return sorted((RequestKV(req.request_id, req.num_tokens,
                                  kv_blocks_bytes(req.num_tokens, self.block_size_tokens, kv_bytes_per_token))
-                       for req in self.waiting if not req.blocks), key=lambda r: r.request_id)
+                       for req in (*self.waiting, *self.parked) if not req.blocks), key=lambda r: r.request_id)
 
     # -- steps ---------------------------------------------------------------------------------------
 
     def schedule(self) -> Step | None:
         """Admit what fits and return the step's batch, or None when nothing runs."""
         bs = self.block_size_tokens
-        free = self.pool.free
+        free = self.space.free
         budget_tokens = PREFILL_TOKENS_PER_STEP
-        admitted: list[Request] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        num_running = len(self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            admitted = len(self.running) > num_running
             if req.spans:
-                if not self._admit_spanning(req, bool(admitted)):
+                if not self._admit_spanning(req, admitted):
                     break
-                admitted.append(req)
                 budget_tokens = 0  # its chunk takes the step's prefill budget
                 continue
             # Its prompt's cached prefix (Table 1's match): pinned first, so making room cannot evict it.
-            match = self._cached_prefix(req)
+            match = self.match_prefix(req)
             num_cached = match.num_tokens if match is not None else req.num_cached
             num_new_tokens = req.num_tokens - num_cached
             num_new_blocks = blocks_for(req.num_tokens, bs) - (len(match.nodes) if match is not None else len(req.blocks))
@@ -333,20 +398,10 @@ class Scheduler:
                 self._make_room(num_new_blocks)
             if num_new_blocks > len(free) or (admitted and num_new_tokens > budget_tokens):
                 if match is not None and self.prefix is not None:
-                    self.prefix.release(match)
+                    self.prefix.unlock(match)
                 break
-            if match is not None:
-                req.blocks, req.shared, req.num_cached = list(match.values), match, match.num_tokens
-                self.num_cache_hit_tokens += match.num_tokens
-            self.waiting.popleft()
-            req.blocks.extend(self.pool.allocate(max(0, num_new_blocks)))
-            req.state = RequestState.RUNNING
-            req.admitted_seq = self._admissions
-            self._admissions += 1
-            admitted.append(req)
+            self.admit(req, num_new_blocks, match)
             budget_tokens -= num_new_tokens
-            self.num_prefilled_tokens += num_new_tokens
-        self.running.extend(admitted)
         for req in self.running:
             if req.spans:
                 self._top_up(req)
@@ -362,6 +417,29 @@ class Scheduler:
                           for req in requests)
         return Step(requests, entries, samplings)
 
+    def admit(self, req: Request, num_new_blocks: int, match: Match[int] | None = None) -> None:
+        """The one waiting -> running transition: the request leaves the queue, starts from its cached
+        prefix `match` (locked by `match_prefix`) if any, takes `num_new_blocks` blocks more (the
+        caller checked they are free; 0 for a prefill whose KV goes elsewhere) and runs last.
+
+        A spanning request's prompt is counted as prefilled chunk by chunk (`process`), the others' here."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        if match is not None:
+            assert self.prefix is not None
+            self.prefix.start(req, match, self.space)
+            self.num_cache_hit_tokens += match.num_tokens
+        if num_new_blocks > 0:
+            req.blocks.extend(self.space.allocate(num_new_blocks))
+        req.state = RequestState.RUNNING
+        req.admitted_seq = self._admissions
+        self._admissions += 1
+        if not req.spans:
+            self.num_prefilled_tokens += req.num_tokens - req.num_cached
+        self.running.append(req)
+
     def _admit_spanning(self, req: Request, others: bool) -> bool:
         """Admit a spanning request with the blocks its first chunk needs, or as many as are free (at
         least one); its later chunks get theirs as its borrowing side makes room (module docstring)."""
@@ -369,13 +447,9 @@ class Scheduler:
             return False  # its chunk is the step's whole prefill budget
         want = self._next_chunk_blocks(req)
         self._make_room(want)
-        if not self.pool.free:
+        if not self.space.free:
             return False
-        self.waiting.popleft()
-        req.blocks.extend(self.pool.allocate(min(want, len(self.pool.free))))
-        req.state = RequestState.RUNNING
-        req.admitted_seq = self._admissions
-        self._admissions += 1
+        self.admit(req, min(want, len(self.space.free)))
         return True
 
     def step_tokens(self, req: Request) -> int:
@@ -396,16 +470,21 @@ class Scheduler:
     def _top_up(self, req: Request) -> None:
         """Give a spanning request what is free toward its next chunk or token; the rest comes of moving
         its oldest blocks to lenders before the next step (builtin/borrowing.py), never of preempting."""
-        num_new_blocks = min(self._next_chunk_blocks(req), len(self.pool.free))
+        num_new_blocks = min(self._next_chunk_blocks(req), len(self.space.free))
         if num_new_blocks > 0:
-            req.blocks.extend(self.pool.allocate(num_new_blocks))
+            req.blocks.extend(self.space.allocate(num_new_blocks))
 
     def spanning_shortfall(self, req: Request) -> int:
         """Blocks a running spanning request lacks for its next chunk (or decode) beyond the free ones."""
-        return max(0, self._next_chunk_blocks(req) - len(self.pool.free))
+        return max(0, self._next_chunk_blocks(req) - len(self.space.free))
 
     def process(self, step: Step, tokens: list[int]) -> None:
         """Hand each request its sampled token, finish those that are done, and reserve the next slots."""
+        self.deliver(step, tokens)
+        self.reserve_next_slots()
+
+    def deliver(self, step: Step, tokens: list[int]) -> None:
+        """Hand each request its sampled token and finish those that are done (`process`'s first half)."""
         eos_ids = self.eos_ids
         for req, entry, token in zip(step.requests, step.entries, tokens):
             if req.state is not RequestState.RUNNING:  # aborted while the step ran
@@ -430,12 +509,12 @@ class Scheduler:
                 self.running.remove(req)
                 self._cache_blocks(req)
                 self.finish(req)
-        self._reserve_next_slots()
 
-    def _reserve_next_slots(self) -> None:
-        """Give every running request the block its next token goes to, preempting the newest if short."""
+    def reserve_next_slots(self) -> None:
+        """Give every running request the block its next token goes to, preempting the newest if short
+        (`process`'s second half)."""
         bs = self.block_size_tokens
-        free = self.pool.free
+        free = self.space.free
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:  # preempted below for an older request
                 continue
@@ -449,45 +528,50 @@ class Scheduler:
                 victim = next((r for r in reversed(self.running) if not r.spans), None)
                 if victim is None:
                     break  # only spanning requests could make room: it waits (module docstring)
-                self._preempt(victim)
+                self.evict(victim)
             if req.state is RequestState.RUNNING and 0 < num_new_blocks <= len(free):
-                req.blocks.extend(self.pool.allocate(num_new_blocks))
+                req.blocks.extend(self.space.allocate(num_new_blocks))
 
     def ensure_free(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` blocks are free, after growing the cache if it can (elastic memory)."""
-        if num_blocks > len(self.pool.free):
+        """Whether `num_blocks` blocks are free, after growing the space if it can (elastic memory)."""
+        if num_blocks > len(self.space.free):
             self._make_room(num_blocks)
-        return num_blocks <= len(self.pool.free)
+        return num_blocks <= len(self.space.free)
 
-    def _cached_prefix(self, req: Request) -> Match[int] | None:
+    def match_prefix(self, req: Request) -> Match[int] | None:
         """The longest cached prefix a request about to be prefilled from scratch can start from,
-        pinned; at least its last token is computed (its logits give the next token)."""
+        locked; at least its last token is computed (its logits give the next token)."""
         if self.prefix is None or req.blocks or req.num_cached or req.parked is not None or req.spans:
             return None
-        match = self.prefix.match(req.context()[: req.num_tokens - 1])
-        if not match.nodes:
-            return None
-        self.prefix.acquire(match)
-        return match
+        return self.prefix.match(req.context()[: req.num_tokens - 1])
 
     def _make_room(self, num_blocks: int) -> None:
-        """Try to have `num_blocks` free blocks before preempting or refusing: evict cached blocks
-        nobody reads, least recently used first (MemServe's MemPool keeps history only while it is
-        free memory). A static cache cannot grow."""
-        short = num_blocks - len(self.pool.free)
-        if short > 0 and self.prefix is not None:
-            self.pool.release(self.prefix.evict(short))
+        """Try to have `num_blocks` free blocks before preempting or refusing: grow the space if it can
+        (elastic memory inflates, eLLM §4.3.1), then evict cached blocks nobody reads
+        (`evict_cached`)."""
+        self.space.grow_for(num_blocks)
+        self.evict_cached(num_blocks - len(self.space.free))
+
+    def evict_cached(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks the prefix cache holds and nobody reads, least recently used
+        first (MemServe's MemPool keeps history only while it is free memory); how many were freed."""
+        if num_blocks <= 0 or self.prefix is None:
+            return 0
+        freed = self.prefix.evict(num_blocks)
+        self.space.release(freed)
+        return len(freed)
 
     def _free_blocks(self, req: Request) -> None:
-        """The request lets go of its blocks: its own go back to the pool, the cache's are unpinned."""
+        """The request lets go of its blocks: its own go back to the space, the cache's are unlocked."""
         shared = req.shared
         num_shared = len(shared.nodes) if shared is not None else 0
-        self.pool.release(req.blocks[num_shared:])
+        self.space.release(req.blocks[num_shared:])
         if shared is not None and self.prefix is not None:
-            self.prefix.release(shared)
+            self.prefix.unlock(shared)
         req.blocks, req.shared = [], None
         if req.remote is not None:
-            self.release_remote(req)
+            if self.remote is not None:
+                self.remote.release_remote(req)
             req.remote = None
 
     def _cache_blocks(self, req: Request) -> None:
@@ -501,15 +585,32 @@ class Scheduler:
         if full <= num_shared:
             return
         kept = req.blocks[:full]
-        duplicates = self.prefix.insert(req.context()[: full * self.block_size_tokens], kept)
-        self.pool.release(duplicates)
+        duplicates = self.prefix.insert(req.context()[: full * self.block_size_tokens], kept, num_shared)
+        self.space.release(duplicates)
         # The blocks now the tree's (inserted, or its own already) leave the request's list, so
         # _free_blocks frees only what is past them; the shared prefix is unpinned as usual.
         req.blocks = req.blocks[:num_shared] + req.blocks[full:]
 
     def preempt(self, req: Request) -> None:
         """Free a running request's KV and queue it first, to be prefilled again (DistKV's lost lease)."""
-        self._preempt(req)
+        self._recompute(req)
+
+    def evict(self, req: Request) -> None:
+        """A running request leaves the device: its written KV parked in host memory if the space has
+        room there (it resumes from it, eLLM §4.3.2), else freed, to be prefilled again (recompute)."""
+        written = blocks_for(req.num_cached, self.block_size_tokens)
+        host = self.space.park(req.request_id, req.blocks[:written]) if written else None
+        if host is None:
+            self._recompute(req)
+            return
+        # All its blocks were copied, the cached prefix it shares too: it gives up its lock on those
+        # (they may be evicted while it waits) and comes back with its whole KV in blocks of its own.
+        self.running.remove(req)
+        self._free_blocks(req)
+        req.parked, req.state = host, RequestState.WAITING
+        self.parked.appendleft(req)
+        self.num_parked += 1
+        logger.debug("parked %s (%d tokens) in the CPU buffer", req.request_id, req.num_cached)
 
     def fail_request(self, req: Request, error: EngineError) -> None:
         """End one running or waiting request with an error (its stream raises it)."""
@@ -518,7 +619,7 @@ class Scheduler:
             req.queue.put_nowait(error)
             self.finish(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _recompute(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens) for KV blocks", req.request_id, req.num_tokens)
         self.num_preemptions += 1
         self.running.remove(req)

@@ -265,15 +265,6 @@ class VLLMEngine:
             return self._info
         if self._stopped:
             raise RuntimeError("this VLLMEngine was stopped; make a new one")
-        config = self.config
-        if config.elastic_memory or config.cpu_buffer_bytes > 0 or config.memory_budget_bytes is not None:
-            # vLLM sizes its KV cache once at start (kv_cache_memory_bytes): sleep/wake_up and
-            # release_kv_cache_memory drop all of it at once (a paused engine, no request), and the CPU
-            # worker ignores sleep mode. Its CPU offloading (OffloadingConnector, SimpleCPUOffloadConnector)
-            # refuses the CPU platform ("CPU Offloading is currently only supported on CUDA-alike and
-            # XPU GPUs", vllm/v1/kv_offload/cpu/spec.py) and copies on CUDA streams. docs/elastic-memory.md.
-            raise EngineError("elastic memory and a CPU buffer need the builtin engine: vLLM's KV cache cannot grow or "
-                              "shrink while it serves, and its CPU offloading runs on CUDA or XPU GPUs only")
         # Loading blocks for seconds (spawning, importing torch twice, loading weights): a thread keeps
         # the caller's event loop serving meanwhile. AsyncLLM binds to the loop on first use.
         self._socket_dir = tempfile.mkdtemp(prefix="kvfleet-vllm-")
