@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from _machine import cpu_model  # noqa: E402
 
-from kvfleet.mell import Arrive, EventBatch, Finish, Grow, SchedulerConfig, make_policy  # noqa: E402
+from kvfleet.mell import Arrive, EventBatch, Finish, Grow, make_policy  # noqa: E402
 from kvfleet.mell.cluster import ClusterPolicy  # noqa: E402
 from kvfleet.sim.hardware import A100_40GB, LLAMA2_13B, derive_capacity  # noqa: E402
 
@@ -93,7 +93,7 @@ def load(policy: ClusterPolicy, work: Workload, num_live: int, batch: int, t: fl
 
 
 def ops_per_s(name: str, c: int, num_live: int, batch: int, num_epochs: int, seed: int) -> tuple[float, int]:
-    policy = make_policy(name, SchedulerConfig(capacity_bytes=c))
+    policy = make_policy(name, capacity_bytes=c)
     work = Workload(c, seed)
     t = load(policy, work, num_live, 10_000, 0.0)
     epochs = [work.epoch(batch // 4, batch // 4, batch // 2) for _ in range(num_epochs)]
@@ -136,7 +136,7 @@ def main() -> int:
     print(f"ops/s ratio mell/bf (baseline, same run, same events): {ratio:.2f}")
 
     live = args.epoch_live // scale
-    policy = make_policy("mell", SchedulerConfig(capacity_bytes=c))
+    policy = make_policy("mell", capacity_bytes=c)
     work = Workload(c, args.seed)
     start = time.perf_counter()
     t = load(policy, work, live, 20_000, 0.0)

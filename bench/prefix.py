@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Context caching and prefix-aware routing (issue 17, MemServe): what the prefix cache and the
+"""Context caching and prefix-aware routing (MemServe): what the prefix cache and the
 router's global prompt tree do to time to first token, against MELL's placement without a cache.
 
 Three builtin workers (a small Llama-shaped model with random weights, float32 on the CPU) behind
@@ -55,7 +55,7 @@ from kvfleet.router.placement import PoolSnapshot, WorkerState  # noqa: E402
 from kvfleet.router.pool import StaticPoolView  # noqa: E402
 from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.prompt_tree import PromptTree  # noqa: E402
-from kvfleet.sim.simulator import nearest_rank  # noqa: E402
+from kvfleet.sim.result import nearest_rank  # noqa: E402
 from kvfleet.worker.agent import Agent, AgentConfig  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402

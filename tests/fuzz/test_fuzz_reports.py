@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvfleet.api.reports import ANNOTATION, MAX_REQUESTS_PER_REPORT, KVLoadReport, RequestLoad
-from kvfleet.mell import SchedulerConfig
+from kvfleet.mell import PolicyConfig
 from kvfleet.operator import epoch
 from kvfleet.operator.epoch import PoolScheduler, WorkerView, routing_table
 
@@ -151,7 +151,7 @@ def test_the_epoch_takes_any_report_that_parses(policy: str, capacity: int, firs
                                                 later: list[list[WorkerView]], in_flight: dict[str, str]) -> None:
     """What reconcile.scheduler_state and run_scheduler do with the reports, epoch after epoch."""
     reported = epoch.reported_capacity_bytes(first)
-    scheduler = PoolScheduler.rebuild(policy, SchedulerConfig(capacity_bytes=reported or capacity), first)
+    scheduler = PoolScheduler.rebuild(policy, PolicyConfig(capacity_bytes=reported or capacity), first)
     for now_s, workers in enumerate(later, start=1):
         planned = scheduler.config.capacity_bytes
         replan = epoch.capacity_to_plan(planned, epoch.reported_capacity_bytes(workers))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.api.speed import PrefillPoint, SpeedProfile
-from kvfleet.mell.models import SizeClass
+from kvfleet.mell import SizeClass
 from kvfleet.router.locality import GlobalPromptTree, LocalityInput, PrefillCost, Queued, prefer_cached, queued_s
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, RouteChoice, WorkerState, place
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet.mell import SchedulerConfig
-from kvfleet.mell.models import SizeClass
+from kvfleet.mell import PolicyConfig, SizeClass
 from kvfleet.router.placement import (
     NoRoute,
     PoolSnapshot,
@@ -30,7 +29,7 @@ C = 120
 
 
 def worker(name: str, order: int, *sizes: int, ready: bool = True) -> WorkerState:
-    from kvfleet.mell.models import size_class
+    from kvfleet.mell import size_class
 
     reported = tuple(ReportedRequest(f"{name}-r{i}", s, size_class(s, C)) for i, s in enumerate(sizes))
     return WorkerState(name, f"10.0.0.{order}:8000", ready, order, C, reported)
@@ -38,7 +37,7 @@ def worker(name: str, order: int, *sizes: int, ready: bool = True) -> WorkerStat
 
 def choose(workers: list[WorkerState], kv_bytes: int, routes: dict[str, str] | None = None,
            reservations: tuple[Reservation, ...] = (), exclude: frozenset[str] = frozenset(),
-           config: SchedulerConfig | None = None, policy: str = "mell-paper") -> RouteChoice | NoRoute:
+           config: PolicyConfig | None = None, policy: str = "mell-paper") -> RouteChoice | NoRoute:
     return place(PoolSnapshot(tuple(workers), routes or {}, config=config, policy=policy), reservations, kv_bytes,
                  default_capacity_bytes=C, exclude=exclude)
 
@@ -179,7 +178,7 @@ def test_the_pools_weights_reach_the_routers_choice() -> None:
 
     def pool(**scheduling: Any) -> dict[str, Any]:
         return {"spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
-                         "scheduling": scheduling}}
+                         "scheduling": {"policy": "mell-paper", **scheduling}}}
 
     # a: L-GPU, 2 requests, 40 free; b: newer L-GPU, 1 request, 50 free. With the workload weight, b
     # ranks higher; with workloadWeight 0 every GPU ranks the same and MELL's tie-break, the older

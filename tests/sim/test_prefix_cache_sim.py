@@ -19,10 +19,12 @@ import pytest
 
 from kvfleet.cli import main
 from kvfleet.mell.models import Plan
-from kvfleet.sim import simulator
+from kvfleet.sim import run as simulator
 from kvfleet.sim.hardware import A100_40GB, LLAMA2_13B
 from kvfleet.sim.prefix_cache import GpuPrefixCache, PrefixCacheSpec
-from kvfleet.sim.simulator import RunResult, make_setup, simulate
+from kvfleet.sim.result import RunResult
+from kvfleet.sim.run import simulate
+from kvfleet.sim.speed_model import make_setup
 from kvfleet.sim.traces import TraceError, TraceRequest, read_trace, slice_trace
 
 SETUP = make_setup("13b-a100", LLAMA2_13B, A100_40GB)

@@ -14,7 +14,8 @@ import pytest
 from kvfleet.api.speed import DecodePoint, PrefillPoint, SpeedProfile
 from kvfleet.cli import main
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
-from kvfleet.sim.simulator import INTER_NODE_BYTES_PER_S, profile_setup, simulate, tpot_load_cap
+from kvfleet.sim.run import simulate
+from kvfleet.sim.speed_model import INTER_NODE_BYTES_PER_S, profile_setup, tpot_load_cap
 from kvfleet.sim.traces import TraceRequest
 
 BPT = 1024  # KV bytes per token: context c tokens is c x 1024 bytes
@@ -233,7 +234,8 @@ def test_cli_names_a_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_a_measured_setups_reprefill_budget_is_its_fastest_prefill() -> None:
     from kvfleet.api.speed import DecodePoint, PrefillPoint, SpeedProfile
-    from kvfleet.sim.simulator import migration_boundaries, profile_setup
+    from kvfleet.sim.run import migration_boundaries
+    from kvfleet.sim.speed_model import profile_setup
 
     # A paced engine: 40 tokens in 40 ms, 200 in 80 ms. One token costs a whole step (40 ms), but a
     # re-prefill runs at up to 2,500 tokens a second; a tenth of an epoch's worth is the §V budget.

@@ -5,16 +5,22 @@ C is 120 bytes: L (60, 120], M (40, 60], S (30, 40], T (15, 30], tiny up to 15 (
 
 from __future__ import annotations
 
-import dataclasses
-
-from kvfleet.mell import AllocateDecision, GpuLoad, Migration, SchedulerConfig, allocate_one, cluster_snapshot
+from kvfleet.mell import (
+    AllocateDecision,
+    GpuLoad,
+    MellPaperConfig,
+    Migration,
+    PolicyConfig,
+    allocate_one,
+    cluster_snapshot,
+)
 from kvfleet.mell.state import ItemSnapshot
 
 C = 120
-CONFIG = SchedulerConfig(capacity_bytes=C)
+CONFIG = PolicyConfig(capacity_bytes=C)
 
 
-def decide(gpus: list[GpuLoad], size_bytes: int, config: SchedulerConfig = CONFIG) -> AllocateDecision:
+def decide(gpus: list[GpuLoad], size_bytes: int, config: PolicyConfig = CONFIG) -> AllocateDecision:
     return allocate_one(cluster_snapshot(gpus, C), size_bytes, config, "mell-paper")
 
 
@@ -61,7 +67,7 @@ def test_a_request_reported_twice_holds_room_on_both_gpus() -> None:
 def test_the_weights_decide_between_l_gpus() -> None:
     # Without the workload term every GPU ranks the same and the older one wins the tie (§VI-C).
     gpus = [GpuLoad("a", 0, (("l1", 70), ("t1", 20))), GpuLoad("b", 1, (("l2", 70),))]
-    flat = dataclasses.replace(CONFIG, weight_free=0.0, weight_requests=0.0)
+    flat = MellPaperConfig(capacity_bytes=C, weight_free=0.0, weight_requests=0.0)
     assert decide(gpus, 20, flat).gpu_id == "a"
 
 

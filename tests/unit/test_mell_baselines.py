@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kvfleet.mell import Arrive, EventBatch, Grow, SchedulerConfig, make_policy
+from kvfleet.mell import Arrive, EventBatch, Grow, make_policy
 
 C = 240
 
 
 def test_best_fit_and_worst_fit_choose_opposite_gpus() -> None:
     for name, expected in (("bf", "gpu-0"), ("wf", "gpu-1")):
-        pol = make_policy(name, SchedulerConfig(capacity_bytes=C))
+        pol = make_policy(name, capacity_bytes=C)
         pol.schedule(EventBatch(0.0, (Arrive("a", 200),)))
         pol.schedule(EventBatch(1.0, (Arrive("b", 100),)))  # does not fit gpu-0: a new GPU
         plan = pol.schedule(EventBatch(2.0, (Arrive("c", 30),)))
@@ -18,7 +18,7 @@ def test_best_fit_and_worst_fit_choose_opposite_gpus() -> None:
 
 
 def test_no_migration_baselines_preempt_the_latest_arrival_on_overflow() -> None:
-    pol = make_policy("bf", SchedulerConfig(capacity_bytes=C))
+    pol = make_policy("bf", capacity_bytes=C)
     pol.schedule(EventBatch(0.0, (Arrive("a", 100), Arrive("b", 100))))
     plan = pol.schedule(EventBatch(1.0, (Grow("a", 150),)))
     assert plan.migrations == ()
@@ -26,7 +26,7 @@ def test_no_migration_baselines_preempt_the_latest_arrival_on_overflow() -> None
 
 
 def test_load_balance_moves_from_most_to_least_loaded_while_the_gap_narrows() -> None:
-    pol = make_policy("lb", SchedulerConfig(capacity_bytes=C, lb_gap_fraction=0.1))
+    pol = make_policy("lb", capacity_bytes=C, gap_fraction=0.1)
     pol.schedule(EventBatch(0.0, (Arrive("big", 230),)))
     pol.schedule(EventBatch(1.0, (Arrive("x", 20),)))  # WF: gpu-1 is new (gpu-0 has 10 free)
     pol.schedule(EventBatch(2.0, (Arrive("y", 20), Arrive("z", 20))))  # both to gpu-1 (most free)
@@ -34,7 +34,7 @@ def test_load_balance_moves_from_most_to_least_loaded_while_the_gap_narrows() ->
     # gpu-0: 230, gpu-1: 65; the gap of 165 > 24: LB would move from gpu-0, but its only request
     # (230) is more than half the gap, so nothing narrows it: no migration.
     assert plan.migrations == ()
-    pol2 = make_policy("lb", SchedulerConfig(capacity_bytes=C, lb_gap_fraction=0.1))
+    pol2 = make_policy("lb", capacity_bytes=C, gap_fraction=0.1)
     pol2.schedule(EventBatch(0.0, (Arrive("b", 200),)))
     pol2.schedule(EventBatch(1.0, (Arrive("a", 20),)))  # gpu-0: 220
     plan = pol2.schedule(EventBatch(2.0, (Arrive("d", 30),)))  # does not fit: gpu-1 gets 30
@@ -49,9 +49,9 @@ def test_load_balance_rebalances_only_when_the_epoch_ends() -> None:
     """schedule(..., end_of_epoch=False) (the simulator's unbatched mode) leaves the per-epoch
     rebalancing to the call that ends the epoch, so an operation scheduled on its own does not
     rebalance the pool after every request."""
-    from kvfleet.mell import Arrive, EventBatch, SchedulerConfig, make_policy
+    from kvfleet.mell import Arrive, EventBatch, make_policy
 
-    policy = make_policy("lb", SchedulerConfig(capacity_bytes=100))
+    policy = make_policy("lb", capacity_bytes=100)
     plans = [policy.schedule(EventBatch(0.0, (Arrive(rid, size),)), end_of_epoch=False)
              for rid, size in (("a", 30), ("b", 30), ("c", 30), ("d", 20))]
     assert [p.migrations for p in plans] == [(), (), (), ()]

@@ -1,4 +1,4 @@
-"""kvfleet's default policy (`mell`, kvfleet.mell.fleet): each rule on an exact small case.
+"""kvfleet's default policy (`mell`, kvfleet.mell.mell_default): each rule on an exact small case.
 
 C is 100 bytes and the headroom 5% of it (5 bytes), so the numbers can be checked by hand.
 """
@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 
-from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Migration, Placement, SchedulerConfig, make_policy
+from kvfleet.mell import Arrive, EventBatch, Finish, Grow, MellDefaultConfig, Migration, Placement, make_policy
 from kvfleet.mell.cluster import ClusterPolicy
 from kvfleet.mell.models import Location
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 C = 100
-CONFIG = SchedulerConfig(capacity_bytes=C)
+CONFIG = MellDefaultConfig(capacity_bytes=C)
 
 
 def policy(**knobs: object) -> ClusterPolicy:
@@ -40,13 +40,13 @@ def test_a_request_uses_a_gpus_headroom_before_a_new_gpu_is_started() -> None:
     pol.schedule(EventBatch(1.0, (Arrive("a", 70),)))
     plan = pol.schedule(EventBatch(2.0, (Arrive("b", 28),)))  # 70 + 28 <= 100, but not with 5 to spare
     assert plan.placements == (Placement("b", "gpu-0"),) and plan.activate_gpu_ids == ()
-    strict = policy(fleet_fill_without_headroom=False)
+    strict = policy(fill_without_headroom=False)
     strict.schedule(EventBatch(1.0, (Arrive("a", 70),)))
     assert strict.schedule(EventBatch(2.0, (Arrive("b", 28),))).activate_gpu_ids == ("gpu-1",)
 
 
 def test_an_overloaded_gpu_sheds_the_smallest_request_that_clears_it_to_the_emptiest_gpu() -> None:
-    pol = policy(fleet_consolidate=False)
+    pol = policy(consolidate=False)
     pol.schedule(EventBatch(1.0, (Arrive("a", 50), Arrive("b", 30), Arrive("c", 15))))
     pol.schedule(EventBatch(2.0, (Arrive("d", 50), Arrive("e", 10))))
     assert where(pol) == {"a": "gpu-0", "b": "gpu-0", "c": "gpu-0", "d": "gpu-1", "e": "gpu-1"}
@@ -75,7 +75,7 @@ def test_consolidation_waits_when_the_link_cannot_carry_the_move_this_epoch() ->
 
 def test_a_tpot_objective_caps_each_gpus_load_by_its_request_count() -> None:
     # Load + 10 x requests must stay within 80 (a step-time cap, kvfleet.mell.tpot_load_cap).
-    pol = policy(max_load_bytes=80, load_bytes_per_request=10, fleet_headroom_fraction=0.0)
+    pol = policy(max_load_bytes=80, load_bytes_per_request=10, headroom_fraction=0.0)
     pol.schedule(EventBatch(1.0, (Arrive("a", 40), Arrive("b", 20))))
     # a and b: 60 + 2 x 10 = 80, full; a third request of any size needs a new GPU.
     assert where(pol) == {"a": "gpu-0", "b": "gpu-0"}
@@ -94,7 +94,7 @@ def test_a_rebuilt_states_multi_items_are_split_into_requests() -> None:
 
 
 def test_new_gpus_fill_a_node_before_another_is_used() -> None:
-    pol = policy(gpus_per_node=2, fleet_consolidate=False)
+    pol = policy(gpus_per_node=2, consolidate=False)
     pol.schedule(EventBatch(1.0, tuple(Arrive(f"r{i}", 90) for i in range(3))))
     nodes = {gid: g.location.node_id for gid, g in pol.gpus.items()}
     assert nodes == {"gpu-0": "node-0", "gpu-1": "node-0", "gpu-2": "node-1"}
@@ -111,7 +111,7 @@ def test_an_empty_gpu_of_a_restored_state_is_let_go_and_forgotten(name: str) -> 
     loc = Location("node-0", "zone-0")
     snap = ClusterSnapshot((GpuSnapshot("gpu-0", 0, 0, loc), GpuSnapshot("gpu-1", 1, 1, loc)),
                            (ItemSnapshot((("a", 50),), False, "gpu-0"),), (), 2, 2)
-    pol = make_policy(name, CONFIG)
+    pol = make_policy(name, capacity_bytes=C)
     pol.restore(snap)
     assert pol.schedule(EventBatch(1.0, ())).terminate_gpu_ids == ("gpu-1",)
     plan = pol.schedule(EventBatch(2.0, (Arrive("b", 60),)))

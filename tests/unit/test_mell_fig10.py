@@ -7,20 +7,21 @@ expected move below can be checked by hand.
 
 from __future__ import annotations
 
-from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Plan, SchedulerConfig
-from kvfleet.mell.mell import MellPolicy
+from kvfleet.mell import Arrive, EventBatch, Finish, Grow, Plan
+from kvfleet.mell.mell_paper import MellPaperConfig, MellPaperPolicy
 from kvfleet.mell.models import Location
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 C = 240
 
 
-def policy(**kw: object) -> MellPolicy:
-    cfg = SchedulerConfig(capacity_bytes=C, refill_underfilled_t=False, **kw)  # type: ignore[arg-type]
-    return MellPolicy(cfg)
+def policy(**kw: object) -> MellPaperPolicy:
+    # Fig. 10 with one refinement on: Depart T refills only from a newest GPU at most half full.
+    cfg = MellPaperConfig(capacity_bytes=C, refill_source_max_fill=0.5, **kw)  # type: ignore[arg-type]
+    return MellPaperPolicy(cfg)
 
 
-def build(layout: dict[str, dict[str, int]], **kw: object) -> MellPolicy:
+def build(layout: dict[str, dict[str, int]], **kw: object) -> MellPaperPolicy:
     """layout: gpu id -> {request id: size}, in activation order (the last is the newest)."""
     pol = policy(**kw)
     gpus = tuple(
@@ -34,7 +35,7 @@ def build(layout: dict[str, dict[str, int]], **kw: object) -> MellPolicy:
     return pol
 
 
-def step(pol: MellPolicy, *events: Arrive | Finish | Grow) -> Plan:
+def step(pol: MellPaperPolicy, *events: Arrive | Finish | Grow) -> Plan:
     return pol.schedule(EventBatch(0.0, tuple(events)))
 
 
@@ -42,7 +43,7 @@ def moves(plan: Plan) -> set[tuple[str, str, str]]:
     return {(m.request_id, m.source_gpu_id, m.target_gpu_id) for m in plan.migrations}
 
 
-def where(pol: MellPolicy) -> dict[str, set[str]]:
+def where(pol: MellPaperPolicy) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for rid in pol.item_of:
         out.setdefault(pol.gpu_of(rid), set()).add(rid)

@@ -8,8 +8,11 @@ import pytest
 
 from kvfleet.api.models import AutoscalingSpec
 from kvfleet.sim import bundled
+from kvfleet.sim.bounds import shared_bound
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB, derive_capacity
-from kvfleet.sim.simulator import DEFAULT_SCALE_DOWN_DELAY_S, make_setup, nearest_rank, shared_bound, simulate
+from kvfleet.sim.result import nearest_rank
+from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate
+from kvfleet.sim.speed_model import make_setup
 from kvfleet.sim.traces import TraceRequest, read_trace, slice_trace
 
 TRACES = bundled.trace_dir()
@@ -167,7 +170,7 @@ def test_default_scale_down_delay_is_the_llmpool_default() -> None:
 
 def test_merged_plans_keep_the_order_of_what_the_epoch_did() -> None:
     from kvfleet.mell.models import Migration, Plan, Span
-    from kvfleet.sim.simulator import merge_plans
+    from kvfleet.sim.run import merge_plans
 
     first = Plan(5.0, (), (Migration("a", "g0", "g1", 10, "depart"),), (), (Span("x", ("g0", "g1")),), ("g1",), (),
                  (1,), 0)

@@ -1,8 +1,8 @@
 """The KV-load report a worker writes about itself, and the operator reads every epoch.
 
 A report lives in the worker's own `KVLoad` object (kvfleet.dev/v1alpha1, `kubectl get kvloads`):
-named after the worker's pod, labelled with its pool, owned by the pod so it goes with it. Before
-issue 21 it lived in an annotation of the pod (`kvfleet.dev/kv-load`); a busy worker rewrites its
+named after the worker's pod, labelled with its pool, owned by the pod so it goes with it. Earlier
+workers kept it in an annotation of the pod (`kvfleet.dev/kv-load`); a busy worker rewrites its
 report every epoch, and every pod write fans out to every pod watcher of the cluster (the scheduler,
 the controller manager, the kubelet, the router), where a KVLoad reaches only the operator and the
 router (docs/scale.md has the measurements). Readers take the KVLoad and fall back to the annotation,
@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from kvfleet.api.models import API_VERSION, POOL_LABEL
-from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.mell.size_classes import SizeClassName as SizeClassName
+from kvfleet.mell.size_classes import size_class_name as size_class_name
 
 # Where workers from before the KVLoad object wrote their report (still read, see the module's docstring).
 ANNOTATION = "kvfleet.dev/kv-load"
@@ -30,16 +31,8 @@ KVLOAD_PLURAL = "kvloads"
 # Annotations share 256 KiB per object; this keeps one report well inside it (~80 bytes a request).
 MAX_REQUESTS_PER_REPORT = 2048
 
-SizeClassName = Literal["X", "L", "M", "S", "T", "tiny"]
-
-
-_CLASS_NAMES: dict[SizeClass, SizeClassName] = {
-    SizeClass.X: "X", SizeClass.L: "L", SizeClass.M: "M", SizeClass.S: "S", SizeClass.T: "T", SizeClass.TINY: "tiny"}
-
-
-def size_class_name(kv_bytes: int, capacity_bytes: int) -> SizeClassName:
-    """The MELL size class a worker reports for a request of this size (MELL §VI-C)."""
-    return _CLASS_NAMES[size_class(kv_bytes, capacity_bytes)]
+# A report spells each request's size class as kvfleet.mell.size_classes does (re-exported above for
+# the workers and benches that write reports).
 
 
 class _Model(BaseModel):

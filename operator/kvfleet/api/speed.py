@@ -23,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 KIND: Literal["SpeedProfile"] = "SpeedProfile"
+# The HTTP route that serves a profile: each worker's own, and the router's merge of its workers'
+# (which `kvfleet replay` asks for). One constant, so the two servers and the client agree.
+SPEED_PROFILE_PATH = "/kvfleet/speed-profile"
 
 
 class _Model(BaseModel):

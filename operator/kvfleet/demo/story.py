@@ -23,7 +23,7 @@ from typing import Any
 
 from kvfleet.localcluster.cluster import Cluster, local_cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process
-from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.mell.policy import policy_config
 from kvfleet.replay.cli import Progress, prepare, run_replay
 from kvfleet.replay.cli import add_arguments as add_replay_arguments
 from kvfleet.replay.cli import summary as replay_summary
@@ -32,7 +32,9 @@ from kvfleet.replay.record import Record, write_record
 from kvfleet.replay.streams import Clock
 from kvfleet.sim import bundled
 from kvfleet.sim.profile import load_profile
-from kvfleet.sim.simulator import RunResult, profile_setup, simulate
+from kvfleet.sim.result import RunResult
+from kvfleet.sim.run import simulate
+from kvfleet.sim.speed_model import profile_setup
 from kvfleet.sim.traces import read_trace
 from kvfleet.worker.model.tiny import make_tiny
 
@@ -113,10 +115,9 @@ def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
         return {}
     setup = profile_setup(load_profile(profile_path))
     requests = read_trace(out / "sent.csv")
-    config = SchedulerConfig(capacity_bytes=setup.capacity_bytes)
     scale_up_s = record.pod_ready_s.get("median") or 0.0
-    return {policy: simulate(requests, setup, policy, EPOCH_S, config, scale_up_s=scale_up_s,
-                             scale_down_delay_s=SCALE_DOWN_DELAY_S) for policy in SIMULATED}
+    return {policy: simulate(requests, setup, policy, EPOCH_S, policy_config(policy, setup.capacity_bytes),
+                             scale_up_s=scale_up_s, scale_down_delay_s=SCALE_DOWN_DELAY_S) for policy in SIMULATED}
 
 
 def comparison(record: Record, sims: dict[str, RunResult]) -> str:

@@ -3,14 +3,14 @@
 After MELL ("MELL: Memory-Efficient Large Language Model Serving via Multi-GPU KV Cache Management",
 Liu et al.).
 
-`make_policy(name, SchedulerConfig(capacity_bytes=C))` gives MELL or a baseline; `policy.schedule(batch)`
-turns one epoch of events into a Plan. `plan_epoch` is the same as a pure function of a snapshot, and
+`make_policy(name, capacity_bytes=C)` gives MELL or a baseline, each with a config of its own
+(`policy_config(name, C, **knobs)`); `policy.schedule(batch)` turns one epoch of events into a Plan. `plan_epoch` is the same as a pure function of a snapshot, and
 `allocate_one` is MELL's Allocate for one new request on a snapshot (what the router calls).
 `kvfleet.mell.debt` is the gManager of Infinite-LLM (§4.4-4.5): the debt ledger, creditor choice and DGFM.
 """
 
 from kvfleet.mell.allocate import AllocateDecision, GpuLoad, allocate_one, cluster_snapshot
-from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
+from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.debt import (
     BlockMove,
     BorrowPlan,
@@ -35,6 +35,9 @@ from kvfleet.mell.debt import (
     locality_cost,
     plan_borrowing,
 )
+from kvfleet.mell.load_balance import LoadBalanceConfig
+from kvfleet.mell.mell_default import MellDefaultConfig
+from kvfleet.mell.mell_paper import MellPaperConfig
 from kvfleet.mell.models import (
     Arrive,
     EventBatch,
@@ -43,12 +46,12 @@ from kvfleet.mell.models import (
     Migration,
     Placement,
     Plan,
-    SizeClass,
     Span,
     kv_capacity_bytes,
-    size_class,
+    tpot_load_cap,
 )
-from kvfleet.mell.policy import POLICIES, make_policy, plan_epoch
+from kvfleet.mell.policy import POLICIES, make_policy, plan_epoch, policy_class, policy_config
+from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import ClusterSnapshot
 
 __all__ = [
@@ -71,10 +74,13 @@ __all__ = [
     "Grow",
     "InstanceAccount",
     "LedgerError",
+    "LoadBalanceConfig",
     "Migration",
     "Placement",
     "Plan",
-    "SchedulerConfig",
+    "MellDefaultConfig",
+    "MellPaperConfig",
+    "PolicyConfig",
     "SizeClass",
     "Span",
     "WorkerDebtReport",
@@ -94,5 +100,8 @@ __all__ = [
     "make_policy",
     "plan_borrowing",
     "plan_epoch",
+    "policy_class",
+    "policy_config",
     "size_class",
+    "tpot_load_cap",
 ]

@@ -1,7 +1,7 @@
 """MELL's Allocate for one new request on a view of the cluster: the rule's one home for the router.
 
-The operator runs Allocate inside its epochs (kvfleet.mell.mell, Fig. 10 of MELL §VI-C). Between
-epochs the router places new requests itself, and it must place them where the operator's Allocate
+The operator runs Allocate inside its epochs (the pool policy's: mell_default.py, or MELL §VI-C's
+Fig. 10 in mell_paper.py). Between epochs the router places new requests itself, and it must place them where the operator's Allocate
 would, with the pool's GPU-priority weights, or the next epoch moves them. So it does not carry a
 copy of the rule: it describes what it sees (each worker's requests and activation order) as
 `GpuLoad`s, and `allocate_one` restores a policy from that view, schedules one `Arrive`, and says
@@ -18,10 +18,11 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvfleet.mell.cluster import SchedulerConfig
-from kvfleet.mell.fleet import FleetPolicy
-from kvfleet.mell.models import Arrive, EventBatch, Location, Migration, SizeClass, size_class
+from kvfleet.mell.cluster import PolicyConfig
+from kvfleet.mell.mell_default import MellDefaultPolicy
+from kvfleet.mell.models import Arrive, EventBatch, Location, Migration
 from kvfleet.mell.policy import make_policy
+from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 # Not a request id any caller uses (ids come from HTTP headers and reports, never with a NUL).
@@ -52,7 +53,7 @@ class AllocateDecision:
     gpu_id: str
     # Allocate activated a GPU for the request (Fig. 10 case 3, or cases 1 and 2 with nothing fitting).
     new_gpu: bool
-    # The rule that chose: the default policy's (fleet.py) "best-fit", "best-fit-in-headroom" or
+    # The rule that chose: the default policy's (mell_default.py) "best-fit", "best-fit-in-headroom" or
     # "new-GPU"; for mell-paper the branch of Fig. 10: "T-on-L-GPU", "T-on-latest-T-GPU",
     # "T-on-underfilled-T-GPU", "tiny-in-multi-item", "T-on-SM-GPU", "SM-on-L-GPU", "SM-on-latest-SM-GPU"
     # or "new-GPU".
@@ -109,10 +110,10 @@ def cluster_snapshot(gpus: Sequence[GpuLoad], capacity_bytes: int) -> ClusterSna
     return ClusterSnapshot(gpu_snaps, tuple(items), (), next_index, len(ordered))
 
 
-def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerConfig,
+def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: PolicyConfig,
                  policy_name: str = "mell") -> AllocateDecision:
     """Allocate for one new request of `size_bytes` on `snapshot` under the pool's policy (the
-    default's rule 1, fleet.py; MELL's Fig. 10 for `mell-paper`, with the GPU priority of `config`,
+    default's rule 1, mell_default.py; MELL's Fig. 10 for `mell-paper`, with the GPU priority of `config`,
     whose weights are the pool's; a baseline's dispatch). For a baseline `step` names the Fig. 10
     branch its choice matches."""
     policy = make_policy(policy_name, config)
@@ -127,7 +128,7 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerCo
     before = in_use.get(gpu_id)
     if before is None:
         return AllocateDecision(gpu_id, True, "new-GPU", moves)
-    if isinstance(policy, FleetPolicy):
+    if isinstance(policy, MellDefaultPolicy):
         return AllocateDecision(gpu_id, False, policy.last_allocate_step, moves)
     category, seq = before
     cls = size_class(size_bytes, config.capacity_bytes)
@@ -140,7 +141,7 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: SchedulerCo
         latest_t = max(s for c, s in in_use.values() if c is SizeClass.T)
         step = "T-on-latest-T-GPU" if seq == latest_t else "T-on-underfilled-T-GPU"
     elif small:
-        step = "T-on-SM-GPU"  # SchedulerConfig.t_on_sm_gpus
+        step = "T-on-SM-GPU"  # MellPaperConfig.t_on_sm_gpus
     else:
         step = "SM-on-latest-SM-GPU"
     return AllocateDecision(gpu_id, False, step, moves)

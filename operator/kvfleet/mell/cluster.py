@@ -1,7 +1,8 @@
 """Bookkeeping shared by every policy: GPUs, items, loads, activation order, and epoch batching.
 
-MELL and the baselines differ only in where they put things (mell.py, baselines.py); the mechanics
-of one epoch are the same for all of them and live here: events are applied in the order of MELL's
+The policies differ only in where they put things (mell_default.py, mell_paper.py, best_fit.py,
+worst_fit.py, load_balance.py); the mechanics of one epoch are the same for all of them and live
+here, with the config every policy shares (`PolicyConfig`): events are applied in the order of MELL's
 request operation batching (§VI-C: departs, then updates, then allocates), every move is written to a
 buffer keyed by request so that redundant moves cancel (A->B->A vanishes, A->B->C becomes A->C, a
 request placed and moved in the same epoch is just placed), and GPUs left idle are terminated at
@@ -23,6 +24,7 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvfleet.mell.models import (
     Arrive,
@@ -33,10 +35,9 @@ from kvfleet.mell.models import (
     Migration,
     Placement,
     Plan,
-    SizeClass,
     Span,
-    size_class,
 )
+from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import ClusterSnapshot, Gpu, GpuSnapshot, Item, ItemSnapshot, SpanSnapshot
 
 # A GPU's category is the largest class it holds (§VI-C), so categories are looked up largest first.
@@ -45,65 +46,37 @@ CATEGORY_ORDER = (SizeClass.X, SizeClass.L, SizeClass.M, SizeClass.S, SizeClass.
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Knobs of a policy. Weights are the provider-set priority factors of MELL §VI-C."""
+class PolicyConfig:
+    """What every policy needs: C and the shape of the cluster its new GPUs land in.
+
+    Each policy with knobs of its own extends this (mell_default.MellDefaultConfig,
+    mell_paper.MellPaperConfig, load_balance.LoadBalanceConfig); best-fit and worst-fit have none.
+    """
 
     capacity_bytes: int
     gpus_per_node: int = 8
     nodes_per_zone: int = 4
-    # Priority of a GPU from its workload: more free memory and fewer requests rank higher.
-    weight_free: float = 1.0
-    weight_requests: float = 0.001
-    # Priority from GPU j to GPU j' adds a distance bonus (same node before same zone before elsewhere).
-    weight_same_node: float = 0.2
-    weight_same_zone: float = 0.1
-    # How many under-filled multi-items a tiny request probes (oldest GPU first) before opening a new one.
-    tiny_probe_limit: int = 4
-    # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU (mell.py).
-    refill_underfilled_t: bool = True
-    # (kvfleet) Depart T refills only from a newest GPU at most this full, one it can drain (mell.py);
-    # 1.0 is Fig. 10 as written.
-    refill_source_max_fill: float = 0.5
-    # (kvfleet) one T-request may use the spare room of the newest S/M-GPU (mell.py).
-    t_on_sm_gpus: bool = False
-    # (kvfleet) share of C that MELL keeps free for growth when it places or pairs requests (mell.py).
-    growth_headroom_fraction: float = 0.0
-    # Load balance (Llumnix-style baseline): migrate only while the pair's gap exceeds this share of C.
-    lb_gap_fraction: float = 0.1
-    # (kvfleet default policy, fleet.py) share of C kept free for growth when placing and consolidating.
-    fleet_headroom_fraction: float = 0.05
-    # (fleet.py) an epoch's arrivals are placed largest first (best-fit decreasing), not in arrival order.
-    fleet_arrivals_largest_first: bool = True
-    # (fleet.py) a request that fits nowhere with headroom may use a GPU's headroom before a GPU starts.
-    fleet_fill_without_headroom: bool = True
-    # (fleet.py) a request shed by an overloaded GPU goes to the emptiest GPU (room to grow), not the fullest.
-    fleet_relieve_to_emptiest: bool = True
-    # (fleet.py) empty the least loaded GPU when the others take its requests; at most this many a epoch,
-    # and only while all KV fits in one GPU fewer filled to this share of C.
-    fleet_consolidate: bool = True
-    fleet_max_consolidations_per_epoch: int = 1
-    fleet_consolidate_fill: float = 0.9
-    # (fleet.py) a request moved less than this long ago is not moved again by choice (consolidation,
-    # or relief while another request can clear the overload): each move costs its request a pause
-    # and a copy, and a live pool's reports lag its moves, so a quick second move is the likeliest to fail.
-    fleet_min_move_interval_s: float = 30.0
-    # A TPOT objective as a load cap (fleet.py): a GPU holds at most max_load_bytes less
-    # load_bytes_per_request per request it serves (the decode step model, see models.DecodeSpeed).
-    max_load_bytes: int | None = None
-    load_bytes_per_request: int = 0
-    # The §V communication boundary of one epoch per link (None: unbounded); the default policy plans
-    # only moves within it, so none is deferred.
-    intra_node_move_budget_bytes: int | None = None
-    inter_node_move_budget_bytes: int | None = None
+
+    def within_link_budgets(self, intra_node_bytes: int, inter_node_bytes: int) -> PolicyConfig:
+        """This config planning within these per-epoch link budgets (§V), where the policy plans moves
+        against budgets and was given none: the simulator costs every move against its links, so a
+        policy that can respect them is told them. Policies that do not plan by links ignore them."""
+        return self
 
 
 class ClusterPolicy(abc.ABC):
     """Base of all policies: applies batches, keeps loads and categories, records the plan."""
 
     name = "base"
+    # The config dataclass this policy reads its knobs from (make_policy builds one by name).
+    config_type: ClassVar[type[PolicyConfig]] = PolicyConfig
     uses_free_index = False
+    # Whether a state rebuilt from worker reports (the operator after a restart) groups tiny requests
+    # into MELL's multi-items (§VI-C, allocate.items_of). A policy that places every request as an
+    # item of its own must not get them: a departing member would take its whole bundle off the GPU.
+    restores_multi_items: ClassVar[bool] = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: PolicyConfig) -> None:
         if config.capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.cfg = config
@@ -506,20 +479,6 @@ class ClusterPolicy(abc.ABC):
             return list(self._by_cat[categories[0]].values())
         return [g for cat in categories for g in self._by_cat[cat].values()]
 
-    def _priority(self, gpu: Gpu) -> float:
-        """Priority of a GPU from its workload alone (MELL §VI-C, used for incoming requests)."""
-        cfg = self.cfg
-        return cfg.weight_free * self._free(gpu) / self.capacity_bytes - cfg.weight_requests * gpu.num_requests
-
-    def _priority_from(self, origin: Gpu, gpu: Gpu) -> float:
-        """Priority of `gpu` for `origin`: workload plus distance (same node > same zone > elsewhere)."""
-        bonus = 0.0
-        if gpu.location.node_id == origin.location.node_id:
-            bonus = self.cfg.weight_same_node
-        elif gpu.location.zone_id == origin.location.zone_id:
-            bonus = self.cfg.weight_same_zone
-        return self._priority(gpu) + bonus
-
     # ------------------------------------------------------------------ DistAttention spans
 
     def _make_head(self, gpu: Gpu, request_id: str) -> None:
@@ -604,7 +563,7 @@ class ClusterPolicy(abc.ABC):
                 continue
             assert isinstance(src, str) and isinstance(dst, str) and isinstance(size, int) and isinstance(cause, str)
             if cause == "preempt":
-                # Recompute preemption (baselines): re-prefill, not a migration (see baselines.py).
+                # Recompute preemption (baselines): re-prefill, not a migration (see no_migration.py).
                 self._preemptions.append(Migration(rid, src, dst, size, cause))
             else:
                 migrations.append(Migration(rid, src, dst, size, cause))

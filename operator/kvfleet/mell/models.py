@@ -1,15 +1,14 @@
-"""Domain values of the scheduling core: KV capacity, size classes, events, plans.
+"""Domain values of the scheduling core: KV capacity, the TPOT load cap, events, plans.
 
 Everything the scheduler consumes or produces is a frozen dataclass defined here, so that the
 operator, the router, the simulator and the tests speak the same vocabulary (docs/mell.md). Sizes
 are bytes of KV cache; C (``capacity_bytes``) is one worker's KV capacity (MELL §VI-A), computed by
-`kv_capacity_bytes`. Model shapes and GPU types, which only the simulator
+`kv_capacity_bytes`. Size classes are size_classes.py's. Model shapes and GPU types, which only the simulator
 and the benches need to turn a preset into bytes, live in kvfleet.sim.hardware.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 
@@ -50,33 +49,6 @@ def tpot_load_cap(tpot_s: float, weight_bytes: int, bandwidth_bytes_per_s: float
         raise ValueError(f"a TPOT objective of {tpot_s * 1000:g} ms is below one request's decode step "
                          f"({unloaded_ms:.1f} ms with no KV)")
     return max_load, per_request
-
-
-class SizeClass(enum.IntEnum):
-    """MELL §VI-C size classes, ordered so that a GPU's category is the max over its items."""
-
-    TINY = 0  # (0, C/8]: grouped into multi-items
-    T = 1  # (C/8, C/4]
-    S = 2  # (C/4, C/3]
-    M = 3  # (C/3, C/2]
-    L = 4  # (C/2, C]
-    X = 5  # (C, inf): spans GPUs with DistAttention; not a failure
-
-
-def size_class(size_bytes: int, capacity_bytes: int) -> SizeClass:
-    """Classify with exact integer arithmetic (MELL §VI-C, "Priority-aware GPU Categories")."""
-    c = capacity_bytes
-    if size_bytes > c:
-        return SizeClass.X
-    if 2 * size_bytes > c:
-        return SizeClass.L
-    if 3 * size_bytes > c:
-        return SizeClass.M
-    if 4 * size_bytes > c:
-        return SizeClass.S
-    if 8 * size_bytes > c:
-        return SizeClass.T
-    return SizeClass.TINY
 
 
 def num_span_gpus(size_bytes: int, capacity_bytes: int) -> int:

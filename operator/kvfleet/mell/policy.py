@@ -1,9 +1,12 @@
 """One entry point for every policy, and the pure form (snapshot, batch) -> (plan, snapshot).
 
 The operator names a policy in the LLMPool spec (`mell`, `mell-paper`, `best-fit`, `worst-fit`,
-`load-balance`); the simulator runs all five. `mell` is kvfleet's default (fleet.py), `mell-paper`
-MELL's Fig. 10 exactly as the paper states it (mell.py with every kvfleet refinement off), kept so
-that the default's gain is always measured against it. `plan_epoch` is the core as a pure function of
+`load-balance`); the simulator runs all five. Each lives in a module named after it and reads a
+config dataclass of its own (`ClusterPolicy.config_type`): `mell` is kvfleet's default
+(mell_default.py), `mell-paper` MELL's Fig. 10 exactly as the paper states it (mell_paper.py), kept
+so that the default's gain is always measured against it, and the baselines `bf`, `wf` and `lb`
+(best_fit.py, worst_fit.py, load_balance.py). Callers name the policy and give either its config or
+its knobs: `make_policy("mell", capacity_bytes=C)`. `plan_epoch` is the core as a pure function of
 (snapshot, events) -> plan: no state survives the call, so the operator can rebuild the snapshot from
 worker reports after a restart.
 """
@@ -11,41 +14,61 @@ worker reports after a restart.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from kvfleet.mell.baselines import BestFitPolicy, LoadBalancePolicy, WorstFitPolicy
-from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
-from kvfleet.mell.fleet import FleetPolicy
-from kvfleet.mell.mell import MellPolicy
+from kvfleet.mell.best_fit import BestFitPolicy
+from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
+from kvfleet.mell.load_balance import LoadBalancePolicy
+from kvfleet.mell.mell_default import MellDefaultPolicy
+from kvfleet.mell.mell_paper import MellPaperPolicy
 from kvfleet.mell.models import EventBatch, Plan
 from kvfleet.mell.state import ClusterSnapshot
+from kvfleet.mell.worst_fit import WorstFitPolicy
 
 POLICIES: dict[str, type[ClusterPolicy]] = {
-    "mell": FleetPolicy,
-    "mell-paper": MellPolicy,
+    "mell": MellDefaultPolicy,
+    "mell-paper": MellPaperPolicy,
     "bf": BestFitPolicy,
     "wf": WorstFitPolicy,
     "lb": LoadBalancePolicy,
 }
+# The LLMPool spec spells the baselines out.
 ALIASES = {"best-fit": "bf", "worst-fit": "wf", "load-balance": "lb"}
 
 
-def paper_strict(config: SchedulerConfig) -> SchedulerConfig:
-    """`config` with MellPolicy's kvfleet refinements (mell.py) all off: Fig. 10 as written."""
-    return dataclasses.replace(config, refill_underfilled_t=False, refill_source_max_fill=1.0, t_on_sm_gpus=False,
-                               growth_headroom_fraction=0.0)
-
-
-def make_policy(name: str, config: SchedulerConfig) -> ClusterPolicy:
+def policy_class(name: str) -> type[ClusterPolicy]:
+    """The policy a user-facing name (or an LLMPool alias) stands for."""
     key = ALIASES.get(name, name)
     if key not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, *ALIASES])}")
-    if key == "mell-paper":
-        config = paper_strict(config)
-    return POLICIES[key](config)
+    return POLICIES[key]
+
+
+def policy_config(name: str, capacity_bytes: int, **knobs: Any) -> PolicyConfig:
+    """The config `name` runs with: its own config dataclass with these knobs, the rest at their
+    defaults (a knob the policy does not have is a TypeError)."""
+    return policy_class(name).config_type(capacity_bytes=capacity_bytes, **knobs)
+
+
+def make_policy(name: str, config: PolicyConfig | None = None, **knobs: Any) -> ClusterPolicy:
+    """A fresh policy by name: `make_policy("mell", capacity_bytes=C)`, or with a config.
+
+    `config` is the policy's own (`policy_config`), or a plain PolicyConfig, which carries only what
+    every policy shares: the policy's own knobs then take their defaults. `knobs` override fields of
+    either. A config of another policy is refused: its knobs would be silently dropped.
+    """
+    cls = policy_class(name)
+    if config is None:
+        return cls(cls.config_type(**knobs))
+    if type(config) is PolicyConfig and cls.config_type is not PolicyConfig:
+        config = cls.config_type(**{f.name: getattr(config, f.name) for f in dataclasses.fields(PolicyConfig)})
+    if not isinstance(config, cls.config_type):
+        raise TypeError(f"policy {name!r} takes a {cls.config_type.__name__}, not a {type(config).__name__}")
+    return cls(dataclasses.replace(config, **knobs) if knobs else config)
 
 
 def plan_epoch(
-    policy_name: str, config: SchedulerConfig, snapshot: ClusterSnapshot, batch: EventBatch
+    policy_name: str, config: PolicyConfig, snapshot: ClusterSnapshot, batch: EventBatch
 ) -> tuple[Plan, ClusterSnapshot]:
     """Pure: the same (policy, config, snapshot, batch) always gives the same plan and next snapshot."""
     policy = make_policy(policy_name, config)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
-from kvfleet.mell.models import Location, SizeClass
+from kvfleet.mell.models import Location
+from kvfleet.mell.size_classes import SizeClass
 
 
 class Gpu:
@@ -82,7 +83,7 @@ class ClusterSnapshot:
     next_gpu_index: int
     next_seq: int
     # (request id, epoch time it last moved) for requests moved recently: the default policy does not
-    # move them again by choice for a while (SchedulerConfig.fleet_min_move_interval_s).
+    # move them again by choice for a while (MellDefaultConfig.min_move_interval_s).
     moved_at_s: tuple[tuple[str, float], ...] = ()
 
 

@@ -29,15 +29,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvfleet.api.reports import KVLoadReport
-from kvfleet.mell import ClusterPolicy, EventBatch, SchedulerConfig, make_policy
+from kvfleet.mell import ClusterPolicy, EventBatch, PolicyConfig, make_policy
 from kvfleet.mell.allocate import allocate_one, items_of
 from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location
+from kvfleet.mell.size_classes import ROUTED_CLASS_NAMES, class_of_name, middle_bytes
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
-
-# The baselines place every request as an item of its own; rebuilt with MELL's multi-items, a
-# departing member took its whole bundle off the GPU and the next event on another member failed an
-# assertion (two tiny requests on one worker, then one finishing, crashed a best-fit pool's epoch).
-_UNBUNDLED_POLICIES = frozenset({"bf", "wf", "lb"})
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +140,7 @@ def capacity_to_plan(planned_bytes: int, reported_bytes: int | None) -> int:
 class PoolScheduler:
     """The scheduling state of one pool, kept in memory between epochs and rebuildable from pods."""
 
-    def __init__(self, policy_name: str, config: SchedulerConfig) -> None:
+    def __init__(self, policy_name: str, config: PolicyConfig) -> None:
         self.policy_name = policy_name
         self.config = config
         self.policy: ClusterPolicy = make_policy(policy_name, config)
@@ -154,7 +150,7 @@ class PoolScheduler:
         self.causes: dict[str, str] = {}
 
     @classmethod
-    def rebuild(cls, policy_name: str, config: SchedulerConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
+    def rebuild(cls, policy_name: str, config: PolicyConfig, workers: Iterable[WorkerView]) -> PoolScheduler:
         """The state a restarted operator starts from: requests where the reports put them."""
         self = cls(policy_name, config)
         bound = sorted((w for w in workers if w.gpu_id is not None), key=lambda w: w.created_order)
@@ -188,10 +184,10 @@ class PoolScheduler:
                 load_bytes += req.kv_bytes
                 self.sizes[req.id] = req.kv_bytes
                 kept.append((req.id, req.kv_bytes))
-            if self.policy.name in _UNBUNDLED_POLICIES:
-                items.extend(ItemSnapshot(((rid, size),), False, worker.gpu_id) for rid, size in kept)
-            else:
+            if self.policy.restores_multi_items:
                 items.extend(items_of(worker.gpu_id, kept, capacity))
+            else:
+                items.extend(ItemSnapshot(((rid, size),), False, worker.gpu_id) for rid, size in kept)
         next_index = max((gpu_index(g.gpu_id) for g in gpus), default=-1) + 1
         self.policy.restore(ClusterSnapshot(gpus, tuple(items), (), next_index, len(gpus)))
         self.sizes = {rid: size for rid, size in self.sizes.items() if rid in self.policy.item_of}
@@ -217,7 +213,7 @@ class PoolScheduler:
         next epoch orders no move for them.
         """
         capacity = self.config.capacity_bytes
-        middles = {"L": capacity * 3 // 4, "M": capacity * 5 // 12, "S": capacity * 7 // 24, "T": capacity * 3 // 16}
+        middles = {name: middle_bytes(class_of_name(name), capacity) for name in ROUTED_CLASS_NAMES}
         snapshot = self.policy.snapshot()
         return {name: allocate_one(snapshot, size_bytes, self.config, self.policy_name).gpu_id
                 for name, size_bytes in middles.items()}
@@ -240,7 +236,7 @@ class PoolScheduler:
             causes.update((m.request_id, m.cause) for m in first.migrations)
         self._pin_lent(workers, actual, known_before)
         # The default policy does not move by choice (consolidation, rebalancing) what moved within
-        # fleet_min_move_interval_s: lent blocks count as just moved, every epoch, so it never tries.
+        # min_move_interval_s: lent blocks count as just moved, every epoch, so it never tries.
         # (A tiny lent item shares its multi-item, which then stays too.) Forced moves are still
         # possible; the next epoch's _pin_lent puts the blocks back, and admit_by_room counts them.
         self.policy.note_moved([rid for rid, seen in actual.items() if seen.lent and rid in self.policy.item_of], now_s)

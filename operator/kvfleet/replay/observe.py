@@ -24,7 +24,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
-from kvfleet.api.speed import SpeedProfile
+from kvfleet.api.speed import SPEED_PROFILE_PATH, SpeedProfile
 from kvfleet.replay.streams import Clock
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class PoolObserver:
         if self.router_url is None:
             return
         try:
-            with urllib.request.urlopen(f"{self.router_url}/kvfleet/speed-profile", timeout=5) as response:
+            with urllib.request.urlopen(f"{self.router_url}{SPEED_PROFILE_PATH}", timeout=5) as response:
                 body = json.loads(response.read())
         except Exception as err:  # an older router, or one restarting: the replay keeps what it has
             logger.info("no speed profile from the router: %s", err)

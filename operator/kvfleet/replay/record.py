@@ -19,7 +19,7 @@ from typing import Any
 from kvfleet.api.speed import SpeedProfile, merge_profiles
 from kvfleet.replay.observe import PodLife, Sample, timestamp_s
 from kvfleet.replay.streams import Stream
-from kvfleet.sim.simulator import nearest_rank
+from kvfleet.sim.result import nearest_rank
 from kvfleet.sim.traces import TraceRequest
 
 # A request moved again within this many seconds of its last move counts as a re-move (issue: "no

@@ -8,29 +8,24 @@ A100-40GB, LLaMA-2-7B on RTX 4090-24GB), under MELL, BF, WF and LB.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from kvfleet.mell.cluster import SchedulerConfig
+from kvfleet.mell.cluster import PolicyConfig
+from kvfleet.mell.mell_default import MellDefaultConfig
+from kvfleet.mell.policy import policy_config
 from kvfleet.sim import bundled
 from kvfleet.sim.bundled import AZURE_TRACES
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
 from kvfleet.sim.prefix_cache import PrefixCacheSpec
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
-from kvfleet.sim.simulator import (
-    DEFAULT_SCALE_DOWN_DELAY_S,
-    RunResult,
-    Setup,
-    make_setup,
-    profile_setup,
-    simulate,
-    tpot_load_cap,
-)
+from kvfleet.sim.result import RunResult
+from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate
+from kvfleet.sim.speed_model import Setup, make_setup, profile_setup, tpot_load_cap
 from kvfleet.sim.traces import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TraceError,
@@ -94,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run MELL exactly as Fig. 10 (mell-paper) in place of kvfleet's default (mell)")
     parser.add_argument("--headroom", type=float, default=None,
                         help="share of C the default policy keeps free for growth "
-                             f"({SchedulerConfig.fleet_headroom_fraction:g})")
+                             f"({MellDefaultConfig.headroom_fraction:g})")
     parser.add_argument("--scale-up-s", type=float, default=0.0,
                         help="seconds a new worker pod takes to be ready (0); set it to your cloud's node + pod "
                              "start, e.g. 60")
@@ -188,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.scale_down_delay_s >= 0:
             raise _UsageError("--scale-down-delay-s must be >= 0")
         # Before any replay, so a TPOT objective no GPU can meet is refused at once.
-        configs = [_scheduler_config(args, setup) for setup in setups]
+        configs = [_policy_configs(args, setup, policies) for setup in setups]
     except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
@@ -251,17 +246,21 @@ def _progress_bar(epoch_s: float, workloads: list[tuple[str, list[TraceRequest]]
     return tqdm(total=total, unit="epoch", file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
-def _scheduler_config(args: argparse.Namespace, setup: Setup) -> SchedulerConfig:
-    config = SchedulerConfig(capacity_bytes=setup.capacity_bytes)
+def _policy_configs(args: argparse.Namespace, setup: Setup, policies: list[str]) -> dict[str, PolicyConfig]:
+    """Each policy's config on `setup`: C, and for the default policy the --headroom and --tpot-ms knobs
+    (the only policy that has them). The TPOT cap is checked whichever policies run, so a flag no GPU
+    can meet is refused the same way every time."""
+    default_knobs: dict[str, object] = {}
     if args.headroom is not None:
-        config = dataclasses.replace(config, fleet_headroom_fraction=args.headroom)
+        default_knobs["headroom_fraction"] = args.headroom
     if args.tpot_ms is not None:
         try:
             max_load, per_request = tpot_load_cap(setup, args.tpot_ms / 1000.0)
         except ValueError as err:
             raise _UsageError(str(err)) from None
-        config = dataclasses.replace(config, max_load_bytes=max_load, load_bytes_per_request=per_request)
-    return config
+        default_knobs.update(max_load_bytes=max_load, load_bytes_per_request=per_request)
+    return {policy: policy_config(policy, setup.capacity_bytes, **(default_knobs if policy == "mell" else {}))
+            for policy in policies}
 
 
 def _capacity_line(setup: Setup) -> str:
@@ -283,7 +282,7 @@ def _capacity_line(setup: Setup) -> str:
 def _run_setup(
     args: argparse.Namespace,
     setup: Setup,
-    config: SchedulerConfig,
+    configs: dict[str, PolicyConfig],
     workloads: list[tuple[str, list[TraceRequest]]],
     policies: list[str],
     bar: Any,
@@ -297,13 +296,13 @@ def _run_setup(
         for pol in policies:
             if bar is not None:
                 bar.set_description(f"{setup.name} {wname} {pol}")
-            results.append(_simulate_with_progress(reqs, setup, pol, args, config, bar))
+            results.append(_simulate_with_progress(reqs, setup, pol, args, configs[pol], bar))
         scenarios.append(Scenario(setup.name, wname, setup.capacity_bytes, tuple(results)))
     return scenarios
 
 
 def _simulate_with_progress(
-    reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: SchedulerConfig, bar: Any
+    reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: PolicyConfig, bar: Any
 ) -> RunResult:
     # The bar advances one step per epoch up to the last arrival, then jumps to the end of this run,
     # so its total is known before the run (how long the drain takes is not).

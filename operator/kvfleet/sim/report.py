@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.sim.simulator import RunResult, SharedBound
+from kvfleet.sim.bounds import SharedBound
+from kvfleet.sim.result import RunResult
 
 POLICY_LABELS = {"mell": "MELL", "mell-paper": "MELL-paper", "bf": "BF", "wf": "WF", "lb": "LB"}
 

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvfleet.api.speed import SPEED_PROFILE_PATH
 from kvfleet.router.hold import HoldFull, HoldQueue, HoldTimeout
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.model_info import ModelInfo, ModelInfoSource
@@ -39,7 +40,7 @@ from kvfleet.router.pool import PoolView
 from kvfleet.router.prefix_routing import PrefixRouting
 from kvfleet.router.relay import OnWorker, Place, Relay, Timeouts
 from kvfleet.router.responses import respond
-from kvfleet.router.speed import SPEED_PROFILE_PATH, gather_profiles
+from kvfleet.router.speed import gather_profiles
 from kvfleet.serving import httpapi
 from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import (
@@ -132,6 +133,12 @@ class Router:
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "the router's app has not started"
         return self._session
+
+    def worker_of(self, request_id: str) -> str | None:
+        """The pod the router last placed the request in flight with this id on; None before it has a
+        worker and once it has ended."""
+        reservation = self._reservations.get(request_id)
+        return reservation.pod_name if reservation is not None else None
 
     def _not_ready(self) -> str | None:
         # Ready once the pool has been read: from then on every request gets a worker or a clear 503.

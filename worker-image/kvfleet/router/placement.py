@@ -16,13 +16,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvfleet.mell import GpuLoad, SchedulerConfig, allocate_one, cluster_snapshot
-from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.mell import GpuLoad, PolicyConfig, allocate_one, cluster_snapshot, policy_config
+from kvfleet.mell.size_classes import SizeClass, class_of_name, size_class
 from kvfleet.router.locality import Locality, LocalityInput, prefer_cached
 
-# Report and routing-table spellings of the size classes (kvfleet.api.reports, RouteEntry).
-_CLASS_OF_NAME = {"tiny": SizeClass.TINY, "T": SizeClass.T, "S": SizeClass.S, "M": SizeClass.M, "L": SizeClass.L,
-                  "X": SizeClass.X}
 # Rough bytes of UTF-8 text per token of a BPE tokenizer, for prompts the router sees as text (it has
 # no tokenizer: the model's files live with the workers). The first streamed chunk gives the exact count.
 TEXT_BYTES_PER_TOKEN = 4
@@ -60,7 +57,7 @@ class PoolSnapshot:
     # The pool's MELL knobs (kvfleet.api.scheduling.scheduler_config of its spec), so that the
     # router's Allocate ranks GPUs with the pool's weights; None (pool not read yet): MELL's defaults.
     # Its capacity is not used: C is what the workers report.
-    config: SchedulerConfig | None = None
+    config: PolicyConfig | None = None
     # The pool's scheduling.policy: the router previews the same policy's Allocate as the operator runs.
     policy: str = "mell"
     # The pool's prefixCaching.routing and ttlSeconds (kvfleet.router.locality); "none" unless the
@@ -158,7 +155,7 @@ def _loads(snapshot: PoolSnapshot, reservations: Sequence[Reservation], default_
     return loads
 
 
-def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None,
+def allocate(loads: list[_Load], kv_bytes: int, config: PolicyConfig | None,
              policy: str = "mell") -> tuple[_Load, str] | None:
     """The pool policy's Allocate (the default's best fit with headroom; for `mell-paper` MELL §VI-C,
     Fig. 10, J.Allocate(i)), from the scheduling core, restricted to what a router can do: choose a
@@ -173,7 +170,7 @@ def allocate(loads: list[_Load], kv_bytes: int, config: SchedulerConfig | None,
     """
     # The core plans with one C; where reports differ, the smallest never overfills a worker.
     capacity = min(load.capacity_bytes for load in loads)
-    base = config or SchedulerConfig(capacity_bytes=capacity)
+    base = config or policy_config(policy, capacity)
     gpus = [GpuLoad(load.worker.pod_name, load.worker.activation_order, tuple(load.sizes.items()))
             for load in loads if load.sizes]
     # A request larger than C takes a whole worker (DistAttention spreads the rest): an L-request of C.
@@ -259,7 +256,7 @@ def _with_locality(choice: RouteChoice, fitting: Sequence[_Load], locality: Loca
 
 
 def parse_class(name: str) -> SizeClass:
-    return _CLASS_OF_NAME[name]
+    return class_of_name(name)
 
 
 def estimate_prompt_tokens(prompt: str | Sequence[int] | Sequence[Mapping[str, object]]) -> int:

@@ -18,12 +18,10 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from kvfleet.api.speed import SpeedProfile, merge_profiles
+from kvfleet.api.speed import SPEED_PROFILE_PATH, SpeedProfile, merge_profiles
 from kvfleet.router.placement import WorkerState
 
 log = logging.getLogger(__name__)
-
-SPEED_PROFILE_PATH = "/kvfleet/speed-profile"
 
 
 @dataclass(frozen=True)

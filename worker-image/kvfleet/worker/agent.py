@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.api.reports import KVLoadReport
+from kvfleet.api.speed import SPEED_PROFILE_PATH
 from kvfleet.mell.migration import MoveMode
 from kvfleet.serving import httpapi
 from kvfleet.serving.credentials import PoolCredentials
@@ -50,10 +51,6 @@ from kvfleet.worker.streams import RequestStreams
 from kvfleet.worker.text import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Not under /internal: a speed profile is no secret (no prompt, no request), and a replay reads it
-# through the router without the pool token.
-SPEED_PROFILE_ROUTE = "/kvfleet/speed-profile"
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,9 @@ class Agent:
         app.router.add_get("/readyz", httpapi.readyz(self._not_ready))
         app.router.add_get("/metrics", httpapi.metrics(self.metrics.registry, self.metrics.refresh_gpu))
         self.openai.add_to(app)
-        app.router.add_get(SPEED_PROFILE_ROUTE, self._speed_profile)
+        # Not under /internal: a speed profile is no secret (no prompt, no request), and a replay reads
+        # it through the router without the pool token.
+        app.router.add_get(SPEED_PROFILE_PATH, self._speed_profile)
         app.router.add_get(TOKENIZER_PATH, self._tokenizer)
         app.router.add_get("/internal/requests", self._internal_requests)
         app.router.add_post("/internal/requests/{request_id}/abort", self._internal_abort)

@@ -1,21 +1,16 @@
-"""Discrete-event replay of a workload under one policy: how many GPUs, how full, how many migrations.
+"""The replay: a workload under one policy, epoch by epoch: how many GPUs, how full, how many migrations.
 
 Time advances in scheduling epochs (MELL §IV: instances report at the start of each epoch, the
 scheduler answers with a plan). Within an epoch each GPU decodes its batch at the speed of the
-performance model below, so KV grows at a realistic rate and a fuller GPU decodes more slowly.
+setup's speed model (speed_model.py), so KV grows at a realistic rate and a fuller GPU decodes more slowly.
 
 What the scheduler is told about a request is its KV *reservation*: the blocks it holds now plus
 the blocks it can write before the next epoch at the fastest decode speed. That way a GPU that the
 plan keeps within C stays within C until the next plan, without knowing any output length (MELL
 Finding 2). Actual KV (without the look-ahead) is what utilization and the fluid lower bound use.
 
-Performance model (per GPU type and batch size): a decode step reads the weights and the batch's
-KV once, so step_s = (weight_bytes + kv_bytes) / (bandwidth x efficiency) + batch x per-sequence
-overhead; prefill is compute-bound, 2 x params x tokens / (peak FLOPs x MFU). Migrations cost the
-planner's choice (§V): a KV transfer takes bytes / link bandwidth, a token transfer a re-prefill.
-A setup may instead run at a speed its workers measured (`profile_setup`, kvfleet.sim.profile): the
-replay asks the same two questions, step and prefill time, and is otherwise the same.
-Deterministic: no clock, no randomness (synthetic workloads take their seed outside).
+Migrations cost the planner's choice (§V): a KV transfer takes bytes / link bandwidth, a token
+transfer a re-prefill. Deterministic: no clock, no randomness (synthetic workloads take their seed outside).
 
 What a cloud bills is a worker *pod*, from the moment it asks for its GPU until it is deleted, not
 the GPUs a plan holds active: so the replay keeps a pod behind each active GPU, which takes
@@ -23,7 +18,7 @@ the GPUs a plan holds active: so the replay keeps a pod behind each active GPU, 
 plan lets its GPU go (the LLMPool's `autoscaling.scaleDownDelaySeconds`). Requests wait for their
 pod; what they wait, and how fast they decode, is reported per request (queueing delay, TPOT).
 Two bounds are reported: each run's own fluid bound (the KV that run held) and one shared by every
-policy, computed from the workload alone (`shared_bound`).
+policy, computed from the workload alone (bounds.py). What a run reports is result.py's.
 
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
@@ -37,206 +32,23 @@ beside it, which the MELL core's per-request sizes cannot say.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvfleet.api.models import AutoscalingSpec
-from kvfleet.api.speed import SpeedProfile
-from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
+from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.migration import Boundaries, plan_migrations
 from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Location, Migration, Plan
-from kvfleet.mell.models import tpot_load_cap as core_tpot_load_cap
-from kvfleet.mell.policy import make_policy
-from kvfleet.sim.hardware import BLOCK_SIZE_TOKENS, CapacityDerivation, GpuSpec, ModelShape, derive_capacity
+from kvfleet.mell.policy import make_policy, policy_config
+from kvfleet.sim.bounds import shared_bound
+from kvfleet.sim.hardware import BLOCK_SIZE_TOKENS
 from kvfleet.sim.prefix_cache import GpuPrefixCache, PrefixCacheSpec
-from kvfleet.sim.profile import ProfileSpeed
+from kvfleet.sim.result import RunResult
+from kvfleet.sim.speed_model import Setup
 from kvfleet.sim.traces import TraceRequest
-
-# The §VIII-B links, for setups whose own are unknown (every hardware setup; a profile without them).
-INTRA_NODE_BYTES_PER_S = 25e9  # PCIe 4.0 x16
-INTER_NODE_BYTES_PER_S = 1.25e9  # 10 Gbps
-
-
-@dataclass(frozen=True)
-class BandwidthSpeed:
-    """The datasheet speed model (module docstring): a decode step reads the weights and the batch's
-    KV at a share of the GPU's bandwidth, a prefill is compute-bound at a share of its peak FLOPs."""
-
-    model: ModelShape
-    gpu: GpuSpec
-    bandwidth_efficiency: float = 0.8
-    per_sequence_overhead_s: float = 0.0002
-    mfu: float = 0.5
-
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        return self.gpu.mem_bandwidth_bytes_per_s * self.bandwidth_efficiency
-
-    def step_s(self, batch: int, kv_bytes: int) -> float:
-        return (self.model.weight_bytes + kv_bytes) / self.bandwidth_bytes_per_s + batch * self.per_sequence_overhead_s
-
-    def prefill_s(self, tokens: int) -> float:
-        return 2.0 * self.model.num_params * tokens / (self.gpu.peak_flops * self.mfu)
-
-    def prefill_tokens_per_s(self) -> float:
-        return 1.0 / self.prefill_s(1)
-
-
-# Where a setup's speed comes from: the datasheet, or what workers measured (kvfleet.sim.profile).
-SpeedModel = BandwidthSpeed | ProfileSpeed
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What a replay runs on: a worker's KV capacity C, its speed, and the links between workers.
-
-    `make_setup` builds one from a model on a GPU type (C derived from them, kept in `capacity` for
-    reports), `profile_setup` from a measured speed profile (C as the profile states it).
-    """
-
-    name: str
-    speed: SpeedModel
-    capacity_bytes: int
-    kv_bytes_per_token: int
-    capacity: CapacityDerivation | None = None  # how C was derived, for a hardware setup
-    intra_node_bytes_per_s: float = INTRA_NODE_BYTES_PER_S
-    inter_node_bytes_per_s: float = INTER_NODE_BYTES_PER_S
-
-    def step_s(self, batch: int, kv_bytes: int) -> float:
-        return self.speed.step_s(batch, kv_bytes)
-
-    def prefill_s(self, tokens: int) -> float:
-        return self.speed.prefill_s(tokens)
-
-    def prefill_tokens_per_s(self) -> float:
-        return self.speed.prefill_tokens_per_s()
-
-
-def tpot_load_cap(setup: Setup, tpot_s: float) -> tuple[int, int]:
-    """A TPOT objective as the default policy's load cap (SchedulerConfig.max_load_bytes and
-    load_bytes_per_request) on this setup's speed model (`Setup.step_s`, the core's formula).
-
-    The core's step is linear, (weights + kv) / bandwidth + batch x per-sequence; a measured profile
-    is fitted to one, step = a + b x batch + c x kv (`ProfileSpeed.linear_decode`), read as bandwidth
-    1 / c, weights a / c (rounded up, so the cap never allows a slower step) and per-sequence b (at
-    least 0: a fit in which more requests step faster would loosen the cap on noise).
-    """
-    speed = setup.speed
-    try:
-        if isinstance(speed, BandwidthSpeed):
-            return core_tpot_load_cap(tpot_s, speed.model.weight_bytes, speed.bandwidth_bytes_per_s,
-                                      speed.per_sequence_overhead_s)
-        fit = speed.linear_decode()
-        if fit.per_kv_byte_s <= 0:
-            raise ValueError(f"the speed profile's decode steps do not grow with KV (fitted {fit.per_kv_byte_s:.3g} "
-                             "s per byte): no load keeps a TPOT objective")
-        return core_tpot_load_cap(tpot_s, math.ceil(fit.intercept_s / fit.per_kv_byte_s), 1.0 / fit.per_kv_byte_s,
-                                  max(fit.per_sequence_s, 0.0))
-    except ValueError as err:
-        raise ValueError(f"{setup.name}: {err}") from None
-
-
-def make_setup(name: str, model: ModelShape, gpu: GpuSpec, activation_reserve_bytes: int | None = None) -> Setup:
-    capacity = derive_capacity(model, gpu, activation_reserve_bytes)
-    return Setup(name, BandwidthSpeed(model, gpu), capacity.capacity_bytes, model.kv_bytes_per_token, capacity)
-
-
-def profile_setup(profile: SpeedProfile) -> Setup:
-    """A setup that runs at a measured speed: `profile-<model>`, C and bytes per token as the profile
-    states them, both links at its measured link speed where it has one."""
-    link = profile.link_bytes_per_second
-    return Setup(
-        f"profile-{profile.model}", ProfileSpeed.from_profile(profile), profile.capacity_bytes,
-        profile.kv_bytes_per_token,
-        intra_node_bytes_per_s=INTRA_NODE_BYTES_PER_S if link is None else link,
-        inter_node_bytes_per_s=INTER_NODE_BYTES_PER_S if link is None else link,
-    )
-
 
 # The LLMPool's default, so that a bare `simulate` bills what a default pool would.
 DEFAULT_SCALE_DOWN_DELAY_S = float(AutoscalingSpec.model_fields["scale_down_delay_seconds"].default)
-
-
-def nearest_rank(values: Iterable[float], percent: float) -> float:
-    """The nearest-rank percentile: the smallest value with at least `percent`% of values <= it.
-
-    Exact (always one of the values, no interpolation), so reports can be checked by hand:
-    rank = ceil(percent / 100 x n), 1-based; percent 0 gives the minimum, an empty list 0.
-    """
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    if not 0 <= percent <= 100:
-        raise ValueError("percent must be within [0, 100]")
-    rank = max(1, math.ceil(percent * len(ordered) / 100))
-    return ordered[rank - 1]
-
-
-@dataclass(frozen=True)
-class SharedBound:
-    """The least KV any policy can hold for a workload: the same for every policy of a scenario.
-
-    Every request is taken to be placed at the first epoch end after it arrives (the scheduler's
-    first chance, for every policy), to hold its prompt from then, and to decode at an unloaded GPU's
-    speed (`step_s(1, 0)` per token) from then or from its arrival plus its own prefill, whichever is
-    later, holding its prompt and the tokens written so far (whole tokens). No policy places a request
-    earlier or decodes it faster, so no policy holds less KV-time.
-    `gpu_hours` (KV-seconds / C) bounds every policy's active and billed GPU-hours; `peak` (the
-    largest ceil(KV / C) at an epoch end along that trajectory) is a reference, not a strict bound
-    (a policy's requests run later, so its peak may fall at other times).
-    """
-
-    kv_byte_seconds: float = 0.0
-    duration_s: float = 0.0
-    capacity_bytes: int = 0
-    peak: int = 0
-
-    @property
-    def gpu_hours(self) -> float:
-        return self.kv_byte_seconds / self.capacity_bytes / 3600.0 if self.capacity_bytes else 0.0
-
-    @property
-    def mean(self) -> float:
-        """GPUs on average over the workload's own span (until its last request would finish)."""
-        return self.kv_byte_seconds / (self.capacity_bytes * self.duration_s) if self.duration_s else 0.0
-
-
-def shared_bound(requests: Iterable[TraceRequest], setup: Setup, epoch_s: float,
-                 prefix_cache: PrefixCacheSpec | None = None) -> SharedBound:
-    """The workload-only bound (see `SharedBound`), in closed form per request.
-
-    With a prefix cache, a request may find every block its `hash_ids` cover cached, so the bound
-    prefills only the rest (at least 1 token, as a replay does): still no run decodes it sooner.
-
-    A request with prompt P and output N is placed at ta, the first epoch end after its arrival, and
-    holds P tokens until it starts decoding at t0 = max(ta, arrival + prefill(P)); it then writes one
-    token every s = step_s(1, 0): during its j-th step (j = 0 .. N-1) it holds P + j tokens, so it
-    holds bytes_per_token x (P x (t0 - ta) + s x (N x P + N x (N - 1) / 2)) byte-seconds, and
-    releases its KV at t0 + N x s.
-    """
-    step = setup.step_s(1, 0)
-    bpt = setup.kv_bytes_per_token
-    kv_byte_seconds = 0.0
-    end_s = 0.0
-    at_epoch: dict[int, int] = {}  # KV bytes held at the end of epoch k (time k x epoch_s)
-    for req in requests:
-        n, p = req.output_tokens, req.prompt_tokens
-        k = math.floor(req.arrival_s / epoch_s) + 1  # admitted at the end of the epoch it arrives in
-        placed_s = k * epoch_s
-        prefill_tokens = p if prefix_cache is None else max(1, p - req.hashed_tokens(prefix_cache.hash_block_tokens))
-        t0 = max(placed_s, req.arrival_s + setup.prefill_s(prefill_tokens))
-        t1 = t0 + n * step
-        end_s = max(end_s, t1, placed_s)
-        kv_byte_seconds += bpt * (p * (t0 - placed_s) + step * (n * p + n * (n - 1) / 2))
-        while k * epoch_s < t1 or k * epoch_s == placed_s:
-            written = max(0, min(n - 1, math.floor((k * epoch_s - t0) / step)))
-            at_epoch[k] = at_epoch.get(k, 0) + (p + written) * bpt
-            k += 1
-    c = setup.capacity_bytes
-    peak = max((math.ceil(kv / c) for kv in at_epoch.values()), default=0)
-    duration_s = math.ceil(end_s / epoch_s) * epoch_s if end_s > 0 else 0.0
-    return SharedBound(kv_byte_seconds, duration_s, c, peak)
 
 
 def migration_boundaries(setup: Setup, epoch_s: float) -> Boundaries:
@@ -299,166 +111,12 @@ class _Pod:
     prefix_cache: GpuPrefixCache | None = None
 
 
-@dataclass
-class RunResult:
-    policy: str
-    epoch_s: float
-    times_s: list[float] = field(default_factory=list)
-    gpus: list[int] = field(default_factory=list)
-    kv_bytes: list[int] = field(default_factory=list)
-    lower_bound: list[int] = field(default_factory=list)
-    migrations_per_epoch: list[int] = field(default_factory=list)
-    num_migrations: int = 0
-    num_preemptions: int = 0
-    num_kv_transfers: int = 0
-    num_token_transfers: int = 0
-    num_deferred: int = 0
-    migrated_bytes: int = 0
-    migration_time_s: float = 0.0
-    num_capacity_violations: int = 0
-    num_requests: int = 0
-    num_spanning: int = 0
-    max_moves_per_operation: int = 0
-    num_item_moves: int = 0  # moves of placed items (a multi-item is one), the unit of Theorem 3
-    num_moves_cancelled: int = 0
-    capacity_bytes: int = 0
-    scale_up_s: float = 0.0
-    scale_down_delay_s: float = 0.0
-    # (created, deleted) of every pod, in seconds: what the cloud bills.
-    pod_lifetimes_s: list[tuple[float, float]] = field(default_factory=list)
-    # Per finished request: time not spent prefilling or decoding, and decode time per output token.
-    queue_delays_s: list[float] = field(default_factory=list)
-    tpots_s: list[float] = field(default_factory=list)
-    num_over_capacity_requests: int = 0  # requests whose reservation ever passed C (they span GPUs)
-    shared_bound: SharedBound = SharedBound()
-    # False: every operation was scheduled on its own (MELL Fig. 13's baseline), see simulate().
-    batching: bool = True
-    # The prefix cache model (--prefix-cache), counted when each request is first placed.
-    prefix_cache: bool = False
-    prompt_tokens: int = 0
-    prefix_hit_tokens: int = 0  # prompt tokens the GPU held (its leading hash blocks)
-    prefill_tokens_saved: int = 0  # what the prefill skipped: hits, less the 1 token always prefilled
-    num_prefix_hits: int = 0  # requests with a hit
-    num_prefix_evictions: int = 0  # hash blocks given up to running requests' KV
-
-    @property
-    def prefix_hit_ratio(self) -> float:
-        """Hit prompt tokens / prompt tokens of the placed requests."""
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def duration_s(self) -> float:
-        return len(self.times_s) * self.epoch_s
-
-    @property
-    def peak_gpus(self) -> int:
-        return max(self.gpus, default=0)
-
-    @property
-    def mean_gpus(self) -> float:
-        return sum(self.gpus) / len(self.gpus) if self.gpus else 0.0
-
-    @property
-    def utilization(self) -> float:
-        """Time-averaged share of the KV capacity of the GPUs in use that holds KV."""
-        shares = [kv / (n * self.capacity_bytes) for kv, n in zip(self.kv_bytes, self.gpus) if n]
-        return sum(shares) / len(shares) if shares else 0.0
-
-    @property
-    def migrations_per_s(self) -> float:
-        return self.num_migrations / self.duration_s if self.duration_s else 0.0
-
-    @property
-    def lower_bound_peak(self) -> int:
-        return max(self.lower_bound, default=0)
-
-    @property
-    def lower_bound_mean(self) -> float:
-        return sum(self.lower_bound) / len(self.lower_bound) if self.lower_bound else 0.0
-
-    @property
-    def active_gpu_hours(self) -> float:
-        """GPU-epochs the plans held (what `mean_gpus` averages), in hours."""
-        return sum(self.gpus) * self.epoch_s / 3600.0
-
-    @property
-    def billed_gpu_hours(self) -> float:
-        """Sum of pod lifetimes (one GPU per pod), in hours: what the cloud bills."""
-        return sum(end - start for start, end in self.pod_lifetimes_s) / 3600.0
-
-    @property
-    def peak_pods(self) -> int:
-        # A pod deleted at t and one created at t do not overlap: deletions sort first.
-        edges = sorted([(s, 1) for s, _ in self.pod_lifetimes_s] + [(e, -1) for _, e in self.pod_lifetimes_s])
-        live = peak = 0
-        for _, delta in edges:
-            live += delta
-            peak = max(peak, live)
-        return peak
-
-    @property
-    def queue_p50_s(self) -> float:
-        return nearest_rank(self.queue_delays_s, 50)
-
-    @property
-    def queue_p99_s(self) -> float:
-        return nearest_rank(self.queue_delays_s, 99)
-
-    @property
-    def tpot_p50_ms(self) -> float:
-        return nearest_rank(self.tpots_s, 50) * 1000.0
-
-    @property
-    def tpot_p99_ms(self) -> float:
-        return nearest_rank(self.tpots_s, 99) * 1000.0
-
-    @property
-    def own_bound_billed_gpu_hours(self) -> float:
-        """This run's fluid bound as a cloud bills it: a lower bound on `billed_gpu_hours` for this run.
-
-        A pod holding a GPU at an epoch end is let go at the next epoch end at the earliest and then
-        lingers `scale_down_delay_s`, so through each epoch at least the most GPUs held at the epoch
-        ends of the last floor(delay / epoch) + 1 epochs are billed, and those at least ceil(KV / C)
-        (`lower_bound`). Summed over epochs: what even a perfect packer of this run's KV would be billed. It depends on the run
-        (its KV depends on how fast its GPUs decode), so it is reported per policy.
-        """
-        # A GPU held at epoch end j is let go at j + 1 at the earliest and its pod billed until
-        # delay later: it covers the whole epoch ending at i only if (i - j) x epoch <= delay.
-        window = math.floor(self.scale_down_delay_s / self.epoch_s) + 1
-        held: deque[tuple[int, int]] = deque()  # (epoch, bound), bounds decreasing: a sliding maximum
-        total = 0
-        for k, bound in enumerate(self.lower_bound):
-            while held and held[-1][1] <= bound:
-                held.pop()
-            held.append((k, bound))
-            if held[0][0] <= k - window:
-                held.popleft()
-            total += held[0][1]
-        return total * self.epoch_s / 3600.0
-
-    @property
-    def mean_vs_own_bound(self) -> float:
-        """mean GPUs / this run's own fluid bound (same epochs, so a ratio of means)."""
-        return self.mean_gpus / self.lower_bound_mean if self.lower_bound_mean else 0.0
-
-    @property
-    def active_vs_shared_bound(self) -> float:
-        """Active GPU-hours / the shared bound's GPU-hours: GPU-hours, as runs drain at different times."""
-        bound = self.shared_bound.gpu_hours
-        return self.active_gpu_hours / bound if bound else 0.0
-
-    @property
-    def billed_vs_shared_bound(self) -> float:
-        bound = self.shared_bound.gpu_hours
-        return self.billed_gpu_hours / bound if bound else 0.0
-
-
 def simulate(
     requests: list[TraceRequest],
     setup: Setup,
     policy_name: str,
     epoch_s: float = 1.0,
-    config: SchedulerConfig | None = None,
+    config: PolicyConfig | None = None,
     on_epoch: Callable[[int], None] | None = None,
     lookahead_epochs: float = 1.0,
     scale_up_s: float = 0.0,
@@ -481,12 +139,10 @@ def simulate(
         raise ValueError("epoch_s must be positive")
     if scale_up_s < 0 or scale_down_delay_s < 0:
         raise ValueError("scale_up_s and scale_down_delay_s must be >= 0")
-    cfg = config or SchedulerConfig(capacity_bytes=setup.capacity_bytes)
+    cfg = config or policy_config(policy_name, setup.capacity_bytes)
     bounds = migration_boundaries(setup, epoch_s)
-    if cfg.intra_node_move_budget_bytes is None and cfg.inter_node_move_budget_bytes is None:
-        # The policy plans within the §V boundaries the replay costs its moves against.
-        cfg = replace(cfg, intra_node_move_budget_bytes=bounds.intra_node_link_bytes,
-                      inter_node_move_budget_bytes=bounds.inter_node_link_bytes)
+    # A policy that plans by link budgets plans within the §V boundaries the replay costs its moves against.
+    cfg = cfg.within_link_budgets(bounds.intra_node_link_bytes, bounds.inter_node_link_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
                      scale_down_delay_s, prefix_cache)
     replay.result.batching = batching

@@ -1,4 +1,7 @@
-"""MELL's online KV-cache scheduler: Allocate / Depart / Update of Fig. 10 under Algorithm 1.
+"""The `mell-paper` policy: MELL's Allocate / Depart / Update of Fig. 10 under Algorithm 1, as written.
+
+Kept beside kvfleet's default (`mell`, mell_default.py) so that the default's gain is always
+measured against the paper's own rule.
 
 Each method below is one branch of Fig. 10 and says which. Where the paper leaves a case open, the
 choice made here is marked "(kvfleet)" and documented in docs/mell.md:
@@ -14,30 +17,58 @@ choice made here is marked "(kvfleet)" and documented in docs/mell.md:
 * A T-request departing from a GPU that it leaves empty triggers no refill (the GPU is terminated),
   nor from a T-GPU still at least 3/4 full (Theorem 1 property 3 already holds there).
 
-Refinements, each a SchedulerConfig switch (docs/mell.md gives their measured effect):
-`refill_underfilled_t` (T-requests go to the oldest T-GPU under 3/4 full first),
-`refill_source_max_fill` (Depart T refills only from a newest GPU that the refill can drain),
-`growth_headroom_fraction` (room kept for growth, 0 by default), `t_on_sm_gpus` (off).
+Refinements, each a MellPaperConfig switch, all off by default so that `mell-paper` is Fig. 10 as
+written (docs/mell.md gives their measured effect): `refill_underfilled_t` (T-requests go to the
+oldest T-GPU under 3/4 full first), `refill_source_max_fill` (Depart T refills only from a newest GPU
+that the refill can drain), `growth_headroom_fraction` (room kept for growth), `t_on_sm_gpus`.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
-from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
-from kvfleet.mell.models import SizeClass, size_class
+from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
+from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import Gpu, Item, SortedIndex
 
 # Short names for the classes of Fig. 10, as the paper writes them.
 TINY, T, S, M, L = SizeClass.TINY, SizeClass.T, SizeClass.S, SizeClass.M, SizeClass.L
 
 
-class MellPolicy(ClusterPolicy):
-    name = "mell-paper"
+@dataclass(frozen=True)
+class MellPaperConfig(PolicyConfig):
+    """Knobs of `mell-paper`. Weights are the provider-set priority factors of MELL §VI-C; the
+    (kvfleet) refinements default to off, which is Fig. 10 exactly as the paper states it."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    # Priority of a GPU from its workload: more free memory and fewer requests rank higher.
+    weight_free: float = 1.0
+    weight_requests: float = 0.001
+    # Priority from GPU j to GPU j' adds a distance bonus (same node before same zone before elsewhere).
+    weight_same_node: float = 0.2
+    weight_same_zone: float = 0.1
+    # How many under-filled multi-items a tiny request probes (oldest GPU first) before opening a new one.
+    tiny_probe_limit: int = 4
+    # (kvfleet) T-requests go to the oldest T-GPU under 3/4 full before the newest T-GPU.
+    refill_underfilled_t: bool = False
+    # (kvfleet) Depart T refills only from a newest GPU at most this full, one it can drain; 1.0 is
+    # Fig. 10 as written.
+    refill_source_max_fill: float = 1.0
+    # (kvfleet) one T-request may use the spare room of the newest S/M-GPU.
+    t_on_sm_gpus: bool = False
+    # (kvfleet) share of C kept free for growth when placing or pairing requests.
+    growth_headroom_fraction: float = 0.0
+
+
+class MellPaperPolicy(ClusterPolicy):
+    name = "mell-paper"
+    config_type: ClassVar[type[PolicyConfig]] = MellPaperConfig
+
+    def __init__(self, config: MellPaperConfig) -> None:
         super().__init__(config)
+        self.cfg: MellPaperConfig = config
         # Under-filled multi-items, oldest GPU first: (gpu seq, item id).
         self._underfilled: list[tuple[int, int]] = []
         self._bundles: dict[int, Item] = {}
@@ -160,6 +191,20 @@ class MellPolicy(ClusterPolicy):
 
     def _non_t_load(self, gpu: Gpu) -> int:
         return gpu.load_bytes - gpu.t_bytes
+
+    def _priority(self, gpu: Gpu) -> float:
+        """Priority of a GPU from its workload alone (MELL §VI-C, used for incoming requests)."""
+        cfg = self.cfg
+        return cfg.weight_free * self._free(gpu) / self.capacity_bytes - cfg.weight_requests * gpu.num_requests
+
+    def _priority_from(self, origin: Gpu, gpu: Gpu) -> float:
+        """Priority of `gpu` for `origin`: workload plus distance (same node > same zone > elsewhere)."""
+        bonus = 0.0
+        if gpu.location.node_id == origin.location.node_id:
+            bonus = self.cfg.weight_same_node
+        elif gpu.location.zone_id == origin.location.zone_id:
+            bonus = self.cfg.weight_same_zone
+        return self._priority(gpu) + bonus
 
     def _best(
         self,

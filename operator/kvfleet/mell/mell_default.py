@@ -1,6 +1,6 @@
 """kvfleet's default policy (`mell`): MELL's epochs, batching and migration, with a consolidating packer.
 
-MELL's Fig. 10 (mell.py, the `mell-paper` policy) places each request by its size class, so that a
+MELL's Fig. 10 (mell_paper.py, the `mell-paper` policy) places each request by its size class, so that a
 bounded number of GPUs is ever partly full (Theorem 1). Measured on the paper's own workloads
 (docs/mell.md, bench/policies.py) that is not enough to beat plain best-fit: the newest T/S/M GPUs
 stay partly filled, class changes of growing requests cause moves, and at the scale of real traces
@@ -21,10 +21,10 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
    charged to is the one its copy takes): no migration is ever deferred. When no link can carry any
    request of an overloaded GPU, the smallest that clears it is recomputed elsewhere (a preemption).
 5. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
-   break it (`SchedulerConfig.max_load_bytes` and `load_bytes_per_request`).
+   break it (`MellDefaultConfig.max_load_bytes` and `load_bytes_per_request`).
 
 Pure between epochs, as every policy: all it keeps across them is the state a snapshot holds.
-Every rule is a SchedulerConfig knob; docs/mell.md gives the measurement behind each default.
+Every rule is a MellDefaultConfig knob; docs/mell.md gives the measurement behind each default.
 """
 
 from __future__ import annotations
@@ -32,26 +32,69 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
-from kvfleet.mell.cluster import ClusterPolicy, SchedulerConfig
+from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.migration import link_of
-from kvfleet.mell.models import Arrive, EventBatch, Location, Plan, SizeClass, size_class
+from kvfleet.mell.models import Arrive, EventBatch, Location, Plan
+from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import ClusterSnapshot, Gpu, Item, ItemSnapshot
 
 
-class FleetPolicy(ClusterPolicy):
+@dataclass(frozen=True)
+class MellDefaultConfig(PolicyConfig):
+    """Knobs of the default policy, one per rule of the module docstring."""
+
+    # Share of C kept free for growth when placing and consolidating (rules 1-3).
+    headroom_fraction: float = 0.05
+    # Rule 1: an epoch's arrivals are placed largest first (best-fit decreasing), not in arrival order.
+    arrivals_largest_first: bool = True
+    # Rules 1-2: a request that fits nowhere with headroom may use a GPU's headroom before a GPU starts.
+    fill_without_headroom: bool = True
+    # Rule 2: a request shed by an overloaded GPU goes to the emptiest GPU (room to grow), not the fullest.
+    relieve_to_emptiest: bool = True
+    # Rule 3: empty the least loaded GPU when the others take its requests; at most this many an epoch,
+    # and only while all KV fits in one GPU fewer filled to this share of C.
+    consolidate: bool = True
+    max_consolidations_per_epoch: int = 1
+    consolidate_fill: float = 0.9
+    # A request moved less than this long ago is not moved again by choice (consolidation, or relief
+    # while another request can clear the overload): each move costs its request a pause and a copy,
+    # and a live pool's reports lag its moves, so a quick second move is the likeliest to fail.
+    min_move_interval_s: float = 30.0
+    # Rule 5, a TPOT objective as a load cap: a GPU holds at most max_load_bytes less
+    # load_bytes_per_request per request it serves (the decode step model, models.tpot_load_cap).
+    max_load_bytes: int | None = None
+    load_bytes_per_request: int = 0
+    # Rule 4, the §V communication boundary of one epoch per link (None: unbounded): only moves
+    # within it are planned, so none is deferred.
+    intra_node_move_budget_bytes: int | None = None
+    inter_node_move_budget_bytes: int | None = None
+
+    def within_link_budgets(self, intra_node_bytes: int, inter_node_bytes: int) -> PolicyConfig:
+        """Rule 4 needs budgets: the given ones, unless this config already sets either."""
+        if self.intra_node_move_budget_bytes is not None or self.inter_node_move_budget_bytes is not None:
+            return self
+        return dataclasses.replace(self, intra_node_move_budget_bytes=intra_node_bytes,
+                                   inter_node_move_budget_bytes=inter_node_bytes)
+
+
+class MellDefaultPolicy(ClusterPolicy):
     name = "mell"
+    config_type: ClassVar[type[PolicyConfig]] = MellDefaultConfig
     uses_free_index = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: MellDefaultConfig) -> None:
         super().__init__(config)
-        self._headroom = int(config.fleet_headroom_fraction * config.capacity_bytes)
+        self.cfg: MellDefaultConfig = config
+        self._headroom = int(config.headroom_fraction * config.capacity_bytes)
         self._overloaded: dict[str, Gpu] = {}
         self._link_used: dict[str, int] = {}
         # Items moved this epoch: none moves twice, so the link each migration is charged to is the
         # one its copy takes (a second move would make the plan's move origin -> final, uncharged).
         self._moved_items: set[int] = set()
-        # When each item last moved (epoch time), for fleet_min_move_interval_s; pruned as it expires.
+        # When each item last moved (epoch time), for min_move_interval_s; pruned as it expires.
         self._moved_at_s: dict[int, float] = {}
         self._now_s = 0.0
         # The rule the last Allocate took (rule 1), for allocate_one's AllocateDecision.step.
@@ -81,7 +124,7 @@ class FleetPolicy(ClusterPolicy):
     def schedule(self, batch: EventBatch, *, end_of_epoch: bool = True) -> Plan:
         # Best-fit decreasing over the epoch's arrivals: the larger requests are placed first.
         arrivals = [e for e in batch.events if isinstance(e, Arrive)]
-        if self.cfg.fleet_arrivals_largest_first:
+        if self.cfg.arrivals_largest_first:
             arrivals.sort(key=lambda e: -e.size_bytes)
         others = [e for e in batch.events if not isinstance(e, Arrive)]
         self._now_s = batch.now_s
@@ -89,7 +132,7 @@ class FleetPolicy(ClusterPolicy):
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
             self._moved_items = set()
-            horizon_s = batch.now_s - self.cfg.fleet_min_move_interval_s
+            horizon_s = batch.now_s - self.cfg.min_move_interval_s
             self._moved_at_s = {i: t for i, t in self._moved_at_s.items() if t > horizon_s}
         return plan
 
@@ -100,10 +143,10 @@ class FleetPolicy(ClusterPolicy):
                 self._moved_at_s[item.item_id] = now_s
 
     def _settling(self, item: Item) -> bool:
-        """Moved this epoch, or too recently to be moved again by choice (fleet_min_move_interval_s)."""
+        """Moved this epoch, or too recently to be moved again by choice (min_move_interval_s)."""
         moved_s = self._moved_at_s.get(item.item_id)
         return item.item_id in self._moved_items or (
-            moved_s is not None and self._now_s - moved_s < self.cfg.fleet_min_move_interval_s)
+            moved_s is not None and self._now_s - moved_s < self.cfg.min_move_interval_s)
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
         self._relieve()
@@ -134,8 +177,8 @@ class FleetPolicy(ClusterPolicy):
 
     def after_batch(self) -> None:
         self._relieve()
-        if self.cfg.fleet_consolidate:
-            for _ in range(self.cfg.fleet_max_consolidations_per_epoch):
+        if self.cfg.consolidate:
+            for _ in range(self.cfg.max_consolidations_per_epoch):
                 if not self._consolidate_one():
                     break
 
@@ -186,7 +229,7 @@ class FleetPolicy(ClusterPolicy):
         without, else a new GPU. No link is involved: a new request, or one recomputed elsewhere."""
         gpu = self._best_fit(size, True, away_from, budgeted=False)
         self.last_allocate_step = "best-fit"
-        if gpu is None and self.cfg.fleet_fill_without_headroom:
+        if gpu is None and self.cfg.fill_without_headroom:
             gpu = self._best_fit(size, False, away_from, budgeted=False)
             self.last_allocate_step = "best-fit-in-headroom"
         if gpu is None:
@@ -254,12 +297,12 @@ class FleetPolicy(ClusterPolicy):
 
     def _within_budget(self, size: int, src: Gpu) -> Gpu | None:
         """A GPU that takes `size` bytes from `src` within the link budget: the emptiest with headroom
-        (`fleet_relieve_to_emptiest`), else best fit with headroom, then without, else a new GPU on a
+        (`relieve_to_emptiest`), else best fit with headroom, then without, else a new GPU on a
         node the copy may reach this epoch; None if there is none."""
-        dst = self._emptiest(size, src) if self.cfg.fleet_relieve_to_emptiest else None
+        dst = self._emptiest(size, src) if self.cfg.relieve_to_emptiest else None
         if dst is None:
             dst = self._best_fit(size, True, src)
-        if dst is None and self.cfg.fleet_fill_without_headroom:
+        if dst is None and self.cfg.fill_without_headroom:
             dst = self._best_fit(size, False, src)
         if dst is not None:
             return dst
@@ -273,7 +316,7 @@ class FleetPolicy(ClusterPolicy):
         if len(candidates) < 2:
             return False
         total = sum(g.load_bytes for g in candidates)
-        if total > self.cfg.fleet_consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
+        if total > self.cfg.consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
             return False
         victim = min(candidates, key=lambda g: (g.load_bytes, -g.seq))
         if any(self._settling(it) for it in victim.items.values()):
