@@ -117,9 +117,9 @@ def pool_body(max_workers: int) -> dict[str, Any]:
 def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
     logger = logging.getLogger("bench")
     api = MemoryKube(pool_body(max_workers=num_workers * 2))
-    reconcile.forget_pool("bench", "bench")  # a fresh scheduler for each pool size
+    states = reconcile.PoolStates()  # a fresh scheduler for each pool size
     workers = ScriptedWorkers(api, seed)
-    reconcile.reconcile_pool("bench", "bench", logger, api)
+    reconcile.reconcile_pool("bench", "bench", logger, api, states)
     # Fill to about num_workers GPUs (each request averages ~0.27 C; MELL packs about 3 per GPU).
     # Filled in steps, as a router following the routing table would, then left to settle.
     target = int(num_workers * 2.8)
@@ -127,7 +127,7 @@ def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
         if step < 20:
             workers.add(target // 20)
         workers.report()
-        reconcile.reconcile_pool("bench", "bench", logger, api)
+        reconcile.reconcile_pool("bench", "bench", logger, api, states)
         workers.execute_migrations()
     api.writes()
     writes: list[int] = []
@@ -139,9 +139,9 @@ def run(num_workers: int, epochs: int, seed: int) -> dict[str, float]:
         workers.execute_migrations()
         workers.report()
         started = time.process_time()
-        reconcile.reconcile_pool("bench", "bench", logger, api)
+        reconcile.reconcile_pool("bench", "bench", logger, api, states)
         cpu_ms.append((time.process_time() - started) * 1000)
-        state = reconcile.pool_state("bench", "bench")
+        state = states.get("bench", "bench")
         assert state is not None
         writes.append(sum(state.last_writes.values()))
         gpus.append(api.pool["status"]["gpusInUse"])

@@ -1,4 +1,4 @@
-"""DistKV's gManager in the operator (issue 16): reports in, `status.distkv` out, MELL around it.
+"""DistKV's gManager in the operator (Infinite-LLM §4.3-4.5): reports in, `status.distkv` out, MELL around it.
 
 Exact small cases, no cluster: the ledger and the published candidates (kvfleet.operator.distkv),
 DGFM on a debt cycle, spanning requests and lent blocks in MELL's epoch (kvfleet.operator.epoch),
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from kvfleet.api.models import DistKVStatus, LLMPoolSpec
 from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad
-from kvfleet.mell import SchedulerConfig
+from kvfleet.mell import PolicyConfig
 from kvfleet.operator import distkv, pods, resources
 from kvfleet.operator.epoch import PoolScheduler, WorkerView, lent_request_id
 from kvfleet.operator.memory import MemoryKube
@@ -115,11 +115,11 @@ def test_dgfm_finds_a_two_cycle_and_the_pool_seed_makes_it_repeatable() -> None:
 
 
 def scheduler() -> PoolScheduler:
-    return PoolScheduler("mell", SchedulerConfig(capacity_bytes=C))
+    return PoolScheduler("mell", PolicyConfig(capacity_bytes=C))
 
 
 def test_a_spanning_request_is_packed_by_its_local_part_and_never_moved() -> None:
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+    sched = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C),
                                   [worker(0, load(used=700, requests=(request("big", 700),))), worker(1, load())])
     # The router put a spanning request on w1; Allocate would put a plain one of that size beside big.
     spanning = load(used=250, borrowed={"w0": 900}, requests=(request("long", 250, 900),))
@@ -127,13 +127,13 @@ def test_a_spanning_request_is_packed_by_its_local_part_and_never_moved() -> Non
     assert sched.sizes["long"] == 250
     assert out.moves == () and out.num_deferred_moves == 0
     plain = load(used=250, requests=(request("t", 250),))
-    again = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+    again = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C),
                                   [worker(0, load(used=700, requests=(request("big", 700),))), worker(1, load())])
     moved = again.epoch([worker(0, load(used=700, requests=(request("big", 700),))), worker(1, plain)], {}, now_s=1.0)
     assert [m.request_id for m in moved.moves] == ["t"], "the same request without borrowed blocks would move"
     # Before its first lease its worker says it spans (larger than its cache): not moved either.
     early = load(used=250, requests=(RequestLoad(id="t", kv_bytes=250, tokens=10, size_class="L", spans=True),))
-    again = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+    again = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C),
                                   [worker(0, load(used=700, requests=(request("big", 700),))), worker(1, load())])
     assert again.epoch([worker(0, load(used=700, requests=(request("big", 700),))), worker(1, early)], {},
                        now_s=1.0).moves == ()
@@ -141,7 +141,7 @@ def test_a_spanning_request_is_packed_by_its_local_part_and_never_moved() -> Non
 
 def test_lent_blocks_are_load_mell_places_around_them_and_never_moves() -> None:
     lender = load(cap=800, lent=700)
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, lender), worker(1, load())])
+    sched = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C), [worker(0, lender), worker(1, load())])
     assert sched.policy.gpu_of(lent_request_id("w0")) == "gpu-0"
     # A 400-byte request the router put on the lender does not fit beside 700 lent bytes: it moves.
     crowded = load(cap=800, lent=700, used=400, requests=(request("r", 400),))
@@ -154,7 +154,7 @@ def test_lent_blocks_are_load_mell_places_around_them_and_never_moves() -> None:
 
 
 def test_lent_blocks_arriving_later_are_pinned_to_their_worker() -> None:
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C),
+    sched = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C),
                                   [worker(0, load(used=300, requests=(request("a", 300),))), worker(1, load())])
     # w1 starts lending 700; MELL's Allocate alone would put that beside `a` on gpu-0.
     out = sched.epoch([worker(0, load(used=300, requests=(request("a", 300),))), worker(1, load(cap=800, lent=700))],
@@ -169,7 +169,7 @@ def test_lent_blocks_arriving_later_are_pinned_to_their_worker() -> None:
 
 
 def test_a_lending_worker_is_not_released_nor_deleted() -> None:
-    sched = PoolScheduler.rebuild("mell", SchedulerConfig(capacity_bytes=C), [worker(0, load()), worker(1, load())])
+    sched = PoolScheduler.rebuild("mell", PolicyConfig(capacity_bytes=C), [worker(0, load()), worker(1, load())])
     out = sched.epoch([worker(0, load()), worker(1, load(cap=800, lent=100))], {}, now_s=1.0)
     assert "w1" not in out.released_pods
     info = pods.pod_info({"metadata": {"name": "p-worker-1"}, "status": {"phase": "Running"}}, load(cap=800, lent=100))
@@ -228,9 +228,9 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
             "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
                      "workers": {"min": 2, "max": 4}, "distkv": {"enabled": True}}}
     api = MemoryKube(body)
-    reconcile.forget_pool("ns", "p")
+    states = reconcile.PoolStates()
     logger = logging.getLogger("test")
-    reconcile.reconcile_pool("ns", "p", logger, api)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
     assert sorted(api.pods) == ["p-worker-0", "p-worker-1"]
     gib = 2**30
     for index, (name, other) in enumerate((("p-worker-0", "p-worker-1"), ("p-worker-1", "p-worker-0"))):
@@ -238,7 +238,7 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
                               lent_bytes=gib // 8, borrowed={other: gib // 8})
         api.pods[name]["metadata"]["annotations"][ANNOTATION] = report.to_annotation()
         api.pods[name]["status"]["podIP"] = f"10.0.0.{index}"
-    reconcile.reconcile_pool("ns", "p", logger, api)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
     status = api.pool["status"]["distkv"]
     assert status["dgfm"] == {"swaps": 1, "swappedBytes": gib // 4}
     assert status["debts"] == [{"debtor": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8},
@@ -246,12 +246,11 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
     assert creditors(status, "p-worker-0") == [("p-worker-1", gib // 2 - gib // 8)]
     assert [e[0] for e in api.events].count("DebtCycle") == 1
     for _ in range(3):
-        reconcile.reconcile_pool("ns", "p", logger, api)
-    state = reconcile.pool_state("ns", "p")
+        reconcile.reconcile_pool("ns", "p", logger, api, states)
+    state = states.get("ns", "p")
     assert state is not None and state.last_writes == {}, "the same ledger writes nothing and posts no Event again"
     assert [e[0] for e in api.events].count("DebtCycle") == 1
     # Turned off, the pool's status has no distkv any more.
     api.pool["spec"]["distkv"] = {"enabled": False}
-    reconcile.reconcile_pool("ns", "p", logger, api)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
     assert api.pool["status"].get("distkv") is None
-    reconcile.forget_pool("ns", "p")

@@ -152,10 +152,11 @@ class RecordingCore:
         self.calls.append(f"delete {namespace}/{name}")
 
 
-def bare_kube(core: RecordingCore) -> kube_module.Kube:
+def bare_kube(core: RecordingCore, write_fence: kube_module.WriteFence) -> kube_module.Kube:
     """A Kube without the kubeconfig its constructor loads: only its write path is under test."""
     made = kube_module.Kube.__new__(kube_module.Kube)
     made._local = threading.local()
+    made._write_fence = write_fence
     made.core = core  # type: ignore[assignment]
     return made
 
@@ -166,15 +167,11 @@ def test_kube_sends_no_write_the_fence_refuses(clock: Clock) -> None:
     made._on_lost = lambda: None
     assert made._try_acquire_or_renew()
     core = RecordingCore()
-    api = bare_kube(core)
-    kube_module.set_write_fence(made.ensure_leading)
-    try:
-        api.delete_pod("ns", "p-worker-0")
-        assert core.calls == ["delete ns/p-worker-0"]
-        clock.now_s += 2.0
-        with pytest.raises(LeaseLost, match="refused delete_pod"):
-            api.delete_pod("ns", "p-worker-1")
-        assert core.calls == ["delete ns/p-worker-0"]
-        assert api.writes() == {"delete_pod": 1}
-    finally:
-        kube_module.set_write_fence(None)
+    api = bare_kube(core, made.ensure_leading)
+    api.delete_pod("ns", "p-worker-0")
+    assert core.calls == ["delete ns/p-worker-0"]
+    clock.now_s += 2.0
+    with pytest.raises(LeaseLost, match="refused delete_pod"):
+        api.delete_pod("ns", "p-worker-1")
+    assert core.calls == ["delete ns/p-worker-0"]
+    assert api.writes() == {"delete_pod": 1}

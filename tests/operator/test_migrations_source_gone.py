@@ -17,7 +17,7 @@ NOW_S = (parse_time(CREATED) or 0.0) + 5
 
 def transferring(name: str = "p-r-1") -> dict[str, Any]:
     return {"metadata": {"name": name, "creationTimestamp": CREATED},
-            "spec": {"requestId": "r", "sourcePod": "w0", "targetPod": "w1"},
+            "spec": {"pool": "p", "requestId": "r", "sourcePod": "w0", "targetPod": "w1", "mode": "kv", "reason": "Update"},
             "status": {"phase": "Transferring", "startTime": CREATED}}
 
 

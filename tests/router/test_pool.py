@@ -1,5 +1,6 @@
 """The router's reading of the pool's objects (pods, KVLoads and LLMPool as the API returns them),
-without an API server: directly, and through KubePoolView's watches on a fake API."""
+without an API server: directly, and through KubePoolView's watches on a fake API, handed to it as
+the router's __main__ hands it the real one (a KubePoolApi over fake clients)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import kubernetes
 import pytest
 
 from kvfleet.api.models import POOL_LABEL
 from kvfleet.api.reports import ANNOTATION, KVLoadReport, RequestLoad, kvload_object
-from kvfleet.mell.models import SizeClass
+from kvfleet.mell import SizeClass
 from kvfleet.router import pool as pool_module
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest
-from kvfleet.router.pool import KubePoolView, report_of, routes_of, worker_state
+from kvfleet.router.pool import KubePoolApi, KubePoolView, report_of, routes_of, worker_state
 
 
 def pod(name: str, *, ready: bool = True, ip: str = "10.1.0.7", deleting: bool = False,
@@ -90,7 +90,7 @@ def by_name(snapshot: PoolSnapshot) -> dict[str, tuple[int | None, tuple[str, ..
 
 
 def test_the_view_builds_each_worker_from_its_pod_and_the_report_pool_reports_picks() -> None:
-    view = KubePoolView("ns", "p")
+    view = KubePoolView("ns", "p", pool_api(FakeAPI()))
     view._replace("pool", [{"metadata": {"name": "p", "generation": 1}, "spec": {}}])
     view._replace("pods", [pod("p-worker-0"), pod("p-worker-1", report=load(2000, "b")),
                            pod("p-worker-2", uid="uid-new", report=load(3000, "c")), pod("p-worker-3")])
@@ -110,7 +110,7 @@ def test_the_view_builds_each_worker_from_its_pod_and_the_report_pool_reports_pi
 
 
 def test_kvload_and_pod_events_update_the_snapshot_and_reparse_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    view = KubePoolView("ns", "p")
+    view = KubePoolView("ns", "p", pool_api(FakeAPI()))
     view._replace("pool", [])
     view._replace("pods", [pod(f"p-worker-{i}") for i in range(3)])
     view._replace("kvloads", [kvload(f"p-worker-{i}", load(1000, f"r{i}")) for i in range(3)])
@@ -159,6 +159,7 @@ class FakeAPI:
         self.objects: dict[str, list[dict[str, Any]]] = {"pods": [], "kvloads": [], "pool": []}
         self.events: dict[str, queue.Queue[dict[str, Any]]] = {k: queue.Queue() for k in self.objects}
         self.lists: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.patches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.closed = threading.Event()
 
     def send(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
@@ -196,7 +197,7 @@ class FakeAPI:
                 return api._answer("kvloads" if plural == "kvloads" else "pool", (group, version, namespace, plural), kw)
 
             def patch_namespaced_custom_object(self, *args: Any) -> None:
-                pass
+                api.patches.append((args[:5], args[5]))
         return Custom()
 
 
@@ -211,6 +212,11 @@ class FakeWatch:
         pass
 
 
+def pool_api(api: FakeAPI) -> KubePoolApi:
+    """A KubePoolApi for pool p in ns over `api`'s clients (their objects are dicts already)."""
+    return KubePoolApi("ns", "p", api.core(), api.custom(), FakeWatch, lambda obj: obj)
+
+
 def wait_until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not condition():
@@ -218,16 +224,12 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-def test_the_view_watches_the_pools_kvloads_and_a_kvload_event_updates_the_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_view_watches_the_pools_kvloads_and_a_kvload_event_updates_the_snapshot() -> None:
     api = FakeAPI()
-    monkeypatch.setattr(pool_module, "load_config", lambda: None)
-    monkeypatch.setattr(kubernetes.client, "CoreV1Api", api.core)
-    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", api.custom)
-    monkeypatch.setattr(kubernetes.watch, "Watch", FakeWatch)
     api.objects["pool"] = [{"metadata": {"name": "p", "generation": 1}, "spec": {}}]
     api.objects["pods"] = [pod("p-worker-0"), pod("p-worker-1", report=load(2000, "old"))]
     api.objects["kvloads"] = [kvload("p-worker-0", load(1000, "a"))]
-    view = KubePoolView("ns", "p")
+    view = KubePoolView("ns", "p", pool_api(api))
     view.start()
     try:
         wait_until(lambda: view.snapshot().synced, "the view never synced")
@@ -238,6 +240,24 @@ def test_the_view_watches_the_pools_kvloads_and_a_kvload_event_updates_the_snaps
         wait_until(lambda: by_name(view.snapshot())["p-worker-1"] == (4000, ("new",)), "the KVLoad event never arrived")
         api.send("kvloads", "MODIFIED", kvload("p-worker-0", load(1000, "a", "b", sequence=2), version="8"))
         wait_until(lambda: by_name(view.snapshot())["p-worker-0"] == (1000, ("a", "b")), "the KVLoad update never arrived")
+    finally:
+        view.stop()
+        api.close()
+        for thread in view._threads:
+            thread.join(timeout=5)
+
+
+def test_held_requests_are_written_on_the_pool_through_the_api_it_is_given() -> None:
+    api = FakeAPI()
+    view = KubePoolView("ns", "p", pool_api(api))
+    view.start()
+    try:
+        view.signal_held(3)
+        wait_until(lambda: bool(api.patches), "the held count was never written")
+        where, body = api.patches[0]
+        assert where == ("kvfleet.dev", "v1alpha1", "ns", "llmpools", "p")
+        count, _when = body["metadata"]["annotations"]["kvfleet.dev/held-requests"].split()
+        assert count == "3"
     finally:
         view.stop()
         api.close()

@@ -79,7 +79,8 @@ def test_rates_are_scaled_to_the_epoch() -> None:
 
 def succeeded(request_id: str, source: str, target: str, name: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"},
-            "spec": {"requestId": request_id, "sourcePod": source, "targetPod": target},
+            "spec": {"pool": "p", "requestId": request_id, "sourcePod": source, "targetPod": target, "mode": "kv",
+                     "reason": "Update"},
             "status": {"phase": "Succeeded", "completionTime": "2026-01-01T00:00:01Z"}}
 
 

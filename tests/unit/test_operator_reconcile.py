@@ -275,20 +275,20 @@ def test_a_pass_over_a_new_pool_makes_what_it_owns_then_a_quiet_pass_writes_noth
             "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
                      "workers": {"min": 2, "max": 4}}}
     api = MemoryKube(body)
-    reconcile.forget_pool("ns", "p")
+    states = reconcile.PoolStates()
     logger = logging.getLogger("test")
-    assert reconcile.reconcile_pool("ns", "p", logger, api) == spec().scheduling.epoch_seconds
+    assert reconcile.reconcile_pool("ns", "p", logger, api, states) == spec().scheduling.epoch_seconds
     assert sorted(api.pods) == ["p-worker-0", "p-worker-1"]  # the floor, workers.min
     assert {kind for kind, _ in api.objects} == {"Secret", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
     assert api.pool["status"]["workers"] == 2 and api.events[0][0] == "ScaleUp"
-    state = reconcile.pool_state("ns", "p")
+    state = states.get("ns", "p")
     assert state is not None and state.epoch == 1 and state.last_writes["create_pod"] == 2
-    reconcile.reconcile_pool("ns", "p", logger, api)  # the floor pods' metadata settles (idle-since)
-    reconcile.reconcile_pool("ns", "p", logger, api)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)  # the floor pods' metadata settles (idle-since)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
     assert state.last_writes == {}, "a pass with nothing changed writes nothing"
     api.pool["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert reconcile.reconcile_pool("ns", "p", logger, api) == reconcile.RETRY_S
-    assert reconcile.pool_state("ns", "p") is None
+    assert reconcile.reconcile_pool("ns", "p", logger, api, states) == reconcile.RETRY_S
+    assert states.get("ns", "p") is None
 
 
 def test_a_pass_reads_kvloads_and_during_an_upgrade_old_workers_annotations() -> None:
@@ -302,9 +302,9 @@ def test_a_pass_reads_kvloads_and_during_an_upgrade_old_workers_annotations() ->
             "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
                      "workers": {"min": 3, "max": 4}}}
     api = MemoryKube(body)
-    reconcile.forget_pool("ns", "p")
+    states = reconcile.PoolStates()
     logger = logging.getLogger("test")
-    reconcile.reconcile_pool("ns", "p", logger, api)
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
 
     def load(request_id: str) -> KVLoadReport:
         return KVLoadReport(capacity_bytes=2**30, used_bytes=2**20, sequence=1, requests=[
@@ -318,10 +318,9 @@ def test_a_pass_reads_kvloads_and_during_an_upgrade_old_workers_annotations() ->
     reported = {w.pod_name: [r.id for r in w.report.requests] if w.report else None
                 for w in reconcile.read_observed(ctx).workers}
     assert reported == {"p-worker-0": ["new"], "p-worker-1": ["old"], "p-worker-2": None}
-    reconcile.reconcile_pool("ns", "p", logger, api)
-    state = reconcile.pool_state("ns", "p")
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
+    state = states.get("ns", "p")
     assert state is not None and sorted(state.scheduler.sizes) == ["new", "old"]
-    reconcile.forget_pool("ns", "p")
 
 
 def test_elastic_memory_gives_workers_one_pool_and_a_cpu_buffer() -> None:
@@ -362,21 +361,20 @@ def test_the_pool_replans_when_its_workers_report_another_capacity() -> None:
             "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
             "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}}}
     api = MemoryKube(body)
-    reconcile.forget_pool("ns", "p")
+    states = reconcile.PoolStates()
     ctx = reconcile.PassContext(api, "ns", "p", body, spec(), logging.getLogger("test"))
 
     def workers(*capacities: int) -> list[WorkerView]:
         return [WorkerView(f"p-worker-{i}", f"gpu-{i}", i, "n", "z", True,
                            KVLoadReport(capacity_bytes=c, used_bytes=0, sequence=1)) for i, c in enumerate(capacities)]
 
-    state = reconcile.scheduler_state(ctx, workers(2**30 + 2**29, 2**30 + 2**28))
+    state = reconcile.scheduler_state(ctx, states, workers(2**30 + 2**29, 2**30 + 2**28))
     assert state.scheduler.config.capacity_bytes == 2**30 + 2**28  # the smallest report, from the start
-    assert reconcile.scheduler_state(ctx, workers(2**30 + 2**28 + 2**20)) is state and api.events == []
-    reconcile.scheduler_state(ctx, workers(2**30 + 2**29))
+    assert reconcile.scheduler_state(ctx, states, workers(2**30 + 2**28 + 2**20)) is state and api.events == []
+    reconcile.scheduler_state(ctx, states, workers(2**30 + 2**29))
     assert state.scheduler.config.capacity_bytes == 2**30 + 2**29
     assert api.events == [("CapacityChanged", "KV capacity per worker now 1536Mi (was 1280Mi), the smallest the workers "
                                               "report", False)]
-    reconcile.forget_pool("ns", "p")
 
 
 def test_held_requests_raise_the_floor_to_one_while_the_routers_word_is_fresh() -> None:

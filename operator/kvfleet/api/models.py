@@ -10,7 +10,7 @@ rules, so both sides agree on what a valid spec is.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 from kvfleet.api.quantity import parse_quantity, quantity_bytes
 from kvfleet.mell.migration import MoveMode
 from kvfleet.mell.models import kv_capacity_bytes, tpot_load_cap
+from kvfleet.mell.size_classes import RoutedSizeClassName
 
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
@@ -62,13 +63,20 @@ Quantity = Annotated[
     ),
 ]
 PodName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN)]
-ShortText = Annotated[str, StringConstraints(max_length=256)]
+# A KVMigration's status.message: its writers cut what they say to this.
+SHORT_TEXT_MAX_LENGTH = 256
+ShortText = Annotated[str, StringConstraints(max_length=SHORT_TEXT_MAX_LENGTH)]
 
 
 class _Model(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are errors, values are immutable."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase, JSON types, and only the fields that were
+        set (given, or read), so a status merge patch says no more than its writer meant to."""
+        return self.model_dump(by_alias=True, mode="json", exclude_unset=True)
 
 
 # ----------------------------------------------------------------------------------------- LLMPool
@@ -469,7 +477,7 @@ class Condition(_Model):
 class RouteEntry(_Model):
     """Which worker takes the next new request of a MELL size class."""
 
-    size_class: Literal["L", "M", "S", "T"]
+    size_class: RoutedSizeClassName
     worker: Annotated[str, StringConstraints(max_length=253)]
 
 
@@ -588,6 +596,9 @@ class LLMPool(_Model):
 # ------------------------------------------------------------------------------------- KVMigration
 
 
+MigrationReason = Literal["Allocate", "Depart", "Update", "Rebalance", "Consolidate", "Drain", "Retry"]
+
+
 class KVMigrationSpec(_Model):
     """One request moved from one worker to another, as planned by the operator. Immutable."""
 
@@ -614,7 +625,7 @@ class KVMigrationSpec(_Model):
     )
     expected_bytes: int | None = Field(default=None, ge=0, description="KV bytes the copy should move.")
     expected_tokens: int | None = Field(default=None, ge=0, description="Tokens the destination holds after the move.")
-    reason: Literal["Allocate", "Depart", "Update", "Rebalance", "Consolidate", "Drain", "Retry"] = Field(
+    reason: MigrationReason = Field(
         description="The scheduler operation that planned the move (MELL Fig. 10, the default policy's "
         "consolidation, or the baseline's rebalance)."
     )

@@ -12,8 +12,9 @@ import kopf
 import kvfleet.operator.handlers  # noqa: F401 - registers the handlers with kopf
 from kvfleet.api.incluster import load_config
 from kvfleet.operator import metrics
-from kvfleet.operator.kube import set_write_fence
+from kvfleet.operator.kube import Kube, WriteFence
 from kvfleet.operator.leader import LeaderElector
+from kvfleet.operator.runtime import MEMO_KEY, Operator
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     load_config()
     if args.metrics_port:
         metrics.serve(args.metrics_address, args.metrics_port)
+    write_fence: WriteFence | None = None
     if args.leader_election:
         elector = LeaderElector(args.leader_election_namespace, lease_duration_s=args.lease_duration)
         elector.acquire()
@@ -43,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         elector.keep(on_lost=lambda: os._exit(1))
         # The renewal thread may be the last to notice a lost lease (a process frozen past it wakes
         # all threads at once): every write checks the lease's age itself.
-        set_write_fence(elector.ensure_leading)
-    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace, liveness_endpoint=args.liveness)
+        write_fence = elector.ensure_leading
+    # The process's one Operator (kvfleet.operator.runtime): kopf hands it to every handler in its memo.
+    operator = Operator(Kube(write_fence))
+    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace, liveness_endpoint=args.liveness,
+             memo=kopf.Memo({MEMO_KEY: operator}))
     return 0
 
 

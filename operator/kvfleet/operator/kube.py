@@ -6,7 +6,8 @@ the unit tests and bench/operator_epochs.py) is checked against the same contrac
 fall behind the reconcile. `Kube` implements it over the kubernetes client; each call tolerates the
 races a restart or a peer causes (a 409 on create, a 404 on delete), so a pass can be repeated.
 Every write goes through `Kube.record_write` first, which is also where the leader's write fence
-(`set_write_fence`, kvfleet.operator.leader) runs: a replica that lost its Lease makes no write.
+(the `write_fence` a `Kube` is made with, kvfleet.operator.leader) runs: a replica that lost its
+Lease makes no write.
 
 Every Kubernetes client call of the operator's own code is here or in leader.py:
 tests/unit/test_chart.py reads them out of these sources to check the chart's RBAC.
@@ -38,13 +39,7 @@ FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
 
 # Called with the write's kind before every write; raises (or ends the process) to refuse it.
-_write_fence: Callable[[str], None] | None = None
-
-
-def set_write_fence(fence: Callable[[str], None] | None) -> None:
-    """Check `fence(kind)` before each write of every `Kube` (None: no check, without leader election)."""
-    global _write_fence
-    _write_fence = fence
+WriteFence = Callable[[str], None]
 
 
 class KubeApi(Protocol):
@@ -151,10 +146,12 @@ class Kube:
     """`KubeApi` over the kubernetes client.
 
     Writes are counted per thread (each pool's daemon is one thread), so an epoch can report its own.
+    `write_fence(kind)` is checked before each write (None: no check, without leader election).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, write_fence: WriteFence | None = None) -> None:
         self._local = threading.local()
+        self._write_fence = write_fence
         load_config()
         self.core = client.CoreV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
@@ -170,8 +167,8 @@ class Kube:
 
     def record_write(self, kind: str) -> None:
         """Called before each write: the fence may refuse it (by raising), else it is counted."""
-        if _write_fence is not None:
-            _write_fence(kind)
+        if self._write_fence is not None:
+            self._write_fence(kind)
         counts: dict[str, int] | None = getattr(self._local, "writes", None)
         if counts is None:
             counts = self._local.writes = {}
@@ -318,15 +315,3 @@ class Kube:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, field_manager=FIELD_MANAGER
         )
-
-
-_kube: Kube | None = None
-
-
-def kube() -> Kube:
-    """The process's one client, made on first use (after kopf's startup, not at import)."""
-    global _kube
-    if _kube is None:
-        _kube = Kube()
-    return _kube
-

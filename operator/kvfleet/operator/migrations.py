@@ -5,6 +5,10 @@ finished within `migration.timeoutSeconds` is marked Failed by the operator (the
 orders it again as a retry, never losing the request); finished ones are deleted after
 `migration.ttlSecondsAfterFinished`. Names are deterministic per request and attempt, so a restarted
 operator that plans the same move again gets a conflict instead of a duplicate.
+
+A KVMigration's spec and status cross to the worker that runs it (kvfleet.worker.migration.watcher):
+both ends write and read them through kvfleet.api.models (`KVMigrationSpec`, `KVMigrationStatus`),
+so a field renamed on one side is an error on both, not a move the other side silently misreads.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
-from kvfleet.api.models import API_VERSION, POOL_LABEL, LLMPoolSpec
+from kvfleet.api.models import API_VERSION, POOL_LABEL, KVMigrationSpec, KVMigrationStatus, LLMPoolSpec, MigrationReason
 from kvfleet.api.quantity import quantity_bytes
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell.migration import Boundaries, MoveMode, link_of, plan_migrations
@@ -38,6 +42,27 @@ def phase(obj: dict[str, Any]) -> str:
     return str((obj.get("status") or {}).get("phase") or "Pending")
 
 
+@dataclass(frozen=True)
+class ListedMigration:
+    """One KVMigration as listed: its name, when it was made (Unix s, None if unstamped), and its
+    spec and status parsed by the models the worker writes them with."""
+
+    name: str
+    created_s: float | None
+    spec: KVMigrationSpec
+    status: KVMigrationStatus
+
+    @property
+    def phase(self) -> str:
+        return self.status.phase
+
+    @classmethod
+    def parse(cls, obj: Mapping[str, Any]) -> ListedMigration:
+        meta = obj["metadata"]
+        return cls(meta["name"], parse_time(meta.get("creationTimestamp")), KVMigrationSpec.model_validate(obj["spec"]),
+                   KVMigrationStatus.model_validate(obj.get("status") or {}))
+
+
 def request_hash(request_id: str) -> str:
     return hashlib.sha256(request_id.encode()).hexdigest()[:12]
 
@@ -48,7 +73,7 @@ class MigrationView:
     timed_out: tuple[str, ...]  # names to mark Failed
     expired: tuple[str, ...]  # names to delete
     attempts: dict[str, int]  # request id -> objects already made for it
-    finished: dict[str, dict[str, Any]]  # name -> object, for Succeeded and Failed ones
+    finished: dict[str, ListedMigration]  # name -> migration, for Succeeded and Failed ones
     source_gone: tuple[str, ...] = ()  # unfinished, their source pod gone: names to mark Failed
 
 
@@ -74,41 +99,41 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     timed_out: list[str] = []
     expired: list[str] = []
     attempts: dict[str, int] = {}
-    finished: dict[str, dict[str, Any]] = {}
+    finished: dict[str, ListedMigration] = {}
     source_gone: list[str] = []
     # Oldest first, so that a request's latest migration has the last word on where it is going.
     for obj in sorted(objects, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"])):
-        name = obj["metadata"]["name"]
-        request_id = obj["spec"]["requestId"]
+        mig = ListedMigration.parse(obj)
+        name, request_id = mig.name, mig.spec.request_id
         attempts[request_id] = attempts.get(request_id, 0) + 1
-        status = obj.get("status") or {}
-        if phase(obj) in FINISHED:
-            finished[name] = obj
-            finished_s = parse_time(status.get("completionTime")) or parse_time(obj["metadata"].get("creationTimestamp")) or now_s
+        if mig.phase in FINISHED:
+            finished[name] = mig
+            completed = mig.status.completion_time
+            finished_s = (completed.timestamp() if completed is not None else None) or mig.created_s or now_s
             if now_s - finished_s >= spec.migration.ttl_seconds_after_finished:
                 expired.append(name)
-            elif (phase(obj) == "Succeeded" and now_s - finished_s < settle_s
-                  and (obj["spec"]["targetPod"] not in reported_on.get(request_id, ())
-                       or obj["spec"]["sourcePod"] in reported_on.get(request_id, ()))):
+            elif (mig.phase == "Succeeded" and now_s - finished_s < settle_s
+                  and (mig.spec.target_pod not in reported_on.get(request_id, ())
+                       or mig.spec.source_pod in reported_on.get(request_id, ()))):
                 # Until the target reports the request and the source has stopped reporting it
                 # (each writes at most once an interval), the target is where it is.
-                in_flight[request_id] = obj["spec"]["targetPod"]
-            elif phase(obj) == "Failed" and now_s - finished_s < retry_after_s:
+                in_flight[request_id] = mig.spec.target_pod
+            elif mig.phase == "Failed" and now_s - finished_s < retry_after_s:
                 # The request stayed on the source; the report that made this move may be the one the
                 # failure disproved (it finished there, or its room was gone). No retry until the
                 # workers have written anew: ordering again from the same stale report fails again.
-                in_flight[request_id] = obj["spec"]["sourcePod"]
+                in_flight[request_id] = mig.spec.source_pod
             continue
-        created_s = parse_time(obj["metadata"].get("creationTimestamp")) or now_s
+        created_s = mig.created_s or now_s
         if pods_started_s is not None:
-            source_started_s = pods_started_s.get(obj["spec"]["sourcePod"])
+            source_started_s = pods_started_s.get(mig.spec.source_pod)
             if source_started_s is None or source_started_s > created_s:
                 source_gone.append(name)
                 continue
         if now_s - created_s >= spec.migration.timeout_seconds:
             timed_out.append(name)
             continue
-        in_flight[request_id] = obj["spec"]["targetPod"]
+        in_flight[request_id] = mig.spec.target_pod
     return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished,
                          tuple(sorted(source_gone)))
 
@@ -137,7 +162,21 @@ def migration_name(pool_name: str, request_id: str, attempt: int) -> str:
 
 
 def migration_body(pool: dict[str, Any], order: MoveOrder, mode: str, attempt: int, epoch: int) -> dict[str, Any]:
+    """The KVMigration to create for `order`; its spec is a `KVMigrationSpec`, the model the worker reads it with."""
     name = pool["metadata"]["name"]
+    spec = KVMigrationSpec(
+        pool=name,
+        request_id=order.request_id,
+        source_pod=order.source_pod,
+        target_pod=order.target_pod,
+        mode=MoveMode(mode),
+        expected_bytes=order.size_bytes,
+        expected_tokens=order.tokens,
+        # The planner's reasons are the model's (a Literal); a reason it does not know fails here,
+        # as the API server's enum would refuse it.
+        reason=cast(MigrationReason, order.reason if attempt == 1 else "Retry"),
+        epoch=epoch,
+    )
     return {
         "apiVersion": API_VERSION,
         "kind": "KVMigration",
@@ -146,18 +185,13 @@ def migration_body(pool: dict[str, Any], order: MoveOrder, mode: str, attempt: i
             "labels": {**MANAGED_BY, POOL_LABEL: name, REQUEST_LABEL: request_hash(order.request_id)},
             "ownerReferences": [owner_reference(pool)],
         },
-        "spec": {
-            "pool": name,
-            "requestId": order.request_id,
-            "sourcePod": order.source_pod,
-            "targetPod": order.target_pod,
-            "mode": mode,
-            "expectedBytes": order.size_bytes,
-            "expectedTokens": order.tokens,
-            "reason": order.reason if attempt == 1 else "Retry",
-            "epoch": epoch,
-        },
+        "spec": spec.to_wire(),
     }
+
+
+def failed_status(message: str, now: dt.datetime) -> dict[str, Any]:
+    """The status patch the operator writes on a KVMigration it gives up on (timed out, source gone)."""
+    return KVMigrationStatus(phase="Failed", completion_time=now, message=message).to_wire()
 
 
 def admit_by_room(orders: Sequence[MoveOrder], reports: Mapping[str, KVLoadReport | None],

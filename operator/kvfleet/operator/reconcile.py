@@ -3,9 +3,10 @@
 Level-triggered: every pass reads the pool and its pods, decides with the pure modules (epoch: MELL;
 migrations: which KVMigrations; pods: which worker pods; status: the status), writes only the
 difference, and writes status only when it changed. The one thing kept between passes is the
-pool's scheduler (`PoolState`), and it is rebuilt from the pods' reports whenever it is missing, so
-a restarted operator carries on where the last one stopped. The cluster is reached only through
-kvfleet.operator.kube.KubeApi.
+pool's scheduler (`PoolState`, in the operator's `PoolStates`: kvfleet.operator.runtime), and it is
+rebuilt from the pods' reports whenever it is missing, so a restarted operator carries on where the
+last one stopped. The cluster is reached only through kvfleet.operator.kube.KubeApi. What a pass
+writes on its LLMPool's status and on KVMigrations goes through their models (kvfleet.api.models).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvfleet.api.models import LLMPoolSpec
+from kvfleet.api.models import Condition, LLMPoolSpec, LLMPoolStatus
 from kvfleet.api.quantity import format_bytes
 from kvfleet.api.reports import pool_reports
 from kvfleet.api.scheduling import scheduler_config
-from kvfleet.mell import SchedulerConfig
+from kvfleet.mell import PolicyConfig
 from kvfleet.operator import distkv, epoch, metrics, migrations, pods, resources
 from kvfleet.operator.epoch import EpochOutcome, MoveOrder, PoolScheduler
 from kvfleet.operator.kube import KubeApi
@@ -35,6 +36,11 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 # A daemon that cannot reach the API server retries this soon, not after a whole epoch.
 RETRY_S = 2.0
+
+
+def now_utc() -> dt.datetime:
+    """Now, to the second: the models write it as now_rfc3339() does."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
 def now_rfc3339() -> str:
@@ -49,7 +55,7 @@ class PoolState:
     """
 
     uid: str
-    key: tuple[str, SchedulerConfig]  # (policy, its knobs): a change rebuilds the scheduler
+    key: tuple[str, PolicyConfig]  # (policy, its knobs): a change rebuilds the scheduler
     scheduler: PoolScheduler
     epoch: int = 0
     routes: dict[str, str] | None = None
@@ -57,17 +63,25 @@ class PoolState:
     last_writes: dict[str, int] = field(default_factory=dict)
 
 
-_states: dict[tuple[str, str], PoolState] = {}
+class PoolStates:
+    """The operator's `PoolState` of each pool, by (namespace, name); one per operator (kvfleet.operator.runtime).
 
+    Mutable: each pool's daemon thread reads and replaces only its own pool's entry.
+    """
 
-def pool_state(namespace: str, name: str) -> PoolState | None:
-    """The pool's in-memory state, if a pass has made one (for tests and bench/operator_epochs.py)."""
-    return _states.get((namespace, name))
+    def __init__(self) -> None:
+        self._by_pool: dict[tuple[str, str], PoolState] = {}
 
+    def get(self, namespace: str, name: str) -> PoolState | None:
+        """The pool's in-memory state, if a pass has made one."""
+        return self._by_pool.get((namespace, name))
 
-def forget_pool(namespace: str, name: str) -> None:
-    """Drop the pool's in-memory state: the next pass rebuilds it from the cluster, as after a restart."""
-    _states.pop((namespace, name), None)
+    def put(self, namespace: str, name: str, state: PoolState) -> None:
+        self._by_pool[(namespace, name)] = state
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the pool's in-memory state: the next pass rebuilds it from the cluster, as after a restart."""
+        self._by_pool.pop((namespace, name), None)
 
 
 @dataclass(frozen=True)
@@ -104,12 +118,13 @@ class PlannedMoves:
     num_waiting_room: int  # for room on their target
 
 
-def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> float:
-    """One level-triggered pass over a pool (one MELL epoch). Returns the seconds until the next pass."""
+def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, states: PoolStates) -> float:
+    """One level-triggered pass over a pool (one MELL epoch), keeping its scheduler in `states`.
+    Returns the seconds until the next pass."""
     started_s = time.monotonic()
     pool = api.get_pool(namespace, name)
     if pool is None or pool["metadata"].get("deletionTimestamp"):
-        forget_pool(namespace, name)
+        states.forget(namespace, name)
         return RETRY_S
     spec = parse_spec(api, namespace, name, pool)
     if spec is None:
@@ -118,7 +133,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi) -> f
     router_ready = reconcile_owned(api, namespace, pool, spec)
     observed = read_observed(ctx)
     settle_migrations(ctx, observed.view)
-    state = scheduler_state(ctx, observed.workers)
+    state = scheduler_state(ctx, states, observed.workers)
     outcome = run_scheduler(state, observed)
     count_finished_migrations(state, namespace, name, observed.view.finished)
     distkv_status = run_gmanager(ctx, observed)
@@ -151,9 +166,9 @@ def parse_spec(api: KubeApi, namespace: str, name: str, pool: dict[str, Any]) ->
         return LLMPoolSpec.model_validate(pool.get("spec") or {})
     except ValidationError as err:
         # The API server's schema should have refused this; say so instead of crashing every epoch.
-        status = {"observedGeneration": pool["metadata"].get("generation"), "conditions": [
-            {"type": "Degraded", "status": "True", "reason": "InvalidSpec", "message": str(err)[:2000],
-             "lastTransitionTime": now_rfc3339()}]}
+        status = LLMPoolStatus(observed_generation=pool["metadata"].get("generation"), conditions=[
+            Condition(type="Degraded", status="True", reason="InvalidSpec", message=str(err)[:2000],
+                      last_transition_time=now_utc())]).to_wire()
         if (pool.get("status") or {}).get("conditions") != status["conditions"]:
             api.patch_status(namespace, name, status)
         return None
@@ -186,33 +201,31 @@ def read_observed(ctx: PassContext) -> Observed:
 def settle_migrations(ctx: PassContext, view: migrations.MigrationView) -> None:
     """Mark the KVMigrations that ran out of time Failed (the scheduler retries them) and delete expired ones."""
     for mig_name in view.timed_out:
-        ctx.api.patch_migration_status(ctx.namespace, mig_name, {
-            "phase": "Failed", "completionTime": now_rfc3339(),
-            "message": f"not finished within migration.timeoutSeconds={ctx.spec.migration.timeout_seconds}"})
+        ctx.api.patch_migration_status(ctx.namespace, mig_name, migrations.failed_status(
+            f"not finished within migration.timeoutSeconds={ctx.spec.migration.timeout_seconds}", now_utc()))
         ctx.api.post_event(ctx.pool, "MigrationTimedOut", f"{mig_name} timed out; the scheduler will retry it", warning=True)
     for mig_name in view.source_gone:
         # The source wrote no final status because it died; its request lives on only where the
         # router resumed it (by re-prefill), which the next reports show.
-        ctx.api.patch_migration_status(ctx.namespace, mig_name, {
-            "phase": "Failed", "completionTime": now_rfc3339(),
-            "message": "the source worker is gone: its process died or its pod was deleted before the move finished"})
+        ctx.api.patch_migration_status(ctx.namespace, mig_name, migrations.failed_status(
+            "the source worker is gone: its process died or its pod was deleted before the move finished", now_utc()))
         ctx.api.post_event(ctx.pool, "MigrationSourceLost", f"{mig_name} failed: its source pod is gone", warning=True)
     for mig_name in view.expired:
         ctx.api.delete_migration(ctx.namespace, mig_name)
 
 
-def scheduler_state(ctx: PassContext, workers: list[epoch.WorkerView]) -> PoolState:
+def scheduler_state(ctx: PassContext, states: PoolStates, workers: list[epoch.WorkerView]) -> PoolState:
     """The pool's state, rebuilt from the workers' reports when missing, for another pool of that name,
     or after any change of policy or of its knobs (capacity, weights); re-planned when the capacity the
     workers report moves away from the one it plans with (epoch.capacity_to_plan)."""
     key = (ctx.spec.scheduling.policy, scheduler_config(ctx.spec))
-    state = _states.get((ctx.namespace, ctx.name))
+    state = states.get(ctx.namespace, ctx.name)
     reported = epoch.reported_capacity_bytes(workers)
     if state is None or state.uid != ctx.pool["metadata"]["uid"] or state.key != key:
         capacity = reported or key[1].capacity_bytes
         scheduler = PoolScheduler.rebuild(key[0], dataclasses.replace(key[1], capacity_bytes=capacity), workers)
         state = PoolState(ctx.pool["metadata"]["uid"], key, scheduler)
-        _states[(ctx.namespace, ctx.name)] = state
+        states.put(ctx.namespace, ctx.name, state)
         ctx.logger.info("scheduler state rebuilt from %d workers (KV capacity per worker %d bytes)", len(workers), capacity)
         return state
     planned = state.scheduler.config.capacity_bytes
@@ -250,16 +263,17 @@ def run_gmanager(ctx: PassContext, observed: Observed) -> dict[str, Any] | None:
     return plan.status
 
 
-def count_finished_migrations(state: PoolState, namespace: str, name: str, finished: Mapping[str, dict[str, Any]]) -> None:
+def count_finished_migrations(state: PoolState, namespace: str, name: str,
+                              finished: Mapping[str, migrations.ListedMigration]) -> None:
     """Count each finished KVMigration once (by name) in the migration counters."""
-    for mig_name, obj in finished.items():
+    for mig_name, mig in finished.items():
         if mig_name in state.counted_migrations:
             continue
-        mode = obj["spec"].get("mode", "")
-        result = migrations.phase(obj)
+        mode = mig.spec.mode.value
+        result = mig.phase
         metrics.MIGRATIONS_FINISHED.labels(namespace, name, mode, result).inc()
         if result == "Succeeded":
-            metrics.MIGRATION_BYTES.labels(namespace, name, mode).inc((obj.get("status") or {}).get("bytesMoved", 0))
+            metrics.MIGRATION_BYTES.labels(namespace, name, mode).inc(mig.status.bytes_moved)
     state.counted_migrations = set(finished)
 
 
@@ -342,13 +356,16 @@ def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: Sche
                  table: list[dict[str, str]], router_ready: bool, distkv_status: dict[str, Any] | None = None,
                  ) -> dict[str, Any]:
     """The pool's status (kvfleet.operator.status.pool_status plus the routing table and, under DistKV,
-    `distkv`), written only if it changed."""
+    `distkv`), written only if it changed. `LLMPoolStatus` (what the router and kubectl read it as)
+    checks it first: a key the model does not know, or a value it refuses, is an error here rather
+    than a field the API server prunes or a status it refuses."""
     status = pool_status(ctx.pool, ctx.spec, raw_pods, figures, now_rfc3339(), router_ready=router_ready)
     status["routingTable"] = table
     current = ctx.pool.get("status") or {}
     if distkv_status is not None or current.get("distkv") is not None:
         # Absent without DistKV: None removes what an earlier pass wrote (the status write is a merge patch).
         status["distkv"] = distkv_status
+    LLMPoolStatus.model_validate(status)
     if any(current.get(k) != v for k, v in status.items()):
         ctx.api.patch_status(ctx.namespace, ctx.name, status)
     return status

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvfleet.api.incluster import SecretReader
     from kvfleet.router.app import Router, RouterConfig
     from kvfleet.router.placement import PoolSnapshot, WorkerState
-    from kvfleet.router.pool import KubePoolView, PoolView, StaticPoolView
+    from kvfleet.router.pool import KubePoolApi, KubePoolView, PoolView, StaticPoolView
     from kvfleet.router.relay import Timeouts
     from kvfleet.serving.credentials import PoolCredentials
 
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = tuple(WorkerState(f"worker-{i}", address, True, i, None) for i, address in enumerate(args.worker))
         view = StaticPoolView(PoolSnapshot(workers, {}, locality=args.locality))
     else:
-        view = KubePoolView(args.namespace, args.pool)
+        view = KubePoolView(args.namespace, args.pool, KubePoolApi.connect(args.namespace, args.pool))
     config = RouterConfig(pool_name=args.pool or "", namespace=args.namespace or "",
                           credentials=PoolCredentials.from_env(os.environ, SecretReader), max_in_flight=args.max_in_flight,
                           max_held=args.max_held, hold_timeout_s=args.hold_timeout_s,

@@ -16,6 +16,9 @@ manager, kubelets, routers), where a KVLoad write reaches only the operator and 
 picks: its KVLoad if owned by the pod's current uid, else its annotation (workers from before
 KVLoads, during an upgrade). Each state is kept with the resourceVersions of the pod and KVLoad it
 was built from, so an event re-parses one worker's report, not the whole pool's.
+
+`KubePoolView` reaches the API server only through a `PoolApi` it is given (the router's
+`__main__` makes a `KubePoolApi`; tests give a fake): the three lists and watches, and the one write.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, Protocol
 
 from pydantic import ValidationError
 
@@ -33,7 +36,7 @@ from kvfleet.api.incluster import load_config
 from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, POOL_LABEL, LLMPoolSpec
 from kvfleet.api.reports import KVLOAD_PLURAL, KVLoadReport, pool_reports
 from kvfleet.api.scheduling import scheduler_config
-from kvfleet.mell import SchedulerConfig
+from kvfleet.mell import PolicyConfig
 from kvfleet.router.locality import LOCALITIES, Locality
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState, parse_class
 
@@ -47,6 +50,10 @@ GROUP, VERSION, PLURAL = "kvfleet.dev", "v1alpha1", "llmpools"
 WATCH_TIMEOUT_S = 60
 RETRY_S = 1.0
 _INDEX = re.compile(r"-worker-(\d+)$")
+
+# The three kinds of object the view watches.
+Kind = Literal["pods", "kvloads", "pool"]
+KINDS: tuple[Kind, ...] = ("pods", "kvloads", "pool")
 
 
 class PoolView(Protocol):
@@ -132,7 +139,7 @@ def routes_of(pool: Mapping[str, Any] | None) -> dict[str, str]:
     return {str(e["sizeClass"]): str(e["worker"]) for e in table if e.get("sizeClass") and e.get("worker")}
 
 
-def config_of(pool: Mapping[str, Any] | None) -> SchedulerConfig | None:
+def config_of(pool: Mapping[str, Any] | None) -> PolicyConfig | None:
     """The pool's MELL knobs, mapped from its spec as the operator maps them (kvfleet.api.scheduling),
     so the router's Allocate weighs GPUs as the operator's epochs do. None without a readable spec
     (the API server validates it; a newer operator's field this router does not know is the case)."""
@@ -162,19 +169,93 @@ def policy_of(pool: Mapping[str, Any] | None) -> str:
     return policy if isinstance(policy, str) and policy else "mell"
 
 
+class PoolApi(Protocol):
+    """The API calls of a pool's router: list and watch its LLMPool, worker pods and KVLoads, and
+    annotate its LLMPool. Objects are dicts as the API serialises them (camelCase)."""
+
+    def list(self, kind: Kind) -> tuple[list[dict[str, Any]], str]:
+        """The objects of `kind` and the list's resourceVersion."""
+        ...
+
+    def watch(self, kind: Kind, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(event type, object) of `kind` from `resource_version` until `timeout_s` ends the watch or
+        the caller closes the iterator; an "ERROR" event (e.g. 410 Gone) means list again."""
+        ...
+
+    def annotate_pool(self, annotations: dict[str, str]) -> None:
+        """Merge `annotations` into the LLMPool's metadata."""
+        ...
+
+
+class KubePoolApi:
+    """`PoolApi` over the kubernetes client, within the router's Role: this one pool (by name), its
+    worker pods and its KVLoads (by label)."""
+
+    def __init__(self, namespace: str, pool_name: str, core: Any, custom: Any,
+                 watch: Callable[[], Any], sanitize: Callable[[Any], Any]) -> None:
+        """`core` and `custom`: a CoreV1Api and a CustomObjectsApi; `watch` makes a kubernetes.watch.Watch;
+        `sanitize` turns the client's objects into dicts (ApiClient.sanitize_for_serialization)."""
+        self.namespace = namespace
+        self.pool_name = pool_name
+        self._custom = custom
+        self._watch = watch
+        self._sanitize = sanitize
+        selector = f"{POOL_LABEL}={pool_name},{COMPONENT_LABEL}=worker"
+
+        def list_pods(**kw: Any) -> Any:
+            return core.list_namespaced_pod(namespace, label_selector=selector, **kw)
+
+        def list_pool(**kw: Any) -> Any:
+            # The Role allows this one pool only (resourceNames), which a list must name by field selector.
+            return custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                        field_selector=f"metadata.name={pool_name}", **kw)
+
+        def list_kvloads(**kw: Any) -> Any:
+            return custom.list_namespaced_custom_object(GROUP, VERSION, namespace, KVLOAD_PLURAL,
+                                                        label_selector=f"{POOL_LABEL}={pool_name}", **kw)
+
+        self._listers: dict[Kind, Callable[..., Any]] = {"pods": list_pods, "kvloads": list_kvloads, "pool": list_pool}
+
+    @classmethod
+    def connect(cls, namespace: str, pool_name: str) -> KubePoolApi:
+        """On the cluster's API server, as the pod's ServiceAccount (else the kubeconfig)."""
+        from kubernetes import client, watch
+
+        load_config()
+        return cls(namespace, pool_name, client.CoreV1Api(), client.CustomObjectsApi(), watch.Watch,
+                   client.ApiClient().sanitize_for_serialization)
+
+    def list(self, kind: Kind) -> tuple[list[dict[str, Any]], str]:
+        listing = self._sanitize(self._listers[kind]())
+        return list(listing.get("items") or []), str(listing["metadata"]["resourceVersion"])
+
+    def watch(self, kind: Kind, resource_version: str, timeout_s: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        stream = self._watch()
+        try:
+            for event in stream.stream(self._listers[kind], resource_version=resource_version, timeout_seconds=timeout_s):
+                yield event["type"], self._sanitize(event["object"])
+        finally:
+            stream.stop()
+
+    def annotate_pool(self, annotations: dict[str, str]) -> None:
+        self._custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.pool_name,
+                                                    {"metadata": {"annotations": annotations}})
+
+
 class KubePoolView:
     """The pool, its workers and their KVLoads, kept current by three watches in background threads."""
 
-    def __init__(self, namespace: str, pool_name: str) -> None:
+    def __init__(self, namespace: str, pool_name: str, api: PoolApi) -> None:
         self.namespace = namespace
         self.pool_name = pool_name
+        self._api = api
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}
         self._kvloads: dict[str, dict[str, Any]] = {}
         # Pod name -> (the resourceVersions of its pod and KVLoad, the state built from them).
         self._states: dict[str, tuple[tuple[str, str], WorkerState]] = {}
         self._pool: dict[str, Any] | None = None
-        self._config: SchedulerConfig | None = None
+        self._config: PolicyConfig | None = None
         # The spec's generation the config was read from: status writes (every epoch) do not change it.
         self._config_generation: object = None
         self._synced = {"pods": False, "kvloads": False, "pool": False}
@@ -184,7 +265,6 @@ class KubePoolView:
         # The held count to write on the pool (HELD_REQUESTS_ANNOTATION), and a wake-up for the writer thread.
         self._held = 0
         self._held_changed = threading.Event()
-        self._custom: Any = None
 
     def snapshot(self) -> PoolSnapshot:
         return self._snapshot
@@ -195,30 +275,10 @@ class KubePoolView:
             self._held_changed.set()
 
     def start(self) -> None:
-        from kubernetes import client
-
-        load_config()
-        core, custom = client.CoreV1Api(), client.CustomObjectsApi()
-        selector = f"{POOL_LABEL}={self.pool_name},{COMPONENT_LABEL}=worker"
-        sanitize = client.ApiClient().sanitize_for_serialization
-
-        def list_pods(**kw: Any) -> Any:
-            return core.list_namespaced_pod(self.namespace, label_selector=selector, **kw)
-
-        def list_pool(**kw: Any) -> Any:
-            # The Role allows this one pool only (resourceNames), which a list must name by field selector.
-            return custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                        field_selector=f"metadata.name={self.pool_name}", **kw)
-
-        def list_kvloads(**kw: Any) -> Any:
-            return custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, KVLOAD_PLURAL,
-                                                        label_selector=f"{POOL_LABEL}={self.pool_name}", **kw)
-
-        for kind, lister in (("pods", list_pods), ("kvloads", list_kvloads), ("pool", list_pool)):
-            thread = threading.Thread(target=self._watch_loop, args=(kind, lister, sanitize), name=f"watch-{kind}", daemon=True)
+        for kind in KINDS:
+            thread = threading.Thread(target=self._watch_loop, args=(kind,), name=f"watch-{kind}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._custom = custom
         writer = threading.Thread(target=self._held_loop, name="held-requests", daemon=True)
         writer.start()
         self._threads.append(writer)
@@ -236,9 +296,8 @@ class KubePoolView:
                 continue
             if written is None and held == 0:
                 continue  # nothing held since this router started: nothing to say
-            body = {"metadata": {"annotations": {HELD_REQUESTS_ANNOTATION: f"{held} {time.time():.3f}"}}}
             try:
-                self._custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.pool_name, body)
+                self._api.annotate_pool({HELD_REQUESTS_ANNOTATION: f"{held} {time.time():.3f}"})
                 written, written_s = held, time.monotonic()
             except Exception as err:  # the API server away: the next round writes the latest count
                 log.warning("could not tell the operator about %d held requests: %s", held, err)
@@ -246,27 +305,26 @@ class KubePoolView:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _watch_loop(self, kind: str, lister: Callable[..., Any], sanitize: Callable[[Any], Any]) -> None:
-        from kubernetes import watch
-
+    def _watch_loop(self, kind: Kind) -> None:
         while not self._stopped.is_set():
             try:
-                listing = sanitize(lister())
-                self._replace(kind, listing.get("items") or [])
-                version = listing["metadata"]["resourceVersion"]
-                stream = watch.Watch()  # type: ignore[no-untyped-call]
-                for event in stream.stream(lister, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S):  # type: ignore[no-untyped-call]
-                    if self._stopped.is_set():
-                        stream.stop()  # type: ignore[no-untyped-call]
-                        break
-                    if event["type"] == "ERROR":
-                        break  # usually 410 Gone: the version is too old; re-list
-                    self._apply(kind, event["type"], sanitize(event["object"]))
+                items, version = self._api.list(kind)
+                self._replace(kind, items)
+                events = self._api.watch(kind, version, WATCH_TIMEOUT_S)
+                try:
+                    for event_type, obj in events:
+                        if self._stopped.is_set() or event_type == "ERROR":
+                            break  # ERROR: usually 410 Gone, the version is too old; re-list
+                        self._apply(kind, event_type, obj)
+                finally:
+                    close = getattr(events, "close", None)
+                    if close is not None:
+                        close()  # ends the stream (KubePoolApi stops its Watch)
             except Exception as err:  # the API server away or restarting: keep the last view, retry
                 log.warning("watching the pool's %s failed, retrying in %.0f s: %s", kind, RETRY_S, err)
                 time.sleep(RETRY_S)
 
-    def _replace(self, kind: str, items: list[dict[str, Any]]) -> None:
+    def _replace(self, kind: Kind, items: list[dict[str, Any]]) -> None:
         with self._lock:
             if kind == "pods":
                 self._pods = {p["metadata"]["name"]: p for p in items}
@@ -278,7 +336,7 @@ class KubePoolView:
             self._synced[kind] = True
             self._publish()
 
-    def _apply(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
+    def _apply(self, kind: Kind, event_type: str, obj: dict[str, Any]) -> None:
         with self._lock:
             if kind in ("pods", "kvloads"):
                 objects = self._pods if kind == "pods" else self._kvloads

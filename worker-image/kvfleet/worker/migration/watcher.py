@@ -7,6 +7,9 @@ Pending one whose `spec.sourcePod` is this pod, once, and writes the status the 
 as the e2e suite's scripted worker does: `Transferring` with `startTime`, then `Succeeded`
 (`bytesMoved`, `tokensMoved`, `downtimeSeconds`, `downtime`, `message`) or `Failed` (`message`), with
 `completionTime`. The target's address is its Pod's IP with the pool's HTTP and migration ports.
+The spec is read, and the status written, through kvfleet.api.models (`KVMigrationSpec`,
+`KVMigrationStatus`), the models the operator writes and reads them with: a field renamed on one
+side is an error on both, not a move this side silently misreads.
 
 The Kubernetes client is synchronous: its calls run in threads, and the watch stream runs in a
 thread of its own that hands objects to the event loop.
@@ -15,17 +18,19 @@ thread of its own that hands objects to the event loop.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from pydantic import ValidationError
+
 from kvfleet.api.incluster import load_config
-from kvfleet.api.models import GROUP, POOL_LABEL, VERSION
+from kvfleet.api.models import GROUP, POOL_LABEL, SHORT_TEXT_MAX_LENGTH, VERSION, KVMigrationSpec, KVMigrationStatus
 from kvfleet.mell.migration import MoveMode
-from kvfleet.worker.migration.executor import MigrationResult, parse_mode
+from kvfleet.worker.migration.executor import MigrationResult
 from kvfleet.worker.migration.handoff import HandoffTarget
 
 log = logging.getLogger(__name__)
@@ -56,8 +61,15 @@ class MigrationAPI(Protocol):
     def pod_ip(self, pod_name: str) -> str | None: ...
 
 
-def _stamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _stamp() -> dt.datetime:
+    """Now, to the second (the status's times are RFC 3339 seconds)."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def _message(text: str) -> str:
+    """`text` cut to what status.message holds: the API server refuses a longer one, and with it the
+    whole status write, which would leave the move Transferring until the operator's timeout."""
+    return text[:SHORT_TEXT_MAX_LENGTH]
 
 
 def format_downtime(seconds: float) -> str:
@@ -118,55 +130,58 @@ class MigrationWatcher:
 
     def consider(self, obj: dict[str, Any]) -> None:
         """Starts the migration if it is ours, Pending, and not taken yet."""
-        spec = obj.get("spec") or {}
+        raw_spec = obj.get("spec") or {}
         name = (obj.get("metadata") or {}).get("name")
         phase = (obj.get("status") or {}).get("phase", "Pending")
-        if not name or spec.get("sourcePod") != self.config.pod_name or phase != "Pending" or name in self._taken:
+        if not name or raw_spec.get("sourcePod") != self.config.pod_name or phase != "Pending" or name in self._taken:
             return
         self._taken.add(name)
+        try:
+            spec: KVMigrationSpec | str = KVMigrationSpec.model_validate(raw_spec)
+        except ValidationError as err:
+            # Ours, but not a spec this worker reads (an operator of another release): say so at once
+            # rather than leave the move Pending until its timeout.
+            spec = f"spec not readable by this worker: {err}"
         task = asyncio.create_task(self.execute(name, spec), name=f"kvfleet-kvmigration-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _patch(self, name: str, status: dict[str, Any]) -> None:
+    async def _patch(self, name: str, status: KVMigrationStatus) -> None:
         try:
-            await asyncio.to_thread(self._api.patch_status, name, status)
+            await asyncio.to_thread(self._api.patch_status, name, status.to_wire())
         except Exception as err:
-            log.warning("KVMigration %s: status %s not written: %s", name, status.get("phase"), err)
+            log.warning("KVMigration %s: status %s not written: %s", name, status.phase, err)
 
-    async def execute(self, name: str, spec: dict[str, Any]) -> None:
-        request_id = str(spec.get("requestId", ""))
-        target_pod = str(spec.get("targetPod", ""))
-        written_mode = spec.get("mode", "kv")
-        started = _stamp()
-        await self._patch(name, {"phase": "Transferring", "startTime": started})
-        mode = parse_mode(written_mode)
-        if mode is None:
-            await self._patch(name, {"phase": "Failed", "completionTime": _stamp(),
-                                     "message": f"unknown mode {written_mode!r}"})
+    async def execute(self, name: str, spec: KVMigrationSpec | str) -> None:
+        """Run one KVMigration (`spec`; or the reason it could not be read, to fail it with)."""
+        await self._patch(name, KVMigrationStatus(phase="Transferring", start_time=_stamp()))
+        if isinstance(spec, str):
+            await self._patch(name, KVMigrationStatus(phase="Failed", completion_time=_stamp(), message=_message(spec)))
             return
+        request_id, target_pod, mode = spec.request_id, spec.target_pod, spec.mode
         try:
             ip = await asyncio.to_thread(self._api.pod_ip, target_pod)
         except Exception as err:
             ip = None
             log.warning("KVMigration %s: reading target pod %s: %s", name, target_pod, err)
         if not ip:
-            await self._patch(name, {"phase": "Failed", "completionTime": _stamp(),
-                                     "message": f"target pod {target_pod} has no IP (gone or not started)"})
+            await self._patch(name, KVMigrationStatus(phase="Failed", completion_time=_stamp(),
+                                                      message=_message(f"target pod {target_pod} has no IP (gone or not started)")))
             return
         target = HandoffTarget(target_pod, f"{ip}:{self.config.http_port}")
         log.info("KVMigration %s: moving %s to %s (%s) in %s mode", name, request_id, target_pod, ip, mode)
         # A hybrid move copies what the planner gave its link (expectedBytes) and re-prefills the rest.
-        kv_bytes = spec.get("expectedBytes") if mode == MoveMode.HYBRID else None
-        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", mode,
-                                     kv_bytes if isinstance(kv_bytes, int) else None)
+        kv_bytes = spec.expected_bytes if mode == MoveMode.HYBRID else None
+        result = await self._migrate(request_id, target, f"{ip}:{self.config.migration_port}", mode, kv_bytes)
         if result.succeeded:
             downtime_s = result.downtime_s or 0.0
-            await self._patch(name, {"phase": "Succeeded", "completionTime": _stamp(), "bytesMoved": result.bytes_moved,
-                                     "tokensMoved": result.tokens_moved, "downtimeSeconds": round(downtime_s, 4),
-                                     "downtime": format_downtime(downtime_s), "message": result.message[:1000]})
+            await self._patch(name, KVMigrationStatus(
+                phase="Succeeded", completion_time=_stamp(), bytes_moved=result.bytes_moved,
+                tokens_moved=result.tokens_moved, downtime_seconds=round(downtime_s, 4),
+                downtime=format_downtime(downtime_s), message=_message(result.message)))
         else:
-            await self._patch(name, {"phase": "Failed", "completionTime": _stamp(), "message": result.message[:1000]})
+            await self._patch(name, KVMigrationStatus(phase="Failed", completion_time=_stamp(),
+                                                      message=_message(result.message)))
 
 
 class KubernetesMigrationAPI:
