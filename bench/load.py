@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load (issue 18): a thousand concurrent streaming requests through one router to three CPU workers,
+"""Load: a thousand concurrent streaming requests through one router to three CPU workers,
 and what the router does under them: no errors, bounded memory, its latency and its overhead.
 
 Why: the router is the one process every request of a pool passes through. Under a burst larger
@@ -152,7 +152,7 @@ def router_child(argv: list[str]) -> int:
             tree = self.prefix.tree
             return {"in_flight": self._in_flight, "reservations": len(self._reservations),
                     "prefix_queued": len(self.prefix._queued), "prefix_sessions": len(self.prefix._sessions),
-                    "prefix_tree_blocks": tree.num_blocks if tree is not None else 0, "held": len(self.hold._waiters)}
+                    "prefix_tree_blocks": tree.num_blocks if tree is not None else 0, "held": self.hold.num_held}
 
         async def sample_peaks() -> None:
             # In the router's own loop, so the peaks are not missed between two of the bench's reads.

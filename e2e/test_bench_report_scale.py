@@ -9,16 +9,14 @@ of a 2-core machine are the bench's output, not asserted here.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench_testing import ROOT, run_bench
 from kvfleet.localcluster.controlplane import cache_dir
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "report_scale.py"
+BENCH = ROOT / "bench" / "report_scale.py"
 NEEDED = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
 
 
@@ -28,13 +26,9 @@ def test_quick_run_measures_both_report_channels(tmp_path: Path) -> None:
     missing = [b for b in NEEDED if not (current / b).exists()]
     if missing:
         pytest.skip(f"control-plane binaries not built ({', '.join(missing)} missing in {current}): run make controlplane")
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("machine: ")
-    assert any(line.startswith("epoch over 100 workers") for line in lines)
-    summary = json.loads(lines[-1])
+    run = run_bench(BENCH, "--quick", "--out", str(tmp_path), first_line="machine: ", timeout_s=900)
+    assert any(line.startswith("epoch over 100 workers") for line in run.lines)
+    summary = run.summary
     assert summary["bench"] == "report_scale" and summary["epoch_s"] == 2.0
     figures = summary["workers"]["100"]
     for channel in ("annotation", "kvload"):

@@ -7,21 +7,17 @@ on two cores is one GPU's work, too little to judge the simulator by)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "sim_vs_live.py"
+from bench_testing import ROOT, run_bench
+
+BENCH = ROOT / "bench" / "sim_vs_live.py"
 
 
 def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("machine: ")
-    assert any(line.startswith("targets: ") for line in lines)
-    summary = json.loads(lines[-1])
+    run = run_bench(BENCH, "--quick", "--out", str(tmp_path), first_line="machine: ", timeout_s=1200)
+    assert any(line.startswith("targets: ") for line in run.lines)
+    summary = run.summary
     assert summary["bench"] == "sim_vs_live" and summary["window"] == "0:20"
     assert set(summary["policies"]) == {"mell", "bf"}
     for policy, f in summary["policies"].items():

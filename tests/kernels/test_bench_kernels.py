@@ -5,30 +5,25 @@ with the JSON line that says it skipped, instead of a traceback."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+from bench_testing import ROOT, BenchRun, env_without, run_bench
+
+BENCH = ROOT / "bench" / "kernels.py"
 
 
-def _run(*args: str) -> tuple[list[str], dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    return lines, json.loads(lines[-1])
+def _run(*args: str, **env: str) -> BenchRun:
+    # The kernel tests' interpreter switch (conftest.py) is theirs: the bench sets its own where it needs it.
+    return run_bench(BENCH, *args, first_line="host: ", env=env_without("TRITON_INTERPRET") | env)
 
 
 def test_cpu_smoke_ends_with_the_summary() -> None:
-    lines, summary = _run("--cpu-smoke")
-    assert any(line.startswith("host: ") for line in lines) and any(line.startswith("device: ") for line in lines)
+    run = _run("--cpu-smoke")
+    lines, summary = run.lines, run.summary
+    assert any(line.startswith("device: ") for line in lines)
     assert summary["device"] == "cpu-smoke"
     assert summary["num_rows"] == 4
     for key in ("hbm_fraction_of_peak", "merge_share", "speedup_vs_sdpa"):
@@ -39,7 +34,8 @@ def test_cpu_smoke_ends_with_the_summary() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the bench would measure")
 def test_without_cuda_it_says_so() -> None:
-    lines, summary = _run("--quick")
+    run = _run("--quick")
+    lines, summary = run.lines, run.summary
     assert summary["device"] is None and summary["skipped"] == "no CUDA device"
     assert any("no CUDA device" in line for line in lines[:-1])
 
@@ -80,23 +76,18 @@ def test_sliced_fill_and_sdpa_equal_the_whole() -> None:
     assert all(float(filled[i].abs().sum()) > 0 for i in range(7))  # every slice written
 
 
-def test_crash_hunt_answers_every_step() -> None:
-    lines, summary = _run("--crash-hunt", "--cpu-smoke")
+@pytest.mark.parametrize(("die_at", "ok_steps"), [(None, ("decode", "sdpa_sliced")), ("part_merge", ("stream", "sdpa_sliced"))],
+                         ids=["every-step-answers", "goes-on-in-a-fresh-process-after-a-fatal-error"])
+def test_crash_hunt(die_at: str | None, ok_steps: tuple[str, ...]) -> None:
+    """Every step gets a verdict; a child that dies in a step (KVFLEET_HUNT_DIE_AT) fails that step only,
+    and a fresh child takes the steps after it."""
+    summary = _run("--crash-hunt", "--cpu-smoke", **({"KVFLEET_HUNT_DIE_AT": die_at} if die_at else {})).summary
     bench = _bench_module()
     assert list(summary["steps"]) == [*bench.HUNT_STEPS, *bench.RACE_STEPS]
-    assert summary["failed"] == []
-    assert summary["steps"]["decode"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
-
-
-def test_crash_hunt_goes_on_in_a_fresh_process_after_a_fatal_error() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"KVFLEET_HUNT_DIE_AT": "part_merge"}
-    result = subprocess.run([sys.executable, str(BENCH), "--crash-hunt", "--cpu-smoke"], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["failed"] == ["part_merge"]
-    assert "process died" in summary["steps"]["part_merge"]
-    assert summary["steps"]["stream"].startswith("ok") and summary["steps"]["sdpa_sliced"].startswith("ok")
+    assert summary["failed"] == ([die_at] if die_at else [])
+    if die_at:
+        assert "process died" in summary["steps"][die_at]
+    assert all(summary["steps"][step].startswith("ok") for step in ok_steps), summary["steps"]
 
 
 def test_timing_waits_for_the_inputs_before_cuda_graph_timing_reads_them() -> None:

@@ -55,7 +55,7 @@ class Scripted:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self.runner.addresses[0][1]
         return f"127.0.0.1:{self.port}"
 
 

@@ -18,7 +18,7 @@ from router_testing import MODEL, TOKEN, Server, serve, start_worker
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
 from kvfleet.api.speed import SpeedProfile, merge_profiles
-from kvfleet.mell.models import SizeClass
+from kvfleet.mell import SizeClass
 from kvfleet.router import app as app_module
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState
@@ -55,6 +55,17 @@ def chat(**kw: Any) -> dict[str, Any]:
 def text_of(chunks: list[Any]) -> str:
     return "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
                    for c in chunks if c.get("choices"))
+
+
+def counted(router_obj: Router, counter: str, **labels: str) -> float:
+    """A kvfleet_router_<counter>_total count, read from the router's own registry (0 before its first)."""
+    return router_obj.metrics.registry.get_sample_value(f"kvfleet_router_{counter}_total", labels) or 0.0
+
+
+def worker_of(router_obj: Router, request_id: str) -> str:
+    pod_name = router_obj.worker_of(request_id)
+    assert pod_name is not None, f"request {request_id} is not in flight on any worker"
+    return pod_name
 
 
 @pytest.mark.parametrize(("module", "forbidden"), [
@@ -127,7 +138,7 @@ def test_the_router_sizes_requests_with_the_workers_kv_facts(routed: tuple[Route
     info = router_obj.model_info.info
     # 2 KV heads x 64 dims x 2 layers x K,V x 4 bytes (worker_testing), read from /internal/requests.
     assert info is not None and info.kv_bytes_per_token == 2048 and info.capacity_bytes == TEST_KV_CAPACITY_BYTES
-    assert router_obj.metrics.placements.labels("allocate:new-GPU")._value.get() >= 1
+    assert counted(router_obj, "placements", rule="allocate:new-GPU") >= 1
 
 
 def test_the_pools_speed_profile_is_each_workers_own_and_their_merge(workers: list[Server],
@@ -245,7 +256,7 @@ def test_a_stream_followed_across_a_live_migration_is_whole(workers: list[Server
     router_obj, router = routed
     body = completion(max_tokens=300, prompt="Once upon a time, in a land far away")
     _, direct = workers[0].post("/v1/completions", body)
-    before = (router_obj.metrics.migrations._value.get(), router_obj.metrics.resumes._value.get())
+    before = (counted(router_obj, "migrations_followed"), counted(router_obj, "resumes"))
     request_id = f"move-{mode}"
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
@@ -253,7 +264,7 @@ def test_a_stream_followed_across_a_live_migration_is_whole(workers: list[Server
     response = conn.getresponse()
     assert response.status == 200
     received = [response.readline() for _ in range(6)]
-    source_index = int(router_obj._reservations[request_id].pod_name.removeprefix("w"))
+    source_index = int(worker_of(router_obj, request_id).removeprefix("w"))
     source, target = workers[source_index], workers[1 - source_index]
     status, result = source.post(f"/internal/requests/{request_id}/migrate", {
         "target": {"pod": f"w{1 - source_index}", "address": target.address,
@@ -263,7 +274,7 @@ def test_a_stream_followed_across_a_live_migration_is_whole(workers: list[Server
     chunks = read_stream(response, received)
     assert text_of(chunks) == direct["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert (router_obj.metrics.migrations._value.get(), router_obj.metrics.resumes._value.get()) == (before[0] + 1, before[1])
+    assert (counted(router_obj, "migrations_followed"), counted(router_obj, "resumes")) == (before[0] + 1, before[1])
 
 
 def test_a_sampled_request_resumed_after_a_worker_death_keeps_its_draws(tiny_model_dir: Path, engine_loop: EngineLoop,
@@ -285,11 +296,11 @@ def test_a_sampled_request_resumed_after_a_worker_death_keeps_its_draws(tiny_mod
         response = conn.getresponse()
         assert response.status == 200
         received = [response.readline() for _ in range(6)]
-        victim = pair[int(router_obj._reservations["kill-sampled"].pod_name.removeprefix("w"))]
+        victim = pair[int(worker_of(router_obj, "kill-sampled").removeprefix("w"))]
         alive.remove(victim)
         engine_loop.run(victim.runner.cleanup())
         chunks = read_stream(response, received)
-        assert router_obj.metrics.resumes._value.get() == 1, "the kill did not land mid-stream"
+        assert counted(router_obj, "resumes") == 1, "the kill did not land mid-stream"
         assert text_of(chunks) == direct["choices"][0]["text"]
     finally:
         engine_loop.run(router.runner.cleanup())
@@ -303,20 +314,20 @@ def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: list[Serve
     router_obj, router = routed
     body = completion(max_tokens=300, prompt="Once upon a time")
     _, direct = workers[1].post("/v1/completions", body)
-    resumes_before = router_obj.metrics.resumes._value.get()
+    resumes_before = counted(router_obj, "resumes")
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                  {"Content-Type": "application/json", "X-Request-Id": "kill-1"})
     response = conn.getresponse()
     assert response.status == 200
     received = [response.readline() for _ in range(6)]  # a few chunks in
-    victim = router_obj._reservations["kill-1"].pod_name
+    victim = worker_of(router_obj, "kill-1")
     server = workers[int(victim.removeprefix("w"))]
     engine_loop.run(server.runner.cleanup())
     chunks = read_stream(response, received)
     assert text_of(chunks) == direct["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert router_obj.metrics.resumes._value.get() == resumes_before + 1, "the kill did not land mid-stream"
+    assert counted(router_obj, "resumes") == resumes_before + 1, "the kill did not land mid-stream"
     # The survivor serves new requests, the dead one is skipped without the pool view telling.
     time.sleep(0.1)
     status, again = router.post("/v1/completions", completion())

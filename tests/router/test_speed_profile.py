@@ -53,7 +53,7 @@ class FakeWorker:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        return f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return f"127.0.0.1:{self.runner.addresses[0][1]}"
 
 
 def closed_address() -> str:
@@ -71,7 +71,7 @@ async def ask_router(workers: list[tuple[str, str]], timeout_s: float = 0.5) -> 
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     try:
         async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/kvfleet/speed-profile") as resp:
             return resp.status, await resp.json()

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "mell.py"
+from bench_testing import ROOT, run_bench
+
+BENCH = ROOT / "bench" / "mell.py"
 
 
 def test_quick_run_prints_the_machine_and_ends_with_the_headline_figures() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("machine: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", first_line="machine: ").summary
     assert {"machine", "cpu", "mell_ops_per_s", "bf_ops_per_s", "mell_over_bf", "epoch_live_requests", "epoch_gpus",
             "epoch_s"} <= set(summary)
     assert summary["machine"]

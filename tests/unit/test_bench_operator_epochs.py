@@ -6,20 +6,13 @@ it from falling behind the reconcile unnoticed.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from bench_testing import ROOT, run_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "operator_epochs.py"
+BENCH = ROOT / "bench" / "operator_epochs.py"
 
 
 def test_quick_run_ends_with_the_headline_figures() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("machine: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", first_line="machine: ", timeout_s=300).summary
     assert {"machine", "writes_per_epoch", "changes_per_epoch", "writes_vs_rewrite_all", "epoch_cpu_ms"} <= set(summary)
     assert set(summary["writes_per_epoch"]) == {"10", "100"}
     assert all(cpu_ms > 0 for cpu_ms in summary["epoch_cpu_ms"].values())

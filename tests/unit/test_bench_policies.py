@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from bench_testing import ROOT, run_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "policies.py"
+BENCH = ROOT / "bench" / "policies.py"
 
 
 def test_quick_run_prints_the_machine_every_scenario_and_the_targets() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("machine: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", first_line="machine: ").summary
     assert summary["bench"] == "policies" and summary["quick"] is True and summary["machine"]
     scenarios = summary["scenarios"]
     # Both setups x (two Azure traces, three Poisson rates, the long-context workload).

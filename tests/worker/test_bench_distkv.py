@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from bench_testing import ROOT, run_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "distkv.py"
+BENCH = ROOT / "bench" / "distkv.py"
 
 
 def test_quick_run_ends_with_context_step_and_wire_figures() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", first_line="host: ").summary
     assert {"max_context_tokens", "borrowed_over_local_step", "wire_bytes_query_over_kv", "device", "capacity_tokens",
             "targets_met"} <= set(summary)
     assert summary["capacity_tokens"] == 64

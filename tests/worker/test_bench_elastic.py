@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "elastic.py"
+from bench_testing import ROOT, run_bench
+
+BENCH = ROOT / "bench" / "elastic.py"
 
 
 def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--model-dir", str(tmp_path / "tiny")],
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ")
-    summary = json.loads(lines[-1])
+    run = run_bench(BENCH, "--quick", "--model-dir", str(tmp_path / "tiny"), first_line="host: ", timeout_s=900)
+    lines, summary = run.lines, run.summary
     assert {"static_max_batch", "elastic_max_batch", "batch_ratio", "goodput_ratio", "low_load_tpot_ratio",
             "context_tokens", "device", "max_batch", "low_load_tpot_ms", "gpu_chunk_map_us", "chunk_map_us"} <= set(summary)
     assert summary["complete"] is True and "errors" not in summary, summary.get("errors")
@@ -45,11 +41,8 @@ def test_the_gpu_preset_says_it_is_skipped_without_a_gpu(tmp_path: Path) -> None
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the preset would run")
-    result = subprocess.run([sys.executable, str(BENCH), "--gpu", "--model-dir", str(tmp_path / "m")],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ") and any(line.startswith("SKIP --gpu") for line in lines)
-    summary = json.loads(lines[-1])
+    run = run_bench(BENCH, "--gpu", "--model-dir", str(tmp_path / "m"), first_line="host: ", timeout_s=300)
+    assert any(line.startswith("SKIP --gpu") for line in run.lines)
+    summary = run.summary
     assert summary["skipped"] and summary["device"] == "cpu" and summary["context_tokens"] == [8192, 32768]
     assert not (tmp_path / "m").exists()  # nothing was built

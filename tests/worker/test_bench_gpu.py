@@ -4,25 +4,16 @@ debugging: bench/gpu_engine.py's quick form, and bench/gpu.py's dry run of every
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_testing import ROOT, run_bench
+
 GPU = ROOT / "bench" / "gpu.py"
 GPU_ENGINE = ROOT / "bench" / "gpu_engine.py"
 
 
-def _run(*argv: str, timeout_s: float = 900) -> tuple[list[str], dict]:
-    result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
-    lines = result.stdout.strip().splitlines()
-    return lines, json.loads(lines[-1])
-
-
 def test_engine_bench_checks_greedy_against_transformers_and_times_both_paths() -> None:
-    lines, summary = _run(str(GPU_ENGINE), "--quick")
-    assert lines[0].startswith("host: ")
+    summary = run_bench(GPU_ENGINE, "--quick", first_line="host: ", timeout_s=900).summary
     for path in ("sdpa", "distattention"):
         greedy = summary["greedy"]["float32"][path]
         assert greedy["equal_prompts"] == greedy["prompts"] == 2  # float32 on the CPU: token for token
@@ -33,8 +24,7 @@ def test_engine_bench_checks_greedy_against_transformers_and_times_both_paths() 
 
 
 def test_dry_run_takes_every_part_and_writes_its_summary(tmp_path: Path) -> None:
-    lines, summary = _run(str(GPU), "--dry-run", "--out", str(tmp_path))
-    assert lines[0].startswith("device: cpu (dry run")
+    summary = run_bench(GPU, "--dry-run", "--out", str(tmp_path), first_line="device: cpu (dry run", timeout_s=900).summary
     parts = summary["parts"]
     assert list(parts) == ["kernel_tests", "crash_hunt", "kernels", "engine", "elastic", "distkv", "migration"]
     not_ok = {name: part for name, part in parts.items() if part["status"] != "ok"}

@@ -3,21 +3,15 @@ admits 32 at once, so the 429-and-retry path is the one taken)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
+from bench_testing import ROOT, run_bench
+
+BENCH = ROOT / "bench" / "load.py"
 
 
 def test_quick_run_serves_every_request_without_an_error(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--model-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", "--model-dir", str(tmp_path), first_line="host: ").summary
     assert {"requests", "errors", "refused_429", "retries", "ttft_p50_ms", "ttft_p99_ms", "tokens_per_s",
             "router_rss_mib_before", "router_rss_mib_peak", "router_rss_bytes_per_in_flight"} <= set(summary)
     assert summary["device"] == "cpu" and summary["requests"] == 100

@@ -4,28 +4,29 @@ section's too where vllm is installed (its workers' KV moves through kvfleet's c
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "migration.py"
+from bench_testing import ROOT, bench_process, run_bench
+
+BENCH = ROOT / "bench" / "migration.py"
+
+
+def assert_builtin_figures(summary: dict[str, Any], processes: int) -> None:
+    """Both forms of the CPU run time a move of each length in both modes on float32 workers."""
+    assert (summary["device"], summary["processes"], summary["dtype"]) == ("cpu", processes, "float32")
+    assert set(summary["kv_downtime_ms"]) == set(summary["token_downtime_ms"]) == {"64", "256"}
+    assert all(v > 0 for v in [*summary["kv_downtime_ms"].values(), *summary["token_downtime_ms"].values()])
+    assert summary["kv_flatness"] > 0 and set(summary["kv_below_token"]) == {"64", "256"}
 
 
 def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--model-dir", str(tmp_path / "tiny")],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ")
-    summary = json.loads(lines[-1])
-    assert set(summary["kv_downtime_ms"]) == set(summary["token_downtime_ms"]) == {"64", "256"}
-    assert all(v > 0 for v in [*summary["kv_downtime_ms"].values(), *summary["token_downtime_ms"].values()])
-    assert (summary["device"], summary["processes"], summary["shape"], summary["dtype"]) == ("cpu", 1, "tiny", "float32")
-    assert summary["kv_flatness"] > 0 and set(summary["kv_below_token"]) == {"64", "256"}
+    summary = run_bench(BENCH, "--quick", "--model-dir", str(tmp_path / "tiny"), first_line="host: ").summary
+    assert_builtin_figures(summary, processes=1)
+    assert summary["shape"] == "tiny"
     # No timing bounds here (a shared machine decides them): only that the figures are sane.
     assert 0 < summary["throughput_ratio_vs_socket"] < 10
     vllm_keys = ["vllm_kv_downtime_ms", "vllm_token_downtime_ms", "vllm_builtin_kv_downtime_ms",
@@ -48,22 +49,16 @@ def test_two_worker_processes_move_requests_through_the_executor(tmp_path: Path)
     """The GPU form's path on the CPU (small model, short prompts): two worker processes started as pods
     start them, every move asked of the source's migrate endpoint; a deadline already past when the first
     round ends cuts the second round and the throughput section."""
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--processes", "--no-vllm", "--repeat", "2",
-                             "--deadline-s", "1", "--model-dir", str(tmp_path / "tiny")],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run = run_bench(BENCH, "--quick", "--processes", "--no-vllm", "--repeat", "2", "--deadline-s", "1",
+                    "--model-dir", str(tmp_path / "tiny"), first_line="host: ")
     # The workers log to stderr: a request they failed to serve would show there.
-    assert "Traceback" not in result.stderr, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
-    assert (summary["device"], summary["processes"], summary["dtype"]) == ("cpu", 2, "float32")
-    assert set(summary["kv_downtime_ms"]) == set(summary["token_downtime_ms"]) == {"64", "256"}
-    assert all(v > 0 for v in [*summary["kv_downtime_ms"].values(), *summary["token_downtime_ms"].values()])
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    lines, summary = run.lines, run.summary
+    assert_builtin_figures(summary, processes=2)
     assert summary["failures"] == []
     assert summary["kv_samples"] == summary["token_samples"] == {"64": 1, "256": 1}
     assert any("stopped in round 2 of 2" in line for line in lines)
     assert summary["throughput_ratio_vs_socket"] is None
-    assert summary["kv_flatness"] > 0 and set(summary["kv_below_token"]) == {"64", "256"}
     assert summary["goals"]["kv_below_token"] is None  # no length above 512 tokens
     # Printed as measured, in the order the goals need them: KV and token at the longest length first.
     rows = [line.split(": ", 1)[1] for line in lines if line.lstrip().startswith("builtin round")]
@@ -73,6 +68,6 @@ def test_two_worker_processes_move_requests_through_the_executor(tmp_path: Path)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, --gpu runs the GPU form")
 def test_gpu_form_says_plainly_that_there_is_no_gpu() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--gpu"], capture_output=True, text=True, timeout=300)
+    result = bench_process(BENCH, "--gpu", timeout_s=300)
     assert result.returncode == 2, result.stderr[-4000:]
     assert "--device cuda" in result.stderr and "no CUDA device" in result.stderr

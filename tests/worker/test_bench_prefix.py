@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix.py"
+from bench_testing import ROOT, run_bench
+
+BENCH = ROOT / "bench" / "prefix.py"
 
 
 def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--model-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("host: ")
-    summary = json.loads(lines[-1])
+    summary = run_bench(BENCH, "--quick", "--model-dir", str(tmp_path), first_line="host: ", timeout_s=900).summary
     setups = {"no-cache", "cache", "session", "prompt-tree"}
     assert set(summary["ttft_mean_ms"]) == setups and set(summary["prefilled_tokens"]) == setups
     assert summary["device"] == "cpu" and summary["ttft_cut_vs_no_cache"] is not None
