@@ -52,7 +52,7 @@ unit: venv
 e2e: venv controlplane
 	$(PY) -m pytest e2e
 
-# Issue 18's chaos run, long version: 50 operator kills over a replay, worker kills mid-move, an API
+# The chaos run, long version: 50 operator kills over a replay, worker kills mid-move, an API
 # server + etcd restart, a lost lease (e2e/test_chaos.py; `make test` runs its short version). Its
 # counts are printed after pytest's summary, so the last line is one JSON object.
 CHAOS_SUMMARY := $(KVFLEET_CACHE)/chaos-summary.txt

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark of the DistAttention kernels (issue 7): is decode micro-attention bandwidth-bound at
+"""GPU benchmark of the DistAttention kernels: is decode micro-attention bandwidth-bound at
 the hardware's limit, is the merge cheap, and does it beat torch SDPA?
 
 Decode attention reads every KV byte once per step, so its figure of merit is achieved HBM bandwidth:

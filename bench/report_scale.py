@@ -1,7 +1,7 @@
 """What KV-load reports cost the API server: pod annotations against KVLoad objects, at 100 to 2,000 workers.
 
 A busy worker rewrites its KV-load report about once an epoch. Written as an annotation of its own
-Pod (the `annotation` channel, how workers reported before issue 21), every write is a pod update
+Pod (the `annotation` channel, how workers reported before KVLoad objects existed), every write is a pod update
 that the API server fans out to every pod watcher of the cluster (kubelet, scheduler, controller
 manager, kopf, routers); written to the worker's own KVLoad (the `kvload` channel) it reaches only
 the KVLoad watchers. This bench measures both on the real local control plane (etcd, kube-apiserver,

@@ -12,7 +12,7 @@ time, and the speed the workers measured during that run (the record's speed-pro
 more with pods ready at once, which shows how much of any gap is the pods' start (the simulator holds
 a request for its new pod; the live pool queues it on a ready worker meanwhile).
 
-Targets (issue 14): simulated and live billed GPU-seconds within 10% of each other for both policies,
+Targets: simulated and live billed GPU-seconds within 10% of each other for both policies,
 migrations within 20%; the live default policy at most best-fit's live GPU-seconds; failed moves at
 most 5% of the live moves. Printed as PASS or MISS with the numbers; no assertions (the numbers are
 the output; e2e/test_bench_sim_vs_live.py runs the quick mode, a smoke test of the machinery). The last line is one JSON

@@ -1,4 +1,4 @@
-"""Chaos on the real control plane (issue 18): real builtin workers, the router, a trace replay, and
+"""Chaos on the real control plane: real builtin workers, the router, a trace replay, and
 kills at the worst moments.
 
 - The operator is SIGKILLed at random (seeded) moments during a replay and restarted as its

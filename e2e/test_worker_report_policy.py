@@ -2,7 +2,7 @@
 ValidatingAdmissionPolicy (templates/admissionpolicy.yaml) refuses a pool worker's service account a
 KVLoad of another pod, or one its pod does not own, though its Role allows creating and patching
 kvloads, and a patch of another pod (where workers from before KVLoads wrote their report), though
-its Role allows patching pods; and lets it write its own (issues 18 and 21)."""
+its Role allows patching pods; and lets it write its own."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def test_every_metric_the_dashboard_reads_is_one_kvfleet_exposes() -> None:
             used.setdefault(match.group(1), f"variable {variable['name']}")
     unknown = {name: title for name, title in used.items() if name not in known}
     assert not unknown, f"the dashboard reads series nothing exposes (panel by name): {unknown}"
-    # It shows what issue 20 asks of it, from each of the three.
+    # The panels an operator of a pool needs (GPUs, workers, KV use, migrations, latency, queues), from each of the three.
     for name in ("kvfleet_pool_gpus_active", "kvfleet_pool_gpus_lower_bound", "kvfleet_pool_gpus_desired",
                  "kvfleet_pool_workers_ready", "kvfleet_pool_kv_utilization_ratio", "vllm:kv_cache_usage_perc",
                  "kvfleet_migrations_total", "kvfleet_migrations_planned_total",

@@ -1,4 +1,4 @@
-"""The chart's NetworkPolicy (issue 18): off by default; on, one per namespace where pools run, letting
+"""The chart's NetworkPolicy: off by default; on, one per namespace where pools run, letting
 only the pools' routers and workers (and the named metrics scrapers) reach a worker's API port, and
 only workers its migration port."""
 

@@ -1,8 +1,8 @@
 """Writes the worker's KV-load report to its own KVLoad object, the one place the operator reads load from.
 
 The format is `kvfleet.api.reports.KVLoadReport` (docs/worker.md), in a KVLoad named after the
-worker's pod and owned by it (`kvload_writer`); `pod_annotation_writer` writes it where workers from
-before issue 21 did, an annotation of the pod, which bench/report_scale.py measures it against.
+worker's pod and owned by it (`kvload_writer`); `pod_annotation_writer` writes it where workers
+wrote it before KVLoad objects existed, an annotation of the pod, which bench/report_scale.py measures it against.
 MELL only needs to hear about a request when it arrives, finishes, or changes size
 class, so the reporter compares the set of (request, size class) pairs with what it last wrote and
 writes only when that changed, at most once per scheduling epoch, never per token. A failed write is
