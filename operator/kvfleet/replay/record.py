@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfleet.api.models import KVMigrationSpec, KVMigrationStatus
 from kvfleet.api.speed import SpeedProfile, merge_profiles
 from kvfleet.replay.observe import PodLife, Sample, timestamp_s
 from kvfleet.replay.streams import Stream
@@ -55,21 +56,23 @@ class MigrationFacts:
 
 
 def migration_facts(migrations: list[dict[str, Any]]) -> MigrationFacts:
+    """The facts of the KVMigrations observed, each read through the models the operator and the
+    worker write it with (a field renamed there is renamed here, or this fails loudly)."""
+    parsed = sorted(((m["metadata"]["name"], m["metadata"].get("creationTimestamp"),
+                      KVMigrationSpec.model_validate(m["spec"]), KVMigrationStatus.model_validate(m.get("status") or {}))
+                     for m in migrations), key=lambda row: (row[1] or "", row[0]))
     by_mode_phase: Counter[str] = Counter()
     causes: Counter[str] = Counter()
     downtimes: list[float] = []
     moves_of: dict[str, list[tuple[float, str, str]]] = defaultdict(list)  # (created, reason, phase)
-    for m in migrations:
-        spec, status = m.get("spec") or {}, m.get("status") or {}
-        phase = status.get("phase", "Pending")
-        by_mode_phase[f"{spec.get('mode', '?')}/{phase}"] += 1
-        if phase == "Failed":
-            causes[(status.get("message") or "no message")[:160]] += 1
-        if phase == "Succeeded" and status.get("downtimeSeconds") is not None:
-            downtimes.append(float(status["downtimeSeconds"]))
-        created = m["metadata"].get("creationTimestamp")
+    for _, created, spec, status in parsed:
+        by_mode_phase[f"{spec.mode}/{status.phase}"] += 1
+        if status.phase == "Failed":
+            causes[(status.message or "no message")[:160]] += 1
+        if status.phase == "Succeeded" and status.downtime_seconds is not None:
+            downtimes.append(status.downtime_seconds)
         if created:
-            moves_of[spec.get("requestId", "")].append((timestamp_s(created), spec.get("reason", ""), phase))
+            moves_of[spec.request_id].append((timestamp_s(created), spec.reason, status.phase))
     quick = 0
     for moves in moves_of.values():
         moves.sort()
@@ -80,13 +83,9 @@ def migration_facts(migrations: list[dict[str, Any]]) -> MigrationFacts:
             if phase == "Succeeded":
                 moved_s = created_s
     failed = sum(n for key, n in by_mode_phase.items() if key.endswith("/Failed"))
-    rows = sorted(({"name": m["metadata"]["name"], "created": m["metadata"].get("creationTimestamp"),
-                    "request": (m.get("spec") or {}).get("requestId"), "from": (m.get("spec") or {}).get("sourcePod"),
-                    "to": (m.get("spec") or {}).get("targetPod"), "mode": (m.get("spec") or {}).get("mode"),
-                    "reason": (m.get("spec") or {}).get("reason"),
-                    "phase": (m.get("status") or {}).get("phase", "Pending"),
-                    "message": (m.get("status") or {}).get("message", "")} for m in migrations),
-                  key=lambda r: (r["created"] or "", r["name"]))
+    rows = [{"name": name, "created": created, "request": spec.request_id, "from": spec.source_pod,
+             "to": spec.target_pod, "mode": spec.mode, "reason": spec.reason, "phase": status.phase,
+             "message": status.message} for name, created, spec, status in parsed]
     return MigrationFacts(dict(sorted(by_mode_phase.items())), failed, len(migrations), dict(causes.most_common()),
                           quick, percentiles_ms(downtimes), rows)
 
