@@ -91,11 +91,11 @@ def by_name(snapshot: PoolSnapshot) -> dict[str, tuple[int | None, tuple[str, ..
 
 def test_the_view_builds_each_worker_from_its_pod_and_the_report_pool_reports_picks() -> None:
     view = KubePoolView("ns", "p", pool_api(FakeAPI()))
-    view._replace("pool", [{"metadata": {"name": "p", "generation": 1}, "spec": {}}])
-    view._replace("pods", [pod("p-worker-0"), pod("p-worker-1", report=load(2000, "b")),
+    view.replace("pool", [{"metadata": {"name": "p", "generation": 1}, "spec": {}}])
+    view.replace("pods", [pod("p-worker-0"), pod("p-worker-1", report=load(2000, "b")),
                            pod("p-worker-2", uid="uid-new", report=load(3000, "c")), pod("p-worker-3")])
     assert not view.snapshot().synced  # the KVLoads not listed yet
-    view._replace("kvloads", [kvload("p-worker-0", load(1000, "a")),
+    view.replace("kvloads", [kvload("p-worker-0", load(1000, "a")),
                               kvload("p-worker-2", load(9000, "stale"), uid="uid-old"),
                               kvload("p-worker-9", load(9000, "podless"))])
     snapshot = view.snapshot()
@@ -111,9 +111,9 @@ def test_the_view_builds_each_worker_from_its_pod_and_the_report_pool_reports_pi
 
 def test_kvload_and_pod_events_update_the_snapshot_and_reparse_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     view = KubePoolView("ns", "p", pool_api(FakeAPI()))
-    view._replace("pool", [])
-    view._replace("pods", [pod(f"p-worker-{i}") for i in range(3)])
-    view._replace("kvloads", [kvload(f"p-worker-{i}", load(1000, f"r{i}")) for i in range(3)])
+    view.replace("pool", [])
+    view.replace("pods", [pod(f"p-worker-{i}") for i in range(3)])
+    view.replace("kvloads", [kvload(f"p-worker-{i}", load(1000, f"r{i}")) for i in range(3)])
     parsed: list[str] = []
     real = pool_module.report_of
 
@@ -122,30 +122,30 @@ def test_kvload_and_pod_events_update_the_snapshot_and_reparse_only_what_changed
         return real(p, k)
 
     monkeypatch.setattr(pool_module, "report_of", counting)
-    view._apply("kvloads", "MODIFIED", kvload("p-worker-1", load(1000, "r1", "r9", sequence=2), version="2"))
+    view.apply("kvloads", "MODIFIED", kvload("p-worker-1", load(1000, "r1", "r9", sequence=2), version="2"))
     assert by_name(view.snapshot())["p-worker-1"] == (1000, ("r1", "r9"))
     assert parsed == ["p-worker-1"]
     # A re-list of unchanged objects re-reads nothing; the pool's own events neither.
-    view._replace("kvloads", [kvload(f"p-worker-{i}", load(1000, f"r{i}")) for i in (0, 2)]
+    view.replace("kvloads", [kvload(f"p-worker-{i}", load(1000, f"r{i}")) for i in (0, 2)]
                   + [kvload("p-worker-1", load(1000, "r1", "r9", sequence=2), version="2")])
-    view._apply("pool", "MODIFIED", {"metadata": {"name": "p"}, "status": {"routingTable": [{"sizeClass": "T", "worker": "p-worker-0"}]}})
+    view.apply("pool", "MODIFIED", {"metadata": {"name": "p"}, "status": {"routingTable": [{"sizeClass": "T", "worker": "p-worker-0"}]}})
     assert parsed == ["p-worker-1"] and view.snapshot().routes == {"T": "p-worker-0"}
     # A pod event re-reads its worker (it went NotReady).
-    view._apply("pods", "MODIFIED", pod("p-worker-2", ready=False, version="2"))
+    view.apply("pods", "MODIFIED", pod("p-worker-2", ready=False, version="2"))
     assert parsed == ["p-worker-1", "p-worker-2"]
     assert [w.ready for w in view.snapshot().workers] == [True, True, False]
     # Its KVLoad deleted: a worker falls back to its annotation, here none.
-    view._apply("kvloads", "DELETED", kvload("p-worker-0", load(1000, "r0")))
+    view.apply("kvloads", "DELETED", kvload("p-worker-0", load(1000, "r0")))
     assert by_name(view.snapshot())["p-worker-0"] == (None, ())
     # A new pod of the same name (new uid): the old pod's KVLoad is not its report, its own is.
-    view._apply("pods", "DELETED", pod("p-worker-1", version="2"))
-    view._apply("pods", "ADDED", pod("p-worker-1", uid="uid-2", version="3"))
+    view.apply("pods", "DELETED", pod("p-worker-1", version="2"))
+    view.apply("pods", "ADDED", pod("p-worker-1", uid="uid-2", version="3"))
     assert by_name(view.snapshot())["p-worker-1"] == (None, ())
-    view._apply("kvloads", "MODIFIED", kvload("p-worker-1", load(5000, "fresh"), uid="uid-2", version="4"))
+    view.apply("kvloads", "MODIFIED", kvload("p-worker-1", load(5000, "fresh"), uid="uid-2", version="4"))
     assert by_name(view.snapshot())["p-worker-1"] == (5000, ("fresh",))
-    assert set(view._states) == {"p-worker-0", "p-worker-1", "p-worker-2"}
-    view._apply("pods", "DELETED", pod("p-worker-2", version="2"))
-    assert set(view._states) == {"p-worker-0", "p-worker-1"}  # a gone worker's state is not kept
+    assert view.workers == {"p-worker-0", "p-worker-1", "p-worker-2"}
+    view.apply("pods", "DELETED", pod("p-worker-2", version="2"))
+    assert view.workers == {"p-worker-0", "p-worker-1"}  # a gone worker's state is not kept
 
 
 # ----------------------------------------------------------------- the watches, on a fake API
@@ -243,8 +243,7 @@ def test_the_view_watches_the_pools_kvloads_and_a_kvload_event_updates_the_snaps
     finally:
         view.stop()
         api.close()
-        for thread in view._threads:
-            thread.join(timeout=5)
+        view.join(timeout_s=5)
 
 
 def test_held_requests_are_written_on_the_pool_through_the_api_it_is_given() -> None:
@@ -261,5 +260,4 @@ def test_held_requests_are_written_on_the_pool_through_the_api_it_is_given() -> 
     finally:
         view.stop()
         api.close()
-        for thread in view._threads:
-            thread.join(timeout=5)
+        view.join(timeout_s=5)

@@ -304,18 +304,31 @@ class KubePoolView:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._held_changed.set()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the stopped view's threads, at most `timeout_s` each (a watch blocked in the API
+        server's stream ends with its next event or the stream's end)."""
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
+
+    @property
+    def workers(self) -> frozenset[str]:
+        """The pods the view keeps a worker state for (a gone worker's state is not kept)."""
+        with self._lock:
+            return frozenset(self._states)
 
     def _watch_loop(self, kind: Kind) -> None:
         while not self._stopped.is_set():
             try:
                 items, version = self._api.list(kind)
-                self._replace(kind, items)
+                self.replace(kind, items)
                 events = self._api.watch(kind, version, WATCH_TIMEOUT_S)
                 try:
                     for event_type, obj in events:
                         if self._stopped.is_set() or event_type == "ERROR":
                             break  # ERROR: usually 410 Gone, the version is too old; re-list
-                        self._apply(kind, event_type, obj)
+                        self.apply(kind, event_type, obj)
                 finally:
                     close = getattr(events, "close", None)
                     if close is not None:
@@ -324,7 +337,8 @@ class KubePoolView:
                 log.warning("watching the pool's %s failed, retrying in %.0f s: %s", kind, RETRY_S, err)
                 time.sleep(RETRY_S)
 
-    def _replace(self, kind: Kind, items: list[dict[str, Any]]) -> None:
+    def replace(self, kind: Kind, items: list[dict[str, Any]]) -> None:
+        """Take a fresh list of `kind` (what each watch does first and after each lost stream)."""
         with self._lock:
             if kind == "pods":
                 self._pods = {p["metadata"]["name"]: p for p in items}
@@ -336,7 +350,8 @@ class KubePoolView:
             self._synced[kind] = True
             self._publish()
 
-    def _apply(self, kind: Kind, event_type: str, obj: dict[str, Any]) -> None:
+    def apply(self, kind: Kind, event_type: str, obj: dict[str, Any]) -> None:
+        """Take one watch event of `kind` (ADDED, MODIFIED or DELETED)."""
         with self._lock:
             if kind in ("pods", "kvloads"):
                 objects = self._pods if kind == "pods" else self._kvloads
