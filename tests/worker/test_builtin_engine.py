@@ -93,7 +93,7 @@ async def assert_all_free(engine: BuiltinEngine) -> None:
         await asyncio.sleep(0.01)
     assert engine.kv_usage() == []
     assert engine.num_waiting() == 0
-    assert sorted(engine._sched.space.free) == list(range(num_blocks(engine)))
+    assert sorted(engine.scheduler.space.free) == list(range(num_blocks(engine)))
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_stops_limits_aborts_and_early_exits_free_every_block(tiny_model_dir: Pa
             assert outs[-1].finish_reason == "stop" and outs[-1].num_tokens == len(PROMPTS[2]) + stop_at + 1
 
             # The model's EOS ends a request unless ignore_eos.
-            engine._sched.eos_ids = frozenset({free_run[stop_at]})
+            engine.scheduler.eos_ids = frozenset({free_run[stop_at]})
             eos = await tokens_of(engine.generate("eos", PROMPTS[2], greedy(30, ignore_eos=False)))
             assert eos == free_run[: stop_at + 1]
             assert await tokens_of(engine.generate("no-eos", PROMPTS[2], greedy(30))) == free_run

@@ -110,7 +110,7 @@ def test_a_request_three_times_the_workers_memory_equals_one_big_workers_greedy(
                 await asyncio.sleep(0.02)
             assert all(engine.capabilities.lending.lent_blocks() == 0 for engine, _ in lenders)  # type: ignore[union-attr]
             assert borrowing.borrowed_bytes() == {}
-            assert len(borrower._sched.space.free) == 4
+            assert len(borrower.scheduler.space.free) == 4
 
     asyncio.run(scenario())
 
@@ -284,7 +284,7 @@ def test_a_request_that_keeps_losing_its_lenders_fails_instead_of_looping(tiny_m
             with pytest.raises(EngineError, match=f"lost the KV other workers lent it {MAX_LOSSES + 1} times"):
                 await asyncio.wait_for(greedy(borrower, prompt_of(100), 5), 30)
             assert borrower.num_preemptions == MAX_LOSSES
-            assert len(borrower._sched.space.free) == 4
+            assert len(borrower.scheduler.space.free) == 4
         finally:
             await borrower.stop()
 

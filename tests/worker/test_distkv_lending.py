@@ -33,7 +33,7 @@ async def lender(model_dir: Path, cap_blocks: int) -> AsyncIterator[tuple[Builti
     engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=1024 * 2048, dtype="float32"))
     assert isinstance(engine, BuiltinEngine)
     await engine.start()
-    lending = BuiltinKVLending(engine._sched, cap_blocks)
+    lending = BuiltinKVLending(engine.scheduler, cap_blocks)
     assert engine._cache is not None and engine._executor is not None
     lending.open(engine._cache, engine._executor)
 
@@ -52,11 +52,11 @@ async def lender(model_dir: Path, cap_blocks: int) -> AsyncIterator[tuple[Builti
 def test_a_lease_stores_kv_answers_queries_and_gives_the_blocks_back(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         async with lender(tiny_model_dir, cap_blocks=8) as (lending, engine, port):
-            free_before = len(engine._sched.space.free)
+            free_before = len(engine.scheduler.space.free)
             lease = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "req-1")
             await lease.lend(2)
             await lease.lend(2)  # grown: 4 blocks = 64 tokens
-            assert lending.lent_blocks() == 4 and len(engine._sched.space.free) == free_before - 4
+            assert lending.lent_blocks() == 4 and len(engine.scheduler.space.free) == free_before - 4
             gen = torch.Generator().manual_seed(0)
             kv = torch.randn(LAYERS, 2, 50, KV_HEADS, HEAD_DIM, generator=gen)
             await lease.write(0, kv[:, :, :30])
@@ -73,7 +73,7 @@ def test_a_lease_stores_kv_answers_queries_and_gives_the_blocks_back(tiny_model_
             with pytest.raises(LendingRefused, match="blocks"):
                 await lease.attend(0, q, 65)  # past what the lease holds
             await lease.free()
-            assert lending.lent_blocks() == 0 and len(engine._sched.space.free) == free_before
+            assert lending.lent_blocks() == 0 and len(engine.scheduler.space.free) == free_before
 
     asyncio.run(scenario())
 
@@ -81,7 +81,7 @@ def test_a_lease_stores_kv_answers_queries_and_gives_the_blocks_back(tiny_model_
 def test_the_cap_refuses_at_once_and_a_dropped_borrower_leaves_nothing_lent(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         async with lender(tiny_model_dir, cap_blocks=3) as (lending, engine, port):
-            free_before = len(engine._sched.space.free)
+            free_before = len(engine.scheduler.space.free)
             first = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "a")
             await first.lend(2)
             second = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "b")
@@ -99,7 +99,7 @@ def test_the_cap_refuses_at_once_and_a_dropped_borrower_leaves_nothing_lent(tiny
                 await asyncio.sleep(0.02)
             assert lending.lent_blocks() == 1
             await second.free()
-            assert len(engine._sched.space.free) == free_before
+            assert len(engine.scheduler.space.free) == free_before
 
     asyncio.run(scenario())
 

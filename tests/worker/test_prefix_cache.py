@@ -45,7 +45,7 @@ async def served(e: BuiltinEngine, body: Any) -> Any:
 
 
 def books_balance(e: BuiltinEngine) -> None:
-    sched = e._sched
+    sched = e.scheduler
     assert sched.prefix is not None
     assert len(sched.space.free) + sched.prefix.num_blocks == sched.space.num_blocks
     assert sched.prefix.num_evictable_blocks == sched.prefix.num_blocks  # nothing runs: nothing pinned
@@ -61,7 +61,7 @@ def test_multi_turn_outputs_equal_and_only_new_tokens_are_prefilled(tiny_model_d
 
     assert run(served(plain, conversations)) == run(served(cached, with_books))
     assert cached.num_prefilled_tokens < plain.num_prefilled_tokens / 2
-    assert cached._sched.num_cache_hit_tokens == plain.num_prefilled_tokens - cached.num_prefilled_tokens
+    assert cached.scheduler.num_cache_hit_tokens == plain.num_prefilled_tokens - cached.num_prefilled_tokens
 
 
 def test_cached_blocks_are_evicted_before_anything_is_preempted(tiny_model_dir: Path) -> None:
@@ -71,7 +71,7 @@ def test_cached_blocks_are_evicted_before_anything_is_preempted(tiny_model_dir: 
         for i in range(8):
             await tokens_of(e.generate(f"r{i}", [1, *range(10 + 30 * i, 10 + 30 * i + 190)], greedy(8)))
         books_balance(e)
-        assert e._sched.prefix is not None and e._sched.prefix.num_blocks > 0
+        assert e.scheduler.prefix is not None and e.scheduler.prefix.num_blocks > 0
 
     e = engine(tiny_model_dir, True, capacity_bytes=64 * 16 * 2048)
     run(served(e, body))
@@ -96,7 +96,7 @@ def test_a_request_reading_cached_blocks_migrates_and_its_source_keeps_them(tiny
             await tokens_of(source.generate("warm", SYSTEM + [1, 2], greedy(2)))  # caches SYSTEM's 5 blocks
             stream = source.generate("x", prompt, greedy(40))
             first = [t async for out in _first(stream, 10) for t in out.new_token_ids]
-            assert source._sched.num_cache_hit_tokens == 80
+            assert source.scheduler.num_cache_hit_tokens == 80
             migration, destination = source.capabilities.migration, target.capabilities.migration
             assert migration is not None and destination is not None
             state = await migration.suspend("x")
@@ -106,7 +106,7 @@ def test_a_request_reading_cached_blocks_migrates_and_its_source_keeps_them(tiny
             moved = destination.resume("x", state.prompt_token_ids, state.output_token_ids, state.params)
             migration.release("x")
             books_balance(source)
-            assert source._sched.prefix is not None and source._sched.prefix.num_blocks >= 5
+            assert source.scheduler.prefix is not None and source.scheduler.prefix.num_blocks >= 5
             return first + rest + await tokens_of(moved)
         finally:
             await source.stop()
@@ -157,19 +157,19 @@ def test_usage_counts_a_shared_block_once_and_the_cache_apart(tiny_model_dir: Pa
 
     async def body(e: BuiltinEngine) -> None:
         await tokens_of(e.generate("warm", SYSTEM + [1, 2], greedy(2)))  # leaves SYSTEM's 5 blocks cached
-        block_bytes = e._sched.space.block_bytes
+        block_bytes = e.scheduler.space.block_bytes
         assert e.kv_usage() == [] and e.prefix_cache_stats().evictable_blocks == 5
         a = e.generate("a", SYSTEM + [3, 4], greedy(40))
         b = e.generate("b", SYSTEM + [5, 6], greedy(40))
         seen = [o async for o in _first(a, 1)] + [o async for o in _first(b, 1)]
         assert len(seen) == 2
         usage = {r.request_id: r for r in e.kv_usage()}
-        held = len(e._sched.requests["a"].blocks), len(e._sched.requests["b"].blocks)
-        older, newer = sorted(usage, key=lambda rid: e._sched.requests[rid].admitted_seq)
+        held = len(e.scheduler.requests["a"].blocks), len(e.scheduler.requests["b"].blocks)
+        older, newer = sorted(usage, key=lambda rid: e.scheduler.requests[rid].admitted_seq)
         assert usage[older].shared_bytes == 0 and usage[older].kv_bytes == held[older != "a"] * block_bytes
         assert usage[newer].shared_bytes == 5 * block_bytes
         assert usage[newer].kv_bytes == (held[newer != "a"] - 5) * block_bytes
-        in_use = e._sched.space.num_blocks - len(e._sched.space.free)
+        in_use = e.scheduler.space.num_blocks - len(e.scheduler.space.free)
         assert sum(r.kv_bytes for r in usage.values()) == in_use * block_bytes  # each block once
         stats = e.prefix_cache_stats()
         assert stats.evictable_blocks == 0  # both read the 5 cached blocks: pinned

@@ -260,6 +260,12 @@ class BuiltinEngine:
         return self._elastic.memory_state()
 
     @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler and its books (requests, KV space, prefix cache), for counters and checks that
+        the `Engine` contract does not carry (benches, tests); driving it is the engine's alone."""
+        return self._sched
+
+    @property
     def elastic(self) -> ElasticScheduler | None:
         """The elastic scheduler, for its counters (the bench, metrics); None for a static engine."""
         return self._elastic
