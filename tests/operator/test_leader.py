@@ -77,11 +77,11 @@ def test_a_replica_that_never_acquired_does_not_lead(clock: Clock) -> None:
 def test_the_fence_holds_for_exactly_the_lease_after_the_last_renewal(clock: Clock) -> None:
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.0)
-    assert made._try_acquire_or_renew()  # created at 1000.0
+    assert made.try_acquire_or_renew()  # created at 1000.0
     clock.now_s = 1001.999
     made.ensure_leading("patch_llmpool_status")  # no raise
     clock.now_s = 1001.5
-    assert made._try_acquire_or_renew()  # renewed at 1001.5: holds until 1003.5
+    assert made.try_acquire_or_renew()  # renewed at 1001.5: holds until 1003.5
     clock.now_s = 1003.499
     assert made.leading()
     clock.now_s = 1003.5
@@ -93,7 +93,7 @@ def test_the_fence_counts_from_before_the_renewal_was_sent(clock: Clock, monkeyp
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.0)
     slow_replace = leases.replace_namespaced_lease
-    assert made._try_acquire_or_renew()
+    assert made.try_acquire_or_renew()
 
     def replace(name: str, namespace: str, lease: client.V1Lease) -> None:
         clock.now_s += 1.5
@@ -101,7 +101,7 @@ def test_the_fence_counts_from_before_the_renewal_was_sent(clock: Clock, monkeyp
 
     monkeypatch.setattr(leases, "replace_namespaced_lease", replace)
     clock.now_s = 1001.0
-    assert made._try_acquire_or_renew()  # sent at 1001.0, answered at 1002.5
+    assert made.try_acquire_or_renew()  # sent at 1001.0, answered at 1002.5
     clock.now_s = 1002.999
     assert made.leading()
     clock.now_s = 1003.0
@@ -111,10 +111,10 @@ def test_the_fence_counts_from_before_the_renewal_was_sent(clock: Clock, monkeyp
 def test_a_failed_renewal_does_not_extend_the_fence(clock: Clock) -> None:
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.0)
-    assert made._try_acquire_or_renew()
+    assert made.try_acquire_or_renew()
     clock.now_s = 1001.0
     leases.fail_next = ApiException(status=409)
-    assert not made._try_acquire_or_renew()
+    assert not made.try_acquire_or_renew()
     clock.now_s = 1002.0
     assert not made.leading()
 
@@ -123,7 +123,7 @@ def test_the_fence_uses_the_whole_seconds_written_into_the_lease(clock: Clock) -
     """--lease-duration=2.4 writes leaseDurationSeconds=2, which is what a standby waits for."""
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.4)
-    assert made._try_acquire_or_renew()
+    assert made.try_acquire_or_renew()
     assert leases.lease is not None and leases.lease.spec.lease_duration_seconds == 2
     clock.now_s = 1002.0
     assert not made.leading()
@@ -134,7 +134,7 @@ def test_a_leader_woken_after_a_freeze_steps_down_before_writing(clock: Clock, c
     whatever the renewal thread (still asleep) would have found."""
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.0)
-    assert made._try_acquire_or_renew()
+    assert made.try_acquire_or_renew()
     lost: list[bool] = []
     made._on_lost = lambda: lost.append(True)
     clock.now_s += 5.0
@@ -165,7 +165,7 @@ def test_kube_sends_no_write_the_fence_refuses(clock: Clock) -> None:
     leases = FakeLeases()
     made = elector(leases, lease_duration_s=2.0)
     made._on_lost = lambda: None
-    assert made._try_acquire_or_renew()
+    assert made.try_acquire_or_renew()
     core = RecordingCore()
     api = bare_kube(core, made.ensure_leading)
     api.delete_pod("ns", "p-worker-0")

@@ -76,7 +76,9 @@ class LeaderElector:
         """The duration written into the Lease (whole seconds): what the other replicas go by."""
         return max(1, round(self.lease_duration_s))
 
-    def _try_acquire_or_renew(self) -> bool:
+    def try_acquire_or_renew(self) -> bool:
+        """One round of the election: take the Lease if it is free or expired, renew it if held; True
+        while this replica leads. The elector's loop calls it every retry period."""
         # Taken before any request, like `now` (the renewTime written): the lease a standby reads
         # expires no earlier than this plus its duration.
         attempt_monotonic_s = time.monotonic()
@@ -128,7 +130,7 @@ class LeaderElector:
         log.info("waiting to lead as %s (lease %s/%s)", self.identity, self.namespace, self.name)
         while not (stopping and stopping.is_set()):
             try:
-                if self._try_acquire_or_renew():
+                if self.try_acquire_or_renew():
                     log.info("became the leader as %s", self.identity)
                     return
             except ApiException as err:
@@ -147,7 +149,7 @@ class LeaderElector:
             while True:
                 time.sleep(self.lease_duration_s / 3)
                 try:
-                    if self._try_acquire_or_renew():
+                    if self.try_acquire_or_renew():
                         last_ok = time.monotonic()
                         continue
                     log.error("another replica holds the lease: stepping down")
