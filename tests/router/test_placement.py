@@ -153,14 +153,14 @@ def test_t_on_l_ranks_by_free_memory_first_as_mells_priority_weights_say() -> No
 
 
 def test_a_tiny_request_joins_the_oldest_under_filled_multi_item() -> None:
-    # Tiny requests travel in multi-items of up to C/4, refilled oldest GPU first (§VI-C, mell.py);
+    # Tiny requests travel in multi-items of up to C/4, refilled oldest GPU first (§VI-C, mell_paper.py);
     # the old rule sent them to the newest T-GPU (d).
     chosen = choose([worker("c", 2, 10), worker("d", 3, 10)], 5)
     assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("c", "allocate:tiny-in-multi-item")
 
 
 def test_s_goes_to_the_latest_s_gpu_not_an_m_gpu() -> None:
-    # Allocate S/M: "the most recently activated GPU of the request's class" (mell.py, Theorem 1), so an
+    # Allocate S/M: "the most recently activated GPU of the request's class" (mell_paper.py, Theorem 1), so an
     # S-request takes a new GPU rather than the M-GPU the old rule chose.
     chosen = choose([worker("m", 2, 45), worker("e", 5)], 35)
     assert isinstance(chosen, RouteChoice) and (chosen.pod_name, chosen.rule) == ("e", "allocate:new-GPU")

@@ -130,7 +130,7 @@ def test_profile_setup_takes_c_and_links_from_the_profile() -> None:
 def test_a_request_takes_prefill_then_output_steps(step_s: float, epoch_s: float, output_tokens: int,
                                                    finish_s: float, queue_s: float) -> None:
     """Every step S seconds: a request arriving at 0 starts decoding at max(its prefill S, the
-    epoch end at which it is placed) and writes one token per S (simulator.py's admit_arrivals and
+    epoch end at which it is placed) and writes one token per S (sim/run.py's admit_arrivals and
     decode_epoch), so it finishes N x S later. S and the epoch are powers of two and the finishes
     fall on epoch ends, so the replay's arithmetic is exact."""
     profile = make_profile([(1, 0, step_s), (1, 4096, step_s), (4, 0, step_s)], [(16, step_s), (4096, step_s)])
