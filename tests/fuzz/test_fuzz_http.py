@@ -124,6 +124,20 @@ FIELD_VALUES: dict[str, Any] = {
     "suffix": st.sampled_from(["x", ""]),
     "best_of": st.sampled_from([2, 1]),
     "unknown_field": hostile_values,
+    # vLLM's parameters, at the values that ask for nothing (accepted) and at others (refused by name).
+    "top_k": st.sampled_from([-1, 0, None, 5, False]) | hostile_values,
+    "min_p": st.sampled_from([0.0, None, 0.5]) | odd_numbers,
+    "repetition_penalty": st.sampled_from([1.0, None, 1.3]) | odd_numbers,
+    "logit_bias": st.sampled_from([{}, None, {"5": 100}, {"\ud800": 1}]) | hostile_values,
+    "min_tokens": st.sampled_from([0, 3, -1]) | big_ints,
+    "bad_words": st.sampled_from([[], ["x"], None]) | hostile_values,
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]) | hostile_values,
+    "kv_transfer_params": st.sampled_from([None, {"kvfleet": {"id": "x", "load": True}}]) | hostile_values,
+    "request_id": st.sampled_from([None, "x", "\ud800"]),
+    "top_logprobs": st.sampled_from([0, None, 5, -1]),
+    "tools": st.sampled_from([None, [], [{"type": "function", "function": {"name": "f"}}]]) | hostile_values,
+    "tool_choice": st.sampled_from(["none", None, "auto", {"type": "function"}]),
+    "chat_template_kwargs": st.sampled_from([None, {}, {"enable_thinking": True}]) | hostile_values,
 }
 PROMPTS = st.sampled_from(VOCAB_BREAKERS) | hostile_text | st.lists(st.integers(-5, 40_000), max_size=8) | hostile_values
 MESSAGES = st.sampled_from([

@@ -1,10 +1,13 @@
 """The OpenAI-compatible request and response shapes the workers and the router speak.
 
-Clients are OpenAI SDKs and tools built on them, so requests are validated against the subset of
-the OpenAI API that kvfleet implements, and everything else is refused with a 4xx in OpenAI's error
-format that names the field: a silently ignored parameter (say `n: 3` or `logprobs`) would give a
-client something other than what it asked for. Parameters that change nothing when left at their
-neutral value (penalties of 0, `n: 1`) are accepted at that value only.
+Clients are OpenAI SDKs and tools built for vLLM's OpenAI server (its own benchmark client among
+them), so a request model here has every field the pinned vLLM's request model has
+(tests/unit/test_openai_vllm_parity.py compares the two, so a vLLM upgrade that adds a field fails a
+test instead of clients). A field kvfleet's engines do not serve yet is accepted at a value that asks
+for nothing (vLLM's default, or one that leaves sampling as it is: `repetition_penalty: 1.0`,
+`top_k: -1`) and refused at any other with a 400 in OpenAI's error format that names it: a silently
+ignored parameter (say `n: 3` or `logprobs`) would give a client something other than what it asked
+for. Unknown fields are refused too. `null` means the default, as in vLLM.
 """
 
 from __future__ import annotations
@@ -14,17 +17,90 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 # Longest request body a worker or the router reads; prompts beyond the model's context are refused anyway.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 4
 
 
-class _Request(BaseModel):
+# vLLM's parameters that kvfleet's engines do not serve yet, with the values that ask for nothing
+# (vLLM's default first). Both endpoints take these; each endpoint adds its own below.
+_NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "top_k": (None, 0, -1), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
+    "watermarking": (None, False), "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
+    "min_tokens": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,), "truncation_side": (None,), "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,), "logprob_token_ids": (None,), "bad_words": ([],), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "priority": (0,),
+    "request_id": (None,), "session_id": (None,), "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False), "routed_experts_prompt_start": (0,), "return_token_offsets": (False, None),
+    "mm_payload": ("tensors",), "return_mm_kwargs": (None, False), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "ec_transfer_params": (None,), "vllm_xargs": (None,),
+    "repetition_detection": (None,), "thinking_token_budget": (None,), "stream_interval": (None,),
+}
+_NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    **_NOT_SERVED, "add_special_tokens": (True,), "prompt_embeds": (None,)}
+_NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_NOT_SERVED, "add_special_tokens": (False,), "top_logprobs": (0, None), "tools": (None, []),
+    "tool_choice": ("none", None), "reasoning_effort": (None,), "include_reasoning": (True,),
+    "parallel_tool_calls": (True, None), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "media_io_kwargs": (None,),
+    "mm_processor_kwargs": (None,), "return_prompt_text": (None, False)}
+
+
+def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int in Python: `top_k: false` is not `top_k: 0`, and `min_tokens: true` not 1.
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+class _VLLMParameters(BaseModel):
+    """The fields of vLLM's request models that both endpoints share and kvfleet does not serve yet
+    (their values checked against `NOT_SERVED`)."""
+
+    use_beam_search: Any = False
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    watermarking: Any = None
+    length_penalty: Any = 1.0
+    include_stop_str_in_output: Any = False
+    min_tokens: Any = 0
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = Field(default_factory=list)
+    logit_bias: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    priority: Any = 0
+    request_id: Any = None
+    session_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    routed_experts_prompt_start: Any = 0
+    return_token_offsets: Any = False
+    mm_payload: Any = "tensors"
+    return_mm_kwargs: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+
+
+class _Request(_VLLMParameters):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    NOT_SERVED: ClassVar[dict[str, tuple[Any, ...]]] = _NOT_SERVED
 
     model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     max_tokens: int | None = Field(default=None, ge=1)
@@ -41,6 +117,27 @@ class _Request(BaseModel):
     # kvfleet extensions (vLLM spells them the same way).
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs",
+                     "n", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # vLLM's fields are Optional and null means its default; kvfleet's defaults are the same values.
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _served(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.NOT_SERVED.get(info.field_name or "")
+        if neutral is not None and not _asks_nothing(value, neutral):
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "{value} is not served by kvfleet's engines yet: leave it out or send {neutral}",
+                {"value": json.dumps(value, default=str)[:80],
+                 "neutral": " or ".join(json.dumps(n) for n in neutral)})
+        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -70,8 +167,12 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """POST /v1/completions: one prompt, as text or as token ids."""
 
+    NOT_SERVED: ClassVar[dict[str, tuple[Any, ...]]] = _NOT_SERVED_COMPLETION
+
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     echo: Literal[False] = False
+    add_special_tokens: Any = True
+    prompt_embeds: Any = None
     logprobs: None = None
     suffix: None = None
     max_tokens: int | None = Field(default=16, ge=1)
@@ -99,9 +200,27 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages rendered with the model's chat template."""
 
+    NOT_SERVED: ClassVar[dict[str, tuple[Any, ...]]] = _NOT_SERVED_CHAT
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: Literal[False] = False
+    echo: Literal[False] = False
+    add_special_tokens: Any = False
+    top_logprobs: Any = 0
+    tools: Any = None
+    tool_choice: Any = "none"
+    reasoning_effort: Any = None
+    include_reasoning: Any = True
+    parallel_tool_calls: Any = True
+    add_generation_prompt: Any = True
+    continue_final_message: Any = False
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
