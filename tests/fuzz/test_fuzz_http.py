@@ -228,6 +228,20 @@ def test_a_chat_with_one_hostile_field_is_answered(server: Server, body: dict[st
     assert_answered(*post(server, "/v1/chat/completions", encode(body)))
 
 
+@settings(SETTINGS, max_examples=60)
+@given(path=st.sampled_from(["/tokenize", "/detokenize"]),
+       body=st.fixed_dictionaries({}, optional={
+           "model": st.sampled_from([MODEL, "other", None, 1]), "prompt": PROMPTS, "messages": MESSAGES,
+           "tokens": st.sampled_from(VOCAB_BREAKERS) | hostile_values, "return_token_strs": hostile_values,
+           "add_special_tokens": hostile_values, "add_generation_prompt": hostile_values, "tools": hostile_values,
+           "unknown_field": hostile_values}) | hostile_values)
+@example(path="/tokenize", body={"prompt": "\ud800"})
+@example(path="/detokenize", body={"tokens": [2**64]})
+@example(path="/tokenize", body={"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
+def test_tokenize_and_detokenize_answer_any_body(server: Server, path: str, body: Any) -> None:
+    assert_answered(*post(server, path, encode(body)))
+
+
 @FEW
 @given(path=st.sampled_from(OPENAI_PATHS), raw=st.binary(max_size=64),
        content_type=st.sampled_from([None, "application/json", "text/plain", "multipart/form-data; boundary=x",

@@ -132,6 +132,19 @@ def test_client_errors_come_back_as_the_workers_do(routed: tuple[Router, Server]
     assert status == 200 and json.loads(raw)["data"][0]["id"] == MODEL
 
 
+def test_tokenize_detokenize_and_version_through_the_router_answer_as_a_worker(workers: list[Server],
+                                                                              routed: tuple[Router, Server]) -> None:
+    _, router = routed
+    for path, body in (("/tokenize", {"model": MODEL, "prompt": "Hello world", "return_token_strs": True}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/detokenize", {"tokens": [5, 6, 7]})):
+        assert router.post(path, body) == workers[0].post(path, body)
+    status, body = router.post("/tokenize", {"prompt": "x", "frobnicate": 1})
+    assert (status, body["error"]["param"]) == (400, "frobnicate")  # refused by the router, no worker asked
+    status, _, raw = router.request("GET", "/version")
+    assert status == 200 and json.loads(raw) == json.loads(workers[0].request("GET", "/version")[2])
+
+
 def test_the_router_sizes_requests_with_the_workers_kv_facts(routed: tuple[Router, Server]) -> None:
     router_obj, router = routed
     assert router.post("/v1/completions", completion())[0] == 200

@@ -234,3 +234,32 @@ def test_reports_follow_a_request_in_and_out(worker: Worker) -> None:
     assert entry.tokens > 0 and entry.kv_bytes % (16 * 2048) == 0
     # 200 decode steps, but only the arrival and the finish are written (the request stays in class tiny).
     assert len(worker.reports) - before <= 4
+
+
+def test_tokenize_detokenize_version_and_models_answer_as_vllms_server(worker: Worker, tiny_model_dir: Path) -> None:
+    tokenizer = Tokenizer(tiny_model_dir)
+    status, body = worker.post("/tokenize", {"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    ids = tokenizer.encode("Hello world")
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                                      "token_strs": tokenizer.token_strs(ids)}
+    assert worker.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False})[1]["tokens"] == \
+        tokenizer.encode("Hello world", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    status, body = worker.post("/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200 and body["tokens"] == tokenizer.encode_chat(messages) and body["token_strs"] is None
+    assert worker.post("/tokenize", {"messages": messages, "add_generation_prompt": False})[1]["tokens"] == \
+        tokenizer.encode_chat(messages, add_generation_prompt=False)
+    assert worker.post("/detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": tokenizer.decode(ids)})
+    status, body = worker.post("/detokenize", {"tokens": [10**9]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    status, body = worker.post("/tokenize", {"model": "other", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    for bad in ({"prompt": "x", "tools": []}, {"messages": messages, "tools": [{"type": "function"}]}):
+        status, body = worker.post("/tokenize", bad)
+        assert (status, body["error"]["param"]) == (400, "tools")
+    status, raw = worker.request("GET", "/version")
+    assert status == 200 and set(json.loads(raw)) == {"version"}
+    status, raw = worker.request("GET", "/v1/models")
+    card = json.loads(raw)["data"][0]
+    assert status == 200 and (card["id"], card["root"], card["max_model_len"]) == (MODEL, MODEL, 256)
+    assert card["permission"][0]["object"] == "model_permission"

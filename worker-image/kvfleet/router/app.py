@@ -48,11 +48,17 @@ from kvfleet.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     model_list,
+    tokenize_request,
     validated,
+    version,
 )
 
 log = logging.getLogger(__name__)
+
+# How long a worker may take to tokenize or detokenize one body before the next is asked.
+TOKENIZE_TIMEOUT_S = 30.0
 
 
 def new_seed() -> int:
@@ -105,6 +111,9 @@ class Router:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get(SPEED_PROFILE_PATH, self._speed_profile)
+        app.router.add_post("/tokenize", self._to_a_worker)
+        app.router.add_post("/detokenize", self._to_a_worker)
+        app.router.add_get("/version", self._version)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -149,6 +158,28 @@ class Router:
         if info is None:
             raise APIError(503, "the pool has no Ready worker; retry shortly", error_type="server_error", code="no_ready_worker")
         return web.json_response(model_list(info.model_name, info.max_model_len))
+
+    async def _version(self, _: web.Request) -> web.Response:
+        return web.json_response(version())
+
+    async def _to_a_worker(self, request: web.Request) -> web.Response:
+        """POST /tokenize and /detokenize, as vLLM's server answers them: the model's tokenizer lives with
+        the workers, so a Ready one answers (the next if one cannot be reached); a bad body is refused
+        here, without one."""
+        raw = await httpapi.read_json(request)
+        if request.path == "/tokenize":
+            tokenize_request(raw)
+        else:
+            validated(DetokenizeRequest, raw)
+        for worker in self.view.snapshot().ready_workers():
+            try:
+                async with self.session.post(f"http://{worker.address}{request.path}", json=raw,
+                                             timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S)) as resp:
+                    return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError) as err:
+                log.info("%s on %s failed, asking the next worker: %s", request.path, worker.pod_name, err)
+        raise APIError(503, "the pool has no Ready worker to tokenize with; retry shortly", error_type="server_error",
+                       code="no_ready_worker")
 
     async def _speed_profile(self, _: web.Request) -> web.Response:
         # Every worker the view knows, Ready or not: a draining worker's numbers are still its own.

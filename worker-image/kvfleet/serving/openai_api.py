@@ -12,6 +12,7 @@ for. Unknown fields are refused too. `null` means the default, as in vLLM.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 import uuid
@@ -233,7 +234,7 @@ class ChatCompletionRequest(_Request):
             raise APIError(400, str(err), param="messages") from None
 
 
-RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -336,9 +337,75 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def model_list(model_id: str, max_model_len: int) -> dict[str, Any]:
-    """GET /v1/models: the pool's one model, with its context length (vLLM's extension, which clients read)."""
+    """GET /v1/models: the pool's one model with the fields vLLM's server fills (its ModelCard: the
+    context length, `root`, a permission), which clients built for vLLM read."""
+    created = now_s()
+    permission = {"id": new_id("modelperm"), "object": "model_permission", "created": created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                  "group": None, "is_blocking": False}
     return {"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": 0, "owned_by": "kvfleet", "max_model_len": max_model_len}]}
+        {"id": model_id, "object": "model", "created": created, "owned_by": "kvfleet", "root": model_id,
+         "parent": None, "max_model_len": max_model_len, "permission": [permission]}]}
+
+
+def version() -> dict[str, str]:
+    """GET /version, as vLLM's server answers it: kvfleet's version (the installed distribution's)."""
+    try:
+        return {"version": importlib.metadata.version("kvfleet")}
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
+        return {"version": "unknown"}
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with messages, rendered by the model's chat template (vLLM's TokenizeChatRequest)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: Literal[False] = False
+    add_special_tokens: Literal[False] = False
+    chat_template: None = None
+    chat_template_kwargs: None = None
+    media_io_kwargs: None = None
+    mm_processor_kwargs: None = None
+    tools: None = None
+
+    def text_messages(self) -> list[dict[str, str]]:
+        try:
+            return [{"role": m.role, "content": m.text()} for m in self.messages]
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's DetokenizeRequest)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def tokenize_request(raw: dict[str, Any]) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body: with `messages` a chat, otherwise a prompt (as vLLM tells them apart)."""
+    if "messages" in raw:
+        return validated(TokenizeChatRequest, raw)
+    return validated(TokenizeCompletionRequest, raw)
 
 
 def token_meta(index: int, token_ids: Sequence[int], prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:

@@ -20,11 +20,15 @@ from kvfleet.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseShape,
+    TokenizeChatRequest,
     model_list,
     token_meta,
+    tokenize_request,
     usage,
     validated,
+    version,
 )
 from kvfleet.worker.engines.base import EngineInfo, SamplingParams
 from kvfleet.worker.migration.handoff import Moved, RequestMoved
@@ -48,10 +52,47 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
 
     async def models(self, _: web.Request) -> web.Response:
         info = self.require_engine()
         return web.json_response(model_list(self.model_name, info.max_model_len))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize as vLLM's server answers it: the prompt's (or the rendered chat's) token ids."""
+        info = self.require_engine()
+        body = tokenize_request(await httpapi.read_json(request))
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            try:
+                ids = self.tokenizer.encode_chat(body.text_messages(), body.add_generation_prompt)
+            except ValueError as err:
+                raise APIError(400, str(err), param="messages") from None
+        else:
+            ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
+        return web.json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+                                  "token_strs": self.tokenizer.token_strs(ids) if body.return_token_strs else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize as vLLM's server answers it: the text of token ids."""
+        self.require_engine()
+        body = validated(DetokenizeRequest, await httpapi.read_json(request))
+        self._check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be below the vocabulary size {vocab}", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(body.tokens)})
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response(version())
+
+    def _check_model(self, model: str | None) -> None:
+        """A request naming another model is a 404, as on the completions routes (None: this one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist here; this pool serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
@@ -73,9 +114,7 @@ class OpenAIRoutes:
 
     def _job(self, info: EngineInfo, request_id: str, body: CompletionRequest | ChatCompletionRequest,
              prompt_ids: list[int], max_tokens: int | None) -> Job:
-        if body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist here; this pool serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self._check_model(body.model)
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")

@@ -37,16 +37,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, with the BOS token the model expects."""
-        return list(self._tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt, with the BOS token the model expects (unless told not to)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered by the model's own chat template, ready for the reply."""
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered by the model's own chat template, ready for the reply (unless
+        `add_generation_prompt` is False, as /tokenize may ask)."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
-        rendered: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        rendered: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         return list(self._tok.encode(str(rendered), add_special_tokens=False))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own string, as /tokenize's `token_strs` gives them (vLLM: the tokenizer's tokens)."""
+        return [str(s) for s in self._tok.convert_ids_to_tokens(list(token_ids))]
 
     def payload(self) -> dict[str, Any]:
         """What a router needs to tokenize prompts as this worker does (kvfleet.serving.tokens): the
