@@ -71,3 +71,8 @@ def test_unknown_fields_are_still_refused() -> None:
         validated(CompletionRequest, {"model": "tiny", "prompt": "hi", "frobnicate": 1})
     with pytest.raises(APIError, match="unknown field 'prompt_embeds'"):
         validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "prompt_embeds": None})
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_every_parameter_not_served_yet_is_a_field_of_its_model(model: type[Any]) -> None:
+    assert set(model.NOT_SERVED) <= set(model.model_fields)

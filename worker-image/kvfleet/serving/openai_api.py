@@ -28,29 +28,26 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 4
 
 
-# vLLM's parameters that kvfleet's engines do not serve yet, with the values that ask for nothing
-# (vLLM's default first). Both endpoints take these; each endpoint adds its own below.
+# vLLM's parameters that kvfleet's engines do not serve yet (the `_VLLMParameters` fields and each
+# endpoint's own), with the values that ask for nothing besides the field's default (vLLM's, declared
+# once, on the field). Both endpoints take these; each endpoint adds its own below.
 _NOT_SERVED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,), "top_k": (None, 0, -1), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
-    "watermarking": (None, False), "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
-    "min_tokens": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (None,), "truncation_side": (None,), "allowed_token_ids": (None,),
-    "prompt_logprobs": (None,), "logprob_token_ids": (None,), "bad_words": ([],), "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "priority": (0,),
-    "request_id": (None,), "session_id": (None,), "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False), "routed_experts_prompt_start": (0,), "return_token_offsets": (False, None),
-    "mm_payload": ("tensors",), "return_mm_kwargs": (None, False), "cache_salt": (None,),
-    "kv_transfer_params": (None,), "ec_transfer_params": (None,), "vllm_xargs": (None,),
-    "repetition_detection": (None,), "thinking_token_budget": (None,), "stream_interval": (None,),
+    "use_beam_search": (), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,),
+    "watermarking": (False,), "length_penalty": (), "include_stop_str_in_output": (), "min_tokens": (),
+    "skip_special_tokens": (), "spaces_between_special_tokens": (), "truncate_prompt_tokens": (),
+    "truncation_side": (), "allowed_token_ids": (), "prompt_logprobs": (), "logprob_token_ids": (), "bad_words": (),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "structured_outputs": (), "priority": (),
+    "request_id": (), "session_id": (), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "routed_experts_prompt_start": (), "return_token_offsets": (None,), "mm_payload": (), "return_mm_kwargs": (False,),
+    "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (),
+    "thinking_token_budget": (), "stream_interval": (),
 }
-_NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    **_NOT_SERVED, "add_special_tokens": (True,), "prompt_embeds": (None,)}
+_NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {**_NOT_SERVED, "add_special_tokens": (), "prompt_embeds": ()}
 _NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
-    **_NOT_SERVED, "add_special_tokens": (False,), "top_logprobs": (0, None), "tools": (None, []),
-    "tool_choice": ("none", None), "reasoning_effort": (None,), "include_reasoning": (True,),
-    "parallel_tool_calls": (True, None), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "media_io_kwargs": (None,),
-    "mm_processor_kwargs": (None,), "return_prompt_text": (None, False)}
+    **_NOT_SERVED, "add_special_tokens": (), "top_logprobs": (None,), "tools": ([],), "tool_choice": (None,),
+    "reasoning_effort": (), "include_reasoning": (), "parallel_tool_calls": (None,), "add_generation_prompt": (),
+    "continue_final_message": (), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
+    "media_io_kwargs": (), "mm_processor_kwargs": (), "return_prompt_text": (False,)}
 
 
 def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -131,8 +128,12 @@ class _Request(_VLLMParameters):
     @field_validator("*", mode="after")
     @classmethod
     def _served(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral = cls.NOT_SERVED.get(info.field_name or "")
-        if neutral is not None and not _asks_nothing(value, neutral):
+        name = info.field_name or ""
+        no_ops = cls.NOT_SERVED.get(name)
+        if no_ops is None:
+            return value
+        neutral = (cls.model_fields[name].get_default(call_default_factory=True), *no_ops)
+        if not _asks_nothing(value, neutral):
             raise PydanticCustomError(
                 "unsupported_parameter",
                 "{value} is not served by kvfleet's engines yet: leave it out or send {neutral}",
@@ -198,6 +199,14 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def text_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as `{"role", "content"}` with text content, or the 400 for a part that is not text."""
+    try:
+        return [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as err:
+        raise APIError(400, str(err), param="messages") from None
+
+
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages rendered with the model's chat template."""
 
@@ -227,11 +236,7 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def text_messages(self) -> list[dict[str, str]]:
-        """The messages as `{"role", "content"}` with text content, or the 400 for a part that is not text."""
-        try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages]
-        except ValueError as err:
-            raise APIError(400, str(err), param="messages") from None
+        return text_messages(self.messages)
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -386,10 +391,7 @@ class TokenizeChatRequest(BaseModel):
     tools: None = None
 
     def text_messages(self) -> list[dict[str, str]]:
-        try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages]
-        except ValueError as err:
-            raise APIError(400, str(err), param="messages") from None
+        return text_messages(self.messages)
 
 
 class DetokenizeRequest(BaseModel):

@@ -66,10 +66,7 @@ class OpenAIRoutes:
         body = tokenize_request(await httpapi.read_json(request))
         self._check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            try:
-                ids = self.tokenizer.encode_chat(body.text_messages(), body.add_generation_prompt)
-            except ValueError as err:
-                raise APIError(400, str(err), param="messages") from None
+            ids = self._chat_ids(body.text_messages(), body.add_generation_prompt)
         else:
             ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         return web.json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
@@ -88,6 +85,13 @@ class OpenAIRoutes:
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response(version())
 
+    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The messages rendered by the model's chat template, or the 400 when it has none."""
+        try:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+
     def _check_model(self, model: str | None) -> None:
         """A request naming another model is a 404, as on the completions routes (None: this one)."""
         if model is not None and model != self.model_name:
@@ -104,11 +108,7 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
         body = validated(ChatCompletionRequest, await httpapi.read_json(request))
-        messages = body.text_messages()
-        try:
-            prompt_ids = self.tokenizer.encode_chat(messages)
-        except ValueError as err:
-            raise APIError(400, str(err), param="messages") from None
+        prompt_ids = self._chat_ids(body.text_messages())
         job = self._job(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
         return await self._respond(request, job, body, chat=True)
 
