@@ -109,7 +109,7 @@ FIELD_VALUES: dict[str, Any] = {
     "max_completion_tokens": st.sampled_from([-1, 0, 10**18, "2", math.nan]),
     "temperature": odd_numbers | st.sampled_from([-1, 2.0001, 0, 2, "0", 10**400 // 10**399]),
     "top_p": odd_numbers | st.sampled_from([0, 1.0001, -1]),
-    "n": st.sampled_from([0, 2, 10**6, -1]),
+    "n": st.sampled_from([0, 2, 17, 10**6, -1]),
     "stream": st.sampled_from([True, "yes", 1, None]),
     "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": "x"}, [], {"a": {}}, "x"]),
     "stop": st.sampled_from([["a"] * 10_000, "", [""], [1], "x" * 100_000, ["\ud800"], ["\x00"], ["a", "b"]]),
@@ -119,19 +119,30 @@ FIELD_VALUES: dict[str, Any] = {
     "user": st.sampled_from([1, "x" * 10_000, "\ud800", None]),
     "stop_token_ids": st.sampled_from([[-1], [2**63], [10**30], [1.5], ["a"], list(range(10_000))]),
     "ignore_eos": st.sampled_from(["true", 2, None]),
-    "logprobs": st.sampled_from([True, 5, 0, None]),
+    "logprobs": st.sampled_from([True, 5, 0, None, 21, -1]),
     "echo": st.sampled_from([True, 1]),
+    "include_stop_str_in_output": st.sampled_from([True, None, "x"]),
     "suffix": st.sampled_from(["x", ""]),
     "best_of": st.sampled_from([2, 1]),
     "unknown_field": hostile_values,
-    # vLLM's parameters, at the values that ask for nothing (accepted) and at others (refused by name).
-    "top_k": st.sampled_from([-1, 0, None, 5, False]) | hostile_values,
-    "min_p": st.sampled_from([0.0, None, 0.5]) | odd_numbers,
-    "repetition_penalty": st.sampled_from([1.0, None, 1.3]) | odd_numbers,
-    "logit_bias": st.sampled_from([{}, None, {"5": 100}, {"\ud800": 1}]) | hostile_values,
-    "min_tokens": st.sampled_from([0, 3, -1]) | big_ints,
+    # vLLM's parameters: served ones at good and bad values, the others at the values that ask for nothing
+    # (accepted) and at others (refused by name).
+    "top_k": st.sampled_from([-1, 0, None, 5, False, -2]) | hostile_values,
+    "min_p": st.sampled_from([0.0, None, 0.5, 1.0]) | odd_numbers,
+    "repetition_penalty": st.sampled_from([1.0, None, 1.3, 0.0]) | odd_numbers,
+    "logit_bias": st.sampled_from([{}, None, {"5": 100}, {"\ud800": 1}, {"999999": 1}, {"-1": 1}, {"5": 1e308},
+                                   {"5": math.nan}, {str(i): -100 for i in range(3000)}]) | hostile_values,
+    "min_tokens": st.sampled_from([0, 2, 3, -1]) | big_ints,
     "bad_words": st.sampled_from([[], ["x"], None]) | hostile_values,
-    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]) | hostile_values,
+    "response_format": st.sampled_from([
+        None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}]) | hostile_values,
+    "structured_outputs": st.sampled_from([
+        None, {}, {"regex": "("}, {"regex": "[0-9]+"}, {"regex": "(a*)*b"}, {"regex": ""}, {"choice": []}, {"choice": [""]},
+        {"choice": ["a", "a"]}, {"json": {"type": "nonsense"}}, {"json": "{"}, {"grammar": "x"}, {"grammar": ""},
+        {"json_object": True}, {"json_object": False}, {"regex": "a", "choice": ["b"]}]) | hostile_values,
     "kv_transfer_params": st.sampled_from([None, {"kvfleet": {"id": "x", "load": True}}]) | hostile_values,
     "request_id": st.sampled_from([None, "x", "\ud800"]),
     "top_logprobs": st.sampled_from([0, None, 5, -1]),
@@ -210,6 +221,10 @@ def test_any_json_value_is_a_client_error(server: Server, path: str, body: Any) 
 @example(body=completion_body(stop=["a"] * 10_000))
 @example(body=completion_body(n=2))
 @example(body=completion_body(logprobs=1))
+@example(body=completion_body(structured_outputs={"regex": "("}))
+@example(body=completion_body(structured_outputs={"choice": [""]}))
+@example(body=completion_body(structured_outputs={"regex": ""}))
+@example(body=completion_body(logit_bias={str(i): -100 for i in range(3000)}))
 @example(body=completion_body(prompt="\ud800"))
 @example(body=completion_body(seed=2**64))
 @example(body=completion_body(stop_token_ids=[10**30]))

@@ -45,11 +45,9 @@ def test_vllm_bench_serves_payloads_are_accepted() -> None:
     assert chat.output_limit() == 8 and chat.temperature == 1.0 and chat.top_p == 1.0 and chat.logprobs is False
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2),
-                                              ("logit_bias", {"5": 10}), ("bad_words", ["x"]), ("min_tokens", 3),
-                                              ("use_beam_search", True), ("response_format", {"type": "json_object"}),
+@pytest.mark.parametrize(("field", "value"), [("bad_words", ["x"]), ("use_beam_search", True),
                                               ("kv_transfer_params", {"kvfleet": {"id": "x", "load": True}}),
-                                              ("top_k", False), ("request_id", "mine")])
+                                              ("request_id", "mine"), ("return_tokens_as_token_ids", True)])
 def test_a_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(APIError) as refused:
         validated(CompletionRequest, {"model": "tiny", "prompt": "hi", field: value})
@@ -58,12 +56,66 @@ def test_a_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -
 
 
 @pytest.mark.parametrize(("field", "value"), [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                              ("top_logprobs", 2), ("tool_choice", "auto"),
+                                              ("tool_choice", "auto"), ("echo", True),
                                               ("chat_template_kwargs", {"enable_thinking": True})])
 def test_a_chat_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(APIError) as refused:
         validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, field: value})
     assert (refused.value.param, refused.value.code) == (field, "unsupported_parameter")
+
+
+def test_the_served_sampling_parameters_are_read_as_vllm_reads_them() -> None:
+    body = validated(CompletionRequest, {
+        "model": "tiny", "prompt": "hi", "n": 3, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2,
+        "presence_penalty": -0.5, "frequency_penalty": 2, "logit_bias": {"7": 300, "2": -1.5}, "min_tokens": 4,
+        "logprobs": 5, "echo": False, "seed": 11, "include_stop_str_in_output": True, "max_tokens": 9})
+    assert (body.n, body.top_k, body.min_p, body.repetition_penalty, body.min_tokens) == (3, -1, 0.1, 1.2, 4)
+    # Biases are clamped to +-100 as vLLM clamps them, and sorted by token id for the engines.
+    assert body.logit_biases() == ((2, -1.5), (7, 100.0))
+    assert body.top_logprobs_wanted() == 5 and [body.sample_seed(i) for i in range(3)] == [11, 12, 13]
+    chat = validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 3})
+    assert chat.top_logprobs_wanted() == 3
+    assert validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES}).top_logprobs_wanted() is None
+
+
+@pytest.mark.parametrize(("raw", "kind", "spec"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}},
+     "json_schema", '{"type": "object"}'),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, "json_schema", '{"type": "integer"}'),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, "json_schema", '{"type": "integer"}'),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", '["yes", "no"]'),
+    ({"structured_outputs": {"grammar": "start: \"a\""}}, "grammar", 'start: "a"'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+])
+def test_structured_outputs_become_one_constraint(raw: dict[str, Any], kind: str | None, spec: str | None) -> None:
+    body = validated(CompletionRequest, {"model": "tiny", "prompt": "hi", **raw})
+    assert body.structured() == (None if kind is None else (kind, spec))
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"), ({"min_tokens": 20}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+])
+def test_bad_values_are_refused_with_the_field_named(raw: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as refused:
+        validated(CompletionRequest, {"model": "tiny", "prompt": "hi", **raw})
+    assert (refused.value.status, refused.value.param) == (400, param)
+
+
+def test_top_logprobs_needs_logprobs_in_chat() -> None:
+    with pytest.raises(APIError) as refused:
+        validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "top_logprobs": 2})
+    assert refused.value.param == "top_logprobs" and "logprobs must be set to true" in refused.value.message
 
 
 def test_unknown_fields_are_still_refused() -> None:

@@ -13,7 +13,7 @@ import asyncio
 import gc
 import json
 import shutil
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,14 +26,16 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     DuplicateRequest,
     Engine,
     EngineConfig,
+    EngineError,
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    StructuredOutput,
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import LlamaForward, PagedKVCache, SeqBatchEntry  # noqa: E402
-from kvfleet.worker.engines.builtin.sampling import Sampling, sample_token  # noqa: E402
+from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampling, sample_token  # noqa: E402
 from kvfleet.worker.engines.capabilities import KVBlocks, KVMigratable, MigrationError  # noqa: E402
 
 T = TypeVar("T")
@@ -65,8 +67,8 @@ def engine_config(model_dir: Path, **kw: Any) -> EngineConfig:
     return EngineConfig(model_path=model_dir, **kw)
 
 
-async def started(model_dir: Path, **kw: Any) -> BuiltinEngine:
-    engine = BuiltinEngine(engine_config(model_dir, **kw))
+async def started(model_dir: Path, make_constraint: MakeConstraint | None = None, **kw: Any) -> BuiltinEngine:
+    engine = BuiltinEngine(engine_config(model_dir, **kw), make_constraint=make_constraint)
     await engine.start()
     return engine
 
@@ -250,10 +252,10 @@ def test_sample_token_follows_the_distribution() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     counts = torch.zeros(4)
     for step in range(2000):
-        counts[sample_token(logits, Sampling(1.0, 1.0, 7, step))] += 1
+        counts[sample_token(logits, Sampling(SamplingParams(temperature=1.0), 7, step))] += 1
     assert torch.allclose(counts / counts.sum(), torch.softmax(logits, 0), atol=0.03)
     # top_p 0.7 keeps the two best (0.64 mass before the second), never the others.
-    kept = {sample_token(logits, Sampling(1.0, 0.7, 7, step)) for step in range(300)}
+    kept = {sample_token(logits, Sampling(SamplingParams(temperature=1.0, top_p=0.7), 7, step)) for step in range(300)}
     assert kept == {0, 1}
 
 
@@ -512,5 +514,147 @@ def test_migration_refusals(tiny_model_dir: Path) -> None:
         finally:
             await source.stop()
             await target.stop()
+
+    run(scenario())
+
+
+# -- vLLM's sampling parameters (builtin/sampling.py; exact effects in test_sampling.py) ---------------
+
+
+class Sequenced:
+    """A fake grammar: exactly the next token of a fixed sequence may come; finished at its end."""
+
+    def __init__(self, tokens: Sequence[int], width: int, done: Sequence[int] = ()) -> None:
+        self.tokens, self.width, self.at = list(tokens), width, 0
+        for token in done:
+            self.advance(token)
+
+    def allowed(self) -> Any:
+        mask = torch.zeros(self.width, dtype=torch.bool)
+        if self.at < len(self.tokens):
+            mask[self.tokens[self.at]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        if self.finished or token_id != self.tokens[self.at]:
+            raise ValueError(f"token {token_id} does not follow")
+        self.at += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.at == len(self.tokens)
+
+
+def sequences(replayed: list[list[int]]) -> MakeConstraint:
+    """A factory of `Sequenced` over the tiny model's 2048 tokens, its spec the sequence as JSON; each
+    call's replayed output tokens are recorded."""
+
+    def make(spec: StructuredOutput, done: Sequence[int]) -> Sequenced:
+        replayed.append(list(done))
+        return Sequenced(json.loads(spec.spec), 2048, done)
+
+    return make
+
+
+def test_logprobs_come_one_per_token_of_the_raw_distribution(tiny_model_dir: Path) -> None:
+    async def scenario() -> tuple[list[StepOutput], list[StepOutput], list[StepOutput]]:
+        engine = await started(tiny_model_dir)
+        try:
+            plain = [o async for o in engine.generate("plain", PROMPTS[0], greedy(6))]
+            ranked = [o async for o in engine.generate("lp", PROMPTS[0], greedy(6, logprobs=3, repetition_penalty=0.5))]
+            drawn = [o async for o in engine.generate("drawn", PROMPTS[0], SamplingParams(
+                max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logprobs=0))]
+            await assert_all_free(engine)
+            return plain, ranked, drawn
+        finally:
+            await engine.stop()
+
+    plain, ranked, drawn = run(scenario())
+    assert all(out.logprobs == () for out in plain)
+    for out in ranked + drawn:
+        (token,) = out.new_token_ids
+        (lp,) = out.logprobs
+        assert lp.token_id == token and lp.logprob < 0 and lp.rank >= 1
+    # The raw distribution's top, most likely first; the first token (no penalty yet) is its argmax.
+    for out in ranked:
+        (lp,) = out.logprobs
+        assert len(lp.top) == 3 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert (lp.token_id, lp.logprob) in lp.top or lp.rank > 3
+    first = ranked[0].logprobs[0]
+    assert first.rank == 1 and first.top[0] == (first.token_id, first.logprob)
+    assert first.token_id == plain[0].new_token_ids[0]
+    assert all(out.logprobs[0].top == () for out in drawn)
+
+
+def test_penalties_bias_and_min_tokens_change_greedy_output(tiny_model_dir: Path) -> None:
+    async def scenario() -> None:
+        engine = await started(tiny_model_dir)
+        try:
+            free = await tokens_of(engine.generate("free", PROMPTS[0], greedy(24)))
+            neutral = await tokens_of(engine.generate("neutral", PROMPTS[0], greedy(24, repetition_penalty=1.0)))
+            assert neutral == free
+            # The tiny model never repeats itself greedily; a penalty below 1 rewards what it has seen.
+            rewarded = await tokens_of(engine.generate("rp", PROMPTS[0], greedy(24, repetition_penalty=0.5)))
+            assert rewarded != free and len(set(rewarded)) < len(rewarded)
+            biased = await tokens_of(engine.generate("bias", PROMPTS[0], greedy(5, logit_bias=((7, 100.0),))))
+            assert biased == [7] * 5
+            # min_tokens holds the model's EOS back (here a token greedy decoding soon produces).
+            stop_at = next(i for i in range(2, 24) if free[i] not in free[:i])
+            engine.scheduler.eos_ids = frozenset({free[stop_at]})
+            early = await tokens_of(engine.generate("eos", PROMPTS[0], greedy(24, ignore_eos=False)))
+            assert early == free[: stop_at + 1]
+            held = await tokens_of(engine.generate("min", PROMPTS[0], greedy(24, ignore_eos=False, min_tokens=stop_at + 4)))
+            assert held[:stop_at] == free[:stop_at] and free[stop_at] not in held[: stop_at + 4]
+            assert len(held) >= stop_at + 4
+            with pytest.raises(EngineError, match="logit_bias"):
+                engine.generate("bad", PROMPTS[0], greedy(4, logit_bias=((5000, 1.0),)))
+            await assert_all_free(engine)
+        finally:
+            await engine.stop()
+
+    run(scenario())
+
+
+def test_structured_output_follows_its_constraint_across_a_move_and_stops(tiny_model_dir: Path) -> None:
+    sequence = [5, 900, 17, 1999, 3, 44, 45, 46, 47, 48, 1000, 7]
+    spec = StructuredOutput("grammar", json.dumps(sequence))
+
+    async def scenario() -> None:
+        replayed: list[list[int]] = []
+        plain = await started(tiny_model_dir)
+        source = await started(tiny_model_dir, sequences(replayed), min_step_s=0.05)
+        target = await started(tiny_model_dir, sequences(replayed))
+        try:
+            # Without a factory of its own the engine compiles specs with llguidance (grammar.py), which
+            # refuses this one (a token list is no grammar) before the request starts.
+            with pytest.raises(EngineError, match="invalid grammar"):
+                plain.generate("s", PROMPTS[0], greedy(20, structured=spec))
+            outs = [o async for o in source.generate("g", PROMPTS[0], greedy(20, structured=spec))]
+            assert [t for o in outs for t in o.new_token_ids] == sequence
+            assert outs[-1].finished and outs[-1].finish_reason == "stop"
+            drawn = await tokens_of(source.generate("d", PROMPTS[1], SamplingParams(
+                max_tokens=20, temperature=1.5, seed=1, structured=spec, logit_bias=((8, 50.0),))))
+            assert drawn == sequence
+            # Moved mid-way (token mode): the target replays the output so far into its grammar.
+            stream = source.generate("m", PROMPTS[2], greedy(20, structured=spec))
+            before: list[int] = []
+            async for out in stream:
+                before.extend(out.new_token_ids)
+                if len(before) >= 4:
+                    break
+            state = await migration_of(source).suspend("m")
+            before.extend([t async for out in stream for t in out.new_token_ids])
+            assert list(state.output_token_ids) == before and len(before) < len(sequence)
+            migration_of(source).release("m")
+            resumed = [o async for o in migration_of(target).resume("m", state.prompt_token_ids, state.output_token_ids,
+                                                                    state.params)]
+            assert before + [t for o in resumed for t in o.new_token_ids] == sequence
+            assert resumed[-1].finish_reason == "stop"
+            assert replayed == [[], [], [], before]
+            for engine in (source, target):
+                await assert_all_free(engine)
+        finally:
+            for engine in (plain, source, target):
+                await engine.stop()
 
     run(scenario())

@@ -9,7 +9,9 @@ and the activation side. The activation charge is checked against what torch rea
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,14 @@ torch = pytest.importorskip("torch")
 from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
-from kvfleet.worker.engines.base import EngineConfig, EngineError, RequestTooLong, SamplingParams  # noqa: E402
+from kvfleet.worker.engines.base import (  # noqa: E402
+    EngineConfig,
+    EngineError,
+    RequestTooLong,
+    SamplingParams,
+    StepOutput,
+    StructuredOutput,
+)
 from kvfleet.worker.engines.builtin.elastic import ElasticScheduler  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine, static_activation_reserve_bytes  # noqa: E402
 from kvfleet.worker.engines.builtin.model import (  # noqa: E402
@@ -32,6 +41,7 @@ from kvfleet.worker.engines.builtin.model import (  # noqa: E402
     read_architecture,
 )
 from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
+from kvfleet.worker.engines.builtin.sampling import MakeConstraint  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -50,14 +60,15 @@ async def serve_all(engine: BuiltinEngine, prompts: list[list[int]]) -> list[lis
         await engine.stop()
 
 
-def elastic_engine(model_dir: Path, *, min_step_s: float = 0.0, **memory: Any) -> BuiltinEngine:
+def elastic_engine(model_dir: Path, *, min_step_s: float = 0.0, make_constraint: MakeConstraint | None = None,
+                   **memory: Any) -> BuiltinEngine:
     # 3.5 MiB in 256 KiB chunks (8 blocks of the tiny model in float32): ten requests' KV and their
     # decode activations do not fit at once, so the pool is always short.
     memory.setdefault("budget_bytes", 14 * 256 * KIB)
     memory.setdefault("chunk_bytes", 256 * KIB)
     memory.setdefault("elastic", True)
     return BuiltinEngine(EngineConfig(model_path=model_dir, max_model_len=512, min_step_s=min_step_s),
-                         BuiltinOptions(memory=MemoryOptions(**memory)))
+                         BuiltinOptions(memory=MemoryOptions(**memory)), make_constraint=make_constraint)
 
 
 def elastic_of(engine: BuiltinEngine) -> ElasticScheduler:
@@ -91,6 +102,62 @@ def test_outputs_equal_without_a_buffer_where_requests_wait_or_recompute(tiny_mo
     elastic = elastic_of(engine)
     assert elastic.num_parked == elastic.num_offloaded_prefills == 0
     assert elastic.inflated_chunks > 0
+
+
+class Sequenced:
+    """A fake grammar: exactly the next token of a fixed sequence may come; finished at its end."""
+
+    def __init__(self, tokens: Sequence[int], done: Sequence[int]) -> None:
+        self.tokens, self.at = list(tokens), 0
+        for token in done:
+            self.advance(token)
+
+    def allowed(self) -> Any:
+        mask = torch.zeros(2048, dtype=torch.bool)  # the tiny model's vocabulary
+        if self.at < len(self.tokens):
+            mask[self.tokens[self.at]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        if self.finished or token_id != self.tokens[self.at]:
+            raise ValueError(f"token {token_id} does not follow")
+        self.at += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.at == len(self.tokens)
+
+
+async def outputs_of(stream: AsyncIterator[StepOutput]) -> list[StepOutput]:
+    return [out async for out in stream]
+
+
+def test_sampling_parameters_hold_under_pressure(tiny_model_dir: Path, reference: list[list[int]]) -> None:
+    """The elastic scheduler's steps sample like the base's: a constrained request with logprobs, among
+    requests parked and fetched back, follows its grammar and gets one logprob a token."""
+    sequence = [9, 8, 7, 1500, 6, 5, 4, 3]
+
+    def make(spec: StructuredOutput, done: Sequence[int]) -> Sequenced:
+        return Sequenced(json.loads(spec.spec), done)
+
+    async def scenario() -> tuple[list[list[int]], list[StepOutput]]:
+        engine = elastic_engine(tiny_model_dir, cpu_buffer_bytes=4 * MIB, make_constraint=make)
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=MAX_TOKENS, structured=StructuredOutput("grammar", json.dumps(sequence)),
+                                    logprobs=1)
+            stream = engine.generate("c", PROMPTS[3], params)
+            constrained = asyncio.ensure_future(outputs_of(stream))
+            outputs = await asyncio.gather(*(tokens_of(engine.generate(f"r{i}", p, greedy())) for i, p in enumerate(PROMPTS)))
+            assert elastic_of(engine).num_parked + elastic_of(engine).num_offloaded_prefills > 0
+            return list(outputs), await constrained
+        finally:
+            await engine.stop()
+
+    outputs, outs = run(scenario())
+    assert outputs == reference
+    assert [t for o in outs for t in o.new_token_ids] == sequence and outs[-1].finish_reason == "stop"
+    assert [lp.token_id for o in outs for lp in o.logprobs] == sequence
 
 
 def test_a_pool_at_rest_gives_kv_more_than_the_static_split(tiny_model_dir: Path) -> None:

@@ -225,22 +225,30 @@ class Router:
             prompt_ids = self.prefix.prompt_ids(prompt)
         user = body.user
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else estimate_prompt_tokens(prompt)
-        choose, on_worker = self._placer(request_id, info, prompt_tokens, max_tokens, prompt_ids, user)
-        forward = {k: v for k, v in raw.items() if k not in ("stop", "stream_options")}
-        if body.temperature > 0 and body.seed is None:
+        # The samples of `n` are separate requests to the workers (each placed, moved and resumed on its
+        # own), with vLLM's seeds: seed, seed + 1, ...
+        forward = {k: v for k, v in raw.items() if k not in ("stop", "stream_options", "n", "include_stop_str_in_output")}
+        seed = body.seed
+        if body.temperature > 0 and seed is None:
             # The router, not a worker, picks a sampled request's seed: a resume on another worker after
             # a death then continues the same draws (the builtin engine draws per (seed, position)).
-            forward["seed"] = new_seed()
-        relay = Relay(self.session, request_id, request.path, forward, place=choose, credentials=self.config.credentials,
-                      timeouts=self.config.timeouts, max_attempts=self.config.max_attempts, on_worker=on_worker,
-                      on_event=self._count_event)
+            seed = new_seed()
+        sample_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+        relays = []
+        for index, sample_id in enumerate(sample_ids):
+            choose, on_worker = self._placer(sample_id, info, prompt_tokens, max_tokens, prompt_ids, user)
+            sample = forward if seed is None else {**forward, "seed": seed + index}
+            relays.append(Relay(self.session, sample_id, request.path, sample, place=choose,
+                                credentials=self.config.credentials, timeouts=self.config.timeouts,
+                                max_attempts=self.config.max_attempts, on_worker=on_worker, on_event=self._count_event))
         try:
-            return await respond(request, relay, body, chat, self.metrics, arrived_s)
+            return await respond(request, relays, body, chat, self.metrics, arrived_s, request_id)
         finally:
-            self._reservations.pop(request_id, None)
-            done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
-            self.prefix.ended(request_id, relay.workers[-1] if done else None,
-                              (relay.prompt_token_ids or []) + relay.output_token_ids if done else None, user)
+            for relay in relays:
+                self._reservations.pop(relay.request_id, None)
+                done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
+                self.prefix.ended(relay.request_id, relay.workers[-1] if done else None,
+                                  (relay.prompt_token_ids or []) + relay.output_token_ids if done else None, user)
 
     async def _wait_for_a_worker(self) -> None:
         """Hold the request while the pool has no Ready worker (scaled to zero, or waking): hold.py."""

@@ -41,13 +41,16 @@ from kvfleet.serving.httpapi import (
     continuation_path,
     sse_events,
 )
+from kvfleet.serving.openai_api import TokenLogprob
 
 log = logging.getLogger(__name__)
 
-# Sampling fields a resumed request carries over unchanged (the OpenAI subset the worker accepts).
 # Pause before trying again a worker the request just failed on, times the failures so far.
 RETRY_BACKOFF_S = 0.5
-RESUMED_FIELDS = ("model", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos", "user")
+# Sampling fields a resumed request carries over unchanged: those whose effect depends only on the
+# prompt and output together (a resume's prompt is both), besides how many logprobs each token carries.
+RESUMED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logit_bias", "seed",
+                  "stop_token_ids", "ignore_eos", "user")
 
 # The router's hooks: a worker for the request, failed workers excluded; and the pod now serving it,
 # with the prompt's token ids once a worker has told them.
@@ -66,10 +69,12 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class Step:
-    """Text the client has not seen yet, and the finish reason on the last step."""
+    """Text the client has not seen yet, the finish reason on the last step, and the log-probabilities
+    of the tokens this text completes (when the request asked for them)."""
 
     text: str
     finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class WorkerRefused(Exception):
@@ -125,6 +130,9 @@ class Relay:
         self.prompt_token_ids: list[int] | None = None
         self.output_token_ids: list[int] = []
         self.clean = 0  # outputs whose text the client has been given
+        # Log-probabilities of the outputs after `clean`: given to the client with their text, dropped
+        # with their tokens when a resume generates them again.
+        self.pending_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.workers: list[str] = []
 
@@ -159,6 +167,7 @@ class Relay:
                 else:
                     self.on_event("resume")
                     del self.output_token_ids[self.clean:]
+                    self.pending_logprobs.clear()
                     source = self._placed(failed, "resumed", self.clean)
                 if source.pod_name in failed:
                     # Back to a worker that just failed (no other has room): give it, or the pool view
@@ -192,6 +201,12 @@ class Relay:
         if budget is None:
             budget = 16
         body = {k: self.body[k] for k in RESUMED_FIELDS if k in self.body}
+        # A completion's logprobs is a count; chat's is a flag with top_logprobs the count.
+        wanted = self.body.get("logprobs")
+        if self.path.endswith("/chat/completions"):
+            wanted = (self.body.get("top_logprobs") or 0) if wanted else None
+        if wanted is not None:
+            body["logprobs"] = wanted
         return {**body, "prompt": self.prompt_token_ids + self.output_token_ids, "max_tokens": max(1, int(budget) - done),
                 "stream": True}
 
@@ -274,6 +289,7 @@ class Relay:
         if finish == "abort":
             raise _Broken("the worker aborted the request")
         self.output_token_ids.extend(ids)
+        self.pending_logprobs.extend(TokenLogprob.from_wire(e) for e in meta.get("logprobs", ()))
         if text:
             self.clean = len(self.output_token_ids)
         if finish is not None:
@@ -281,7 +297,9 @@ class Relay:
             self.clean = len(self.output_token_ids)
         if not text and finish is None:
             return None
-        return Step(text, finish)
+        logprobs = tuple(self.pending_logprobs)
+        self.pending_logprobs.clear()
+        return Step(text, finish, logprobs)
 
 
 class _Migrated(Exception):

@@ -1,7 +1,8 @@
 """The client's answer from one relayed request: whole JSON or server-sent events, completion or chat.
 
 Whatever the client asked for, the router reads the worker's router-mode stream (relay.py) and
-converts it back here. Stop strings are applied here, not by the worker, so that a request resumed
+converts it back here; a request for `n` samples is n relays, each one sample, merged here by choice
+index (log-probabilities too: the workers send them in neutral form with each chunk's tokens). Stop strings are applied here, not by the worker, so that a request resumed
 on another worker still stops at a stop string that spans the two workers' outputs. The first step
 is awaited before any byte goes out, so a refusal is still a plain HTTP error; a failure after that
 ends the stream with an error event and no `[DONE]`.
@@ -9,29 +10,42 @@ ends the stream with an error event and no `[DONE]`.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
 
 from aiohttp import web
 
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.relay import Relay, RelayFailed, Step, Unplaceable, WorkerRefused
 from kvfleet.serving.httpapi import REQUEST_ID_HEADER, SSE_DONE, SSE_HEADERS, sse_data
-from kvfleet.serving.openai_api import APIError, ChatCompletionRequest, CompletionRequest, ResponseShape, now_s, usage
+from kvfleet.serving.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    LogprobsLayout,
+    ResponseShape,
+    TokenLogprob,
+    now_s,
+    usage,
+)
 from kvfleet.serving.stops import StopStrings
 
 # Failures of the relay once the first step was read: the request failed midway.
 _MIDWAY = (RelayFailed, Unplaceable, WorkerRefused)
 
 
-async def respond(request: web.Request, relay: Relay, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                  metrics: RouterMetrics, arrived_s: float) -> web.StreamResponse:
-    """Relays the request and answers the client in the shape it asked for."""
-    shape = ResponseShape(relay.request_id, now_s(), body.model, chat)
-    async with contextlib.aclosing(relay.steps()) as steps:
+async def respond(request: web.Request, relays: Sequence[Relay], body: CompletionRequest | ChatCompletionRequest,
+                  chat: bool, metrics: RouterMetrics, arrived_s: float, request_id: str) -> web.StreamResponse:
+    """Relays the request's samples (one relay each, `n`) and answers the client in the shape it asked for."""
+    shape = ResponseShape(request_id, now_s(), body.model, chat)
+    steps = [relay.steps() for relay in relays]
+    try:
         try:
-            head = await anext(steps, None)
+            # Every sample starts now; a refusal before any output is still a plain HTTP error.
+            heads = await _all([anext(s, None) for s in steps])
         except WorkerRefused as err:
             metrics.errors.labels(str(err.status)).inc()
             return web.json_response(err.body, status=err.status)
@@ -39,64 +53,140 @@ async def respond(request: web.Request, relay: Relay, body: CompletionRequest | 
             raise APIError(503, err.why.message, error_type="server_error", code=err.why.reason.replace("-", "_")) from None
         except RelayFailed as err:
             raise APIError(502, str(err), error_type="server_error", code="workers_failed") from None
-        texts = _client_texts(head, steps, StopStrings(body.stop_strings()), metrics, arrived_s)
+        timer = _FirstText(metrics, arrived_s)
+        texts = [_client_texts(head, s, StopStrings(body.stop_strings(), include=body.include_stop_str_in_output), timer)
+                 for head, s in zip(heads, steps, strict=True)]
+        wants_logprobs = body.top_logprobs_wanted() is not None
         if not body.stream:
-            return await _whole(relay, shape, texts)
-        return await _stream(request, relay, shape, texts, body.include_usage_in_stream(), metrics)
+            return await _whole(relays, shape, texts, wants_logprobs)
+        return await _stream(request, relays, shape, texts, body.include_usage_in_stream(), metrics, wants_logprobs)
+    finally:
+        for stream in steps:
+            await stream.aclose()
 
 
-async def _client_texts(head: Step | None, steps: AsyncIterator[Step], stops: StopStrings, metrics: RouterMetrics,
-                        arrived_s: float) -> AsyncGenerator[tuple[str, str | None], None]:
-    """(text, finish reason or None) as the client gets them: cut at a stop string, the first text timed."""
-    first_text_seen = False
+T = TypeVar("T")
+
+
+async def _all(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, or the first error with the others cancelled (and done, so their streams can close)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _FirstText:
+    """Observes the time to the request's first text (whichever sample gives it)."""
+
+    def __init__(self, metrics: RouterMetrics, arrived_s: float) -> None:
+        self.metrics = metrics
+        self.arrived_s = arrived_s
+        self.seen = False
+
+    def text(self) -> None:
+        if not self.seen:
+            self.seen = True
+            self.metrics.time_to_first_token.observe(time.monotonic() - self.arrived_s)
+
+
+async def _client_texts(head: Step | None, steps: AsyncIterator[Step], stops: StopStrings, timer: _FirstText
+                        ) -> AsyncGenerator[Step, None]:
+    """The steps as the client gets them: cut at a stop string, the first text timed."""
     step = head
     while step is not None:
         text = stops.feed(step.text)
         finish = "stop" if stops.stopped else step.finish_reason
         if finish is not None and not stops.stopped:
             text += stops.finish()
-        if text and not first_text_seen:
-            first_text_seen = True
-            metrics.time_to_first_token.observe(time.monotonic() - arrived_s)
-        yield text, finish
+        if text:
+            timer.text()
+        yield Step(text, finish, step.logprobs)
         if finish is not None:
             return
         step = await anext(steps, None)
 
 
-def _counts(relay: Relay) -> dict[str, int]:
-    return usage(len(relay.prompt_token_ids or []), len(relay.output_token_ids))
+def _counts(relays: Sequence[Relay]) -> dict[str, int]:
+    return usage(len(relays[0].prompt_token_ids or []), sum(len(r.output_token_ids) for r in relays))
 
 
-async def _whole(relay: Relay, shape: ResponseShape, texts: AsyncIterator[tuple[str, str | None]]) -> web.Response:
-    parts: list[str] = []
-    finish_reason = "stop"
+async def _whole(relays: Sequence[Relay], shape: ResponseShape, texts: list[AsyncGenerator[Step, None]],
+                 wants_logprobs: bool) -> web.Response:
+    async def one(steps: AsyncIterator[Step]) -> Choice:
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        finish_reason = "stop"
+        async for step in steps:
+            parts.append(step.text)
+            logprobs.extend(step.logprobs)
+            finish_reason = step.finish_reason or finish_reason
+        return Choice("".join(parts), finish_reason, LogprobsLayout(shape.chat).of(logprobs) if wants_logprobs else None)
+
     try:
-        async for text, finish in texts:
-            parts.append(text)
-            finish_reason = finish or finish_reason
+        choices = await _all([one(t) for t in texts])
     except _MIDWAY as err:
         raise APIError(502, f"the request failed midway: {err}", error_type="server_error", code="workers_failed") from None
-    return web.json_response(shape.whole("".join(parts), finish_reason, _counts(relay)),
-                             headers={REQUEST_ID_HEADER: relay.request_id})
+    return web.json_response(shape.whole(choices, _counts(relays)), headers={REQUEST_ID_HEADER: shape.request_id})
 
 
-async def _stream(request: web.Request, relay: Relay, shape: ResponseShape, texts: AsyncIterator[tuple[str, str | None]],
-                  include_usage: bool, metrics: RouterMetrics) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: relay.request_id})
+async def _stream(request: web.Request, relays: Sequence[Relay], shape: ResponseShape,
+                  texts: list[AsyncGenerator[Step, None]], include_usage: bool, metrics: RouterMetrics,
+                  wants_logprobs: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: shape.request_id})
     await response.prepare(request)
     if shape.chat:
-        await response.write(sse_data(shape.first_chunk()))
+        for index in range(len(texts)):
+            await response.write(sse_data(shape.first_chunk(index=index)))
+    layouts = [LogprobsLayout(shape.chat) for _ in texts]
     try:
-        async for text, finish in texts:
-            if text or finish is not None:
-                await response.write(sse_data(shape.chunk(text, finish)))
+        async for index, step in _merged(texts):
+            if step.text or step.finish_reason is not None or (wants_logprobs and step.logprobs):
+                logprobs = layouts[index].of(step.logprobs) if wants_logprobs else None
+                await response.write(sse_data(shape.chunk(step.text, step.finish_reason, index=index, logprobs=logprobs)))
     except _MIDWAY as err:
         metrics.errors.labels("502").inc()
         await response.write(sse_data(APIError(502, f"the request failed midway: {err}", error_type="server_error",
                                                code="workers_failed").body()))
         return response
     if include_usage:
-        await response.write(sse_data(shape.usage_chunk(_counts(relay))))
+        await response.write(sse_data(shape.usage_chunk(_counts(relays))))
     await response.write(SSE_DONE)
     return response
+
+
+async def _merged(streams: list[AsyncGenerator[Step, None]]) -> AsyncGenerator[tuple[int, Step], None]:
+    """The steps of the samples' streams as they come, each with its sample's index (one stream: in order)."""
+    if len(streams) == 1:
+        async for step in streams[0]:
+            yield 0, step
+        return
+    queue: asyncio.Queue[tuple[int, Step] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Step, None]) -> None:
+        try:
+            async for step in stream:
+                await queue.put((index, step))
+        except Exception as err:  # the reader raises it
+            await queue.put(err)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

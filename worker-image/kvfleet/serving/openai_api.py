@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # Longest request body a worker or the router reads; prompts beyond the model's context are refused anyway.
@@ -32,22 +42,27 @@ MAX_STOP_STRINGS = 4
 # endpoint's own), with the values that ask for nothing besides the field's default (vLLM's, declared
 # once, on the field). Both endpoints take these; each endpoint adds its own below.
 _NOT_SERVED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,),
-    "watermarking": (False,), "length_penalty": (), "include_stop_str_in_output": (), "min_tokens": (),
-    "skip_special_tokens": (), "spaces_between_special_tokens": (), "truncate_prompt_tokens": (),
-    "truncation_side": (), "allowed_token_ids": (), "prompt_logprobs": (), "logprob_token_ids": (), "bad_words": (),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "structured_outputs": (), "priority": (),
-    "request_id": (), "session_id": (), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
-    "routed_experts_prompt_start": (), "return_token_offsets": (None,), "mm_payload": (), "return_mm_kwargs": (False,),
-    "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (),
+    "use_beam_search": (), "watermarking": (False,), "length_penalty": (), "skip_special_tokens": (),
+    "spaces_between_special_tokens": (), "truncate_prompt_tokens": (), "truncation_side": (), "allowed_token_ids": (),
+    "prompt_logprobs": (), "logprob_token_ids": (), "bad_words": (), "priority": (), "request_id": (), "session_id": (),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "routed_experts_prompt_start": (),
+    "return_token_offsets": (None,), "mm_payload": (), "return_mm_kwargs": (False,), "cache_salt": (),
+    "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (),
     "thinking_token_budget": (), "stream_interval": (),
 }
 _NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {**_NOT_SERVED, "add_special_tokens": (), "prompt_embeds": ()}
 _NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
-    **_NOT_SERVED, "add_special_tokens": (), "top_logprobs": (None,), "tools": ([],), "tool_choice": (None,),
+    **_NOT_SERVED, "add_special_tokens": (), "echo": (), "tools": ([],), "tool_choice": (None,),
     "reasoning_effort": (), "include_reasoning": (), "parallel_tool_calls": (None,), "add_generation_prompt": (),
     "continue_final_message": (), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
     "media_io_kwargs": (), "mm_processor_kwargs": (), "return_prompt_text": (False,)}
+
+# The most samples one request may ask for (`n`), and the most top log-probabilities per token (vLLM's
+# default `max_logprobs`).
+MAX_N = 16
+MAX_LOGPROBS = 20
+# vLLM clamps a logit bias to this magnitude (its serving layer); OpenAI documents the same range.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -60,13 +75,8 @@ class _VLLMParameters(BaseModel):
     (their values checked against `NOT_SERVED`)."""
 
     use_beam_search: Any = False
-    top_k: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
     watermarking: Any = None
     length_penalty: Any = 1.0
-    include_stop_str_in_output: Any = False
-    min_tokens: Any = 0
     skip_special_tokens: Any = True
     spaces_between_special_tokens: Any = True
     truncate_prompt_tokens: Any = None
@@ -75,9 +85,6 @@ class _VLLMParameters(BaseModel):
     prompt_logprobs: Any = None
     logprob_token_ids: Any = None
     bad_words: Any = Field(default_factory=list)
-    logit_bias: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
     priority: Any = 0
     request_id: Any = None
     session_id: Any = None
@@ -96,6 +103,64 @@ class _VLLMParameters(BaseModel):
     stream_interval: Any = None
 
 
+# The kinds of output constraint (the engines' StructuredOutput.kind spells them the same).
+ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+
+
+class JSONSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one constraint of json, regex, choice,
+    grammar or json_object; the backend's tuning options are accepted only at their defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: Literal[False] = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: Literal[False] = False
+    whitespace_pattern: None = None
+    structural_tag: None = None
+
+    def constraint(self) -> tuple[ConstraintKind, str] | None:
+        given: list[tuple[ConstraintKind, str]] = []
+        if self.json_ is not None:
+            given.append(("json_schema", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)))
+        if self.regex is not None:
+            given.append(("regex", self.regex))
+        if self.choice is not None:
+            given.append(("choice", json.dumps(self.choice)))
+        if self.grammar is not None:
+            given.append(("grammar", self.grammar))
+        if self.json_object:
+            given.append(("json_object", ""))
+        if len(given) > 1:
+            raise ValueError("give one of json, regex, choice, grammar, json_object")
+        return given[0] if given else None
+
+
 class _Request(_VLLMParameters):
     model_config = ConfigDict(extra="forbid", frozen=True)
     NOT_SERVED: ClassVar[dict[str, tuple[Any, ...]]] = _NOT_SERVED
@@ -104,20 +169,31 @@ class _Request(_VLLMParameters):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: Literal[1] = 1
+    # vLLM: -1 and 0 both mean every token.
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict[str, bool] | None = None
     stop: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    # Token id (as a string, OpenAI's form) -> bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
     # kvfleet extensions (vLLM spells them the same way).
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs",
-                     "n", mode="before", check_fields=False)
+    @field_validator("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens", "n", "stream", "echo", "logprobs", "top_logprobs",
+                     "include_stop_str_in_output", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         # vLLM's fields are Optional and null means its default; kvfleet's defaults are the same values.
@@ -141,12 +217,16 @@ class _Request(_VLLMParameters):
                  "neutral": " or ".join(json.dumps(n) for n in neutral)})
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _neutral(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("only 0 is supported (kvfleet does not implement penalties)")
-        return value
+    def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        for key in value:
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids; {key!r} is not one")
+        # vLLM clamps rather than refuses (its serving layer); so does kvfleet.
+        return {key: max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, bias)) for key, bias in value.items()}
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +237,28 @@ class _Request(_VLLMParameters):
             raise ValueError("a stop sequence must not be empty")
         return value
 
+    @model_validator(mode="after")
+    def _consistent(self) -> _Request:
+        limit = self.output_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise PydanticCustomError("value_error", "min_tokens: must not exceed max_tokens ({limit})", {"limit": limit})
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise PydanticCustomError("value_error", "response_format: json_schema is required with type json_schema")
+        if self.response_format is not None and self.response_format.type != "text" \
+                and self.structured_outputs is not None:
+            raise PydanticCustomError("value_error",
+                                      "structured_outputs: give either it or response_format, not both")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs.constraint()
+            except ValueError as err:
+                raise PydanticCustomError("value_error", "structured_outputs: {why}", {"why": str(err)}) from None
+        return self
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -165,6 +267,23 @@ class _Request(_VLLMParameters):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def structured(self) -> tuple[ConstraintKind, str] | None:
+        """The output's constraint as (kind, spec) (engines/base.py's StructuredOutput), or None."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return ("json_object", "")
+        if fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            return ("json_schema", json.dumps(fmt.json_schema.json_schema))
+        return self.structured_outputs.constraint() if self.structured_outputs is not None else None
+
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
+
+    def sample_seed(self, index: int) -> int | None:
+        """Sample `index`'s seed: vLLM gives the n samples of a seeded request seed, seed + 1, ..."""
+        return None if self.seed is None else self.seed + index
+
 
 class CompletionRequest(_Request):
     """POST /v1/completions: one prompt, as text or as token ids."""
@@ -172,12 +291,23 @@ class CompletionRequest(_Request):
     NOT_SERVED: ClassVar[dict[str, tuple[Any, ...]]] = _NOT_SERVED_COMPLETION
 
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    echo: Literal[False] = False
+    echo: bool = False
     add_special_tokens: Any = True
     prompt_embeds: Any = None
-    logprobs: None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
     max_tokens: int | None = Field(default=16, ge=1)
+
+    @model_validator(mode="after")
+    def _echo_alone(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            # vLLM answers it with the prompt's log-probabilities, which kvfleet's engines do not compute.
+            raise PydanticCustomError("unsupported_parameter",
+                                      "echo: not served together with logprobs by kvfleet's engines yet")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -214,10 +344,10 @@ class ChatCompletionRequest(_Request):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] = False
-    echo: Literal[False] = False
+    logprobs: bool = False
+    echo: Any = False
     add_special_tokens: Any = False
-    top_logprobs: Any = 0
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = "none"
     reasoning_effort: Any = None
@@ -232,8 +362,18 @@ class ChatCompletionRequest(_Request):
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs > 0 and not self.logprobs:
+            # vLLM's wording (its ChatCompletionRequest.check_logprobs).
+            raise PydanticCustomError("value_error", "top_logprobs: when using top_logprobs, logprobs must be set to true")
+        return self
+
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     def text_messages(self) -> list[dict[str, str]]:
         return text_messages(self.messages)
@@ -271,6 +411,9 @@ def validation_error(err: ValidationError) -> APIError:
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
     message = first["msg"]
+    if param is None and re.match(r"^[a-z_]+: ", message):
+        # A check across fields (a model validator) names the field its message starts with.
+        return APIError(400, message, param=message.split(":", 1)[0], code=first["type"])
     if first["type"] == "extra_forbidden":
         message = f"unknown field {param!r}"
     elif first["type"] == "missing":
@@ -410,13 +553,85 @@ def tokenize_request(raw: dict[str, Any]) -> TokenizeCompletionRequest | Tokeniz
     return validated(TokenizeCompletionRequest, raw)
 
 
-def token_meta(index: int, token_ids: Sequence[int], prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+def token_meta(index: int, token_ids: Sequence[int], prompt_token_ids: Sequence[int] | None = None,
+               logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
     """A router-mode chunk's `kvfleet` field (httpapi.TOKEN_STREAM_HEADER): the output index of its first
-    token and the token ids it covers; the stream's first chunk also carries the prompt's ids."""
+    token and the token ids it covers, their log-probabilities when asked for; the stream's first chunk
+    also carries the prompt's ids."""
     meta: dict[str, Any] = {"index": index, "token_ids": list(token_ids)}
     if prompt_token_ids is not None:
         meta["prompt_token_ids"] = list(prompt_token_ids)
+    if logprobs:
+        meta["logprobs"] = [entry.to_wire() for entry in logprobs]
     return meta
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and the most likely tokens at its place, with their text.
+
+    The neutral form both response layouts are made from (completions' parallel lists, chat's list of
+    objects), and what a router-mode chunk carries, so the router answers in either layout, across a
+    migration or a resume, without a tokenizer. A token's text is the tokenizer's decoding of it alone,
+    as vLLM gives it (its convert_ids_list_to_tokens)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    # (token id, text, logprob), most likely first.
+    top: tuple[tuple[int, str, float], ...] = ()
+
+    def to_wire(self) -> list[Any]:
+        return [self.token_id, self.token, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, raw: Sequence[Any]) -> TokenLogprob:
+        token_id, token, logprob, top = raw
+        return cls(int(token_id), str(token), float(logprob),
+                   tuple((int(i), str(t), float(lp)) for i, t, lp in top))
+
+
+def _clamped(logprob: float) -> float:
+    # vLLM clamps -inf (a token the sampler masked) to -9999.0 so that the JSON stays valid.
+    return max(logprob, -9999.0)
+
+
+class LogprobsLayout:
+    """One choice's log-probabilities as its endpoint shows them, chunk after chunk.
+
+    Completions: vLLM's CompletionLogProbs (parallel lists, `text_offset` counted from the token
+    texts, continuing over the chunks of a stream; each `top_logprobs` holds the chosen token and the
+    most likely ones, as vLLM's does); chat: OpenAI's `{"content": [...]}` with each
+    token's bytes and its `top_logprobs`."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        # Where the next token's text starts in the choice's text (echo with logprobs is not served, so
+        # the text starts with the output).
+        self.text_offset = 0
+
+    def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [{"token": e.token, "logprob": _clamped(e.logprob), "bytes": list(e.token.encode()),
+                                 "top_logprobs": [{"token": t, "logprob": _clamped(lp), "bytes": list(t.encode())}
+                                                  for _, t, lp in e.top]} for e in entries]}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(entry.token)
+        return {"text_offset": offsets, "token_logprobs": [_clamped(e.logprob) for e in entries],
+                "tokens": [e.token for e in entries],
+                "top_logprobs": [{e.token: _clamped(e.logprob), **{t: _clamped(lp) for _, t, lp in e.top}}
+                                 for e in entries]}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sample's whole answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -425,7 +640,8 @@ class ResponseShape:
 
     The worker and the router both answer in these shapes, and a worker's continuation of a request
     handed over to it streams them too; one definition keeps a client's view the same whichever of
-    them it talks to. A chunk's `kvfleet` argument is its `token_meta` (router mode only).
+    them it talks to. A chunk's `kvfleet` argument is its `token_meta` (router mode only); `index` is
+    the sample's (`n`).
     """
 
     request_id: str
@@ -437,20 +653,23 @@ class ResponseShape:
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def chunk(self, text: str | None, finish: str | None, kvfleet: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish: str | None, kvfleet: dict[str, Any] | None = None, *, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One stream chunk: `text` (None or "" for none) and the finish reason on the last."""
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                      "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._chunk([choice], kvfleet)
 
-    def first_chunk(self, kvfleet: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The chunk a stream opens with (chat: the assistant's role, as OpenAI sends it)."""
+    def first_chunk(self, kvfleet: dict[str, Any] | None = None, *, index: int = 0, text: str = "") -> dict[str, Any]:
+        """The chunk a stream opens with (chat: the assistant's role, as OpenAI sends it; completions:
+        the echoed prompt, if any)."""
         if not self.chat:
-            return self.chunk("", None, kvfleet)
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            return self.chunk(text, None, kvfleet, index=index)
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], kvfleet)
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
@@ -464,10 +683,12 @@ class ResponseShape:
             body["kvfleet"] = kvfleet
         return body
 
-    def whole(self, text: str, finish: str, counts: dict[str, int]) -> dict[str, Any]:
-        """The whole response of a request that did not ask to be streamed."""
+    def whole(self, choices: Sequence[Choice], counts: dict[str, int]) -> dict[str, Any]:
+        """The whole response of a request that did not ask to be streamed: one choice per sample."""
         if self.chat:
             return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                 "finish_reason": finish}], "usage": counts}
-        return {**self.chunk(text, finish), "usage": counts}
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)], "usage": counts}
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                            for i, c in enumerate(choices)], "usage": counts}

@@ -14,23 +14,26 @@ from dataclasses import dataclass
 class StopStrings:
     """Holds back text that might be the start of a stop string, and cuts the output at one.
 
-    OpenAI semantics: the stop string itself is not returned, and generation ends at its first
-    occurrence, even across token boundaries.
+    OpenAI semantics: the stop string itself is not returned (unless `include`, vLLM's
+    include_stop_str_in_output), and generation ends at its first occurrence, even across token
+    boundaries.
     """
 
     stops: tuple[str, ...]
     pending: str = ""
     stopped: bool = False
+    include: bool = False
 
     def feed(self, text: str) -> str:
         """Text safe to send now; sets `stopped` when a stop string appeared."""
         if not self.stops:
             return text
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            start, end = min(hits)
+            out, self.pending = self.pending[: end if self.include else start], ""
             return out
         keep = max(len(s) for s in self.stops) - 1
         cut = max(0, len(self.pending) - keep)

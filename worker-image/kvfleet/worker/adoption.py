@@ -35,15 +35,15 @@ class Adoptions:
         """Runs a request handed over to this worker, buffering its outputs until a reader attaches."""
         adopted = Adopted(handed)
         job = Job(handed.request_id, list(handed.prompt_token_ids), handed.params, handed.stops, handed.model,
-                  handed.created)
+                  handed.created, include_stop=handed.include_stop)
 
         async def drive() -> None:
             moved: Moved | None = None
             iterated = False
             try:
-                async for text, finish, ids in self.streams.deltas(job, follow_moves=False, resumed=Resumed(stream, handed)):
+                async for delta in self.streams.deltas(job, follow_moves=False, resumed=Resumed(stream, handed)):
                     iterated = True
-                    adopted.add(text, finish, ids)
+                    adopted.add(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs)
             except RequestMoved as err:
                 moved = err.moved
             except APIError as err:

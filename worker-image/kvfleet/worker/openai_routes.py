@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -19,8 +20,10 @@ from kvfleet.serving import httpapi
 from kvfleet.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     DetokenizeRequest,
+    LogprobsLayout,
     ResponseShape,
     TokenizeChatRequest,
     model_list,
@@ -30,7 +33,7 @@ from kvfleet.serving.openai_api import (
     validated,
     version,
 )
-from kvfleet.worker.engines.base import EngineInfo, SamplingParams
+from kvfleet.worker.engines.base import EngineInfo, SamplingParams, StructuredOutput
 from kvfleet.worker.migration.handoff import Moved, RequestMoved
 from kvfleet.worker.streams import Delta, Job, RequestStreams
 from kvfleet.worker.text import Tokenizer
@@ -102,22 +105,28 @@ class OpenAIRoutes:
         info = self.require_engine()
         body = validated(CompletionRequest, await httpapi.read_json(request))
         prompt_ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        job = self._job(info, httpapi.request_id(request, "cmpl"), body, prompt_ids, body.max_tokens)
-        return await self._respond(request, job, body, chat=False)
+        jobs = self._jobs(info, httpapi.request_id(request, "cmpl"), body, prompt_ids, body.max_tokens)
+        # vLLM echoes a text prompt as given and a token prompt decoded.
+        echo = (body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
+        return await self._respond(request, jobs, body, chat=False, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
         body = validated(ChatCompletionRequest, await httpapi.read_json(request))
         prompt_ids = self._chat_ids(body.text_messages())
-        job = self._job(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
-        return await self._respond(request, job, body, chat=True)
+        jobs = self._jobs(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
+        return await self._respond(request, jobs, body, chat=True)
 
-    def _job(self, info: EngineInfo, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-             prompt_ids: list[int], max_tokens: int | None) -> Job:
+    def _jobs(self, info: EngineInfo, request_id: str, body: CompletionRequest | ChatCompletionRequest,
+              prompt_ids: list[int], max_tokens: int | None) -> list[Job]:
+        """The request's samples as jobs for the engine (one unless `n`), or the 4xx that says why not."""
         self._check_model(body.model)
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
+        biases = body.logit_biases()
+        if any(t >= vocab for t, _ in biases):
+            raise APIError(400, f"logit_bias: token ids must be below the vocabulary size {vocab}", param="logit_bias")
         if max_tokens is None:
             max_tokens = info.max_model_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > info.max_model_len:
@@ -126,61 +135,123 @@ class OpenAIRoutes:
                            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens" if len(prompt_ids) < info.max_model_len else "prompt",
                            code="context_length_exceeded")
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
-        return Job(request_id, prompt_ids, params, body.stop_strings(), body.model)
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens the context leaves",
+                           param="min_tokens")
+        structured = body.structured()
+        # vLLM's structured_outputs.disable_any_whitespace (response_format has no such option).
+        any_whitespace = body.structured_outputs is None or not body.structured_outputs.disable_any_whitespace
+        jobs = []
+        for index in range(body.n):
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+                min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, logit_bias=biases, min_tokens=body.min_tokens,
+                seed=body.sample_seed(index), stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                logprobs=body.top_logprobs_wanted(),
+                structured=None if structured is None else StructuredOutput(*structured, any_whitespace=any_whitespace))
+            # The samples are separate engine requests; a lone one keeps the request's id.
+            sample_id = request_id if body.n == 1 else f"{request_id}-{index}"
+            jobs.append(Job(sample_id, prompt_ids, params, body.stop_strings(), body.model,
+                            include_stop=body.include_stop_str_in_output))
+        return jobs
 
-    async def _respond(self, request: web.Request, job: Job, body: CompletionRequest | ChatCompletionRequest,
-                       chat: bool) -> web.StreamResponse:
-        shape = ResponseShape(job.request_id, job.created, body.model, chat)
+    async def _respond(self, request: web.Request, jobs: list[Job], body: CompletionRequest | ChatCompletionRequest,
+                       chat: bool, echo: str = "") -> web.StreamResponse:
+        request_id = jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
+        shape = ResponseShape(request_id, jobs[0].created, body.model, chat)
+        wants_logprobs = body.top_logprobs_wanted() is not None
+        prompt_tokens = len(jobs[0].prompt_token_ids)
         if body.stream:
-            return await self._stream(request, job, shape, body.include_usage_in_stream())
-        text, finish, completion_tokens = await self.streams.collect(job)
-        return web.json_response(shape.whole(text, finish, usage(len(job.prompt_token_ids), completion_tokens)))
+            if request.headers.get(httpapi.TOKEN_STREAM_HEADER, "").lower() == httpapi.TOKEN_STREAM_MODE:
+                if len(jobs) > 1:
+                    raise APIError(400, "n: a router asks for one sample per request", param="n")
+                return await self._router_stream(request, jobs[0], shape, echo)
+            return await self._stream(request, jobs, shape, body.include_usage_in_stream(), echo, wants_logprobs)
+        answers = await _all(self.streams.collect(job) for job in jobs)
+        choices = [Choice(echo + a.text, a.finish_reason,
+                          LogprobsLayout(chat).of(a.logprobs) if wants_logprobs else None) for a in answers]
+        return web.json_response(shape.whole(choices, usage(prompt_tokens, sum(a.completion_tokens for a in answers))))
 
-    async def _stream(self, request: web.Request, job: Job, shape: ResponseShape, include_usage: bool
-                      ) -> web.StreamResponse:
-        with_tokens = request.headers.get(httpapi.TOKEN_STREAM_HEADER, "").lower() == httpapi.TOKEN_STREAM_MODE
-        # A router follows a migration itself; a direct client gets the continuation relayed.
-        deltas = self.streams.deltas(job, follow_moves=not with_tokens)
+    async def _stream(self, request: web.Request, jobs: list[Job], shape: ResponseShape, include_usage: bool,
+                      echo: str, wants_logprobs: bool) -> web.StreamResponse:
+        """A direct client's stream: every sample's chunks as they come, each with its choice index."""
+        streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
+        try:
+            # Every sample starts now (their prompts batch together); an engine's refusal before the first
+            # output is still a plain 4xx.
+            heads = await _all(_head(stream) for stream in streams)
+            response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
+            await response.prepare(request)
+            layouts = [LogprobsLayout(shape.chat) for _ in jobs]
+            tokens = 0
+
+            async def send(index: int, delta: Delta) -> None:
+                nonlocal tokens
+                tokens += len(delta.token_ids)
+                if delta.text or delta.finish_reason is not None or (wants_logprobs and delta.logprobs):
+                    logprobs = layouts[index].of(delta.logprobs) if wants_logprobs else None
+                    await response.write(httpapi.sse_data(shape.chunk(delta.text, delta.finish_reason, index=index,
+                                                                      logprobs=logprobs)))
+
+            for index in range(len(jobs)):
+                await response.write(httpapi.sse_data(shape.first_chunk(index=index, text=echo)))
+            rest = []
+            for index, (head, stream) in enumerate(zip(heads, streams, strict=True)):
+                if head is not None:
+                    await send(index, head)
+                    if head.finish_reason is None:
+                        rest.append((index, stream))
+            async for index, delta in _merged(rest):
+                await send(index, delta)
+            if include_usage:
+                await response.write(httpapi.sse_data(shape.usage_chunk(usage(len(jobs[0].prompt_token_ids), tokens))))
+            await response.write(httpapi.SSE_DONE)
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client of %s went away; aborting it", shape.request_id)
+            raise
+        finally:
+            for stream in streams:
+                await stream.aclose()
+        return response
+
+    async def _router_stream(self, request: web.Request, job: Job, shape: ResponseShape, echo: str) -> web.StreamResponse:
+        """A router's stream (X-Kvfleet-Stream: tokens): every step's token ids and log-probabilities
+        with its text, and a hand-off event instead of [DONE] when the request moves (docs/migration.md)."""
+        deltas = self.streams.deltas(job, follow_moves=False)
         # Errors the engine raises before its first output still become a plain 4xx, not a broken stream.
         moved: Moved | None = None
-        head: Delta = ("", None, ())
+        head = Delta("", None, ())
         try:
             head = await anext(deltas)
         except StopAsyncIteration:
-            head = ("", "abort", ())
+            head = Delta("", "abort", ())
         except RequestMoved as err:  # handed over before its first token
             moved = err.moved
         response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
         await response.prepare(request)
         tokens = 0
 
-        async def send_step(text: str, reason: str | None, ids: tuple[int, ...]) -> None:
+        async def send_step(delta: Delta) -> None:
             nonlocal tokens
-            if with_tokens:
-                await response.write(httpapi.sse_data(shape.chunk(text, reason, token_meta(tokens, ids))))
-            elif text or reason is not None:
-                await response.write(httpapi.sse_data(shape.chunk(text, reason)))
-            tokens += len(ids)
+            meta = token_meta(tokens, delta.token_ids, logprobs=delta.logprobs)
+            await response.write(httpapi.sse_data(shape.chunk(delta.text, delta.finish_reason, meta)))
+            tokens += len(delta.token_ids)
 
         try:
-            meta = token_meta(0, (), job.prompt_token_ids) if with_tokens else None
-            await response.write(httpapi.sse_data(shape.first_chunk(meta)))
+            await response.write(httpapi.sse_data(shape.first_chunk(token_meta(0, (), job.prompt_token_ids), text=echo)))
             if moved is None:
-                await send_step(*head)
-                if head[1] is None:
+                await send_step(head)
+                if head.finish_reason is None:
                     try:
-                        async for text, reason, ids in deltas:
-                            await send_step(text, reason, ids)
+                        async for delta in deltas:
+                            await send_step(delta)
                     except RequestMoved as err:
                         moved = err.moved
             if moved is not None:
                 # The router reads the rest from the target; no [DONE] here (docs/migration.md).
                 await response.write(moved.event())
                 return response
-            if include_usage:
-                await response.write(httpapi.sse_data(shape.usage_chunk(usage(len(job.prompt_token_ids), tokens))))
             await response.write(httpapi.SSE_DONE)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client of %s went away; aborting it", job.request_id)
@@ -188,3 +259,54 @@ class OpenAIRoutes:
         finally:
             await deltas.aclose()
         return response
+
+
+T = TypeVar("T")
+
+
+async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result, or the first error with the others cancelled (a sample refused refuses the request)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancelled(tasks)
+
+
+async def _head(stream: AsyncGenerator[Delta, None]) -> Delta | None:
+    return await anext(stream, None)
+
+
+async def _merged(streams: list[tuple[int, AsyncGenerator[Delta, None]]]) -> AsyncGenerator[tuple[int, Delta], None]:
+    """The deltas of several samples' streams as they come, each with its sample's index."""
+    queue: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Delta, None]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except Exception as err:  # the reader raises it
+            await queue.put(err)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        await _cancelled(tasks)
+
+
+async def _cancelled(tasks: list[asyncio.Task[Any]] | list[asyncio.Future[Any]]) -> None:
+    """Cancel the tasks and wait until they are done, so the streams they read can be closed."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

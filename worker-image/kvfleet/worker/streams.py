@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import aiohttp
 
 from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import REQUEST_ID_HEADER
-from kvfleet.serving.openai_api import APIError, now_s
+from kvfleet.serving.openai_api import APIError, TokenLogprob, now_s
 from kvfleet.serving.stops import StopStrings
-from kvfleet.worker.engines.base import DuplicateRequest, Engine, EngineError, RequestTooLong, SamplingParams, StepOutput
+from kvfleet.worker.engines.base import (
+    DuplicateRequest,
+    Engine,
+    EngineError,
+    RequestTooLong,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
 from kvfleet.worker.metrics import RequestMeter, WorkerMetrics
 from kvfleet.worker.migration.handoff import (
     Continue,
@@ -41,8 +50,15 @@ from kvfleet.worker.text import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-# (text delta, finish reason or None, token ids of this step)
-Delta = tuple[str, str | None, tuple[int, ...]]
+
+class Delta(NamedTuple):
+    """What one engine step gave the client: text (maybe none yet), the finish reason on the last, the
+    step's token ids and, when the request asked for them, their log-probabilities."""
+
+    text: str
+    finish_reason: str | None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass
@@ -55,8 +71,20 @@ class Job:
     stops: tuple[str, ...]
     model: str = ""
     created: int = field(default_factory=now_s)
+    # OpenAI's include_stop_str_in_output: the stop string that ended the request stays in its text.
+    include_stop: bool = False
     # When the request reached this worker (time.monotonic): vLLM's time to first token starts here.
     arrived_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A request's whole answer: its text, finish reason, completion tokens and their log-probabilities."""
+
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,17 +116,19 @@ class RequestStreams:
         if self._session is not None:
             await self._session.close()
 
-    async def collect(self, job: Job) -> tuple[str, str, int]:
-        """The whole text, the finish reason and the number of completion tokens (a direct client's)."""
+    async def collect(self, job: Job) -> Collected:
+        """The whole answer of a direct client's request."""
         parts: list[str] = []
         finish = "abort"
         tokens = 0
-        async for text, reason, ids in self.deltas(job, follow_moves=True):
-            parts.append(text)
-            tokens += len(ids)
-            if reason is not None:
-                finish = reason
-        return "".join(parts), finish, tokens
+        logprobs: list[TokenLogprob] = []
+        async for delta in self.deltas(job, follow_moves=True):
+            parts.append(delta.text)
+            tokens += len(delta.token_ids)
+            logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+        return Collected("".join(parts), finish, tokens, tuple(logprobs))
 
     async def deltas(self, job: Job, follow_moves: bool = True, resumed: Resumed | None = None
                      ) -> AsyncGenerator[Delta, None]:
@@ -118,18 +148,18 @@ class RequestStreams:
             except EngineError as err:  # refused before it starts (the builtin engine checks at once)
                 raise _client_error(err) from None
             detok = self.tokenizer.detokenizer(job.prompt_token_ids)
-            stops = StopStrings(job.stops)
+            stops = StopStrings(job.stops, include=job.include_stop)
             outputs: list[int] = []
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
             meter = self.metrics.request(job.arrived_s, len(job.prompt_token_ids))
         else:
             stream = resumed.stream
-            detok, stops = resumed.handed.text.restore(self.tokenizer, job.stops)
+            detok, stops = resumed.handed.text.restore(self.tokenizer, job.stops, job.include_stop)
             outputs = list(resumed.handed.output_token_ids)
             # Its first token, and so its prompt and its latencies from arrival, were the source's.
             meter = self.metrics.request(None, len(job.prompt_token_ids))
         self.live[request_id] = live = LiveRequest(request_id, job.prompt_token_ids, job.params, job.stops, job.created,
-                                                   job.model, detok, stops, outputs)
+                                                   job.model, detok, stops, outputs, include_stop=job.include_stop)
         self.active.add(request_id)
         self.nudge_reporter()
         finish: str | None = None
@@ -156,9 +186,10 @@ class RequestStreams:
                 self._leave(request_id, live)
                 relaying = True
                 self.num_relays += 1
-                async for text, finish, ids in self._relay(outcome):
-                    outputs.extend(ids)
-                    yield text, finish, ids
+                async for delta in self._relay(outcome):
+                    outputs.extend(delta.token_ids)
+                    finish = delta.finish_reason
+                    yield delta
                 break
         finally:
             if relaying:
@@ -181,17 +212,29 @@ class RequestStreams:
                 outputs.extend(out.new_token_ids)
                 self.metrics.generated(len(out.new_token_ids))
                 meter.tokens(len(out.new_token_ids))
-                text = stops.feed(detok.add(out.new_token_ids))
+                ids = out.new_token_ids
+                logprobs = self.token_logprobs(out.logprobs)
+                text = stops.feed(detok.add(ids))
                 if stops.stopped:
-                    yield text, "stop", out.new_token_ids
+                    yield Delta(text, "stop", ids, logprobs)
                     return
                 if out.finished and not handed_over:
-                    yield text + stops.feed(detok.flush()) + stops.finish(), out.finish_reason or "stop", out.new_token_ids
+                    yield Delta(text + stops.feed(detok.flush()) + stops.finish(), out.finish_reason or "stop", ids, logprobs)
                     return
-                if text or out.new_token_ids or not handed_over:
-                    yield text, None, out.new_token_ids
+                if text or ids or not handed_over:
+                    yield Delta(text, None, ids, logprobs)
                 if handed_over:
                     return
+
+    def token_logprobs(self, engine_logprobs: Sequence[TokenLogprobs]) -> tuple[TokenLogprob, ...]:
+        """The engine's log-probabilities (token ids) with each token's text, as responses show them."""
+        if not engine_logprobs:
+            return ()
+        texts = self.tokenizer.token_texts
+        return tuple(TokenLogprob(e.token_id, texts([e.token_id])[0], e.logprob,
+                                  tuple(zip((i for i, _ in e.top), texts([i for i, _ in e.top]), (lp for _, lp in e.top),
+                                            strict=True)))
+                     for e in engine_logprobs)
 
     def _leave(self, request_id: str, live: LiveRequest) -> None:
         """The request no longer runs on this engine for this stream (ended, or handed over)."""
@@ -210,7 +253,7 @@ class RequestStreams:
                  moved.target.address, moved.index)
         try:
             async for chunk in follow(self._session, self.credentials.token, moved):
-                yield chunk.text, chunk.finish_reason, chunk.token_ids
+                yield Delta(chunk.text, chunk.finish_reason, chunk.token_ids, chunk.logprobs)
                 if chunk.finish_reason is not None:
                     return
         except HandoffError as err:

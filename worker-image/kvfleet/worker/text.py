@@ -54,6 +54,11 @@ class Tokenizer:
         """Each token's own string, as /tokenize's `token_strs` gives them (vLLM: the tokenizer's tokens)."""
         return [str(s) for s in self._tok.convert_ids_to_tokens(list(token_ids))]
 
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text decoded alone, as vLLM shows tokens in log-probabilities (its
+        convert_ids_list_to_tokens, for a tokenizer without a leading-space marker)."""
+        return [str(self._tok.decode([t])) for t in token_ids]
+
     def payload(self) -> dict[str, Any]:
         """What a router needs to tokenize prompts as this worker does (kvfleet.serving.tokens): the
         fast tokenizer's JSON, the chat template and the special tokens it renders with."""

@@ -72,17 +72,55 @@ class EngineConfig:
     prefix_caching: bool = False
 
 
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate (OpenAI's `response_format`, vLLM's structured outputs).
+
+    `spec` is the constraint as text: a JSON schema as JSON (json_schema), a regular expression
+    (regex), a JSON list of strings (choice), a Lark grammar (grammar); "" for any JSON object."""
+
+    kind: StructuredKind
+    spec: str = ""
+    # JSON kinds: whitespace anywhere JSON allows it (vLLM's default; its `disable_any_whitespace`
+    # turns it off, which keeps a weak model from writing spaces until its budget runs out).
+    any_whitespace: bool = True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible per request."""
+    """How to pick tokens, with vLLM's meaning for every field (its `SamplingParams`).
+
+    temperature 0 is greedy; a seed makes sampling reproducible per request. The processing order
+    is vLLM's: the structured-output mask, min_tokens (no stop token yet), logit_bias, the
+    penalties (repetition over prompt and output, presence and frequency over the output), then
+    temperature, min_p, top_k and top_p. Every input is the request's own tokens, so a request
+    moved to another engine continues with the same state (the counts and the grammar are rebuilt
+    from prompt + output)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+    # 0: every token (vLLM's -1 is normalised to 0 by the API layer).
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias added to its logit), sorted by token id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Output tokens before EOS or a stop token may end the request.
+    min_tokens: int = 0
     seed: int | None = None
     # Finishing tokens besides the model's EOS (which ends a request unless ignore_eos).
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: each output token's, and the k most likely at its place
+    # (of the model's raw distribution, as vLLM's default `raw_logprobs`).
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -91,6 +129,28 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0: every token)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability, its rank, and the most likely tokens at its place."""
+
+    token_id: int
+    logprob: float
+    # 1 for the most likely token (vLLM's rank).
+    rank: int
+    # (token id, logprob), most likely first; as many as the request's `logprobs` asked for.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +165,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     # Tokens whose KV the request holds after this step (prompt + generated so far).
     num_tokens: int = 0
+    # One per new token when the request asked for logprobs, else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

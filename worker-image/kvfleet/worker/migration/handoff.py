@@ -28,9 +28,9 @@ from typing import Any
 import aiohttp
 
 from kvfleet.serving.httpapi import MIGRATED_EVENT, Migrated, bearer, continuation_path, sse_events
-from kvfleet.serving.openai_api import ResponseShape, token_meta
+from kvfleet.serving.openai_api import ResponseShape, TokenLogprob, token_meta
 from kvfleet.serving.stops import StopStrings
-from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
+from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput, StructuredOutput
 from kvfleet.worker.text import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,11 @@ class TextState:
     def of(cls, detok: Detokenizer, stops: StopStrings) -> TextState:
         return cls(tuple(detok.tokens[detok.prefix:]), detok.read - detok.prefix, stops.pending)
 
-    def restore(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> tuple[Detokenizer, StopStrings]:
+    def restore(self, tokenizer: Tokenizer, stops: tuple[str, ...], include_stop: bool = False
+                ) -> tuple[Detokenizer, StopStrings]:
         detok = Detokenizer(tokenizer, list(self.window_token_ids))
         detok.read = self.read_offset
-        return detok, StopStrings(stops, pending=self.pending_text)
+        return detok, StopStrings(stops, pending=self.pending_text, include=include_stop)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class LiveRequest:
     detok: Detokenizer
     stopper: StopStrings
     output_token_ids: list[int] = field(default_factory=list)
+    include_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,28 +136,47 @@ class HandedRequest:
     created: int
     model: str
     text: TextState
+    # OpenAI's include_stop_str_in_output (streams.Job).
+    include_stop: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        params = asdict(self.params)
-        params["stop_token_ids"] = list(self.params.stop_token_ids)
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "output_token_ids": list(self.output_token_ids), "params": params, "stops": list(self.stops),
-                "created": self.created, "model": self.model,
+                "output_token_ids": list(self.output_token_ids), "params": params_to_json(self.params),
+                "stops": list(self.stops), "include_stop": self.include_stop, "created": self.created, "model": self.model,
                 "text": {"window_token_ids": list(self.text.window_token_ids), "read_offset": self.text.read_offset,
                          "pending_text": self.text.pending_text}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HandedRequest:
-        p = data["params"]
-        params = SamplingParams(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
-                                top_p=float(p["top_p"]), seed=None if p["seed"] is None else int(p["seed"]),
-                                stop_token_ids=tuple(int(t) for t in p["stop_token_ids"]), ignore_eos=bool(p["ignore_eos"]))
         t = data["text"]
         return cls(request_id=str(data["request_id"]), prompt_token_ids=tuple(int(x) for x in data["prompt_token_ids"]),
-                   output_token_ids=tuple(int(x) for x in data["output_token_ids"]), params=params,
-                   stops=tuple(str(s) for s in data["stops"]), created=int(data["created"]), model=str(data["model"]),
+                   output_token_ids=tuple(int(x) for x in data["output_token_ids"]),
+                   params=params_from_json(data["params"]), stops=tuple(str(s) for s in data["stops"]),
+                   created=int(data["created"]), model=str(data["model"]),
                    text=TextState(tuple(int(x) for x in t["window_token_ids"]), int(t["read_offset"]),
-                                  str(t["pending_text"])))
+                                  str(t["pending_text"])),
+                   include_stop=bool(data.get("include_stop", False)))
+
+
+def params_to_json(params: SamplingParams) -> dict[str, Any]:
+    """A request's sampling parameters on the hand-off's wire: every field, so the target samples as
+    the source did (its penalties and grammar state are rebuilt there from prompt + output)."""
+    wire: dict[str, Any] = json.loads(json.dumps(asdict(params)))  # tuples to lists, the structured output to an object
+    return wire
+
+
+def params_from_json(p: dict[str, Any]) -> SamplingParams:
+    structured = p.get("structured")
+    return SamplingParams(
+        max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]), top_p=float(p["top_p"]),
+        top_k=int(p.get("top_k", 0)), min_p=float(p.get("min_p", 0.0)),
+        presence_penalty=float(p.get("presence_penalty", 0.0)), frequency_penalty=float(p.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(p.get("repetition_penalty", 1.0)),
+        logit_bias=tuple((int(t), float(b)) for t, b in p.get("logit_bias", ())), min_tokens=int(p.get("min_tokens", 0)),
+        seed=None if p["seed"] is None else int(p["seed"]), stop_token_ids=tuple(int(t) for t in p["stop_token_ids"]),
+        ignore_eos=bool(p["ignore_eos"]), logprobs=None if p.get("logprobs") is None else int(p["logprobs"]),
+        structured=None if structured is None else StructuredOutput(structured["kind"], str(structured["spec"]),
+                                                                    bool(structured.get("any_whitespace", True))))
 
 
 @dataclass(frozen=True)
@@ -239,6 +260,7 @@ class Chunk:
     text: str
     finish_reason: str | None
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Adopted:
@@ -257,8 +279,9 @@ class Adopted:
         self._changed = asyncio.Event()
         self.first_output = asyncio.Event()
 
-    def add(self, text: str, finish_reason: str | None, token_ids: tuple[int, ...]) -> None:
-        self.entries.append(Chunk(self.next_index, text, finish_reason, token_ids))
+    def add(self, text: str, finish_reason: str | None, token_ids: tuple[int, ...],
+            logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        self.entries.append(Chunk(self.next_index, text, finish_reason, token_ids, logprobs))
         self.next_index += len(token_ids)
         self.first_output.set()
         self._changed.set()
@@ -290,7 +313,7 @@ class Adopted:
         """The entry as a router-mode chunk; a continuation is always a completion stream (relay.py reads both)."""
         h = self.handed
         shape = ResponseShape(h.request_id, h.created, h.model, chat=False)
-        return shape.chunk(entry.text, entry.finish_reason, token_meta(entry.index, entry.token_ids))
+        return shape.chunk(entry.text, entry.finish_reason, token_meta(entry.index, entry.token_ids, logprobs=entry.logprobs))
 
 
 # ----------------------------------------------------------------------------- reading a continuation
@@ -317,8 +340,10 @@ async def follow(session: aiohttp.ClientSession, token: str, moved: Moved) -> As
                     else:
                         body = json.loads(data)
                         choice = body["choices"][0]
-                        yield Chunk(int(body["kvfleet"]["index"]), str(choice["text"]), choice["finish_reason"],
-                                    tuple(int(t) for t in body["kvfleet"]["token_ids"]))
+                        meta = body["kvfleet"]
+                        yield Chunk(int(meta["index"]), str(choice["text"]), choice["finish_reason"],
+                                    tuple(int(t) for t in meta["token_ids"]),
+                                    tuple(TokenLogprob.from_wire(e) for e in meta.get("logprobs", ())))
         except (aiohttp.ClientError, TimeoutError) as err:
             raise HandoffError(f"reading the continuation from {moved.target.pod}: {err}") from err
         if next_moved is None:

@@ -220,7 +220,7 @@ class SourceRun:
             raise MigrationError(f"the engine holds {len(state.output_token_ids)} output tokens but the stream sent "
                                  f"{len(position.output_token_ids)}")
         self.handed = HandedRequest(self.request_id, tuple(live.prompt_token_ids), position.output_token_ids, params,
-                                    live.stops, live.created, live.model, position.text)
+                                    live.stops, live.created, live.model, position.text, include_stop=live.include_stop)
 
     async def _commit(self) -> MigrationResult:
         assert self.channel is not None and self.handed is not None
@@ -284,7 +284,8 @@ class SourceRun:
             handoffs.done(self.ticket, None)
             return
         handed = HandedRequest(self.request_id, tuple(live.prompt_token_ids), position.output_token_ids,
-                               self.params or live.params, live.stops, live.created, live.model, position.text)
+                               self.params or live.params, live.stops, live.created, live.model, position.text,
+                               include_stop=live.include_stop)
         try:
             handoffs.done(self.ticket, Continue(continue_on(self.engine, handed)))
         except EngineError as err:

@@ -13,7 +13,7 @@ pool and its memory backends; `kvfleet.worker.distkv`: DistKV's wire and lease p
 | blocks.py | block accounting: the `KVSpace` protocol, the static free list, staged KV |
 | scheduler.py | the requests, admission (one `admit`), preemption, continuous batching, kv_usage(); composed of a `KVSpace`, a `PrefixCache` and DistKV's `RemoteKVHooks`, passed in |
 | prefix.py | the prefix cache part (MemServe): match / start / insert / evict / unlock over a `PromptTree` |
-| sampling.py | greedy and seeded (seed, position) sampling |
+| sampling.py | vLLM's sampling parameters in its order (masks, penalties, logit_bias, min_p/top_k/top_p, raw logprobs), seeded (seed, position) draws, the structured-output hook (`TokenConstraint`) |
 | migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
 | elastic.py | elastic memory (eLLM): one chunk pool for KV and activations (`ElasticSpace`), §5.1's overlapped (un)mapping (`MappingOverlap`); `ElasticScheduler` replaces only the batch choice (Algorithm 1) and sizes the CPU buffer (Algorithm 2), composed of those parts and a `CpuBuffer` |
 | cpu_buffer.py | eLLM's CPU buffer (§4.3.2, `CpuBuffer`): parked KV, offloaded prefills' sinks, their copies; with prefix caching the cache's host tier (`HostTierPrefixCache`) |

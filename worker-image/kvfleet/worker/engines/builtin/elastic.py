@@ -57,7 +57,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -65,7 +65,7 @@ import torch
 
 from kvfleet.serving.prompt_tree import Match
 from kvfleet.worker.elastic import ChunkPool, ETensor, Fence, MapError, Owner, PhysicalMemory, PoolExhausted
-from kvfleet.worker.engines.base import RequestTooLong, SamplingParams, blocks_for
+from kvfleet.worker.engines.base import RequestTooLong, SamplingParams, TokenLogprobs, blocks_for
 from kvfleet.worker.engines.builtin.blocks import BlockPool
 from kvfleet.worker.engines.builtin.cpu_buffer import CopyIn, CopyOut, CpuBuffer, NewSink
 from kvfleet.worker.engines.builtin.elastic_policy import (
@@ -77,7 +77,7 @@ from kvfleet.worker.engines.builtin.elastic_policy import (
     scale_logical_buffer,
 )
 from kvfleet.worker.engines.builtin.model import SeqBatchEntry
-from kvfleet.worker.engines.builtin.sampling import Sampling
+from kvfleet.worker.engines.builtin.sampling import MakeConstraint
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, Request, RequestState, Scheduler, Step
 from kvfleet.worker.engines.capabilities import MemoryState
 
@@ -375,9 +375,10 @@ class ElasticScheduler(Scheduler):
     once the engine has started (`attach`), the `ElasticSpace` over the pool and §5.1's `MappingOverlap`."""
 
     def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None, settings: ElasticSettings,
-                 buffer: CpuBuffer) -> None:
-        # The prefix cache, if any, lives in the same pool, with the CPU buffer as its host tier.
-        super().__init__(max_num_seqs, block_size_tokens, seed, prefix=buffer.cache)
+                 buffer: CpuBuffer, *, make_constraint: MakeConstraint | None = None) -> None:
+        # The prefix cache, if any, lives in the same pool, with the CPU buffer as its host tier;
+        # requests, their sampling and their grammars (`make_constraint`) are the base's.
+        super().__init__(max_num_seqs, block_size_tokens, seed, prefix=buffer.cache, make_constraint=make_constraint)
         self.settings = settings
         self.buffer = buffer
         self.kv: ElasticKVBlocks | None = None
@@ -699,8 +700,7 @@ class ElasticScheduler(Scheduler):
         self._recent_activation.append(activation_bytes)
         entries = tuple(SeqBatchEntry(tuple(r.context()[r.num_cached:]), r.num_cached, tuple(r.blocks),
                                       offload_to=entries_extra.get(r.request_id)) for r in requests)
-        samplings = tuple(Sampling(r.params.temperature, r.params.top_p, r.seed, r.num_tokens) for r in requests)
-        return Step(requests, entries, samplings)
+        return Step(requests, entries, tuple(self.sampling(r) for r in requests))
 
     def _fetch(self, req: Request) -> None:
         """A parked request comes back (line 17): blocks allocated now, its KV copied into them on the
@@ -713,7 +713,7 @@ class ElasticScheduler(Scheduler):
         if not self.buffer.fetch(req.request_id, host, req.blocks):
             req.num_cached = 0
 
-    def process(self, step: Step, tokens: list[int]) -> None:
+    def process(self, step: Step, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None] = ()) -> None:
         # A request whose KV did not come back from the buffer (parked KV, or cached blocks swapped in
         # from the host tier: its own copies) has computed garbage: it fails alone.
         buffer = self.buffer
@@ -736,7 +736,7 @@ class ElasticScheduler(Scheduler):
             else:
                 tpot_misses += tpot is not None and now - last > tpot
             self._last_token_s[req.request_id] = now
-        self.deliver(step, tokens)
+        self.deliver(step, tokens, logprobs)
         self._settle_offloaded()
         self.reserve_next_slots()
         if self._with_slo:

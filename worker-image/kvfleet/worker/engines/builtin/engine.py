@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal, TypeVar
 
 import torch
@@ -41,12 +41,14 @@ from kvfleet.worker.engines.base import (
     RequestKV,
     SamplingParams,
     StepOutput,
+    StructuredOutput,
     blocks_for,
 )
 from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS, BlockPool
 from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, Lenders, RemotePartLost
 from kvfleet.worker.engines.builtin.cpu_buffer import CpuBuffer
 from kvfleet.worker.engines.builtin.elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
+from kvfleet.worker.engines.builtin.grammar import Grammars
 from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
 from kvfleet.worker.engines.builtin.migration import BuiltinKVMigration
 from kvfleet.worker.engines.builtin.model import (
@@ -62,7 +64,7 @@ from kvfleet.worker.engines.builtin.model import (
 )
 from kvfleet.worker.engines.builtin.options import BuiltinOptions
 from kvfleet.worker.engines.builtin.prefix import PrefixCache
-from kvfleet.worker.engines.builtin.sampling import next_tokens
+from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampled, TokenConstraint, next_tokens
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
 from kvfleet.worker.engines.speed import SpeedRecorder
@@ -78,8 +80,14 @@ DEFAULT_KV_CAPACITY_BYTES = 64 * 1024 * 1024
 class BuiltinEngine:
     """The torch engine (builtin/scheduler.py for scheduling; capabilities.py for migration)."""
 
-    def __init__(self, config: EngineConfig, options: BuiltinOptions | None = None) -> None:
+    def __init__(self, config: EngineConfig, options: BuiltinOptions | None = None, *,
+                 make_constraint: MakeConstraint | None = None) -> None:
+        """`make_constraint` builds a structured-output request's grammar (builtin/sampling.py's
+        `TokenConstraint`); by default llguidance's, from the model directory's tokenizer (grammar.py),
+        loaded at the first such request."""
         self.config = config
+        self._grammars: Grammars | None = None
+        make_constraint = make_constraint or self._grammar_constraint
         self.options = options = options or BuiltinOptions()
         memory, distkv = options.memory, options.distkv
         self._info: EngineInfo | None = None
@@ -98,10 +106,12 @@ class BuiltinEngine:
             self._elastic = ElasticScheduler(config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed, ElasticSettings(
                 threshold_bytes=0, park_decodes_for_prefill=memory.park_decodes_for_prefill,
                 ttft_slo_s=memory.ttft_slo_s, tpot_slo_s=memory.tpot_slo_s, overlap_mapping=memory.overlap_mapping),
-                CpuBuffer(memory.cpu_buffer_bytes, BLOCK_SIZE_TOKENS, prefix_caching=config.prefix_caching))
+                CpuBuffer(memory.cpu_buffer_bytes, BLOCK_SIZE_TOKENS, prefix_caching=config.prefix_caching),
+                make_constraint=make_constraint)
         self._sched: Scheduler = self._elastic or Scheduler(
             config.max_num_seqs, BLOCK_SIZE_TOKENS, config.seed,
-            prefix=PrefixCache(BLOCK_SIZE_TOKENS) if config.prefix_caching else None, remote=lenders)
+            prefix=PrefixCache(BLOCK_SIZE_TOKENS) if config.prefix_caching else None, remote=lenders,
+            make_constraint=make_constraint)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
         # DistKV (docs/distkv.md): the lender's and the borrower's sides, each only when configured.
@@ -114,6 +124,13 @@ class BuiltinEngine:
         self._lending = BuiltinKVLending(self._sched, 0) if distkv.lend_cap_bytes else None
         self._borrowing = BuiltinKVBorrowing(self._sched, lenders, BLOCK_SIZE_TOKENS) if lenders is not None else None
         self._speed = SpeedRecorder("builtin")
+
+    def _grammar_constraint(self, spec: StructuredOutput, output_token_ids: Sequence[int]) -> TokenConstraint:
+        if self._grammars is None:
+            if self._model is None:
+                raise EngineError("the builtin engine is not started")
+            self._grammars = Grammars(self.config.model_path, self._model.arch.vocab_size)
+        return self._grammars.constraint(spec, output_token_ids)
 
     # -- the Engine contract -------------------------------------------------------------------
 
@@ -377,7 +394,7 @@ class BuiltinEngine:
             raise RuntimeError("the builtin engine is not started")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def _run_step(self, step: Step) -> list[int]:
+    async def _run_step(self, step: Step) -> list[Sampled]:
         """The step on the executor; while it computes, elastic memory's (un)mapping that eLLM §5.1
         takes off the step's path (ElasticScheduler.overlap)."""
         if self._executor is None:
@@ -405,8 +422,8 @@ class BuiltinEngine:
                 succeeded = False
                 if step is not None:
                     try:
-                        tokens = await self._run_step(step)
-                        sched.process(step, tokens)
+                        sampled = await self._run_step(step)
+                        sched.process(step, [token for token, _ in sampled], [lp for _, lp in sampled])
                         succeeded = True
                     except RemotePartLost as err:
                         # Only that request's remote KV is gone: it is prefilled again, and the step's
@@ -440,8 +457,9 @@ class BuiltinEngine:
                 prefill_tokens += num_new
         self._speed.record_step(len(step.entries), context_tokens, prefill_tokens, step_seconds)
 
-    def _execute(self, step: Step) -> list[int]:
-        """The step's torch work, on the executor thread: one forward, then one token per request."""
+    def _execute(self, step: Step) -> list[Sampled]:
+        """The step's torch work, on the executor thread: one forward, then one token per request (and
+        its logprobs, where asked)."""
         assert self._model is not None and self._cache is not None
         return next_tokens(self._model.forward(step.entries, self._cache), step.samplings)
 

@@ -175,6 +175,8 @@ class BuiltinKVMigration:
             raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
         if len(output_token_ids) >= params.max_tokens:
             raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
+        # Its sampling state is its tokens: penalties and min_tokens count them, and its grammar (structured
+        # output) is built here by replaying the output tokens through it (Scheduler.new_request).
         req = sched.new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
         if own is not None:
             req.blocks, req.num_cached, req.parked, req.shared = own.blocks, own.num_cached, own.parked, own.shared

@@ -20,6 +20,12 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
   room waits instead.
 - A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
   suspend hands it on (builtin/sampling.py says why the seed is all a resume needs).
+- Each step's `Sampling` reads the request's parameters and own tokens (builtin/sampling.py: vLLM's
+  penalties, min_tokens, logit_bias, logprobs). A request with structured output carries its
+  grammar (`Request.constraint`), built by the `make_constraint` factory the scheduler is given from
+  the spec and the output tokens so far, so a request resumed from prompt + output (a migration, a
+  suspend undone) continues its grammar; each delivered token advances it, and a complete grammar
+  ends the request ("stop").
 
 The scheduler is composed, not extended: the memory its blocks come from is a `KVSpace`
 (builtin/blocks.py: a static `BlockPool`, or elastic memory's pool, which can grow and park a request's
@@ -39,7 +45,7 @@ import enum
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,12 +59,13 @@ from kvfleet.worker.engines.base import (
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    TokenLogprobs,
     blocks_for,
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.builtin.blocks import BlockPool, KVSpace, StagedKV
 from kvfleet.worker.engines.builtin.model import KVParts, SeqBatchEntry
-from kvfleet.worker.engines.builtin.sampling import Sampling
+from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampling, TokenConstraint
 
 if TYPE_CHECKING:
     from kvfleet.worker.engines.builtin.prefix import PrefixCache
@@ -127,6 +134,10 @@ class Request:
     # `remote` holds its first remote_tokens tokens' KV, and `blocks` the rest from there on.
     spans: bool = False
     remote: RemoteKV | None = None
+    # Structured output: the request's grammar, at its output so far; None without one.
+    constraint: TokenConstraint | None = None
+    # What min_tokens holds back: the model's EOS ids and the request's stop_token_ids (sampling.py).
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -162,7 +173,8 @@ class Scheduler:
     """The requests of one builtin engine and the choice of what each step computes."""
 
     def __init__(self, max_num_seqs: int, block_size_tokens: int, seed: int | None, *,
-                 prefix: PrefixCache | None = None, remote: RemoteKVHooks | None = None) -> None:
+                 prefix: PrefixCache | None = None, remote: RemoteKVHooks | None = None,
+                 make_constraint: MakeConstraint | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.block_size_tokens = block_size_tokens
         # The memory blocks come from; none until `open` (a stopped engine has no cache).
@@ -179,6 +191,8 @@ class Scheduler:
         self.prefix = prefix
         # DistKV's borrower side; None when this engine does not borrow.
         self.remote = remote
+        # Structured outputs' grammars (module docstring); None: requests with one are refused.
+        self.make_constraint = make_constraint
         # Set when there may be work for the engine's step loop.
         self.wake_event: asyncio.Event | None = None
         self._admissions = 0
@@ -231,7 +245,8 @@ class Scheduler:
         return len(self.space.free)
 
     def new_request(self, request_id: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
-        """A request checked against the model's limits, with a seed (not queued yet)."""
+        """A request checked against the model's limits, with a seed and its grammar at `output` (not
+        queued yet)."""
         limits = self.limits
         if limits is None:
             raise RuntimeError("the builtin engine is not started")
@@ -240,6 +255,11 @@ class Scheduler:
         vocab_size = limits.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt + output):
             raise EngineError(f"token ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+            # (vLLM refuses these too; a step would index past the logits.)
+            raise EngineError(f"logit_bias token ids must be in [0, {vocab_size})")
+        if params.structured is not None and self.make_constraint is None:
+            raise EngineError("this engine has no structured-output support")
         if len(prompt) + params.max_tokens > limits.max_model_len:
             raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                                  f"model's context of {limits.max_model_len} tokens")
@@ -255,8 +275,17 @@ class Scheduler:
                 lend = f" and the pool can lend it {borrowable} more" if borrowable else ""
                 raise RequestTooLong(f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need {most_blocks} KV "
                                      f"blocks; this engine has {space.num_blocks}{lend}")
+        constraint = None
+        if params.structured is not None:
+            assert self.make_constraint is not None
+            try:
+                constraint = self.make_constraint(params.structured, output)
+            except ValueError as err:  # a spec the grammar cannot take, or output it does not match
+                raise EngineError(f"structured output {params.structured.kind}: {err}") from err
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, prompt, output, replace(params, seed=seed), seed, spans=spans)
+        stop_ids = self.eos_ids | frozenset(params.stop_token_ids) if params.stop_token_ids else self.eos_ids
+        return Request(request_id, prompt, output, replace(params, seed=seed), seed, spans=spans,
+                       constraint=constraint, stop_ids=stop_ids)
 
     def enqueue(self, req: Request, *, front: bool = False) -> AsyncIterator[StepOutput]:
         """Queue a request (at the front: it is already late) and return its stream; one whose KV is
@@ -413,9 +442,13 @@ class Scheduler:
                                       tuple(req.blocks), extra_parts=(req.remote,) if req.remote is not None else (),
                                       remote_tokens=req.remote_tokens)
                         for req, n in batch)
-        samplings = tuple(Sampling(req.params.temperature, req.params.top_p, req.seed, req.num_tokens)
-                          for req in requests)
-        return Step(requests, entries, samplings)
+        return Step(requests, entries, tuple(self.sampling(req) for req in requests))
+
+    @staticmethod
+    def sampling(req: Request) -> Sampling:
+        """How a scheduled request's next token is chosen (builtin/sampling.py): its own lists by
+        reference, which nothing appends to until the step's tokens are delivered."""
+        return Sampling(req.params, req.seed, req.num_tokens, req.prompt, req.output, req.stop_ids, req.constraint)
 
     def admit(self, req: Request, num_new_blocks: int, match: Match[int] | None = None) -> None:
         """The one waiting -> running transition: the request leaves the queue, starts from its cached
@@ -478,15 +511,16 @@ class Scheduler:
         """Blocks a running spanning request lacks for its next chunk (or decode) beyond the free ones."""
         return max(0, self._next_chunk_blocks(req) - len(self.space.free))
 
-    def process(self, step: Step, tokens: list[int]) -> None:
-        """Hand each request its sampled token, finish those that are done, and reserve the next slots."""
-        self.deliver(step, tokens)
+    def process(self, step: Step, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None] = ()) -> None:
+        """Hand each request its sampled token (and its logprobs, where asked: one per row, or none at
+        all), finish those that are done, and reserve the next slots."""
+        self.deliver(step, tokens, logprobs)
         self.reserve_next_slots()
 
-    def deliver(self, step: Step, tokens: list[int]) -> None:
+    def deliver(self, step: Step, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None] = ()) -> None:
         """Hand each request its sampled token and finish those that are done (`process`'s first half)."""
         eos_ids = self.eos_ids
-        for req, entry, token in zip(step.requests, step.entries, tokens):
+        for row, (req, entry, token) in enumerate(zip(step.requests, step.entries, tokens)):
             if req.state is not RequestState.RUNNING:  # aborted while the step ran
                 continue
             written = entry.start_position + len(entry.token_ids)
@@ -498,17 +532,37 @@ class Scheduler:
                 self.num_prefilled_tokens += len(entry.token_ids)
             req.num_cached = req.num_tokens
             req.output.append(token)
+            if not self._advance_constraint(req, token):
+                continue
             reason: FinishReason | None = None
-            if (token in eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            if ((token in eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids
+                    or (req.constraint is not None and req.constraint.finished)):
                 reason = "stop"
             elif len(req.output) >= req.params.max_tokens:
                 reason = "length"
+            token_logprobs = logprobs[row] if logprobs else None
             req.queue.put_nowait(StepOutput(req.request_id, (token,), finished=reason is not None,
-                                            finish_reason=reason, num_tokens=req.num_tokens))
+                                            finish_reason=reason, num_tokens=req.num_tokens,
+                                            logprobs=(token_logprobs,) if token_logprobs is not None else ()))
             if reason is not None:
                 self.running.remove(req)
                 self._cache_blocks(req)
                 self.finish(req)
+
+    def _advance_constraint(self, req: Request, token: int) -> bool:
+        """Feed a delivered token to the request's grammar; False (the request failed alone) if the
+        grammar refuses it, which only a grammar whose mask allowed the token could cause."""
+        if req.constraint is None:
+            return True
+        try:
+            req.constraint.advance(token)
+        except Exception as err:  # the grammar is another module's code: its error ends this request only
+            logger.exception("structured output of %s refused token %d", req.request_id, token)
+            self.running.remove(req)
+            req.queue.put_nowait(EngineError(f"structured output failed: {err}"))
+            self.finish(req)
+            return False
+        return True
 
     def reserve_next_slots(self) -> None:
         """Give every running request the block its next token goes to, preempting the newest if short

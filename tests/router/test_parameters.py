@@ -1,0 +1,255 @@
+"""vLLM's request parameters end to end on the builtin engine, straight to a worker and through the
+router: `n`, logprobs (completions' and chat's layouts), echo, penalties, top_k, min_p, logit_bias,
+min_tokens, per-sample seeds, include_stop_str_in_output and structured outputs. The router answers
+exactly as a worker does (it rebuilds the answer from the workers' token streams), streamed or whole."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from router_testing import MODEL, TOKEN, Server, serve
+from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
+
+from kvfleet.router.app import Router, RouterConfig
+from kvfleet.router.placement import PoolSnapshot, WorkerState
+from kvfleet.router.pool import StaticPoolView
+from kvfleet.serving.credentials import PoolCredentials
+
+
+@pytest.fixture(scope="module")
+def routed(workers: list[Server], engine_loop: EngineLoop) -> Iterator[tuple[Router, Server]]:
+    snapshot = PoolSnapshot(tuple(WorkerState(f"w{i}", w.address, True, i, TEST_KV_CAPACITY_BYTES)
+                                  for i, w in enumerate(workers)), {})
+    router = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(snapshot))
+    server = serve(engine_loop, router.app())
+    yield router, server
+    engine_loop.run(server.runner.cleanup())
+
+
+@pytest.fixture(scope="module")
+def router(routed: tuple[Router, Server]) -> Server:
+    return routed[1]
+
+
+def completion(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something"}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+def whole(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, answer = server.post(path, body)
+    assert status == 200, answer
+    return dict(answer)
+
+
+def choices_of_stream(chunks: list[Any], chat_: bool) -> dict[int, dict[str, Any]]:
+    """Each choice's text, finish reason and logprobs entries, put together from a stream's chunks."""
+    out: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for c in chunk.get("choices", []):
+            got = out.setdefault(c["index"], {"text": "", "finish_reason": None, "logprobs": []})
+            got["text"] += (c["delta"].get("content") or "") if chat_ else c["text"]
+            got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+            if c["logprobs"] is not None:
+                got["logprobs"].append(c["logprobs"])
+    return out
+
+
+def test_n_samples_are_seeded_as_vllm_seeds_them(workers: list[Server], router: Server) -> None:
+    body = completion(n=3, temperature=1.0, seed=7)
+    direct = whole(workers[0], "/v1/completions", body)
+    texts = [c["text"] for c in direct["choices"]]
+    assert [c["index"] for c in direct["choices"]] == [0, 1, 2]
+    assert direct["usage"]["completion_tokens"] == 36
+    # Sample i is the request with seed 7 + i (vLLM's parallel sampling).
+    for i, text in enumerate(texts):
+        assert whole(workers[1], "/v1/completions", completion(temperature=1.0, seed=7 + i))["choices"][0]["text"] == text
+    assert len(set(texts)) > 1
+    assert [c["text"] for c in whole(router, "/v1/completions", body)["choices"]] == texts
+    streamed = choices_of_stream(router.stream("/v1/completions", body), chat_=False)
+    assert [streamed[i]["text"] for i in range(3)] == texts
+    assert [streamed[i]["text"] for i in range(3)] == [
+        choices_of_stream(workers[0].stream("/v1/completions", body), chat_=False)[i]["text"] for i in range(3)]
+
+
+def test_completion_logprobs_are_vllms_layout_and_the_router_gives_the_same(workers: list[Server],
+                                                                            router: Server) -> None:
+    body = completion(logprobs=3)
+    direct = whole(workers[0], "/v1/completions", body)["choices"][0]
+    lp = direct["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 12
+    assert "".join(lp["tokens"]) == direct["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(12)]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        # Greedy: the chosen token is the most likely one; the dict holds it and the 3 most likely.
+        assert logprob <= 0 and top[token] == logprob and math.isclose(max(top.values()), logprob)
+        assert 1 <= len(top) <= 4
+    routed = whole(router, "/v1/completions", body)["choices"][0]
+    assert routed["text"] == direct["text"]
+    assert routed["logprobs"]["tokens"] == lp["tokens"] and routed["logprobs"]["text_offset"] == lp["text_offset"]
+    assert routed["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    for streamed_by in (workers[0], router):
+        parts = choices_of_stream(streamed_by.stream("/v1/completions", body), chat_=False)[0]["logprobs"]
+        assert sum((p["tokens"] for p in parts), []) == lp["tokens"]
+        assert sum((p["text_offset"] for p in parts), []) == lp["text_offset"]
+
+
+def test_chat_logprobs_are_openais_layout_and_the_router_gives_the_same(workers: list[Server], router: Server) -> None:
+    body = chat(logprobs=True, top_logprobs=2)
+    direct = whole(workers[0], "/v1/chat/completions", body)["choices"][0]
+    content = direct["logprobs"]["content"]
+    assert len(content) == 10 and "".join(e["token"] for e in content) == direct["message"]["content"]
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert [t["logprob"] for t in entry["top_logprobs"]] == sorted((t["logprob"] for t in entry["top_logprobs"]),
+                                                                      reverse=True)
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["token"] == entry["token"]
+    routed = whole(router, "/v1/chat/completions", body)["choices"][0]
+    assert [e["token"] for e in routed["logprobs"]["content"]] == [e["token"] for e in content]
+    streamed = choices_of_stream(router.stream("/v1/chat/completions", body), chat_=True)[0]
+    assert [e["token"] for part in streamed["logprobs"] for e in part["content"]] == [e["token"] for e in content]
+    without = whole(router, "/v1/chat/completions", chat())["choices"][0]
+    assert without["logprobs"] is None
+
+
+def test_echo_puts_the_prompt_before_the_output(workers: list[Server], router: Server) -> None:
+    plain = whole(workers[0], "/v1/completions", completion())["choices"][0]["text"]
+    for server in (workers[0], router):
+        assert whole(server, "/v1/completions", completion(echo=True))["choices"][0]["text"] == "The quick brown fox" + plain
+        streamed = choices_of_stream(server.stream("/v1/completions", completion(echo=True)), chat_=False)
+        assert streamed[0]["text"] == "The quick brown fox" + plain
+
+
+@pytest.mark.parametrize("params", [
+    {"repetition_penalty": 1.5}, {"frequency_penalty": 1.5}, {"presence_penalty": 1.5}, {"top_k": 1, "temperature": 1.0},
+    {"min_p": 0.5, "temperature": 1.0, "seed": 3}, {"top_k": 5, "temperature": 0.8, "seed": 3}])
+def test_sampling_parameters_answer_alike_through_the_router(workers: list[Server], router: Server,
+                                                              params: dict[str, Any]) -> None:
+    direct = whole(workers[0], "/v1/completions", completion(**params))["choices"][0]["text"]
+    assert whole(router, "/v1/completions", completion(**params))["choices"][0]["text"] == direct
+    assert whole(workers[1], "/v1/completions", completion(**params))["choices"][0]["text"] == direct
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0}])
+def test_penalties_hold_back_a_token_the_output_repeats(workers: list[Server], router: Server, tiny_model_dir: Any,
+                                                        penalty: dict[str, float]) -> None:
+    from kvfleet.worker.text import Tokenizer
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    token = tokenizer.encode(" banana", add_special_tokens=False)[0]
+
+    def count(server: Server, **params: Any) -> int:
+        body = completion(max_tokens=24, logit_bias={str(token): 30}, **params)
+        answer = whole(server, "/v1/completions", body)
+        return tokenizer.encode(answer["choices"][0]["text"], add_special_tokens=False).count(token)
+
+    plain = count(workers[0])
+    assert plain >= 12, "the bias no longer makes the tiny model repeat the token"
+    assert count(workers[0], **penalty) < plain
+    assert count(router, **penalty) == count(workers[1], **penalty)
+    # 1.0 asks for nothing (vllm bench serve sends it).
+    assert count(workers[0], repetition_penalty=1.0) == plain
+
+
+def test_logit_bias_and_min_tokens(workers: list[Server], router: Server, tiny_model_dir: Any) -> None:
+    from kvfleet.worker.text import Tokenizer
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    token = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    for server in (workers[0], router):
+        biased = whole(server, "/v1/completions", completion(logit_bias={str(token): 100}, max_tokens=4))
+        assert tokenizer.encode(biased["choices"][0]["text"], add_special_tokens=False).count(token) == 4
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    # EOS pushed to the top ends the request at once, unless min_tokens holds it back.
+    ended = whole(workers[0], "/v1/completions", completion(logit_bias={str(eos): 100}, ignore_eos=False))
+    assert ended["usage"]["completion_tokens"] == 1 and ended["choices"][0]["finish_reason"] == "stop"
+    held = whole(router, "/v1/completions", completion(logit_bias={str(eos): 100}, ignore_eos=False, min_tokens=5))
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(workers: list[Server], router: Server) -> None:
+    text = whole(workers[0], "/v1/completions", completion(max_tokens=24))["choices"][0]["text"]
+    stop = text[6:9]
+    cut = text[:text.index(stop)]
+    for server in (workers[0], router):
+        assert whole(server, "/v1/completions", completion(max_tokens=24, stop=[stop]))["choices"][0]["text"] == cut
+        kept = whole(server, "/v1/completions", completion(max_tokens=24, stop=[stop], include_stop_str_in_output=True))
+        assert kept["choices"][0]["text"] == cut + stop and kept["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("fmt", "check"), [
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, lambda t: t in ("yes", "no", "maybe")),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    # The tiny model with random weights writes whitespace forever where JSON allows any.
+    ({"structured_outputs": {"disable_any_whitespace": True, "json": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}},
+     lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"enum": ["a", "b"]}}}},
+     lambda t: json.loads(t) in ("a", "b")),
+])
+def test_structured_outputs_constrain_the_text(workers: list[Server], router: Server, fmt: dict[str, Any],
+                                               check: Any) -> None:
+    body = chat(max_tokens=60, ignore_eos=False, **fmt)
+    direct = whole(workers[0], "/v1/chat/completions", body)["choices"][0]
+    assert direct["finish_reason"] == "stop" and check(direct["message"]["content"]), direct
+    assert whole(router, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == direct["message"]["content"]
+
+
+def test_bad_values_are_a_400_naming_the_field_through_the_router(router: Server) -> None:
+    for body, param in [(completion(n=0), "n"), (completion(logit_bias={"999999": 1}), "logit_bias"),
+                        (completion(structured_outputs={"regex": "("}), None),
+                        (chat(top_logprobs=3), "top_logprobs"), (completion(echo=True, logprobs=1), "echo")]:
+        status, answer = router.post("/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+        assert status == 400, answer
+        if param is not None:
+            assert answer["error"]["param"] == param, answer
+
+
+@pytest.mark.parametrize("mode", ["kv", "token"])
+def test_a_request_moved_mid_stream_keeps_its_penalties_draws_logprobs_and_grammar(
+        workers: list[Server], routed: tuple[Router, Server], mode: str) -> None:
+    """Live migration of a request that uses everything at once: the client's text and log-probabilities
+    equal the unmoved run's (penalties counted over the output so far, the seeded draws per position,
+    the grammar replayed over the output at the target), none lost or repeated."""
+    router_obj, router = routed
+    body = completion(max_tokens=200, prompt="Once upon a time", temperature=0.9, seed=5, frequency_penalty=0.7,
+                      repetition_penalty=1.2, logprobs=2, structured_outputs={"regex": "[a-z ]{150,200}"},
+                      ignore_eos=False)
+    direct = whole(workers[0], "/v1/completions", body)["choices"][0]
+    assert re.fullmatch("[a-z ]{150,200}", direct["text"]), direct["text"]
+    request_id = f"move-everything-{mode}"
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                 {"Content-Type": "application/json", "X-Request-Id": request_id})
+    response = conn.getresponse()
+    assert response.status == 200
+    received = [response.readline() for _ in range(6)]
+    source_pod = router_obj.worker_of(request_id)
+    assert source_pod is not None
+    source_index = int(source_pod.removeprefix("w"))
+    source, target = workers[source_index], workers[1 - source_index]
+    status, result = source.post(f"/internal/requests/{request_id}/migrate", {
+        "target": {"pod": f"w{1 - source_index}", "address": target.address,
+                   "migrationAddress": f"127.0.0.1:{target.agent.migration_port}"}, "mode": mode},
+        Authorization=f"Bearer {TOKEN}")
+    assert status == 200 and result["phase"] == "Succeeded", result
+    raw = b"".join(received) + response.read()
+    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    streamed = choices_of_stream([json.loads(e) for e in events[:-1]], chat_=False)[0]
+    assert streamed["text"] == direct["text"]
+    assert sum((p["tokens"] for p in streamed["logprobs"]), []) == direct["logprobs"]["tokens"]
+    assert sum((p["token_logprobs"] for p in streamed["logprobs"]), []) == pytest.approx(
+        direct["logprobs"]["token_logprobs"], abs=1e-4)
