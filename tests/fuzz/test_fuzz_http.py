@@ -146,8 +146,13 @@ FIELD_VALUES: dict[str, Any] = {
     "kv_transfer_params": st.sampled_from([None, {"kvfleet": {"id": "x", "load": True}}]) | hostile_values,
     "request_id": st.sampled_from([None, "x", "\ud800"]),
     "top_logprobs": st.sampled_from([0, None, 5, -1]),
-    "tools": st.sampled_from([None, [], [{"type": "function", "function": {"name": "f"}}]]) | hostile_values,
-    "tool_choice": st.sampled_from(["none", None, "auto", {"type": "function"}]),
+    "tools": st.sampled_from([None, [], [{"type": "function", "function": {"name": "f"}}],
+                              [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                              [{"type": "function", "function": {"name": "f", "parameters": {"$defs": 1}}}]])
+    | hostile_values,
+    "tool_choice": st.sampled_from(["none", None, "auto", "required", {"type": "function"},
+                                    {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": st.sampled_from([False, None, "x"]),
     "chat_template_kwargs": st.sampled_from([None, {}, {"enable_thinking": True}]) | hostile_values,
 }
 PROMPTS = st.sampled_from(VOCAB_BREAKERS) | hostile_text | st.lists(st.integers(-5, 40_000), max_size=8) | hostile_values
@@ -159,6 +164,10 @@ MESSAGES = st.sampled_from([
     [{"role": "user", "content": [1]}], ["hello"], [None], [{"role": "user", "content": "x", "extra": 1}],
     [{"role": "user", "content": "\ud800\x00"}], [{"role": "assistant", "content": "x"}],
     [{"role": "user", "content": "x" * 5000}],
+    [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                            "function": {"name": "f", "arguments": "{not json"}}]},
+     {"role": "tool", "tool_call_id": "c", "content": "x"}],
+    [{"role": "assistant", "tool_calls": []}], [{"role": "user", "content": "x", "tool_calls": None}],
 ]) | st.lists(st.fixed_dictionaries({"role": hostile_values, "content": hostile_values}), max_size=3) | hostile_values
 
 

@@ -253,3 +253,86 @@ def test_a_request_moved_mid_stream_keeps_its_penalties_draws_logprobs_and_gramm
     assert sum((p["tokens"] for p in streamed["logprobs"]), []) == direct["logprobs"]["tokens"]
     assert sum((p["token_logprobs"] for p in streamed["logprobs"]), []) == pytest.approx(
         direct["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+def no_whitespace(tiny_model_dir: Any) -> dict[str, float]:
+    """A logit_bias that keeps the random-weight tiny model from writing JSON's optional whitespace forever
+    (vLLM's structured outputs allow any whitespace, and so does kvfleet)."""
+    from kvfleet.worker.text import Tokenizer
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    texts = tokenizer.token_texts(list(range(tokenizer.vocab_size)))
+    return {str(i): -100.0 for i, text in enumerate(texts) if text and not text.strip()}
+
+
+def tool_chat(tiny_model_dir: Any, **kw: Any) -> dict[str, Any]:
+    return chat(max_tokens=60, ignore_eos=False, tools=[WEATHER, TIME], logit_bias=no_whitespace(tiny_model_dir), **kw)
+
+
+def test_a_named_tool_choice_is_a_call_of_that_tool_with_arguments_that_follow_its_schema(
+        workers: list[Server], router: Server, tiny_model_dir: Any) -> None:
+    body = tool_chat(tiny_model_dir, tool_choice={"type": "function", "function": {"name": "weather"}})
+    direct = whole(workers[0], "/v1/chat/completions", body)["choices"][0]
+    assert direct["finish_reason"] == "stop" and direct["message"]["content"] == ""
+    [call] = direct["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "weather" and call["id"].startswith("chatcmpl-tool-")
+    arguments = json.loads(call["function"]["arguments"])
+    assert arguments["city"] in ("Paris", "Oslo") and arguments["unit"] in ("c", "f")
+    routed = whole(router, "/v1/chat/completions", body)["choices"][0]
+    assert routed["message"]["tool_calls"][0]["function"] == call["function"]
+    # Streamed: the call's id and name first, then its arguments delta by delta.
+    for server in (workers[0], router):
+        deltas = [c["choices"][0]["delta"] for c in server.stream("/v1/chat/completions", body) if c["choices"]]
+        calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+        assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["function"]["name"] == "weather"
+        assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
+
+
+def test_a_required_tool_choice_is_calls_of_the_tools_and_finishes_with_tool_calls(
+        workers: list[Server], router: Server, tiny_model_dir: Any) -> None:
+    body = tool_chat(tiny_model_dir, tool_choice="required", parallel_tool_calls=False)
+    direct = whole(workers[0], "/v1/chat/completions", body)["choices"][0]
+    assert direct["finish_reason"] == "tool_calls", direct
+    [call] = direct["message"]["tool_calls"]
+    assert call["function"]["name"] in ("weather", "time") and isinstance(json.loads(call["function"]["arguments"]), dict)
+    routed = whole(router, "/v1/chat/completions", body)["choices"][0]
+    assert [c["function"] for c in routed["message"]["tool_calls"]] == [call["function"]]
+    chunks = router.stream("/v1/chat/completions", body)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    streamed = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert finishes[-1] == "tool_calls" and [d["function"] for d in streamed] == [call["function"]]
+
+
+def test_a_conversation_with_tool_calls_and_results_is_rendered_and_answered(workers: list[Server], router: Server) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "21 C and sunny"}]
+    body = {**chat(), "messages": messages, "tools": [WEATHER]}
+    # tool_choice defaults to "auto" with tools, and without a tool-call parser (vLLM's default server)
+    # the reply is the model's text.
+    direct = whole(workers[0], "/v1/chat/completions", body)["choices"][0]
+    assert direct["message"]["content"] and "tool_calls" not in direct["message"]
+    assert whole(router, "/v1/chat/completions", body)["choices"][0]["message"] == direct["message"]
+    _, tokens = workers[0].post("/tokenize", {"messages": messages})
+    assert "21 C and sunny" in workers[0].post("/detokenize", {"tokens": tokens["tokens"]})[1]["prompt"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": []}, "tools"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_usage_is_a_400_naming_the_field(router: Server, body: dict[str, Any], param: str) -> None:
+    status, answer = router.post("/v1/chat/completions", {**chat(), **body})
+    assert status == 400 and answer["error"]["param"] == param, answer

@@ -55,8 +55,7 @@ def test_a_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -
     assert refused.value.message.startswith(f"{field}: ") and "not served by kvfleet's engines yet" in refused.value.message
 
 
-@pytest.mark.parametrize(("field", "value"), [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                              ("tool_choice", "auto"), ("echo", True),
+@pytest.mark.parametrize(("field", "value"), [("echo", True), ("reasoning_effort", "high"),
                                               ("chat_template_kwargs", {"enable_thinking": True})])
 def test_a_chat_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(APIError) as refused:
@@ -128,3 +127,18 @@ def test_unknown_fields_are_still_refused() -> None:
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_every_parameter_not_served_yet_is_a_field_of_its_model(model: type[Any]) -> None:
     assert set(model.NOT_SERVED) <= set(model.model_fields)
+
+
+def test_tools_are_read_as_vllm_reads_them() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES}).tool_mode() == "none"
+    # Tools without a tool_choice: "auto" (vLLM's check_tool_usage), the model's text as content.
+    auto = validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "tools": [tool]})
+    assert auto.tool_mode() == "auto" and auto.structured() is None and auto.template_tools() == [tool]
+    named = validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "tools": [tool],
+                                              "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert named.structured() == ("json_schema", '{"type": "object"}')
+    required = validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, "tools": [tool],
+                                                 "tool_choice": "required", "parallel_tool_calls": False})
+    kind, spec = required.structured() or ("", "")
+    assert kind == "json_schema" and '"maxItems": 1' in spec and '"enum": ["f"]' in spec

@@ -28,6 +28,7 @@ from kvfleet.serving.openai_api import (
     LogprobsLayout,
     ResponseShape,
     TokenLogprob,
+    ToolReplies,
     now_s,
     usage,
 )
@@ -57,9 +58,11 @@ async def respond(request: web.Request, relays: Sequence[Relay], body: Completio
         texts = [_client_texts(head, s, StopStrings(body.stop_strings(), include=body.include_stop_str_in_output), timer)
                  for head, s in zip(heads, steps, strict=True)]
         wants_logprobs = body.top_logprobs_wanted() is not None
+        replies = ToolReplies(body)
         if not body.stream:
-            return await _whole(relays, shape, texts, wants_logprobs)
-        return await _stream(request, relays, shape, texts, body.include_usage_in_stream(), metrics, wants_logprobs)
+            return await _whole(relays, shape, texts, wants_logprobs, replies)
+        return await _stream(request, relays, shape, texts, body.include_usage_in_stream(), metrics, wants_logprobs,
+                             replies)
     finally:
         for stream in steps:
             await stream.aclose()
@@ -115,7 +118,7 @@ def _counts(relays: Sequence[Relay]) -> dict[str, int]:
 
 
 async def _whole(relays: Sequence[Relay], shape: ResponseShape, texts: list[AsyncGenerator[Step, None]],
-                 wants_logprobs: bool) -> web.Response:
+                 wants_logprobs: bool, replies: ToolReplies) -> web.Response:
     async def one(steps: AsyncIterator[Step]) -> Choice:
         parts: list[str] = []
         logprobs: list[TokenLogprob] = []
@@ -124,7 +127,8 @@ async def _whole(relays: Sequence[Relay], shape: ResponseShape, texts: list[Asyn
             parts.append(step.text)
             logprobs.extend(step.logprobs)
             finish_reason = step.finish_reason or finish_reason
-        return Choice("".join(parts), finish_reason, LogprobsLayout(shape.chat).of(logprobs) if wants_logprobs else None)
+        return replies.whole("".join(parts), finish_reason, LogprobsLayout(shape.chat).of(logprobs) if wants_logprobs
+                             else None)
 
     try:
         choices = await _all([one(t) for t in texts])
@@ -135,17 +139,22 @@ async def _whole(relays: Sequence[Relay], shape: ResponseShape, texts: list[Asyn
 
 async def _stream(request: web.Request, relays: Sequence[Relay], shape: ResponseShape,
                   texts: list[AsyncGenerator[Step, None]], include_usage: bool, metrics: RouterMetrics,
-                  wants_logprobs: bool) -> web.StreamResponse:
+                  wants_logprobs: bool, replies: ToolReplies) -> web.StreamResponse:
     response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: shape.request_id})
     await response.prepare(request)
     if shape.chat:
         for index in range(len(texts)):
             await response.write(sse_data(shape.first_chunk(index=index)))
     layouts = [LogprobsLayout(shape.chat) for _ in texts]
+    tool_streams = [replies.stream() for _ in texts]
     try:
         async for index, step in _merged(texts):
-            if step.text or step.finish_reason is not None or (wants_logprobs and step.logprobs):
-                logprobs = layouts[index].of(step.logprobs) if wants_logprobs else None
+            logprobs = layouts[index].of(step.logprobs) if wants_logprobs and step.logprobs else None
+            if replies.calls_tools:
+                for part, finish in tool_streams[index].step(step.text, step.finish_reason):
+                    await response.write(sse_data(shape.chunk(None, finish, index=index, logprobs=logprobs, delta=part)))
+                    logprobs = None
+            elif step.text or step.finish_reason is not None or logprobs is not None:
                 await response.write(sse_data(shape.chunk(step.text, step.finish_reason, index=index, logprobs=logprobs)))
     except _MIDWAY as err:
         metrics.errors.labels("502").inc()

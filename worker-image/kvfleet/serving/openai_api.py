@@ -52,8 +52,8 @@ _NOT_SERVED: dict[str, tuple[Any, ...]] = {
 }
 _NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {**_NOT_SERVED, "add_special_tokens": (), "prompt_embeds": ()}
 _NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
-    **_NOT_SERVED, "add_special_tokens": (), "echo": (), "tools": ([],), "tool_choice": (None,),
-    "reasoning_effort": (), "include_reasoning": (), "parallel_tool_calls": (None,), "add_generation_prompt": (),
+    **_NOT_SERVED, "add_special_tokens": (), "echo": (), "reasoning_effort": (), "include_reasoning": (),
+    "add_generation_prompt": (),
     "continue_final_message": (), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
     "media_io_kwargs": (), "mm_processor_kwargs": (), "return_prompt_text": (False,)}
 
@@ -310,15 +310,47 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+class FunctionCall(BaseModel):
+    """An assistant's call of a tool: its name and its arguments as JSON text (OpenAI's form)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, StringConstraints(min_length=1)]
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant's earlier tool calls, and a tool message's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("missing", "content is required (only an assistant's tool calls may go without)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("value_error", "tool_calls: only an assistant message has tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("missing", "tool_call_id: a tool message answers a tool call; name it")
+        return self
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused (no multimodal models here)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -328,13 +360,99 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, and tool calls with their arguments
+        parsed (vLLM parses them too, since templates render them as objects)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
-def text_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as `{"role", "content"}` with text content, or the 400 for a part that is not text."""
+
+def _arguments(text: str) -> Any:
     try:
-        return [{"role": m.role, "content": m.text()} for m in messages]
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a template that wants an object gets the text, as a client sent it
+
+
+def text_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them (`ChatMessage.for_template`), or the 400 for a content
+    part that is not text."""
+    try:
+        return [m.for_template() for m in messages]
     except ValueError as err:
         raise APIError(400, str(err), param="messages") from None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One tool a chat may call (OpenAI's `tools` entry)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, StringConstraints(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one tool the reply must call."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def _params_or_empty_object(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    # vLLM's tool_parsers/utils.py: a tool without parameters takes an empty object.
+    return parameters if parameters else {"type": "object", "properties": {}}
+
+
+def tool_calls_schema(tools: Sequence[ChatTool], parallel: bool | None) -> dict[str, Any]:
+    """The JSON schema a `tool_choice: "required"` reply follows: a list of {name, parameters}, one of
+    the tools each (vLLM's _get_json_schema_from_tools, $defs merged the same way). One difference:
+    an item may hold no other key (vLLM's schema allows them and its parser drops them), so that a
+    model cannot write keys nobody reads until its budget runs out."""
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": _params_or_empty_object({k: v for k, v in (t.function.parameters or {}).items()
+                                                               if k != "$defs"})},
+         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        for name, definition in ((tool.function.parameters or {}).get("$defs") or {}).items():
+            if name in defs and defs[name] != definition:
+                raise ValueError(f"tools: the definition {name!r} has several schemas")
+            defs[name] = definition
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def new_tool_call_id() -> str:
+    return new_id("chatcmpl-tool")
 
 
 class ChatCompletionRequest(_Request):
@@ -348,11 +466,12 @@ class ChatCompletionRequest(_Request):
     echo: Any = False
     add_special_tokens: Any = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    tools: Any = None
-    tool_choice: Any = "none"
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    # vLLM's default: "none", or "auto" when tools are given (its check_tool_usage).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     reasoning_effort: Any = None
     include_reasoning: Any = True
-    parallel_tool_calls: Any = True
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: Any = True
     continue_final_message: Any = False
     documents: Any = None
@@ -368,6 +487,57 @@ class ChatCompletionRequest(_Request):
             # vLLM's wording (its ChatCompletionRequest.check_logprobs).
             raise PydanticCustomError("value_error", "top_logprobs: when using top_logprobs, logprobs must be set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_usage(self) -> ChatCompletionRequest:
+        # vLLM's check_tool_usage, in its words.
+        choice = self.tool_choice
+        if choice not in (None, "none") and self.tools is None:
+            raise PydanticCustomError("value_error", "tool_choice: When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, NamedToolChoice) and self.tools is not None \
+                and choice.function.name not in {t.function.name for t in self.tools}:
+            raise PydanticCustomError("value_error", "tool_choice: Tool '{name}' has not been passed in `tools`.",
+                                      {"name": choice.function.name})
+        if self.tool_mode() in ("named", "required") and (self.response_format is not None
+                                                          and self.response_format.type != "text"
+                                                          or self.structured_outputs is not None):
+            raise PydanticCustomError("value_error",
+                                      "tool_choice: a required or named tool call is a structured output already")
+        if self.tool_mode() == "required":
+            assert self.tools is not None
+            try:
+                tool_calls_schema(self.tools, self.parallel_tool_calls)
+            except ValueError as err:
+                raise PydanticCustomError("value_error", "{why}", {"why": str(err)}) from None
+        return self
+
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the reply treats the tools: not at all, as the model likes (its text is the content: no
+        tool-call parser runs, as in vLLM without --enable-auto-tool-choice), or must call them."""
+        if self.tools is None or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def structured(self) -> tuple[ConstraintKind, str] | None:
+        """A required or named tool call is generated as JSON that follows the tool's schema (vLLM's
+        get_json_schema_from_tools); otherwise the request's own constraint."""
+        mode = self.tool_mode()
+        if mode == "named":
+            assert self.tools is not None and isinstance(self.tool_choice, NamedToolChoice)
+            name = self.tool_choice.function.name
+            tool = next(t for t in self.tools if t.function.name == name)
+            return ("json_schema", json.dumps(_params_or_empty_object(tool.function.parameters)))
+        if mode == "required":
+            assert self.tools is not None
+            return ("json_schema", json.dumps(tool_calls_schema(self.tools, self.parallel_tool_calls)))
+        return super().structured()
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them; a template sees them whatever `tool_choice` says, as
+        in vLLM (its `exclude_tools_when_tool_choice_none` is off by default)."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -627,11 +797,104 @@ class LogprobsLayout:
 
 @dataclass(frozen=True)
 class Choice:
-    """One sample's whole answer."""
+    """One sample's whole answer (a chat's tool calls, when it made some, instead of its text)."""
 
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ToolReplies:
+    """A chat sample's text as its reply: tool calls where `tool_choice` required them, as vLLM's server
+    makes them without a tool-call parser (chat_completion/serving.py): a named tool's arguments are
+    the text itself (finish reason as generated); "required" text is the JSON list of {name,
+    parameters} its schema asked for (finish reason `tool_calls`). Streamed, a named call's arguments
+    follow the text delta by delta; a required reply's calls come whole when the sample ends."""
+
+    def __init__(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        self.mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
+        choice = body.tool_choice if isinstance(body, ChatCompletionRequest) else None
+        self.name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode in ("named", "required")
+
+    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None) -> Choice:
+        if self.mode == "named":
+            return Choice("", finish, logprobs, [self._call(0, self.name, text)])
+        if self.mode == "required":
+            calls = _required_calls(text)
+            if calls is not None:
+                return Choice("", "tool_calls" if finish == "stop" else finish, logprobs,
+                              [self._call(i, name, arguments) for i, (name, arguments) in enumerate(calls)])
+        return Choice(text, finish, logprobs)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+    @staticmethod
+    def _call(_: int, name: str, arguments: str) -> dict[str, Any]:
+        return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _required_calls(text: str) -> list[tuple[str, str]] | None:
+    """The (name, arguments) of a "required" reply, or None when the text is not the list (cut short)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
+        return None
+    return [(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+
+
+class ToolStream:
+    """One streamed chat sample's deltas: content, or a tool call's (ToolReplies)."""
+
+    def __init__(self, replies: ToolReplies) -> None:
+        self.replies = replies
+        self.text = ""
+        self.call_id: str | None = None
+
+    def delta(self, text: str) -> dict[str, Any] | None:
+        """The delta for text generated now (None: nothing to send yet)."""
+        if not text:
+            return None
+        if self.replies.mode == "named":
+            if self.call_id is None:
+                self.call_id = new_tool_call_id()
+                return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                        "function": {"name": self.replies.name, "arguments": text}}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if self.replies.mode == "required":
+            self.text += text
+            return None
+        return {"content": text}
+
+    def step(self, text: str, finish: str | None) -> list[tuple[dict[str, Any], str | None]]:
+        """The (delta, finish reason) chunks to send for what a sample generated now: none while a
+        required reply is still being written."""
+        delta = self.delta(text)
+        if finish is None:
+            return [] if delta is None else [(delta, None)]
+        last, reason = self.end(finish)
+        if delta is not None and last is not None:
+            return [(delta, None), (last, reason)]
+        return [(delta or last or {}, reason)]
+
+    def end(self, finish: str) -> tuple[dict[str, Any] | None, str]:
+        """The delta the sample's last chunk carries, and its finish reason."""
+        if self.replies.mode != "required":
+            return None, finish
+        calls = _required_calls(self.text)
+        if calls is None:
+            return ({"content": self.text} if self.text else None), finish
+        return ({"tool_calls": [{"index": i, "id": new_tool_call_id(), "type": "function",
+                                 "function": {"name": name, "arguments": arguments}}
+                                for i, (name, arguments) in enumerate(calls)]},
+                "tool_calls" if finish == "stop" else finish)
 
 
 @dataclass(frozen=True)
@@ -654,12 +917,14 @@ class ResponseShape:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def chunk(self, text: str | None, finish: str | None, kvfleet: dict[str, Any] | None = None, *, index: int = 0,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One stream chunk: `text` (None or "" for none) and the finish reason on the last."""
+              logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk: `text` (None or "" for none) and the finish reason on the last; a chat chunk's
+        `delta` may be given instead of its text (tool calls, ToolStream)."""
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            if delta is None:
+                delta = {"content": text} if text else {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._chunk([choice], kvfleet)
@@ -687,8 +952,15 @@ class ResponseShape:
         """The whole response of a request that did not ask to be streamed: one choice per sample."""
         if self.chat:
             return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                    "choices": [{"index": i, "message": _message(c), "logprobs": c.logprobs,
                                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)], "usage": counts}
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                             for i, c in enumerate(choices)], "usage": counts}
+
+
+def _message(choice: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.tool_calls:
+        message["tool_calls"] = choice.tool_calls
+    return message

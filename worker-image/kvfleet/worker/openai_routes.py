@@ -20,12 +20,12 @@ from kvfleet.serving import httpapi
 from kvfleet.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
-    Choice,
     CompletionRequest,
     DetokenizeRequest,
     LogprobsLayout,
     ResponseShape,
     TokenizeChatRequest,
+    ToolReplies,
     model_list,
     token_meta,
     tokenize_request,
@@ -88,10 +88,11 @@ class OpenAIRoutes:
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response(version())
 
-    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The messages rendered by the model's chat template, or the 400 when it has none."""
+    def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The messages (and tools) rendered by the model's chat template, or the 400 when it has none."""
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
 
@@ -113,7 +114,7 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
         body = validated(ChatCompletionRequest, await httpapi.read_json(request))
-        prompt_ids = self._chat_ids(body.text_messages())
+        prompt_ids = self._chat_ids(body.text_messages(), tools=body.template_tools())
         jobs = self._jobs(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
         return await self._respond(request, jobs, body, chat=True)
 
@@ -167,14 +168,16 @@ class OpenAIRoutes:
                 if len(jobs) > 1:
                     raise APIError(400, "n: a router asks for one sample per request", param="n")
                 return await self._router_stream(request, jobs[0], shape, echo)
-            return await self._stream(request, jobs, shape, body.include_usage_in_stream(), echo, wants_logprobs)
+            return await self._stream(request, jobs, shape, body.include_usage_in_stream(), echo, wants_logprobs,
+                                      ToolReplies(body))
         answers = await _all(self.streams.collect(job) for job in jobs)
-        choices = [Choice(echo + a.text, a.finish_reason,
-                          LogprobsLayout(chat).of(a.logprobs) if wants_logprobs else None) for a in answers]
+        replies = ToolReplies(body)
+        choices = [replies.whole(echo + a.text, a.finish_reason, LogprobsLayout(chat).of(a.logprobs) if wants_logprobs
+                                 else None) for a in answers]
         return web.json_response(shape.whole(choices, usage(prompt_tokens, sum(a.completion_tokens for a in answers))))
 
     async def _stream(self, request: web.Request, jobs: list[Job], shape: ResponseShape, include_usage: bool,
-                      echo: str, wants_logprobs: bool) -> web.StreamResponse:
+                      echo: str, wants_logprobs: bool, replies: ToolReplies) -> web.StreamResponse:
         """A direct client's stream: every sample's chunks as they come, each with its choice index."""
         streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
         try:
@@ -184,13 +187,19 @@ class OpenAIRoutes:
             response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
             await response.prepare(request)
             layouts = [LogprobsLayout(shape.chat) for _ in jobs]
+            tool_streams = [replies.stream() for _ in jobs]
             tokens = 0
 
             async def send(index: int, delta: Delta) -> None:
                 nonlocal tokens
                 tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason is not None or (wants_logprobs and delta.logprobs):
-                    logprobs = layouts[index].of(delta.logprobs) if wants_logprobs else None
+                logprobs = layouts[index].of(delta.logprobs) if wants_logprobs and delta.logprobs else None
+                if replies.calls_tools:
+                    for part, finish in tool_streams[index].step(delta.text, delta.finish_reason):
+                        await response.write(httpapi.sse_data(shape.chunk(None, finish, index=index, logprobs=logprobs,
+                                                                          delta=part)))
+                        logprobs = None
+                elif delta.text or delta.finish_reason is not None or logprobs is not None:
                     await response.write(httpapi.sse_data(shape.chunk(delta.text, delta.finish_reason, index=index,
                                                                       logprobs=logprobs)))
 

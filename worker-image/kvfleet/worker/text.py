@@ -41,12 +41,14 @@ class Tokenizer:
         """Token ids of a completion prompt, with the BOS token the model expects (unless told not to)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat rendered by the model's own chat template, ready for the reply (unless
-        `add_generation_prompt` is False, as /tokenize may ask)."""
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[Any, Any]] | None = None) -> list[int]:
+        """Token ids of a chat (and the tools it may call) rendered by the model's own chat template,
+        ready for the reply (unless `add_generation_prompt` is False, as /tokenize may ask)."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         rendered: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                      tools=list(tools) if tools is not None else None,
                                                       tokenize=False)
         return list(self._tok.encode(str(rendered), add_special_tokens=False))
 
