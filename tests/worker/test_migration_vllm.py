@@ -4,12 +4,16 @@ stops the request with its blocks kept, the KV crosses the migration transport, 
 and recomputes only the tail). Under greedy decoding the client's stream is token for token the
 unmigrated output: the two engines agree on greedy tokens for the same model (test_engine_contract.py).
 The abort paths keep the request running on the source: a target that dies once the request is stopped
-(it resumes from its own kept blocks), and a target without room (refused before it stops).
+(it resumes from its own kept blocks, with the presence and frequency penalties counting the output it
+had: engines/vllm/penalties.py), and a target without room (refused before it stops). A request with a
+structured-output constraint does not move off vLLM or onto it (vLLM cannot advance a grammar over
+tokens it did not sample), and runs on where it was.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,15 @@ def vllm_and_builtin(tiny_model_dir: Path, engine_loop: EngineLoop,
 def payload() -> dict[str, Any]:
     return {"model": "tiny", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
+
+
+LETTERS = "[a-z]{80}"
+
+
+def constrained_payload() -> dict[str, Any]:
+    # The grammar holds EOS back until all 80 letters are written: the request outlives the move's start.
+    return {"model": "tiny", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 120,
+            "temperature": 0, "structured_outputs": {"regex": LETTERS}}
 
 
 @pytest.mark.parametrize("direction", ["vllm-to-builtin", "builtin-to-vllm"])
@@ -137,3 +150,45 @@ def test_a_target_without_room_fails_the_move_and_the_vllm_request_runs_on(
         wait_idle(v, small)
     finally:
         engine_loop.run(small.runner.cleanup())
+
+
+def test_a_rolled_back_vllm_request_keeps_its_penalties(vllm_and_builtin: tuple[Worker, Worker],
+                                                        engine_loop: EngineLoop) -> None:
+    """Resumed on vLLM from its own KV with the output it had as prompt: vLLM alone would count presence and
+    frequency over what it generates from then on; the client's stream must be the unmoved one."""
+    v, b = vllm_and_builtin
+    penalized = {**payload(), "presence_penalty": 2.0, "frequency_penalty": 1.0}
+    ref_text, ref_ids = reference(v, penalized)
+    assert ref_ids != reference(v, payload())[1], "the penalties change nothing on this prompt"
+    port, listener = fake_destination(engine_loop, "commit")
+    real = b.agent._listener
+    try:
+        b.agent._listener = FixedPort(port)  # type: ignore[assignment]
+        streamed, result = stream_with_migration(v, b, "vllm-penalized-dies-at-commit", "kv", payload=penalized,
+                                                 after_chunks=40)
+    finally:
+        b.agent._listener = real
+        engine_loop.run(listener.close())
+    assert result["phase"] == "Failed" and "keeps running on the source" in result["message"], result
+    assert streamed.done and streamed.text == ref_text
+    wait_idle(v, b)
+
+
+def test_a_structured_request_stays_on_vllm(vllm_and_builtin: tuple[Worker, Worker]) -> None:
+    v, b = vllm_and_builtin
+    ref_text, _ = reference(v, constrained_payload())
+    assert re.fullmatch(LETTERS, ref_text), ref_text
+    streamed, result = stream_with_migration(v, b, "vllm-structured", "token", payload=constrained_payload())
+    assert result["phase"] == "Failed" and "structured-output" in result["message"], result
+    assert streamed.done and streamed.text == ref_text
+    wait_idle(v, b)
+
+
+def test_vllm_takes_no_structured_request_with_output(vllm_and_builtin: tuple[Worker, Worker]) -> None:
+    v, b = vllm_and_builtin
+    ref_text, _ = reference(b, constrained_payload())
+    streamed, result = stream_with_migration(b, v, "builtin-structured", "token", payload=constrained_payload())
+    assert result["phase"] == "Failed" and "grammar" in result["message"], result
+    # Rolled back onto the builtin engine, which rebuilds its grammar from the output: the stream is whole.
+    assert streamed.done and streamed.text == ref_text and re.fullmatch(LETTERS, ref_text)
+    wait_idle(v, b)

@@ -7,6 +7,12 @@ rounded to whole blocks and that no EngineCore or worker process outlives stop()
 prefix caching on (module-scoped, another ~25 s: the session engine's config has it off), shows
 vLLM's cache hits reported and the greedy tokens of the engine without it.
 
+Sampling: every field of kvfleet's SamplingParams reaches vLLM's; log-probabilities are transformers'
+log_softmax at the greedy tokens; regex and JSON-object constraints hold (decoded with the model's
+tokenizer); a request resumed with output keeps its presence and frequency penalties (kvfleet's logits
+processor, engines/vllm/penalties.py, checked here on vLLM's V1 runner and, for the V2 class, against
+vLLM's own penalty function on CPU tensors), and a structured one with output is refused.
+
 The whole module is skipped where vllm is not installed, and fails instead under
 KVFLEET_REQUIRE_VLLM=1 (`make test`, which installs it with scripts/install-vllm.sh).
 """
@@ -18,9 +24,12 @@ import itertools
 import json
 import multiprocessing.resource_tracker
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from worker_testing import (
@@ -43,9 +52,12 @@ if not vllm_available():
         allow_module_level=True,
     )
 
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402  (a vLLM dependency)
 import torch  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
+from vllm.model_executor.layers.utils import apply_penalties  # noqa: E402
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState  # noqa: E402
 
 from kvfleet.worker.engines.base import (  # noqa: E402
     EngineConfig,
@@ -53,9 +65,12 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    StructuredOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
+from kvfleet.worker.engines.capabilities import MigrationError  # noqa: E402
+from kvfleet.worker.engines.vllm.engine import VLLMEngine, _rest_of  # noqa: E402
+from kvfleet.worker.engines.vllm.penalties import EXTRA_KEY, CarriedPenalties, CarriedPenaltiesV2, processor_name  # noqa: E402
 from kvfleet.worker.gpu import GPUProbe  # noqa: E402
 from kvfleet.worker.metrics import WorkerMetrics  # noqa: E402
 
@@ -139,13 +154,263 @@ def test_sampling_params_map_to_vllm(vllm: StartedEngine) -> None:
     mapped = engine._sampling_params(SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=(9,)),
                                      "r-1", False)
     assert (mapped.max_tokens, mapped.temperature, mapped.top_p, mapped.seed) == (7, 0.5, 0.9, 3)
-    # EOS becomes a stop token (vLLM loads no tokenizer here to learn it); the agent owns the text.
+    # EOS becomes a stop token (said explicitly, whatever vLLM's tokenizer says); the agent owns the text.
     assert mapped.stop_token_ids == [9, 2] and not mapped.ignore_eos and not mapped.detokenize
     assert mapped.output_kind.name == "DELTA"
     # The request's own id travels to kvfleet's KV connector (vLLM suffixes the id it uses inside).
     assert mapped.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-1", "load": False}}}
     resumed = engine._sampling_params(SamplingParams(ignore_eos=True), "r-2", True)
     assert resumed.stop_token_ids == [] and resumed.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-2", "load": True}}}
+    # Defaults are vLLM's: top_k 0 is "every token" in vLLM 0.32 too, no logprobs, no constraint.
+    assert (mapped.top_k, mapped.min_p, mapped.logprobs, mapped.structured_outputs, mapped.logit_bias) == (0, 0.0, None, None, None)
+
+
+def test_every_sampling_field_reaches_vllm(vllm: StartedEngine) -> None:
+    engine = engine_of(vllm)
+    params = SamplingParams(max_tokens=20, temperature=0.7, top_p=0.8, top_k=40, min_p=0.05, presence_penalty=0.5,
+                            frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias=((5, -3.0), (17, 2.5)),
+                            min_tokens=4, seed=11, stop_token_ids=(9, 10), ignore_eos=False, logprobs=3,
+                            structured=StructuredOutput("regex", "[a-z]+"))
+    mapped = engine._sampling_params(params, "r-all", False)
+    assert (mapped.n, mapped.max_tokens, mapped.temperature, mapped.top_p, mapped.top_k, mapped.min_p) == (1, 20, 0.7, 0.8, 40, 0.05)
+    assert (mapped.presence_penalty, mapped.frequency_penalty, mapped.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert mapped.logit_bias == {5: -3.0, 17: 2.5}
+    assert (mapped.min_tokens, mapped.seed, mapped.logprobs, mapped.ignore_eos) == (4, 11, 3, False)
+    assert mapped.stop_token_ids == [9, 10, 2]
+    assert mapped.structured_outputs is not None and mapped.structured_outputs.regex == "[a-z]+"
+    assert not mapped.detokenize and mapped.output_kind.name == "DELTA"
+    assert mapped.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-all", "load": False}}}
+    # logprobs=0: the sampled token's only.
+    assert engine._sampling_params(SamplingParams(logprobs=0), "r-0", False).logprobs == 0
+
+
+@pytest.mark.parametrize(("kind", "spec", "field", "want"), [
+    ("json_object", "", "json_object", True),
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "json",
+     {"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ("regex", r"\d{3}", "regex", r"\d{3}"),
+    ("choice", '["yes", "no"]', "choice", ["yes", "no"]),
+    ("grammar", 'start: "a"+', "grammar", 'start: "a"+'),
+])
+def test_structured_outputs_map_to_vllms_fields(vllm: StartedEngine, kind: Any, spec: str, field: str, want: Any) -> None:
+    mapped = engine_of(vllm)._sampling_params(SamplingParams(structured=StructuredOutput(kind, spec)), "r-so", False)
+    so = mapped.structured_outputs
+    assert so is not None and getattr(so, field) == want
+    others = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"} - {field}
+    assert all(getattr(so, name) is None for name in others)
+
+
+def test_malformed_or_uncompilable_constraints_are_refused(vllm: StartedEngine) -> None:
+    engine = engine_of(vllm)
+    for structured in (StructuredOutput("json_schema", "{not json"), StructuredOutput("json_schema", "[1]"),
+                       StructuredOutput("choice", "[]"), StructuredOutput("choice", '["a", 1]')):
+        with pytest.raises(EngineError):
+            engine.generate(rid("bad-spec"), PROMPTS[0], greedy(4, structured=structured))
+    # Well-formed, but no regex: llguidance refuses it at vLLM's admission, before any token.
+    with pytest.raises(EngineError, match="regex"):
+        vllm.loop.run(collect(engine, rid("bad-regex"), PROMPTS[0], greedy(4, structured=StructuredOutput("regex", "("))))
+    with pytest.raises(EngineError, match="presence_penalty"):
+        engine.generate(rid("bad-penalty"), PROMPTS[0], greedy(4, presence_penalty=2.5))
+    with pytest.raises(EngineError, match="logit_bias"):
+        engine.generate(rid("bad-bias"), PROMPTS[0], greedy(4, logit_bias=((4096, 1.0),)))
+    with pytest.raises(EngineError, match="logprobs"):
+        engine.generate(rid("many-logprobs"), PROMPTS[0], greedy(4, logprobs=21))  # vLLM's max_logprobs is 20
+    assert_empty(vllm)
+
+
+def test_logprobs_are_transformers_log_softmax_one_per_token(vllm: StartedEngine, tiny_model_dir: Path) -> None:
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    k = 4
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        outs = vllm.loop.run(collect(engine_of(vllm), rid("logprobs"), prompt, greedy(12, logprobs=k)))
+        ids = list(prompt)
+        for out in outs:
+            assert len(out.logprobs) == len(out.new_token_ids), "one entry per new token, deltas only"
+            for token, entry in zip(out.new_token_ids, out.logprobs, strict=True):
+                with torch.no_grad():
+                    want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], dim=-1)
+                assert entry.token_id == token == int(want.argmax())
+                assert entry.rank == 1  # greedy
+                assert abs(entry.logprob - float(want[token])) < 1e-3
+                assert len(entry.top) == k
+                assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+                top_want = torch.topk(want, k)
+                assert [t for t, _ in entry.top] == top_want.indices.tolist()
+                assert all(abs(lp - float(w)) < 1e-3 for (_, lp), w in zip(entry.top, top_want.values, strict=True))
+                ids.append(token)
+    # Without logprobs asked for, none come back; with 0, the sampled token's alone.
+    plain = vllm.loop.run(collect(engine_of(vllm), rid("no-logprobs"), PROMPTS[1], greedy(3)))
+    assert all(out.logprobs == () for out in plain)
+    only = vllm.loop.run(collect(engine_of(vllm), rid("logprobs-0"), PROMPTS[1], greedy(3, logprobs=0)))
+    assert all(len(out.logprobs) == len(out.new_token_ids) and all(e.top == () for e in out.logprobs) for out in only)
+    assert_empty(vllm)
+
+
+def test_a_regex_constrains_the_output(vllm: StartedEngine, tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pattern = r"[a-z]{3,8}@[a-z]{2,5}\.com"
+    params = SamplingParams(max_tokens=40, structured=StructuredOutput("regex", pattern))
+    outs = vllm.loop.run(collect(engine_of(vllm), rid("regex"), PROMPTS[0], params))
+    # Once the regex is matched only EOS may follow: the request stops by itself.
+    assert outs[-1].finish_reason == "stop"
+    ids = tokens(outs)
+    assert ids[-1] == 2
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
+    # Unconstrained, the tiny model writes no such thing.
+    free = tokenizer.decode(tokens(vllm.loop.run(collect(engine_of(vllm), rid("free"), PROMPTS[0], greedy(len(ids))))))
+    assert not re.fullmatch(pattern, free)
+    assert_empty(vllm)
+
+
+def test_a_json_object_output_parses(vllm: StartedEngine, tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(max_tokens=100, structured=StructuredOutput("json_object"))
+    # A prompt for which the tiny (random) model closes its object within the budget: on most it
+    # writes one endless string, as the grammar lets it.
+    outs = vllm.loop.run(collect(engine_of(vllm), rid("json"), PROMPTS[0], params))
+    assert outs[-1].finish_reason == "stop"
+    value = json.loads(tokenizer.decode(tokens(outs), skip_special_tokens=True))
+    assert isinstance(value, dict)
+    assert_empty(vllm)
+
+
+PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": 1.0}
+
+
+def test_a_resumed_request_keeps_its_presence_and_frequency_penalties(vllm: StartedEngine) -> None:
+    """Resumed with half its output, greedy under penalties: the rest is the unmoved request's, which
+    only holds if the penalties count the output it brought (vLLM alone counts what it generates)."""
+    engine = engine_of(vllm)
+    prompt, carried = PROMPTS[3], 20  # a prompt on which the tiny model repeats itself, so penalties matter
+
+    async def resume(params: SamplingParams, output: list[int]) -> list[int]:
+        stream = engine.continue_request(rid("pen-resumed"), prompt, output, params, load=False)
+        return [t async for out in stream for t in out.new_token_ids]
+
+    for params in (greedy(40, **PENALTIES), greedy(40, repetition_penalty=1.3, **PENALTIES)):
+        full = tokens(vllm.loop.run(collect(engine, rid("pen-full"), prompt, params)))
+        assert vllm.loop.run(resume(params, full[:carried])) == full[carried:]
+    full = tokens(vllm.loop.run(collect(engine, rid("pen-full"), prompt, greedy(40, **PENALTIES))))
+    assert full != tokens(vllm.loop.run(collect(engine, rid("pen-none"), prompt, greedy(40)))), "penalties change nothing here"
+    # What vLLM alone gives the same tokens as a prompt: the earlier output goes uncounted. (With a
+    # repetition penalty too, which covers the prompt, this prompt does not show the difference.)
+    naive = tokens(vllm.loop.run(collect(engine, rid("pen-naive"), prompt + full[:carried], greedy(40 - carried, **PENALTIES))))
+    assert naive != full[carried:], "this prompt does not tell a carried penalty from none"
+    # vLLM's own penalties are neutral for a request the processor penalizes.
+    rest = engine._sampling_params(greedy(20, repetition_penalty=1.3, **PENALTIES), "r-pen", False, carried)
+    assert (rest.presence_penalty, rest.frequency_penalty, rest.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert rest.extra_args is not None
+    assert rest.extra_args[EXTRA_KEY] == {"carried": carried, "presence": 2.0, "frequency": 1.0, "repetition": 1.3}
+    # The processor vLLM loaded is the one for its model runner (V1 in vLLM's CPU build).
+    llm = engine._llm
+    assert llm is not None and not llm.vllm_config.use_v2_model_runner
+    assert llm.vllm_config.model_config.logits_processors == [processor_name(False)]
+    # Only repetition (over prompt and output, the same set after a move): vLLM's own stage does it.
+    rep_only = engine._sampling_params(greedy(5, repetition_penalty=1.3), "r-rep", False, carried)
+    assert rep_only.repetition_penalty == 1.3 and rep_only.extra_args is not None and EXTRA_KEY not in rep_only.extra_args
+    assert_empty(vllm)
+
+
+def test_min_tokens_and_max_tokens_count_the_output_a_resumed_request_brought(vllm: StartedEngine) -> None:
+    engine = engine_of(vllm)
+    prompt = PROMPTS[1]
+    # EOS made the most likely token everywhere: the request ends as soon as min_tokens lets it.
+    params = greedy(12, ignore_eos=False, min_tokens=8, logit_bias=((2, 100.0),))
+    full = tokens(vllm.loop.run(collect(engine, rid("mt-full"), prompt, params)))
+    assert len(full) == 9 and full[-1] == 2
+
+    async def resume(carried: int) -> list[StepOutput]:
+        return [out async for out in engine.continue_request(rid("mt-resumed"), prompt, full[:carried], params, load=False)]
+
+    # 5 brought: 3 more before EOS may end it, as unmoved (vLLM alone would count 8 from the move on).
+    outs = vllm.loop.run(resume(5))
+    assert tokens(outs) == full[5:] and outs[-1].finish_reason == "stop"
+    assert _rest_of(params, 5) == replace(params, max_tokens=7, min_tokens=3)
+    # 10 of 12 brought: min_tokens (8) above what remains of max_tokens (2) is no error; none is left to wait for.
+    assert _rest_of(params, 10) == replace(params, max_tokens=2, min_tokens=0)
+    assert_empty(vllm)
+
+
+def test_a_structured_request_with_output_is_not_resumed_or_suspended(vllm: StartedEngine) -> None:
+    engine = engine_of(vllm)
+    structured = greedy(30, structured=StructuredOutput("regex", "[a-z ]+"))
+    with pytest.raises(MigrationError, match="grammar"):
+        engine.continue_request(rid("so-resume"), PROMPTS[0], [300], structured, load=False)
+    # With no output yet it starts from the grammar's start, as anywhere.
+    vllm.loop.run(_drain(engine.continue_request(rid("so-fresh"), PROMPTS[0], [], structured, load=False)))
+    migration = engine.capabilities.migration
+    assert migration is not None
+    request_id = rid("so-suspend")
+
+    async def run() -> list[StepOutput]:
+        task = asyncio.create_task(collect(engine, request_id, PROMPTS[0], replace(structured, max_tokens=60)))
+        while engine.running_request(request_id) is None:
+            await asyncio.sleep(0)
+        with pytest.raises(MigrationError, match="structured-output"):
+            await migration.suspend(request_id)
+        return await task
+
+    outs = vllm.loop.run(run())
+    assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")  # it ran on, unharmed
+    assert_empty(vllm)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+def test_the_v2_runner_processor_computes_vllms_penalties_over_the_carried_output() -> None:
+    """The V2 model runner (vLLM's default on CUDA) is not runnable here; its processor class is checked
+    on CPU tensors against vLLM's own penalty function with the carried tokens as output, as is the
+    V1 per-request processor the engine tests above run inside vLLM."""
+    vocab, max_len = 50, 32
+    generator = torch.Generator().manual_seed(0)
+    prompts = [[3, 4, 5, 4, 9], [7, 7, 1], [2, 11, 12, 13]]
+    carried = [2, 0, 3]       # the prompt's last tokens that are output brought by a resumed request
+    generated = [[5, 9, 9, 30], [7, 8], [13, 40]]
+    penalties = [CarriedPenalties(c, 1.5, 0.75, 1.3) for c in carried]
+    logits = torch.randn(len(prompts), vocab, generator=generator) * 3
+    # vLLM's own function (the V1 sampler's), with the carried tokens where they belong: in the output.
+    pad = vocab
+    real_prompts = [p[:len(p) - c] for p, c in zip(prompts, carried, strict=True)]
+    outputs = [p[len(p) - c:] + g for p, c, g in zip(prompts, carried, generated, strict=True)]
+    width_p, width_o = max(map(len, real_prompts)), max(map(len, outputs))
+    want = apply_penalties(logits.clone(), torch.tensor([p + [pad] * (width_p - len(p)) for p in real_prompts]),
+                           torch.tensor([o + [pad] * (width_o - len(o)) for o in outputs]),
+                           torch.tensor([1.5] * 3), torch.tensor([0.75] * 3), torch.tensor([1.3] * 3))
+    # V1: the per-request processor on each row, with the prompt vLLM was given and its own output.
+    v1 = torch.stack([penalties[i](prompts[i], generated[i], logits[i].clone()) for i in range(3)])
+    torch.testing.assert_close(v1, want, rtol=0, atol=1e-6)
+    # V2: the requests in slots 4, 0 and 2, their tokens in the runner's device buffer (stale after total_len).
+    slots = [4, 0, 2]
+    all_token_ids = torch.randint(0, vocab, (6, max_len), generator=generator, dtype=torch.int32)
+    prompt_len = np.zeros(6, dtype=np.int32)
+    total_len = torch.zeros(6, dtype=torch.int32)
+    for slot, prompt, gen in zip(slots, prompts, generated, strict=True):
+        all_token_ids[slot, :len(prompt) + len(gen)] = torch.tensor(prompt + gen, dtype=torch.int32)
+        prompt_len[slot], total_len[slot] = len(prompt), len(prompt) + len(gen)
+    states = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=6, vocab_size=vocab,
+                                    all_token_ids=SimpleNamespace(gpu=all_token_ids),  # type: ignore[arg-type]
+                                    prompt_len=SimpleNamespace(np=prompt_len),  # type: ignore[arg-type]
+                                    prefill_len=SimpleNamespace(np=prompt_len),  # type: ignore[arg-type]
+                                    total_len=SimpleNamespace(gpu=total_len))  # type: ignore[arg-type]
+    processor = CarriedPenaltiesV2(SimpleNamespace(speculative_config=None), states)  # type: ignore[arg-type]
+    for slot, p in zip(slots, penalties, strict=True):
+        params = SimpleNamespace(extra_args={EXTRA_KEY: {"carried": p.carried, "presence": 1.5, "frequency": 0.75,
+                                                         "repetition": 1.3}})
+        assert processor.add_request(slot, params)  # type: ignore[arg-type]
+    assert not processor.add_request(5, SimpleNamespace(extra_args=None))  # type: ignore[arg-type]
+    mapping = torch.tensor(slots + [5])
+    ctx = LogitsContext(expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=mapping.numpy(),
+                        expanded_local_pos=torch.zeros(4, dtype=torch.int32), input_ids=torch.zeros(4, dtype=torch.int32),
+                        pos=torch.zeros(4, dtype=torch.int32), seq_lens_upper_bound_np=np.zeros(4, dtype=np.int32))
+    untouched = torch.randn(1, vocab, generator=generator)
+    v2 = processor.apply(torch.cat([logits.clone(), untouched]), ctx)
+    torch.testing.assert_close(v2[:3], want, rtol=0, atol=1e-6)
+    assert torch.equal(v2[3:], untouched), "a request without carried penalties is left alone"
+    assert processor_name(True).endswith(":CarriedPenaltiesV2") and processor_name(False).endswith(":CarriedPenaltiesV1")
 
 
 def test_requests_beyond_the_batch_wait_and_kv_stays_within_capacity(vllm: StartedEngine) -> None:

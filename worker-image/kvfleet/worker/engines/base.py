@@ -97,8 +97,9 @@ class SamplingParams:
     is vLLM's: the structured-output mask, min_tokens (no stop token yet), logit_bias, the
     penalties (repetition over prompt and output, presence and frequency over the output), then
     temperature, min_p, top_k and top_p. Every input is the request's own tokens, so a request
-    moved to another engine continues with the same state (the counts and the grammar are rebuilt
-    from prompt + output)."""
+    moved to another engine continues with the same state: the penalty counts are rebuilt from
+    prompt + output on both engines, the grammar on the builtin engine (vLLM cannot advance a grammar
+    over tokens it did not sample, so a structured request does not move onto or off vLLM)."""
 
     max_tokens: int = 16
     temperature: float = 0.0

@@ -200,7 +200,7 @@ class SourceRun:
             try:
                 state = await self.migration.suspend(self.request_id)
             except MigrationError as err:
-                raise SourceGone(f"the request is no longer running on the source: {err}") from None
+                raise SourceGone(f"the source did not stop the request: {err}") from None
             params = self.params = state.params
             self.stopped_at = self.clock()
             self.stopped = True

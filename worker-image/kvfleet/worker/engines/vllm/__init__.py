@@ -6,7 +6,9 @@
 | connector.py | kvfleet's KV connector, which vLLM loads in its EngineCore (both its roles) |
 | pipe.py | the authenticated local socket between the agent's process and the connector |
 | migration.py | the agent's half of a KV move (the `KVMigratable` capability), spoken through the pipe |
+| penalties.py | the logits processor vLLM loads to count a resumed request's earlier output in its penalties |
 
-Importing this package imports no vllm: only engine.py and connector.py do, and only a worker that
-runs this engine (or vLLM's EngineCore, loading the connector by module path) imports them.
+Importing this package imports no vllm: only engine.py, connector.py and penalties.py do, and only a
+worker that runs this engine (or vLLM's EngineCore, loading the connector and the processor by module
+path) imports them.
 """

@@ -9,6 +9,26 @@ processes and environment variables) stays here.
 Token ids go in (`tokens_input`, so vLLM neither tokenizes nor detokenizes: the agent owns text),
 DELTA outputs come out, one `StepOutput` per engine step that gave the request tokens.
 
+Sampling (`_sampling_params`): every field of `base.SamplingParams` is vLLM's own and goes to
+`vllm.SamplingParams` as it is; a structured-output constraint goes as vLLM's
+`StructuredOutputsParams`, which is why vLLM loads the model's tokenizer (`_engine_args`) though it
+never detokenizes. Log-probabilities are vLLM's default `raw_logprobs` (the model's distribution,
+before penalties, temperature or top-k/top-p), one `TokenLogprobs` per new token (`_token_logprobs`).
+A request resumed here (a migration, or its rollback: `continue_request`) goes in with prompt + output
+as its prompt; what vLLM would then compute otherwise than for the request unmoved:
+- presence and frequency penalties count output tokens only: kvfleet's logits processor counts the
+  output the request brought (vllm/penalties.py), so they are the same;
+- min_tokens and max_tokens are lowered by the output it brought;
+- a structured-output grammar cannot be advanced over tokens vLLM did not sample (vLLM's grammar
+  accepts only the tokens its scheduler samples: vllm/v1/core/sched/scheduler.py update_from_output),
+  so a structured request with output is not resumed here (`continue_request` refuses, and the
+  migration capability refuses to suspend one: vllm/migration.py);
+- a seeded random request continues with another random stream on vLLM's V1 model runner (the CPU
+  build): vllm/v1/worker/gpu_model_runner.py seeds a torch.Generator once per request
+  (`_update_states`), which draws from its first state again. V2 (CUDA) draws Gumbel noise from a
+  hash of (seed, position, token) (vllm/v1/worker/gpu/sample/gumbel.py), the same wherever the
+  request runs.
+
 What is exact and what is derived:
 - `EngineInfo.kv_capacity_bytes` is exact: the blocks requests can use, from the number vLLM really
   allocated (its cache config after start-up) less the one block its block pool keeps back (the
@@ -66,12 +86,13 @@ Processes and environment (what a caller needs to know):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -79,12 +100,14 @@ import torch
 from prometheus_client import REGISTRY, Metric
 from prometheus_client.registry import Collector
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
-from vllm.outputs import RequestOutput
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -101,6 +124,8 @@ from kvfleet.worker.engines.base import (
     RequestTooLong,
     SamplingParams,
     StepOutput,
+    StructuredOutput,
+    TokenLogprobs,
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
@@ -112,6 +137,7 @@ from kvfleet.worker.engines.vllm.connector import (
     kv_params,
 )
 from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
+from kvfleet.worker.engines.vllm.penalties import carried_extra_args, processor_name
 from kvfleet.worker.engines.vllm.pipe import new_socket_path
 
 logger = logging.getLogger(__name__)
@@ -189,6 +215,8 @@ class _Geometry:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # The most log-probabilities per token vLLM returns (its model config's max_logprobs, 20 by default).
+    max_logprobs: int
 
 
 def apply_env_defaults(config: EngineConfig) -> dict[str, str]:
@@ -303,10 +331,13 @@ class VLLMEngine:
             logger.info("vLLM environment defaults set: %s", applied)
         requested_bytes = self.config.kv_capacity_bytes
         # A first config (no processes, about a second) tells the KV geometry, so that the capacity
-        # and max_model_len can be made to agree before anything is allocated.
-        vllm_config = self._engine_args(self.config.max_model_len, requested_bytes).create_engine_config(
+        # and max_model_len can be made to agree before anything is allocated, and which model runner
+        # vLLM will use (the penalties processor has one class per runner: vllm/penalties.py).
+        first_processor = processor_name(use_v2_model_runner=False)
+        vllm_config = self._engine_args(self.config.max_model_len, requested_bytes, first_processor).create_engine_config(
             UsageContext.ENGINE_CONTEXT
         )
+        processor = processor_name(bool(vllm_config.use_v2_model_runner))
         geometry = _geometry(vllm_config)
         block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
         # On the CPU, vLLM's platform sets kv_cache_memory_bytes from VLLM_CPU_KVCACHE_SPACE when set.
@@ -342,8 +373,9 @@ class VLLMEngine:
                 # small capacity (tests, the demo) serves shorter requests instead.
                 logger.warning("KV capacity holds %d tokens: max_model_len lowered from %d", capacity_tokens, max_model_len)
                 max_model_len = capacity_tokens
-        if ask_bytes is not None or max_model_len != geometry.max_model_len:
-            vllm_config = self._engine_args(max_model_len, ask_bytes).create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if ask_bytes is not None or max_model_len != geometry.max_model_len or processor != first_processor:
+            vllm_config = self._engine_args(max_model_len, ask_bytes, processor).create_engine_config(
+                UsageContext.ENGINE_CONTEXT)
             geometry = _geometry(vllm_config)
         if bool(vllm_config.cache_config.enable_prefix_caching) != self.config.prefix_caching:
             # vLLM's platform may turn prefix caching off by itself (MLA models on the CPU, see
@@ -361,15 +393,32 @@ class VLLMEngine:
         assert self._socket_dir is not None
         return new_socket_path(self._socket_dir)
 
-    def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None) -> AsyncEngineArgs:
+    def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None,
+                     logits_processor: str) -> AsyncEngineArgs:
         config = self.config
         # None means "the model's own": leave vLLM's default rather than pass None to an int field.
         optional: dict[str, Any] = {} if max_model_len is None else {"max_model_len": max_model_len}
         return AsyncEngineArgs(
             model=str(config.model_path),
-            # The agent tokenizes and detokenizes, so vLLM loads no tokenizer (EOS ids come from the
-            # model's config and go in as stop tokens, see _sampling_params).
-            skip_tokenizer_init=True,
+            # The agent tokenizes and detokenizes, but vLLM's structured outputs need its tokenizer:
+            # with skip_tokenizer_init a request with a constraint is refused (vllm/sampling_params.py
+            # _validate_structured_outputs: "Structured outputs requires a tokenizer") and the
+            # EngineCore builds no grammar backend (vllm/v1/structured_output/__init__.py
+            # StructuredOutputManager.__init__ loads the tokenizer only without it). Prompts still go
+            # in as token ids and outputs come back with detokenize=False, so vLLM never tokenizes
+            # or detokenizes text.
+            skip_tokenizer_init=False,
+            # llguidance, named rather than vLLM's "auto": auto picks per request (xgrammar, else
+            # llguidance: vllm/sampling_params.py _validate_structured_outputs) but the EngineCore
+            # builds one backend, from the first constrained request (vllm/v1/structured_output/
+            # __init__.py grammar_init), so a request auto sent to llguidance after one sent to
+            # xgrammar would be compiled by xgrammar. And llguidance is what the builtin engine
+            # constrains with (engines/builtin/grammar.py), taking Lark grammars as they are: a request
+            # gets the same constraint on either engine. A constraint it cannot compile is refused at
+            # admission (VLLMValidationError, an EngineError here).
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
+            # kvfleet's penalties over the output a resumed request brought (vllm/penalties.py).
+            logits_processors=[logits_processor],
             # A torch dtype name; vLLM checks it against the ones it supports.
             dtype=cast(Any, config.dtype),
             seed=config.seed,
@@ -440,20 +489,30 @@ class VLLMEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Checks the request now (raising before anything is yielded), then streams it."""
         self._check_request(request_id, prompt_token_ids, params)
-        return self._stream(_Request(request_id, tuple(prompt_token_ids), params, submitted_tokens=len(prompt_token_ids)))
+        request = _Request(request_id, tuple(prompt_token_ids), params, submitted_tokens=len(prompt_token_ids))
+        return self._stream(request, self._sampling_params(params, request_id, False))
 
     def continue_request(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                          params: SamplingParams, load: bool) -> AsyncIterator[StepOutput]:
         """A request resumed here (vllm/migration.py): prompt + output so far go in as its prompt, with the
-        rest of its budget; with `load`, the KV the connector holds for it is loaded instead of recomputed."""
-        remaining = params.max_tokens - len(output_token_ids)
-        if remaining < 1:
+        rest of its budget; with `load`, the KV the connector holds for it is loaded instead of recomputed.
+
+        What vLLM counts over output tokens is made to count the output it brings (module docstring):
+        the token budgets, and the presence and frequency penalties. A structured request with output
+        is refused: vLLM would restart its grammar after that output (the rest would match the
+        constraint from its start, the whole would not)."""
+        carried = len(output_token_ids)
+        if params.max_tokens - carried < 1:
             raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
+        if params.structured is not None and carried:
+            raise MigrationError(f"request {request_id!r} has a structured-output constraint and {carried} output "
+                                 "tokens: vLLM cannot advance its grammar over tokens it did not sample")
         tokens = [*prompt_token_ids, *output_token_ids]
-        self._check_request(request_id, tokens, replace(params, max_tokens=remaining))
+        rest = _rest_of(params, carried)
+        self._check_request(request_id, tokens, rest)
         request = _Request(request_id, tuple(prompt_token_ids), params, list(output_token_ids), submitted_tokens=len(tokens),
                            cache_hit_counted=load)  # loaded KV is no prefix-cache hit
-        return self._stream(request, load)
+        return self._stream(request, self._sampling_params(rest, request_id, load, carried))
 
     def running_request(self, request_id: str) -> _Request | None:
         return self._requests.get(request_id)
@@ -481,8 +540,18 @@ class VLLMEngine:
                 f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} tokens, "
                 f"more than this engine's context of {self._geometry.max_model_len} tokens"
             )
+        # vLLM checks these too, but the penalties it does not see for a resumed request
+        # (vllm/penalties.py) only here; its ranges are OpenAI's (vllm/sampling_params.py _verify_args).
+        for name, value in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                raise EngineError(f"{name} must be in [-2, 2], got {value}")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise EngineError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        if params.logprobs is not None and params.logprobs > self._geometry.max_logprobs:
+            raise EngineError(f"logprobs {params.logprobs} is more than this engine returns ({self._geometry.max_logprobs})")
 
-    async def _stream(self, request: _Request, load: bool = False) -> AsyncIterator[StepOutput]:
+    async def _stream(self, request: _Request, vllm_params: VLLMSamplingParams) -> AsyncIterator[StepOutput]:
         llm = self._llm
         if llm is None:
             raise RuntimeError("VLLMEngine stopped before the request started")
@@ -492,11 +561,18 @@ class VLLMEngine:
             raise DuplicateRequest(f"request {request_id!r} is already running on this engine")
         self._requests[request_id] = request
         tokens = [*request.prompt_token_ids, *request.output_token_ids]
-        params = replace(request.params, max_tokens=request.remaining_tokens)
-        outputs = llm.generate(tokens_input(tokens), self._sampling_params(params, request_id, load), request_id)
+        outputs = llm.generate(tokens_input(tokens), vllm_params, request_id)
         finished = False
         try:
-            async for output in outputs:
+            while True:
+                try:
+                    output = await anext(outputs)
+                except StopAsyncIteration:
+                    break
+                except VLLMClientError as err:
+                    # vLLM's own refusal at admission (vllm/v1/engine/input_processor.py _validate_params:
+                    # a constraint its grammar backend cannot compile, say): the client's error.
+                    raise EngineError(str(err)) from None
                 if request.abort_requested and not output.finished:
                     # abort() may have come before vLLM knew the request; it knows it now.
                     await llm.abort(request_id)
@@ -526,14 +602,17 @@ class VLLMEngine:
             self._num_cache_hit_tokens += output.num_cached_tokens
             self._num_prefilled_tokens += request.submitted_tokens - output.num_cached_tokens
         request.output_token_ids += new_token_ids
+        logprobs = self._logprobs(request, completion, new_token_ids)
         if not output.finished:
-            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
+            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens,
+                              logprobs=logprobs) if new_token_ids else None
         reason = str(completion.finish_reason) if completion.finish_reason is not None else "abort"
         if request.suspending and reason == "length" and request.generated_tokens < request.max_tokens:
             # Stopped short of its budget by the connector for a migration (the same test as the
             # connector's): its stream ends here, unfinished; the request continues elsewhere or here.
             request.suspended = True
-            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens) if new_token_ids else None
+            return StepOutput(request.request_id, new_token_ids, num_tokens=request.num_tokens,
+                              logprobs=logprobs) if new_token_ids else None
         if reason not in _FINISH_REASONS:
             raise EngineError(f"vLLM ended request {request.request_id!r} with finish reason {reason!r}")
         return StepOutput(
@@ -542,27 +621,73 @@ class VLLMEngine:
             finished=True,
             finish_reason=_FINISH_REASONS[reason],
             num_tokens=request.num_tokens,
+            logprobs=logprobs,
         )
 
-    def _sampling_params(self, params: SamplingParams, request_id: str, load: bool) -> VLLMSamplingParams:
+    @staticmethod
+    def _logprobs(request: _Request, completion: CompletionOutput, new_token_ids: tuple[int, ...]) -> tuple[TokenLogprobs, ...]:
+        """The new tokens' log-probabilities, when the request asked for them.
+
+        With DELTA outputs vLLM hands the new tokens' positions only (vllm/v1/engine/output_processor.py
+        _new_completion_output slices its running list to the last len(token_ids)), and AsyncLLM's
+        merging of outputs a slow reader has not taken yet extends both lists alike (vllm/outputs.py
+        RequestOutput.add): one position per new token."""
+        k = request.params.logprobs
+        if k is None or not new_token_ids:
+            return ()
+        positions = completion.logprobs
+        if positions is None or len(positions) != len(new_token_ids):
+            got = None if positions is None else len(positions)
+            raise EngineError(f"vLLM returned {got} log-probability positions for {len(new_token_ids)} new tokens "
+                              f"of request {request.request_id!r}")
+        return tuple(_token_logprobs(token, position, k) for token, position in zip(new_token_ids, positions, strict=True))
+
+    def _sampling_params(self, params: SamplingParams, request_id: str, load: bool, carried: int = 0) -> VLLMSamplingParams:
+        """vLLM's parameters for the request (for a resumed one: for the rest of it, see `_rest_of`, with
+        `carried` output tokens at the end of its prompt). Raises EngineError for what vLLM refuses."""
         assert self._geometry is not None
         stop_token_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
-            # vLLM learns EOS from its tokenizer, which it does not load here; say it explicitly.
+            # vLLM also learns EOS from its tokenizer and the generation config (vllm/v1/engine/
+            # input_processor.py process_inputs -> update_from_generation_config); said explicitly so
+            # that every EOS id of the model's config ends a request whatever the tokenizer says.
             stop_token_ids += [t for t in self._geometry.eos_token_ids if t not in stop_token_ids]
-        return VLLMSamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-            max_tokens=params.max_tokens,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=params.ignore_eos,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-            # Names the request to kvfleet's connector (vLLM's own id for it gets a suffix).
-            extra_args={"kv_transfer_params": kv_params(request_id, load)},
-        )
+        # Names the request to kvfleet's connector (vLLM's own id for it gets a suffix).
+        extra_args: dict[str, Any] = {"kv_transfer_params": kv_params(request_id, load)}
+        presence, frequency, repetition = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+        if carried and (presence or frequency):
+            # vLLM would count presence and frequency over the tokens it generates here only: kvfleet's
+            # processor applies all three over the output the request brought as well, vLLM's own stage
+            # is made neutral for it (vllm/penalties.py).
+            extra_args |= carried_extra_args(carried, presence, frequency, repetition)
+            presence, frequency, repetition = 0.0, 0.0, 1.0
+        try:
+            return VLLMSamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                # 0 is "every token" for vLLM 0.32 too (vllm/sampling_params.py: "Set to 0 (or -1) to
+                # consider all tokens"; vllm/v1/worker/gpu_input_batch.py add_request).
+                top_k=params.top_k,
+                min_p=params.min_p,
+                presence_penalty=presence,
+                frequency_penalty=frequency,
+                repetition_penalty=repetition,
+                logit_bias=dict(params.logit_bias) or None,
+                min_tokens=params.min_tokens,
+                seed=params.seed,
+                max_tokens=params.max_tokens,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=params.ignore_eos,
+                # None or k: the sampled token's and the k most likely (vLLM's raw_logprobs mode, its default).
+                logprobs=params.logprobs,
+                structured_outputs=_structured_outputs(params.structured),
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=extra_args,
+            )
+        except VLLMClientError as err:
+            raise EngineError(str(err)) from None
 
     async def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -598,6 +723,55 @@ class VLLMEngine:
                 for r in sorted(self._requests.values(), key=lambda r: r.request_id) if not r.holds_kv]
 
 
+def _rest_of(params: SamplingParams, carried: int) -> SamplingParams:
+    """A resumed request's parameters for what it has left to generate, `carried` output tokens done:
+    vLLM counts max_tokens and min_tokens over the tokens it generates."""
+    if not carried:
+        return params
+    return replace(params, max_tokens=params.max_tokens - carried, min_tokens=max(0, params.min_tokens - carried))
+
+
+def _structured_outputs(structured: StructuredOutput | None) -> StructuredOutputsParams | None:
+    """kvfleet's constraint as vLLM 0.32 spells it (vllm/sampling_params.py StructuredOutputsParams): a JSON
+    schema as a dict, any JSON object as json_object=True, a regex, the choices as a list, a grammar."""
+    if structured is None:
+        return None
+    kind, spec = structured.kind, structured.spec
+    # vLLM's per-request spelling of the JSON kinds' whitespace switch (its StructuredOutputsParams).
+    tight = not structured.any_whitespace
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=tight)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=spec)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=spec)
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as err:
+        raise EngineError(f"the {kind} constraint is not JSON: {err}") from None
+    if kind == "json_schema":
+        if not isinstance(value, dict):
+            raise EngineError("the json_schema constraint must be a JSON object")
+        return StructuredOutputsParams(json=value, disable_any_whitespace=tight)
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise EngineError("the choice constraint must be a non-empty JSON list of strings")
+    return StructuredOutputsParams(choice=value)
+
+
+def _token_logprobs(token: int, position: Mapping[int, Logprob] | None, k: int) -> TokenLogprobs:
+    """One new token's entry from vLLM's dict for its position: the sampled token (always in it) and the
+    k most likely, ranked 1..k by place (vllm/logprobs.py append_logprobs_for_next_position). The sampled
+    token's rank is 1 + the number of tokens more likely (vllm/v1/sample/sampler.py gather_logprobs), so
+    one tied with the k-th but left out of vLLM's top k also has a rank <= k: keeping the first k by rank
+    (then logprob) keeps exactly k."""
+    sampled = None if position is None else position.get(token)
+    if position is None or sampled is None or sampled.rank is None:
+        raise EngineError(f"vLLM returned no log-probability for sampled token {token}")
+    ranked = sorted(((tid, lp.logprob, lp.rank) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
+                    key=lambda entry: (entry[2], -entry[1], entry[0]))
+    return TokenLogprobs(token, sampled.logprob, sampled.rank, tuple((tid, logprob) for tid, logprob, _ in ranked[:k]))
+
+
 def _geometry(vllm_config: Any) -> _Geometry:
     """The KV layout of the model as vLLM configured it (vllm.config.VllmConfig, loosely typed)."""
     model_config = vllm_config.model_config
@@ -618,6 +792,7 @@ def _geometry(vllm_config: Any) -> _Geometry:
         max_model_len=int(model_config.max_model_len),
         vocab_size=int(model_config.get_vocab_size()),
         eos_token_ids=_eos_token_ids(model_config),
+        max_logprobs=int(model_config.max_logprobs) if model_config.max_logprobs != -1 else int(model_config.get_vocab_size()),
     )
 
 
