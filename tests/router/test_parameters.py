@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from router_testing import MODEL, TOKEN, Server, serve
+from router_testing import MODEL, TOKEN, Server, serve, start_worker
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop
 
 from kvfleet.router.app import Router, RouterConfig
@@ -336,3 +336,43 @@ def test_a_conversation_with_tool_calls_and_results_is_rendered_and_answered(wor
 def test_bad_tool_usage_is_a_400_naming_the_field(router: Server, body: dict[str, Any], param: str) -> None:
     status, answer = router.post("/v1/chat/completions", {**chat(), **body})
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_a_request_resumed_after_its_worker_died_keeps_its_grammar_penalties_and_draws(
+        tiny_model_dir: Any, engine_loop: EngineLoop) -> None:
+    """The router continues a request whose worker died on another one after the output the client has
+    (POST /internal/resume): the penalties count that output, the grammar is replayed over it, the seeded
+    draws go on from their positions; the client's text equals the unbroken run."""
+    pair = [start_worker(engine_loop, tiny_model_dir) for _ in range(2)]
+    alive = list(pair)
+    snapshot = PoolSnapshot(tuple(WorkerState(f"w{i}", w.address, True, i, TEST_KV_CAPACITY_BYTES)
+                                  for i, w in enumerate(pair)), {})
+    router_obj = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(snapshot))
+    router = serve(engine_loop, router_obj.app())
+    try:
+        body = completion(max_tokens=200, prompt="Once upon a time", temperature=0.9, seed=11, frequency_penalty=0.7,
+                          min_tokens=160, logprobs=1, structured_outputs={"regex": "[a-z ]{150,200}"}, ignore_eos=False)
+        direct = whole(pair[0], "/v1/completions", body)["choices"][0]
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                     {"Content-Type": "application/json", "X-Request-Id": "kill-constrained"})
+        response = conn.getresponse()
+        assert response.status == 200
+        received = [response.readline() for _ in range(6)]
+        pod = router_obj.worker_of("kill-constrained")
+        assert pod is not None
+        victim = pair[int(pod.removeprefix("w"))]
+        alive.remove(victim)
+        engine_loop.run(victim.runner.cleanup())
+        raw = b"".join(received) + response.read()
+        events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]", raw[-500:]
+        assert router_obj.metrics.registry.get_sample_value("kvfleet_router_resumes_total") == 1, \
+            "the kill did not land mid-stream"
+        streamed = choices_of_stream([json.loads(e) for e in events[:-1]], chat_=False)[0]
+        assert streamed["text"] == direct["text"] and re.fullmatch("[a-z ]{150,200}", streamed["text"])
+        assert sum((p["tokens"] for p in streamed["logprobs"]), []) == direct["logprobs"]["tokens"]
+    finally:
+        engine_loop.run(router.runner.cleanup())
+        for server in alive:
+            engine_loop.run(server.runner.cleanup())

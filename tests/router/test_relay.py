@@ -14,6 +14,7 @@ from aiohttp import web
 from kvfleet.router.placement import NoRoute, RouteChoice
 from kvfleet.router.relay import Relay, Timeouts
 from kvfleet.serving.credentials import PoolCredentials
+from kvfleet.serving.openai_api import ChatCompletionRequest, CompletionRequest, resume_fields, validated
 
 PROMPT = [1, 2, 3]
 
@@ -39,6 +40,8 @@ class Scripted:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.method == "POST" else None
         self.asked.append((request.path, dict(request.query), body))
+        if request.path.startswith("/internal/"):
+            assert request.headers.get("Authorization") == "Bearer tok", "an internal path without the pool token"
         script = self.scripts[request.path]
         if isinstance(script, dict):
             return web.json_response(script)
@@ -74,7 +77,9 @@ async def relay_through(source: Scripted, others: list[Scripted], body: dict[str
 
     try:
         async with aiohttp.ClientSession() as session:
-            relay = Relay(session, "r1", path, body, place=place, credentials=PoolCredentials.of("tok"),
+            model = ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
+            relay = Relay(session, "r1", path, body, resume=resume_fields(validated(model, body)), place=place,
+                          credentials=PoolCredentials.of("tok"),
                           timeouts=Timeouts(connect_s=2, first_token_s=5, idle_s=5))
             text = "".join([step.text async for step in relay.steps()])
             return text, relay
@@ -110,13 +115,15 @@ def test_a_continuation_repeating_a_chunk_is_dropped_by_index() -> None:
 
 def test_a_gap_is_resumed_by_tokens_from_what_the_client_has() -> None:
     async def scenario() -> None:
-        resume = Scripted({"/v1/completions": [
+        resume = Scripted({"/internal/resume": [
             chunk(0, [], "", prompt=True), chunk(0, [12], "c"), chunk(1, [13], "d", "length"), b"data: [DONE]\n\n"]})
         source = Scripted({"/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [10], "a"), chunk(1, [11], "b"),
                                                 chunk(3, [13], "d")]})
         text, relay = await relay_through(source, [resume], BODY)
         assert text == "abcd" and relay.output_token_ids == [10, 11, 12, 13]
-        _, _, asked = resume.asked[0]
+        _, query, asked = resume.asked[0]
+        # Continued after the 2 output tokens the client has: the worker counts them as output.
+        assert query == {"output": "2"}
         assert asked["prompt"] == PROMPT + [10, 11] and asked["max_tokens"] == 2 and asked["temperature"] == 0
 
     asyncio.run(scenario())
@@ -125,13 +132,13 @@ def test_a_gap_is_resumed_by_tokens_from_what_the_client_has() -> None:
 def test_tokens_whose_text_was_held_back_are_generated_again_on_resume() -> None:
     async def scenario() -> None:
         # Token 11 came with no text (half a character): the client has seen only token 10's.
-        resume = Scripted({"/v1/completions": [
+        resume = Scripted({"/internal/resume": [
             chunk(0, [], "", prompt=True), chunk(0, [11], "é"), chunk(1, [12], "z", "length"), b"data: [DONE]\n\n"]})
         source = Scripted({"/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [10], "a"), chunk(1, [11], "")]})
         text, relay = await relay_through(source, [resume], {**BODY, "max_tokens": 3})
         assert text == "aéz" and relay.output_token_ids == [10, 11, 12]
-        _, _, asked = resume.asked[0]
-        assert asked["prompt"] == PROMPT + [10] and asked["max_tokens"] == 2
+        _, query, asked = resume.asked[0]
+        assert asked["prompt"] == PROMPT + [10] and asked["max_tokens"] == 2 and query == {"output": "1"}
 
     asyncio.run(scenario())
 
@@ -140,7 +147,7 @@ def test_a_chat_without_a_budget_resumes_with_the_rest_of_the_context() -> None:
     async def scenario() -> None:
         resume = Scripted({
             "/v1/models": {"object": "list", "data": [{"id": "tiny", "max_model_len": 10}]},
-            "/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [11], "b", "stop"), b"data: [DONE]\n\n"]})
+            "/internal/resume": [chunk(0, [], "", prompt=True), chunk(0, [11], "b", "stop"), b"data: [DONE]\n\n"]})
         delta = {"id": "r1", "object": "chat.completion.chunk",
                  "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}],
                  "kvfleet": {"index": 0, "token_ids": [10]}}

@@ -50,6 +50,7 @@ from kvfleet.serving.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     model_list,
+    resume_fields,
     tokenize_request,
     validated,
     version,
@@ -234,11 +235,13 @@ class Router:
             # a death then continues the same draws (the builtin engine draws per (seed, position)).
             seed = new_seed()
         sample_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+        resume = resume_fields(body)
         relays = []
         for index, sample_id in enumerate(sample_ids):
             choose, on_worker = self._placer(sample_id, info, prompt_tokens, max_tokens, prompt_ids, user)
             sample = forward if seed is None else {**forward, "seed": seed + index}
-            relays.append(Relay(self.session, sample_id, request.path, sample, place=choose,
+            sample_resume = resume if seed is None else {**resume, "seed": seed + index}
+            relays.append(Relay(self.session, sample_id, request.path, sample, resume=sample_resume, place=choose,
                                 credentials=self.config.credentials, timeouts=self.config.timeouts,
                                 max_attempts=self.config.max_attempts, on_worker=on_worker, on_event=self._count_event))
         try:

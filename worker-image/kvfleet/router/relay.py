@@ -34,6 +34,7 @@ from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import (
     MIGRATED_EVENT,
     REQUEST_ID_HEADER,
+    RESUME_PATH,
     TOKEN_STREAM_HEADER,
     TOKEN_STREAM_MODE,
     Migrated,
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 
 # Pause before trying again a worker the request just failed on, times the failures so far.
 RETRY_BACKOFF_S = 0.5
-# Sampling fields a resumed request carries over unchanged: those whose effect depends only on the
-# prompt and output together (a resume's prompt is both), besides how many logprobs each token carries.
-RESUMED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logit_bias", "seed",
-                  "stop_token_ids", "ignore_eos", "user")
 
 # The router's hooks: a worker for the request, failed workers excluded; and the pod now serving it,
 # with the prompt's token ids once a worker has told them.
@@ -113,7 +110,8 @@ class Relay:
     """Relays one request; `steps()` yields the client's text as the workers produce it."""
 
     def __init__(self, session: aiohttp.ClientSession, request_id: str, path: str, body: dict[str, Any], *,
-                 place: Place, credentials: PoolCredentials | None, timeouts: Timeouts, max_attempts: int = 4,
+                 resume: dict[str, Any], place: Place, credentials: PoolCredentials | None, timeouts: Timeouts,
+                 max_attempts: int = 4,
                  on_worker: OnWorker = lambda pod, prompt: None,
                  on_event: Callable[[str], None] = lambda kind: None) -> None:
         self.session = session
@@ -121,6 +119,8 @@ class Relay:
         self.path = path
         self.body = {**body, "stream": True}
         self.body.pop("stream_options", None)
+        # The sample's fields for a resume on another worker (openai_api.resume_fields, its seed included).
+        self.resume = resume
         self.place = place
         self.credentials = credentials
         self.timeouts = timeouts
@@ -191,6 +191,8 @@ class Relay:
         return headers
 
     async def _resume_body(self, source: _Source) -> dict[str, Any]:
+        """The request continued on another worker: its prompt's ids then the output the client has,
+        with what is left of its budget (the worker's POST /internal/resume)."""
         assert self.prompt_token_ids is not None
         done = len(self.output_token_ids)
         budget = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
@@ -200,15 +202,9 @@ class Relay:
                 budget = int((await resp.json())["data"][0]["max_model_len"]) - len(self.prompt_token_ids)
         if budget is None:
             budget = 16
-        body = {k: self.body[k] for k in RESUMED_FIELDS if k in self.body}
-        # A completion's logprobs is a count; chat's is a flag with top_logprobs the count.
-        wanted = self.body.get("logprobs")
-        if self.path.endswith("/chat/completions"):
-            wanted = (self.body.get("top_logprobs") or 0) if wanted else None
-        if wanted is not None:
-            body["logprobs"] = wanted
-        return {**body, "prompt": self.prompt_token_ids + self.output_token_ids, "max_tokens": max(1, int(budget) - done),
-                "stream": True}
+        min_tokens = int(self.resume.get("min_tokens") or 0)
+        return {**self.resume, "prompt": self.prompt_token_ids + self.output_token_ids,
+                "max_tokens": max(1, int(budget) - done), "min_tokens": max(0, min_tokens - done), "stream": True}
 
     async def _open(self, source: _Source) -> aiohttp.ClientResponse:
         url = f"http://{source.address}"
@@ -216,6 +212,10 @@ class Relay:
             after = len(self.output_token_ids) - source.base
             request = self.session.get(f"{url}{continuation_path(self.request_id)}", params={"after": str(after)},
                                        headers=self._headers(True))
+        elif source.kind == "resumed" and self.output_token_ids:
+            # Continued after its output (penalties, min_tokens and a grammar count it): pool token needed.
+            request = self.session.post(f"{url}{RESUME_PATH}", params={"output": str(len(self.output_token_ids))},
+                                        json=await self._resume_body(source), headers=self._headers(True))
         elif source.kind == "resumed":
             request = self.session.post(f"{url}/v1/completions", json=await self._resume_body(source),
                                         headers=self._headers(False))

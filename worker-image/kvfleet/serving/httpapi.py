@@ -34,6 +34,8 @@ TOKEN_STREAM_MODE = "tokens"
 # The pool token guards every `/internal/*` path of a worker (docs/migration.md).
 AUTHORIZATION_HEADER = "Authorization"
 INTERNAL_PREFIX = "/internal/"
+# A router's request continued on a worker after the one it ran on died (the worker's OpenAIRoutes.resume).
+RESUME_PATH = INTERNAL_PREFIX + "resume"
 # Ends a source's stream when its request moved: the data names the target (docs/migration.md).
 MIGRATED_EVENT = "kvfleet.migrated"
 

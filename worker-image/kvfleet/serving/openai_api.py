@@ -549,6 +549,36 @@ class ChatCompletionRequest(_Request):
         return text_messages(self.messages)
 
 
+def resume_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """What a sample's continuation on another worker keeps of its request, as completion fields (a
+    router's resume after a worker died is a completion of the prompt's token ids and the output so
+    far: the worker's POST /internal/resume): every sampling field, the constraint (a chat's tools
+    included) as `structured_outputs`, the logprobs count, `min_tokens` (the caller takes off what
+    is done, and sets `max_tokens` to what is left), but not `seed` (the sample's)."""
+    fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
+                                      "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids",
+                                      "ignore_eos", "user"}, exclude_none=True)
+    wanted = body.top_logprobs_wanted()
+    if wanted is not None:
+        fields["logprobs"] = wanted
+    constraint = body.structured()
+    if constraint is not None:
+        kind, spec = constraint
+        structured: dict[str, Any]
+        if kind == "json_schema":
+            structured = {"json": spec}
+        elif kind == "choice":
+            structured = {"choice": json.loads(spec)}
+        elif kind == "json_object":
+            structured = {"json_object": True}
+        else:  # regex, grammar: the field of the same name
+            structured = {kind: spec}
+        if body.structured_outputs is not None and body.structured_outputs.disable_any_whitespace:
+            structured["disable_any_whitespace"] = True
+        fields["structured_outputs"] = structured
+    return fields
+
+
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 

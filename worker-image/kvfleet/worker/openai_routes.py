@@ -55,6 +55,7 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post(httpapi.RESUME_PATH, self.resume)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
@@ -118,9 +119,33 @@ class OpenAIRoutes:
         jobs = self._jobs(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
         return await self._respond(request, jobs, body, chat=True)
 
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """POST /internal/resume?output=N (the pool token required): a router's request continued here
+        after the worker it ran on died. Its body is a completion whose prompt is the prompt's ids and
+        then the N output tokens already sent, `max_tokens` the rest of the budget and the sampling
+        fields the original's (`resume_fields`): the request continues after its output, with penalties,
+        min_tokens and a grammar counting it (as a migration continues one), in router mode."""
+        info = self.require_engine()
+        body = validated(CompletionRequest, await httpapi.read_json(request))
+        try:
+            carried = int(request.query.get("output", ""))
+        except ValueError:
+            raise APIError(400, "output: the number of output tokens the prompt ends with is required",
+                           param="output") from None
+        if not isinstance(body.prompt, list) or not 0 < carried < len(body.prompt) or body.n != 1 or not body.stream:
+            raise APIError(400, "a resume is one streamed sample whose prompt is token ids ending with its output",
+                           param="prompt")
+        if request.headers.get(httpapi.TOKEN_STREAM_HEADER, "").lower() != httpapi.TOKEN_STREAM_MODE:
+            raise APIError(400, f"a resume is read in router mode ({httpapi.TOKEN_STREAM_HEADER})")
+        [job] = self._jobs(info, httpapi.request_id(request, "cmpl"), body, list(body.prompt), body.max_tokens,
+                           carried=carried)
+        return await self._router_stream(request, job, ResponseShape(job.request_id, job.created, body.model, False), "")
+
     def _jobs(self, info: EngineInfo, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-              prompt_ids: list[int], max_tokens: int | None) -> list[Job]:
-        """The request's samples as jobs for the engine (one unless `n`), or the 4xx that says why not."""
+              prompt_ids: list[int], max_tokens: int | None, carried: int = 0) -> list[Job]:
+        """The request's samples as jobs for the engine (one unless `n`), or the 4xx that says why not.
+        `carried`: the prompt's last ids are that many output tokens already generated (a resume), and
+        `max_tokens` what is left of the budget."""
         self._check_model(body.model)
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
@@ -139,6 +164,11 @@ class OpenAIRoutes:
         if body.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens the context leaves",
                            param="min_tokens")
+        # A resume's min_tokens and max_tokens are what is left of them; the engine counts the output.
+        min_tokens = body.min_tokens + carried if body.min_tokens else 0
+        output_ids = prompt_ids[len(prompt_ids) - carried:]
+        prompt_ids = prompt_ids[:len(prompt_ids) - carried]
+        max_tokens += carried
         structured = body.structured()
         # vLLM's structured_outputs.disable_any_whitespace (response_format has no such option).
         any_whitespace = body.structured_outputs is None or not body.structured_outputs.disable_any_whitespace
@@ -147,14 +177,14 @@ class OpenAIRoutes:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                 min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty, logit_bias=biases, min_tokens=body.min_tokens,
+                repetition_penalty=body.repetition_penalty, logit_bias=biases, min_tokens=min_tokens,
                 seed=body.sample_seed(index), stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
                 logprobs=body.top_logprobs_wanted(),
                 structured=None if structured is None else StructuredOutput(*structured, any_whitespace=any_whitespace))
             # The samples are separate engine requests; a lone one keeps the request's id.
             sample_id = request_id if body.n == 1 else f"{request_id}-{index}"
             jobs.append(Job(sample_id, prompt_ids, params, body.stop_strings(), body.model,
-                            include_stop=body.include_stop_str_in_output))
+                            include_stop=body.include_stop_str_in_output, output_token_ids=output_ids))
         return jobs
 
     async def _respond(self, request: web.Request, jobs: list[Job], body: CompletionRequest | ChatCompletionRequest,

@@ -46,6 +46,7 @@ from kvfleet.worker.migration.handoff import (
     TextState,
     follow,
 )
+from kvfleet.worker.migration.host import continue_request
 from kvfleet.worker.text import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class Job:
     created: int = field(default_factory=now_s)
     # OpenAI's include_stop_str_in_output: the stop string that ended the request stays in its text.
     include_stop: bool = False
+    # Output the request already has from a worker that died (the router's resume): it continues after
+    # it, which counts it where sampling depends on the output (penalties, min_tokens, a grammar).
+    output_token_ids: list[int] = field(default_factory=list)
     # When the request reached this worker (time.monotonic): vLLM's time to first token starts here.
     arrived_s: float = field(default_factory=time.monotonic)
 
@@ -144,10 +148,14 @@ class RequestStreams:
         stream: AsyncIterator[StepOutput]
         if resumed is None:
             try:
-                stream = self.engine.generate(request_id, job.prompt_token_ids, job.params)
+                if job.output_token_ids:
+                    stream = continue_request(self.engine, request_id, job.prompt_token_ids, job.output_token_ids,
+                                              job.params)
+                else:
+                    stream = self.engine.generate(request_id, job.prompt_token_ids, job.params)
             except EngineError as err:  # refused before it starts (the builtin engine checks at once)
                 raise _client_error(err) from None
-            detok = self.tokenizer.detokenizer(job.prompt_token_ids)
+            detok = self.tokenizer.detokenizer(job.prompt_token_ids + job.output_token_ids)
             stops = StopStrings(job.stops, include=job.include_stop)
             outputs: list[int] = []
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))

@@ -8,11 +8,11 @@ request on their engine: the destination when it commits, the source when it rol
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from kvfleet.worker.engines.base import Engine, StepOutput
+from kvfleet.worker.engines.base import Engine, SamplingParams, StepOutput
 from kvfleet.worker.engines.capabilities import MigrationError
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest, Handoffs, LiveRequest
 
@@ -42,7 +42,15 @@ class Host(Protocol):
 
 
 def continue_on(engine: Engine, handed: HandedRequest) -> AsyncIterator[StepOutput]:
-    """The request's continuation on this engine: from KV held here (KV migration capability), else by re-prefill.
+    """The request's continuation on this engine (`continue_request`)."""
+    return continue_request(engine, handed.request_id, handed.prompt_token_ids, handed.output_token_ids, handed.params)
+
+
+def continue_request(engine: Engine, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                     params: SamplingParams) -> AsyncIterator[StepOutput]:
+    """A request's continuation on this engine after `output_token_ids`: from KV held here (KV migration
+    capability), else by re-prefill; what depends on the output (penalties, min_tokens, a grammar, the
+    budget) counts the output it brings, as far as the engine can (engines/base.py, SamplingParams).
 
     An engine without the capability has no resume: the request goes in as a new one whose prompt is
     prompt + output so far, with the rest of the output budget, which under greedy decoding gives the
@@ -50,9 +58,8 @@ def continue_on(engine: Engine, handed: HandedRequest) -> AsyncIterator[StepOutp
     """
     migration = engine.capabilities.migration
     if migration is not None:
-        return migration.resume(handed.request_id, handed.prompt_token_ids, handed.output_token_ids, handed.params)
-    remaining = handed.params.max_tokens - len(handed.output_token_ids)
+        return migration.resume(request_id, prompt_token_ids, output_token_ids, params)
+    remaining = params.max_tokens - len(output_token_ids)
     if remaining < 1:
-        raise MigrationError(f"request {handed.request_id!r} already has all its {handed.params.max_tokens} tokens")
-    return engine.generate(handed.request_id, [*handed.prompt_token_ids, *handed.output_token_ids],
-                           replace(handed.params, max_tokens=remaining))
+        raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
+    return engine.generate(request_id, [*prompt_token_ids, *output_token_ids], replace(params, max_tokens=remaining))
