@@ -65,7 +65,8 @@ def choices_of_stream(chunks: list[Any], chat_: bool) -> dict[int, dict[str, Any
     return out
 
 
-def test_n_samples_are_seeded_as_vllm_seeds_them(workers: list[Server], router: Server) -> None:
+def test_n_samples_are_seeded_as_vllm_seeds_them(workers: list[Server], routed: tuple[Router, Server]) -> None:
+    router_obj, router = routed
     body = completion(n=3, temperature=1.0, seed=7)
     direct = whole(workers[0], "/v1/completions", body)
     texts = [c["text"] for c in direct["choices"]]
@@ -75,7 +76,11 @@ def test_n_samples_are_seeded_as_vllm_seeds_them(workers: list[Server], router: 
     for i, text in enumerate(texts):
         assert whole(workers[1], "/v1/completions", completion(temperature=1.0, seed=7 + i))["choices"][0]["text"] == text
     assert len(set(texts)) > 1
+    siblings = router_obj.metrics.registry.get_sample_value("kvfleet_router_placements_total", {"rule": "sibling"}) or 0
     assert [c["text"] for c in whole(router, "/v1/completions", body)["choices"]] == texts
+    # Samples 1 and 2 go where sample 0 runs (they share its prompt).
+    assert router_obj.metrics.registry.get_sample_value("kvfleet_router_placements_total",
+                                                        {"rule": "sibling"}) == siblings + 2
     streamed = choices_of_stream(router.stream("/v1/completions", body), chat_=False)
     assert [streamed[i]["text"] for i in range(3)] == texts
     assert [streamed[i]["text"] for i in range(3)] == [

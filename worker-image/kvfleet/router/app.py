@@ -239,13 +239,18 @@ class Router:
         relays = []
         for index, sample_id in enumerate(sample_ids):
             choose, on_worker = self._placer(sample_id, info, prompt_tokens, max_tokens, prompt_ids, user)
+            if index > 0:
+                choose = self._beside(sample_ids[0], choose)
             sample = forward if seed is None else {**forward, "seed": seed + index}
             sample_resume = resume if seed is None else {**resume, "seed": seed + index}
             relays.append(Relay(self.session, sample_id, request.path, sample, resume=sample_resume, place=choose,
                                 credentials=self.config.credentials, timeouts=self.config.timeouts,
                                 max_attempts=self.config.max_attempts, on_worker=on_worker, on_event=self._count_event))
         try:
-            return await respond(request, relays, body, chat, self.metrics, arrived_s, request_id)
+            # With prefix caching the first sample runs alone until its first token, so that the others
+            # find its prompt cached beside it (one prefill, one copy of the prompt's KV).
+            stagger = self.view.snapshot().locality != "none"
+            return await respond(request, relays, body, chat, self.metrics, arrived_s, request_id, stagger=stagger)
         finally:
             for relay in relays:
                 self._reservations.pop(relay.request_id, None)
@@ -308,6 +313,21 @@ class Router:
             self._reservations[request_id] = Reservation(request_id, pod_name, estimate["bytes"])
 
         return choose, on_worker
+
+    def _beside(self, first_id: str, choose: Place) -> Place:
+        """A later sample of `n` goes where the first one runs while that worker is Ready and not failed
+        for it: the samples share one prompt, whose KV a worker with a prefix cache then holds once."""
+
+        def choose_beside(exclude: frozenset[str]) -> RouteChoice | NoRoute:
+            first = self._reservations.get(first_id)
+            if first is not None and first.pod_name not in exclude:
+                worker = next((w for w in self.view.snapshot().workers if w.pod_name == first.pod_name and w.ready), None)
+                if worker is not None:
+                    self.metrics.placements.labels("sibling").inc()
+                    return RouteChoice(worker.pod_name, worker.address, "sibling")
+            return choose(exclude)
+
+        return choose_beside
 
     def _count_event(self, kind: str) -> None:
         (self.metrics.resumes if kind == "resume" else self.metrics.migrations).inc()

@@ -39,14 +39,20 @@ _MIDWAY = (RelayFailed, Unplaceable, WorkerRefused)
 
 
 async def respond(request: web.Request, relays: Sequence[Relay], body: CompletionRequest | ChatCompletionRequest,
-                  chat: bool, metrics: RouterMetrics, arrived_s: float, request_id: str) -> web.StreamResponse:
-    """Relays the request's samples (one relay each, `n`) and answers the client in the shape it asked for."""
+                  chat: bool, metrics: RouterMetrics, arrived_s: float, request_id: str, *, stagger: bool = False
+                  ) -> web.StreamResponse:
+    """Relays the request's samples (one relay each, `n`) and answers the client in the shape it asked for;
+    `stagger`: the first sample alone until its first output, the others then (they share its prompt)."""
     shape = ResponseShape(request_id, now_s(), body.model, chat)
     steps = [relay.steps() for relay in relays]
     try:
         try:
-            # Every sample starts now; a refusal before any output is still a plain HTTP error.
-            heads = await _all([anext(s, None) for s in steps])
+            # A refusal before any output is still a plain HTTP error.
+            if stagger and len(steps) > 1:
+                first = await anext(steps[0], None)
+                heads = [first, *await _all([anext(s, None) for s in steps[1:]])]
+            else:
+                heads = await _all([anext(s, None) for s in steps])
         except WorkerRefused as err:
             metrics.errors.labels(str(err.status)).inc()
             return web.json_response(err.body, status=err.status)

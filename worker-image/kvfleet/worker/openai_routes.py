@@ -25,6 +25,7 @@ from kvfleet.serving.openai_api import (
     LogprobsLayout,
     ResponseShape,
     TokenizeChatRequest,
+    TokenLogprob,
     ToolReplies,
     model_list,
     token_meta,
@@ -200,20 +201,43 @@ class OpenAIRoutes:
                 return await self._router_stream(request, jobs[0], shape, echo)
             return await self._stream(request, jobs, shape, body.include_usage_in_stream(), echo, wants_logprobs,
                                       ToolReplies(body))
-        answers = await _all(self.streams.collect(job) for job in jobs)
+        streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
+        try:
+            heads = await self._heads(streams)
+            texts = [""] * len(jobs)
+            finishes = ["abort"] * len(jobs)
+            tokens = [0] * len(jobs)
+            logprobs: list[list[TokenLogprob]] = [[] for _ in jobs]
+            rest = [(i, stream) for i, (head, stream) in enumerate(zip(heads, streams, strict=True))
+                    if head is not None and head.finish_reason is None]
+            for index, delta in [*((i, h) for i, h in enumerate(heads) if h is not None), *[x async for x in _merged(rest)]]:
+                texts[index] += delta.text
+                tokens[index] += len(delta.token_ids)
+                logprobs[index].extend(delta.logprobs)
+                finishes[index] = delta.finish_reason or finishes[index]
+        finally:
+            for stream in streams:
+                await stream.aclose()
         replies = ToolReplies(body)
-        choices = [replies.whole(echo + a.text, a.finish_reason, LogprobsLayout(chat).of(a.logprobs) if wants_logprobs
-                                 else None) for a in answers]
-        return web.json_response(shape.whole(choices, usage(prompt_tokens, sum(a.completion_tokens for a in answers))))
+        choices = [replies.whole(echo + texts[i], finishes[i], LogprobsLayout(chat).of(logprobs[i]) if wants_logprobs
+                                 else None) for i in range(len(jobs))]
+        return web.json_response(shape.whole(choices, usage(prompt_tokens, sum(tokens))))
+
+    async def _heads(self, streams: list[AsyncGenerator[Delta, None]]) -> list[Delta | None]:
+        """Every sample's first delta (an engine's refusal is still a plain 4xx). With a prefix cache the
+        first sample runs alone until its first token, so that the others find its prompt's KV cached
+        and share it (MemServe's context caching) instead of each prefilling and holding the prompt."""
+        if len(streams) > 1 and self.streams.engine.capabilities.prefix_cache is not None:
+            first = await _head(streams[0])
+            return [first, *await _all(_head(stream) for stream in streams[1:])]
+        return await _all(_head(stream) for stream in streams)
 
     async def _stream(self, request: web.Request, jobs: list[Job], shape: ResponseShape, include_usage: bool,
                       echo: str, wants_logprobs: bool, replies: ToolReplies) -> web.StreamResponse:
         """A direct client's stream: every sample's chunks as they come, each with its choice index."""
         streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
         try:
-            # Every sample starts now (their prompts batch together); an engine's refusal before the first
-            # output is still a plain 4xx.
-            heads = await _all(_head(stream) for stream in streams)
+            heads = await self._heads(streams)
             response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
             await response.prepare(request)
             layouts = [LogprobsLayout(shape.chat) for _ in jobs]

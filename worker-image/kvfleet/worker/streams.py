@@ -82,16 +82,6 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Collected:
-    """A request's whole answer: its text, finish reason, completion tokens and their log-probabilities."""
-
-    text: str
-    finish_reason: str
-    completion_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
 class Resumed:
     """A request handed over to this worker: the stream its engine continues it in, and where it stood."""
 
@@ -119,20 +109,6 @@ class RequestStreams:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-    async def collect(self, job: Job) -> Collected:
-        """The whole answer of a direct client's request."""
-        parts: list[str] = []
-        finish = "abort"
-        tokens = 0
-        logprobs: list[TokenLogprob] = []
-        async for delta in self.deltas(job, follow_moves=True):
-            parts.append(delta.text)
-            tokens += len(delta.token_ids)
-            logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                finish = delta.finish_reason
-        return Collected("".join(parts), finish, tokens, tuple(logprobs))
 
     async def deltas(self, job: Job, follow_moves: bool = True, resumed: Resumed | None = None
                      ) -> AsyncGenerator[Delta, None]:
