@@ -381,3 +381,28 @@ def test_a_request_resumed_after_its_worker_died_keeps_its_grammar_penalties_and
         engine_loop.run(router.runner.cleanup())
         for server in alive:
             engine_loop.run(server.runner.cleanup())
+
+
+def test_n_samples_read_one_copy_of_their_prompt_with_prefix_caching(tiny_model_dir: Any, engine_loop: EngineLoop) -> None:
+    """With prefix caching the first sample runs alone until its first token; its prompt's full blocks
+    are then in the cache, and the other samples start after them instead of prefilling them again."""
+    from kvfleet.worker.agent import Agent, AgentConfig
+    from kvfleet.worker.engines import EngineConfig, load_engine
+    from kvfleet.worker.text import Tokenizer
+
+    engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
+                                                 max_model_len=512, prefix_caching=True))
+    agent = Agent(AgentConfig(model_name=MODEL), engine, Tokenizer(tiny_model_dir), None)
+    worker = serve(engine_loop, agent.app())
+    try:
+        prompt = "Once upon a time, in a land far away, there lived a king who had three daughters and a dog."
+        prompt_tokens = len(Tokenizer(tiny_model_dir).encode(prompt))
+        cache = engine.capabilities.prefix_cache
+        assert cache is not None and prompt_tokens >= 32
+        answer = whole(worker, "/v1/completions", completion(prompt=prompt, n=3, max_tokens=8))
+        assert len(answer["choices"]) == 3
+        block = engine.info.block_size_tokens
+        # Samples 1 and 2 matched the first's full prompt blocks (the last token is always computed).
+        assert cache.prefix_cache_stats().hit_tokens == 2 * ((prompt_tokens - 1) // block * block)
+    finally:
+        engine_loop.run(worker.runner.cleanup())

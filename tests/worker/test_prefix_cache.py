@@ -31,9 +31,9 @@ async def conversations(engine: BuiltinEngine, turns: int = 3) -> list[list[int]
     return outputs
 
 
-def engine(model_dir: Path, caching: bool, capacity_bytes: int = 4 * 2**20) -> BuiltinEngine:
+def engine(model_dir: Path, caching: bool, capacity_bytes: int = 4 * 2**20, min_step_s: float = 0.0) -> BuiltinEngine:
     return BuiltinEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_bytes, max_model_len=512,
-                                      prefix_caching=caching))
+                                      prefix_caching=caching, min_step_s=min_step_s))
 
 
 async def served(e: BuiltinEngine, body: Any) -> Any:
@@ -184,3 +184,141 @@ def test_usage_counts_a_shared_block_once_and_the_cache_apart(tiny_model_dir: Pa
         await e.abort("b")
 
     run(served(e, body))
+
+
+# 52 tokens: 3 full blocks of 16 and 4 more, so a request with this prompt can match all 3 (the last
+# token is always computed).
+PROMPT = [1, *range(400, 451)]
+
+
+def _reference(model_dir: Path, max_tokens: int) -> list[int]:
+    async def body(e: BuiltinEngine) -> list[int]:
+        return await tokens_of(e.generate("ref", PROMPT, greedy(max_tokens)))
+
+    return list(run(served(engine(model_dir, False), body)))
+
+
+def _drained(e: BuiltinEngine) -> None:
+    """Nothing runs: once the cache is evicted every block is free (nothing leaked)."""
+    books_balance(e)
+    sched = e.scheduler
+    assert sched.prefix is not None
+    sched.evict_cached(sched.prefix.num_blocks)
+    assert sched.prefix.num_blocks == 0 and len(sched.space.free) == sched.space.num_blocks
+
+
+def test_a_running_request_s_prefilled_prompt_is_shared_with_one_admitted_after_it(tiny_model_dir: Path) -> None:
+    """OpenAI `n` samples: the worker starts sample 0, and the others once it has its first token,
+    all with the same prompt. Its 3 full prompt blocks join the cache once prefilled, so the second
+    matches them while the first still runs, and the pool holds them once."""
+    expected = _reference(tiny_model_dir, 30)
+
+    async def body(e: BuiltinEngine) -> list[list[int]]:
+        sched = e.scheduler
+        assert sched.prefix is not None
+        block_bytes = sched.space.block_bytes
+        a = e.generate("a", PROMPT, greedy(30))
+        first_a = [t async for out in _first(a, 1) for t in out.new_token_ids]
+        req_a = sched.requests["a"]
+        assert req_a.shared is not None and len(req_a.shared.nodes) == 3  # it reads its prompt from the tree
+        assert req_a.blocks[:3] == list(req_a.shared.values)
+        assert sched.prefix.num_blocks == 3 and sched.prefix.num_evictable_blocks == 0  # locked by "a"
+        b = e.generate("b", PROMPT, greedy(30))
+        first_b = [t async for out in _first(b, 1) for t in out.new_token_ids]
+        assert sched.requests["a"].state.value == "running"  # b started while a still runs
+        assert sched.num_cache_hit_tokens == 48  # the prompt's 3 full blocks
+        assert sched.num_prefilled_tokens == len(PROMPT) + (len(PROMPT) - 48)
+        req_b = sched.requests["b"]
+        assert req_b.blocks[:3] == req_a.blocks[:3]
+        usage = {r.request_id: r for r in e.kv_usage()}
+        assert usage["a"].kv_bytes == len(req_a.blocks) * block_bytes and usage["a"].shared_bytes == 0
+        assert usage["b"].kv_bytes == (len(req_b.blocks) - 3) * block_bytes
+        assert usage["b"].shared_bytes == 3 * block_bytes
+        in_use = sched.space.num_blocks - len(sched.space.free)
+        assert sum(r.kv_bytes for r in usage.values()) == in_use * block_bytes  # the prompt's blocks once
+        outputs = [first_a + await tokens_of(a), first_b + await tokens_of(b)]
+        _drained(e)
+        return outputs
+
+    assert run(served(engine(tiny_model_dir, True, min_step_s=0.01), body)) == [expected, expected]
+
+
+def test_a_request_aborted_after_its_prefill_leaves_its_prompt_cached(tiny_model_dir: Path) -> None:
+    """Its prompt's blocks stay in the cache, unlocked and evictable, and a later request matches them."""
+    expected = _reference(tiny_model_dir, 12)
+
+    async def body(e: BuiltinEngine) -> list[int]:
+        sched = e.scheduler
+        assert sched.prefix is not None
+        a = e.generate("a", PROMPT, greedy(30))
+        assert [o async for o in _first(a, 1)]
+        await e.abort("a")
+        assert not sched.requests
+        assert sched.prefix.num_blocks == sched.prefix.num_evictable_blocks == 3
+        books_balance(e)
+        out = await tokens_of(e.generate("c", PROMPT, greedy(12)))
+        assert sched.num_cache_hit_tokens == 48
+        _drained(e)
+        return out
+
+    assert run(served(engine(tiny_model_dir, True, min_step_s=0.01), body)) == expected
+
+
+def test_a_request_preempted_after_sharing_its_prompt_decodes_the_same(tiny_model_dir: Path) -> None:
+    """The older reader of the shared prompt is preempted (recompute): its lock goes, the other reader
+    keeps the blocks (now in its own kv_bytes), and the preempted one starts again from the cache."""
+    expected = _reference(tiny_model_dir, 30)
+
+    async def body(e: BuiltinEngine) -> list[list[int]]:
+        sched = e.scheduler
+        assert sched.prefix is not None and e._step_lock is not None
+        block_bytes = sched.space.block_bytes
+        a = e.generate("a", PROMPT, greedy(30))
+        first_a = [t async for out in _first(a, 1) for t in out.new_token_ids]
+        b = e.generate("b", PROMPT, greedy(30))
+        first_b = [t async for out in _first(b, 1) for t in out.new_token_ids]
+        async with e._step_lock:
+            req_a, req_b = sched.requests["a"], sched.requests["b"]
+            sched.preempt(req_a)
+            assert req_a.shared is None and not req_a.blocks and req_a.num_cached == 0
+            assert sched.prefix.num_blocks == 3 and sched.prefix.num_evictable_blocks == 0  # b reads them
+            usage = {r.request_id: r for r in e.kv_usage()}
+            assert set(usage) == {"b"} and usage["b"].shared_bytes == 0
+            assert usage["b"].kv_bytes == len(req_b.blocks) * block_bytes
+            books_in_use = sched.space.num_blocks - len(sched.space.free)
+            assert books_in_use == len(req_b.blocks)
+        sched.wake()
+        outputs = [first_a + await tokens_of(a), first_b + await tokens_of(b)]
+        assert sched.num_preemptions == 1
+        assert sched.num_cache_hit_tokens == 2 * 48  # b's hit, and a's when it came back
+        _drained(e)
+        return outputs
+
+    assert run(served(engine(tiny_model_dir, True, min_step_s=0.01), body)) == [expected, expected]
+
+
+def test_requests_prefilled_in_one_step_keep_one_copy_of_their_prompt(tiny_model_dir: Path) -> None:
+    """Both prefill the same prompt in the same step (nothing was cached to match): the first to be
+    delivered inserts its blocks, the other switches to them and its copies go back to the pool."""
+    expected = _reference(tiny_model_dir, 20)
+
+    async def body(e: BuiltinEngine) -> list[list[int]]:
+        sched = e.scheduler
+        assert sched.prefix is not None
+        block_bytes = sched.space.block_bytes
+        a, b = e.generate("a", PROMPT, greedy(20)), e.generate("b", PROMPT, greedy(20))
+        firsts = [[t async for out in _first(s, 1) for t in out.new_token_ids] for s in (a, b)]
+        assert sched.num_cache_hit_tokens == 0 and sched.num_prefilled_tokens == 2 * len(PROMPT)
+        req_a, req_b = sched.requests["a"], sched.requests["b"]
+        assert req_a.shared is not None and req_b.shared is not None and req_a.blocks[:3] == req_b.blocks[:3]
+        assert sched.prefix.num_blocks == 3
+        usage = {r.request_id: r for r in e.kv_usage()}
+        assert sorted(r.shared_bytes for r in usage.values()) == [0, 3 * block_bytes]
+        in_use = sched.space.num_blocks - len(sched.space.free)
+        assert in_use == len(req_a.blocks) + len(req_b.blocks) - 3
+        assert sum(r.kv_bytes for r in usage.values()) == in_use * block_bytes
+        outputs = [firsts[0] + await tokens_of(a), firsts[1] + await tokens_of(b)]
+        _drained(e)
+        return outputs
+
+    assert run(served(engine(tiny_model_dir, True, min_step_s=0.01), body)) == [expected, expected]

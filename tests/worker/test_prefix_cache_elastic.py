@@ -97,12 +97,15 @@ async def checked_between_steps(engine: BuiltinEngine, body: Coroutine[Any, Any,
     return await task
 
 
-async def conversations(engine: BuiltinEngine, num_conversations: int, turns: int) -> list[list[int]]:
+async def conversations(engine: BuiltinEngine, num_conversations: int, turns: int, *,
+                        own_system: bool = False) -> list[list[int]]:
     """Conversations taking turns at once, each turn's prompt the last one, its answer and a new
-    question; all open with SYSTEM, so running requests read its cached blocks together."""
+    question; all open with SYSTEM, so running requests read its cached blocks together, or with
+    `own_system` each with an 81-token system prompt of its own (none `rounds` opens with)."""
 
     async def conversation(c: int) -> list[list[int]]:
-        prompt, answers = SYSTEM + [200 + c, 201 + c], []
+        system = [1, *range(1300 + 70 * c, 1380 + 70 * c)] if own_system else SYSTEM
+        prompt, answers = system + [200 + c, 201 + c], []
         for turn in range(turns):
             answer = await tokens_of(engine.generate(f"c{c}-t{turn}", prompt, greedy(12)))
             answers.append(answer)
@@ -228,11 +231,14 @@ def test_a_parked_request_that_read_cached_blocks_comes_back_with_its_own_kv(tin
 def test_parked_requests_take_the_buffer_from_the_host_tier(tiny_model_dir: Path) -> None:
     """A buffer of 32 blocks: one round of 16 conversations fills it with the cache's host blocks, then
     8 conversations at once make requests park. Their KV comes first: host blocks are dropped to make
-    room (never below what parked KV needs), outputs equal, books balance throughout."""
+    room (never below what parked KV needs), outputs equal, books balance throughout.
+
+    The 8 open with system prompts of their own: with one they all share, each would read it from the
+    cache once the first prefilled it (Scheduler._share_prompt), and the pool would not be short."""
     yielded: list[tuple[int, int]] = []  # host blocks before and after a park made room
 
     async def workload(e: BuiltinEngine) -> list[list[int]]:
-        return await rounds(e, 16, 1, 80) + await conversations(e, 8, 2)
+        return await rounds(e, 16, 1, 80) + await conversations(e, 8, 2, own_system=True)
 
     async def watched(e: BuiltinEngine) -> list[list[int]]:
         sched = elastic_of(e)
@@ -277,3 +283,43 @@ def test_a_chunk_is_not_deflated_while_a_copy_out_of_its_blocks_is_pending() -> 
     finally:
         kv.tensor.close()
         memory.close()
+
+
+def test_a_prefilled_prompt_swapped_in_from_the_host_is_shared_while_it_runs(tiny_model_dir: Path) -> None:
+    """SYSTEM's blocks are on the host tier: the first request gets copies of them of its own (swap_in);
+    once its prompt is prefilled those copies go back in the tree in place of the host blocks (the
+    host tier's insert), and it reads them from there, so a second request with the same prompt,
+    started while the first runs, shares them on the device."""
+    prompt = SYSTEM + [7, 8, 9]  # 84 tokens: 5 full blocks
+
+    async def reference(e: BuiltinEngine) -> list[int]:
+        return await tokens_of(e.generate("x", prompt, greedy(30)))
+
+    expected = run(served(elastic_engine(tiny_model_dir, caching=False, chunks=48), reference, check=False))
+
+    async def scenario(e: BuiltinEngine) -> list[list[int]]:
+        sched = elastic_of(e)
+        assert sched.prefix is not None and e._step_lock is not None
+        await tokens_of(e.generate("warm", SYSTEM + [1, 2], greedy(2)))  # caches SYSTEM's 5 blocks
+        async with e._step_lock:
+            assert sched.evict_cached(5) == 5 and sched.prefix.tree.num_host_blocks == 5  # swapped out
+        a = e.generate("a", prompt, greedy(30))
+        first_a: list[int] = []
+        async for out in a:
+            first_a += out.new_token_ids
+            break
+        assert sched.buffer.num_swap_ins == 5
+        req_a = sched.requests["a"]
+        assert req_a.shared is not None and len(req_a.shared.nodes) == 5
+        assert sched.prefix.tree.num_host_blocks == 0 and sched.prefix.num_blocks == 5
+        b = e.generate("b", prompt, greedy(30))
+        first_b: list[int] = []
+        async for out in b:
+            first_b += out.new_token_ids
+            break
+        assert sched.requests["b"].blocks[:5] == req_a.blocks[:5] and sched.buffer.num_swap_ins == 5
+        assert sched.num_cache_hit_tokens == 2 * 80
+        return [first_a + await tokens_of(a), first_b + await tokens_of(b)]
+
+    cached = elastic_engine(tiny_model_dir, caching=True, chunks=48, cpu_buffer_bytes=4 * MIB, min_step_s=0.01)
+    assert run(served(cached, scenario)) == [expected, expected]

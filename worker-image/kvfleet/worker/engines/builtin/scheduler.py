@@ -18,6 +18,10 @@ can be read and tested apart from the model. Scheduling is vLLM-like:
   (`remote`), so its local blocks always hold its newest tokens. It is never preempted for others
   (its remote KV would be lost); a request short of blocks while only spanning requests could make
   room waits instead.
+- With prefix caching (MemServe's context caching, builtin/prefix.py) a request admitted from
+  scratch starts from its prompt's longest cached prefix, its full prompt blocks join the cache as
+  soon as they are prefilled (it reads them from there on, so requests running at once with the same
+  prompt hold it once), and the rest of its full blocks when it ends.
 - A request without a seed gets one from the scheduler's RNG (seeded by EngineConfig.seed), and a
   suspend hands it on (builtin/sampling.py says why the seed is all a resume needs).
 - Each step's `Sampling` reads the request's parameters and own tokens (builtin/sampling.py: vLLM's
@@ -128,7 +132,9 @@ class Request:
     # PagedKVCache.read_blocks' layout, while it holds no blocks; None when it is not parked.
     parked: torch.Tensor | None = None
     # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
-    # `blocks` belong to the cache, not to the request, and are never freed with it.
+    # `blocks` belong to the cache, not to the request, and are never freed with it. Set when it is
+    # admitted from a cached prefix, and extended to its full prompt blocks once its prompt is
+    # prefilled (`Scheduler._share_prompt`).
     shared: Match[int] | None = None
     # DistKV: the request is larger than this engine's whole cache and borrows (module docstring);
     # `remote` holds its first remote_tokens tokens' KV, and `blocks` the rest from there on.
@@ -548,6 +554,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._cache_blocks(req)
                 self.finish(req)
+            elif entry.start_position < len(req.prompt):  # this step finished its prompt's prefill
+                self._share_prompt(req)
 
     def _advance_constraint(self, req: Request, token: int) -> bool:
         """Feed a delivered token to the request's grammar; False (the request failed alone) if the
@@ -627,6 +635,26 @@ class Scheduler:
             if self.remote is not None:
                 self.remote.release_remote(req)
             req.remote = None
+
+    def _share_prompt(self, req: Request) -> None:
+        """A running request whose prompt was just prefilled puts its full prompt blocks in the cache
+        and reads them from there (`PrefixCache.share`), so a request admitted with the same prompt
+        while it still runs (OpenAI `n` samples, the same system prompt under load) matches them
+        instead of prefilling and holding its own copy: vLLM caches a block as soon as it is full, and
+        MemServe's context caching ("MemServe: Flexible Mem Pool for Building Disaggregated LLM
+        Serving with Caching", §4) indexes a prompt's KV for reuse. Only the prompt's blocks: the
+        output's are cached when the request ends (`_cache_blocks`), which inserts what lies past
+        them. Its copies of blocks cached already go back to the space (the KV is the same).
+
+        Not a spanning request (its blocks do not start at its first token), nor one whose prefill
+        wrote its KV elsewhere (elastic memory's offloaded prefill holds no blocks yet)."""
+        if self.prefix is None or req.spans:
+            return
+        full = len(req.prompt) // self.block_size_tokens
+        num_shared = len(req.shared.nodes) if req.shared is not None else 0
+        if full <= num_shared or len(req.blocks) < full or req.num_cached < full * self.block_size_tokens:
+            return
+        self.space.release(self.prefix.share(req, full))
 
     def _cache_blocks(self, req: Request) -> None:
         """A request that ended well leaves its full, written blocks in the cache (Table 1's insert):
