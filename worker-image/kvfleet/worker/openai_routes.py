@@ -108,17 +108,19 @@ class OpenAIRoutes:
         info = self.require_engine()
         body = validated(CompletionRequest, await httpapi.read_json(request))
         prompt_ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        jobs = self._jobs(info, httpapi.request_id(request, "cmpl"), body, prompt_ids, body.max_tokens)
+        request_id = httpapi.request_id(request, "cmpl")
+        jobs = self._jobs(info, request_id, body, prompt_ids, body.max_tokens)
         # vLLM echoes a text prompt as given and a token prompt decoded.
         echo = (body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
-        return await self._respond(request, jobs, body, chat=False, echo=echo)
+        return await self._respond(request, request_id, jobs, body, chat=False, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
         body = validated(ChatCompletionRequest, await httpapi.read_json(request))
         prompt_ids = self._chat_ids(body.text_messages(), tools=body.template_tools())
-        jobs = self._jobs(info, httpapi.request_id(request, "chatcmpl"), body, prompt_ids, body.output_limit())
-        return await self._respond(request, jobs, body, chat=True)
+        request_id = httpapi.request_id(request, "chatcmpl")
+        jobs = self._jobs(info, request_id, body, prompt_ids, body.output_limit())
+        return await self._respond(request, request_id, jobs, body, chat=True)
 
     async def resume(self, request: web.Request) -> web.StreamResponse:
         """POST /internal/resume?output=N (the pool token required): a router's request continued here
@@ -188,9 +190,8 @@ class OpenAIRoutes:
                             include_stop=body.include_stop_str_in_output, output_token_ids=output_ids))
         return jobs
 
-    async def _respond(self, request: web.Request, jobs: list[Job], body: CompletionRequest | ChatCompletionRequest,
-                       chat: bool, echo: str = "") -> web.StreamResponse:
-        request_id = jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
+    async def _respond(self, request: web.Request, request_id: str, jobs: list[Job],
+                       body: CompletionRequest | ChatCompletionRequest, chat: bool, echo: str = "") -> web.StreamResponse:
         shape = ResponseShape(request_id, jobs[0].created, body.model, chat)
         wants_logprobs = body.top_logprobs_wanted() is not None
         prompt_tokens = len(jobs[0].prompt_token_ids)
