@@ -228,7 +228,7 @@ class Router:
         prompt_tokens = len(prompt_ids) if prompt_ids is not None else estimate_prompt_tokens(prompt)
         # The samples of `n` are separate requests to the workers (each placed, moved and resumed on its
         # own), with vLLM's seeds: seed, seed + 1, ...
-        forward = {k: v for k, v in raw.items() if k not in ("stop", "stream_options", "n", "include_stop_str_in_output")}
+        forward = {k: v for k, v in raw.items() if k not in ("stream_options", "n")}
         seed = body.seed
         if body.temperature > 0 and seed is None:
             # The router, not a worker, picks a sampled request's seed: a resume on another worker after

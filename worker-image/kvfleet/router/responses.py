@@ -2,8 +2,10 @@
 
 Whatever the client asked for, the router reads the worker's router-mode stream (relay.py) and
 converts it back here; a request for `n` samples is n relays, each one sample, merged here by choice
-index (log-probabilities too: the workers send them in neutral form with each chunk's tokens). Stop strings are applied here, not by the worker, so that a request resumed
-on another worker still stops at a stop string that spans the two workers' outputs. The first step
+index (log-probabilities too: the workers send them in neutral form with each chunk's tokens). Stop
+strings are applied by the worker, token by token (so the tokens after one are neither sent nor
+counted), and again here, so that a request resumed on another worker still stops at a stop string
+that spans the two workers' outputs. The first step
 is awaited before any byte goes out, so a refusal is still a plain HTTP error; a failure after that
 ends the stream with an error event and no `[DONE]`.
 """

@@ -298,6 +298,15 @@ class CompletionRequest(_Request):
     suffix: None = None
     max_tokens: int | None = Field(default=16, ge=1)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            # vLLM takes a batch of prompts (one choice each); kvfleet places and moves requests one by one.
+            raise PydanticCustomError("unsupported_parameter",
+                                      "a list of prompts is not served by kvfleet yet: send one prompt per request")
+        return value
+
     @model_validator(mode="after")
     def _echo_alone(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
@@ -556,8 +565,8 @@ def resume_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     included) as `structured_outputs`, the logprobs count, `min_tokens` (the caller takes off what
     is done, and sets `max_tokens` to what is left), but not `seed` (the sample's)."""
     fields = body.model_dump(include={"model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
-                                      "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids",
-                                      "ignore_eos", "user"}, exclude_none=True)
+                                      "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
+                                      "include_stop_str_in_output", "ignore_eos", "user"}, exclude_none=True)
     wanted = body.top_logprobs_wanted()
     if wanted is not None:
         fields["logprobs"] = wanted

@@ -150,7 +150,8 @@ class RequestStreams:
         relaying = False
         try:
             while True:
-                async with aclosing(self._engine_deltas(request_id, stream, detok, stops, outputs, meter)) as steps:
+                async with aclosing(self._engine_deltas(request_id, stream, detok, stops, outputs, meter,
+                                                        job.params)) as steps:
                     async for delta in steps:
                         finish = delta[1]
                         yield delta
@@ -185,20 +186,35 @@ class RequestStreams:
             meter.finished(finish or "abort")
 
     async def _engine_deltas(self, request_id: str, stream: AsyncIterator[StepOutput], detok: Detokenizer,
-                             stops: StopStrings, outputs: list[int], meter: RequestMeter) -> AsyncGenerator[Delta, None]:
+                             stops: StopStrings, outputs: list[int], meter: RequestMeter, params: SamplingParams
+                             ) -> AsyncGenerator[Delta, None]:
         """Deltas of the engine's stream until the request finishes (the last one has the reason) or
-        the stream ends unfinished (a migration stopped it, or it was aborted); appends to `outputs`."""
+        the stream ends unfinished (a migration stopped it, or it was aborted); appends to `outputs`.
+
+        Stop strings are looked for token by token, as vLLM does: an engine output may hold several
+        tokens (vLLM merges the outputs a slow reader has not taken), and the tokens after the one
+        that completed a stop string are neither sent nor counted. The token that stopped a request
+        (EOS, a stop token id) has no text, as in vLLM, unless include_stop_str_in_output."""
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids())
         async with aclosing(_checked(stream)) as outs:
             async for out in outs:
                 ticket = self.handoffs.get(request_id)
                 # An engine that can only stop a request by aborting it (vLLM): that abort is the migration's.
                 handed_over = out.finished and out.finish_reason == "abort" and ticket is not None and ticket.stopping
-                outputs.extend(out.new_token_ids)
-                self.metrics.generated(len(out.new_token_ids))
-                meter.tokens(len(out.new_token_ids))
                 ids = out.new_token_ids
-                logprobs = self.token_logprobs(out.logprobs)
-                text = stops.feed(detok.add(ids))
+                texted = ids
+                if out.finish_reason == "stop" and ids and ids[-1] in stop_ids and not stops.include:
+                    texted = ids[:-1]
+                text = ""
+                for k, token in enumerate(texted):
+                    text += stops.feed(detok.add((token,)))
+                    if stops.stopped:
+                        ids = ids[:k + 1]
+                        break
+                logprobs = self.token_logprobs(out.logprobs[:len(ids)], outputs)
+                outputs.extend(ids)
+                self.metrics.generated(len(ids))
+                meter.tokens(len(ids))
                 if stops.stopped:
                     yield Delta(text, "stop", ids, logprobs)
                     return
@@ -210,15 +226,23 @@ class RequestStreams:
                 if handed_over:
                     return
 
-    def token_logprobs(self, engine_logprobs: Sequence[TokenLogprobs]) -> tuple[TokenLogprob, ...]:
-        """The engine's log-probabilities (token ids) with each token's text, as responses show them."""
-        if not engine_logprobs:
-            return ()
-        texts = self.tokenizer.token_texts
-        return tuple(TokenLogprob(e.token_id, texts([e.token_id])[0], e.logprob,
-                                  tuple(zip((i for i, _ in e.top), texts([i for i, _ in e.top]), (lp for _, lp in e.top),
-                                            strict=True)))
-                     for e in engine_logprobs)
+    def token_logprobs(self, engine_logprobs: Sequence[TokenLogprobs], preceding: Sequence[int]
+                       ) -> tuple[TokenLogprob, ...]:
+        """The engine's log-probabilities (token ids) with each token's text as responses show them,
+        given the output tokens before them (a byte of a multi-byte character is shown with the
+        character it completes: Tokenizer.token_texts)."""
+        entries = []
+        context = list(preceding[-4:])
+        for e in engine_logprobs:
+            texts = self.tokenizer.token_texts([e.token_id, *(i for i, _ in e.top)], context)
+            entries.append(TokenLogprob(e.token_id, texts[0], e.logprob,
+                                        tuple((i, t, lp) for (i, lp), t in zip(e.top, texts[1:], strict=True))))
+            context = [*context[-3:], e.token_id]
+        return tuple(entries)
+
+    def _eos_ids(self) -> frozenset[int]:
+        info = self.engine.info
+        return frozenset(info.eos_token_ids)
 
     def _leave(self, request_id: str, live: LiveRequest) -> None:
         """The request no longer runs on this engine for this stream (ended, or handed over)."""

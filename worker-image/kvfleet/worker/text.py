@@ -56,10 +56,36 @@ class Tokenizer:
         """Each token's own string, as /tokenize's `token_strs` gives them (vLLM: the tokenizer's tokens)."""
         return [str(s) for s in self._tok.convert_ids_to_tokens(list(token_ids))]
 
-    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token's text decoded alone, as vLLM shows tokens in log-probabilities (its
-        convert_ids_list_to_tokens, for a tokenizer without a leading-space marker)."""
-        return [str(self._tok.decode([t])) for t in token_ids]
+    def token_texts(self, token_ids: Sequence[int], context: Sequence[int] = ()) -> list[str]:
+        """Each token's text as vLLM shows tokens in log-probabilities: decoded alone (its
+        convert_ids_list_to_tokens, for a tokenizer without a leading-space marker), except a token
+        that is part of a multi-byte character, which shows the text it completes after the output
+        tokens of `context` (up to 4, oldest first), or "" when it completes none (vLLM's
+        _correct_decoded_token, v1/engine/logprobs.py)."""
+        texts = []
+        for token in token_ids:
+            text = str(self._tok.decode([token]))
+            if text.endswith(_REPLACEMENT):
+                text = self._completed_text(token, list(context[-4:]))
+            texts.append(text)
+        return texts
+
+    def _completed_text(self, token: int, context: list[int]) -> str:
+        for num_context in range(1, len(context) + 1):
+            before = context[-num_context:]
+            whole = str(self._tok.decode([*before, token]))
+            if whole.endswith(_REPLACEMENT):
+                continue
+            # The context tokens that are bytes of the same character showed "": their text is this one's.
+            clean_end = len(before)
+            while clean_end > 0 and str(self._tok.decode([before[clean_end - 1]])).endswith(_REPLACEMENT):
+                clean_end -= 1
+            prefix = str(self._tok.decode(before[:clean_end])) if clean_end else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            common = next((i for i, (a, b) in enumerate(zip(prefix, whole)) if a != b), min(len(prefix), len(whole)))
+            return whole[common:]
+        return ""
 
     def payload(self) -> dict[str, Any]:
         """What a router needs to tokenize prompts as this worker does (kvfleet.serving.tokens): the
@@ -102,11 +128,12 @@ class Detokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back when the request ends (a dangling partial character included)."""
+        """Whatever is still held back when the request ends, but not the bytes of a character it never
+        completed (vLLM's incremental detokenizer never shows them either)."""
         before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
         after = self.tokenizer.decode(self.tokens[self.prefix:])
         self.read = len(self.tokens)
-        return after[len(before):] if after.startswith(before) else ""
+        return after[len(before):].rstrip(_REPLACEMENT) if after.startswith(before) else ""
 
 
 __all__ = ["Detokenizer", "Tokenizer"]
