@@ -22,6 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from worker_testing import Sequenced  # noqa: E402
+
 from kvfleet.worker.engines.base import (  # noqa: E402
     DuplicateRequest,
     Engine,
@@ -521,37 +523,13 @@ def test_migration_refusals(tiny_model_dir: Path) -> None:
 # -- vLLM's sampling parameters (builtin/sampling.py; exact effects in test_sampling.py) ---------------
 
 
-class Sequenced:
-    """A fake grammar: exactly the next token of a fixed sequence may come; finished at its end."""
-
-    def __init__(self, tokens: Sequence[int], width: int, done: Sequence[int] = ()) -> None:
-        self.tokens, self.width, self.at = list(tokens), width, 0
-        for token in done:
-            self.advance(token)
-
-    def allowed(self) -> Any:
-        mask = torch.zeros(self.width, dtype=torch.bool)
-        if self.at < len(self.tokens):
-            mask[self.tokens[self.at]] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        if self.finished or token_id != self.tokens[self.at]:
-            raise ValueError(f"token {token_id} does not follow")
-        self.at += 1
-
-    @property
-    def finished(self) -> bool:
-        return self.at == len(self.tokens)
-
-
 def sequences(replayed: list[list[int]]) -> MakeConstraint:
     """A factory of `Sequenced` over the tiny model's 2048 tokens, its spec the sequence as JSON; each
     call's replayed output tokens are recorded."""
 
     def make(spec: StructuredOutput, done: Sequence[int]) -> Sequenced:
         replayed.append(list(done))
-        return Sequenced(json.loads(spec.spec), 2048, done)
+        return Sequenced(json.loads(spec.spec), done=done)
 
     return make
 

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, run, tokens_of  # noqa: E402
+from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, Sequenced, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import (  # noqa: E402
@@ -104,30 +104,6 @@ def test_outputs_equal_without_a_buffer_where_requests_wait_or_recompute(tiny_mo
     assert elastic.inflated_chunks > 0
 
 
-class Sequenced:
-    """A fake grammar: exactly the next token of a fixed sequence may come; finished at its end."""
-
-    def __init__(self, tokens: Sequence[int], done: Sequence[int]) -> None:
-        self.tokens, self.at = list(tokens), 0
-        for token in done:
-            self.advance(token)
-
-    def allowed(self) -> Any:
-        mask = torch.zeros(2048, dtype=torch.bool)  # the tiny model's vocabulary
-        if self.at < len(self.tokens):
-            mask[self.tokens[self.at]] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        if self.finished or token_id != self.tokens[self.at]:
-            raise ValueError(f"token {token_id} does not follow")
-        self.at += 1
-
-    @property
-    def finished(self) -> bool:
-        return self.at == len(self.tokens)
-
-
 async def outputs_of(stream: AsyncIterator[StepOutput]) -> list[StepOutput]:
     return [out async for out in stream]
 
@@ -138,7 +114,7 @@ def test_sampling_parameters_hold_under_pressure(tiny_model_dir: Path, reference
     sequence = [9, 8, 7, 1500, 6, 5, 4, 3]
 
     def make(spec: StructuredOutput, done: Sequence[int]) -> Sequenced:
-        return Sequenced(json.loads(spec.spec), done)
+        return Sequenced(json.loads(spec.spec), done=done)
 
     async def scenario() -> tuple[list[list[int]], list[StepOutput]]:
         engine = elastic_engine(tiny_model_dir, cpu_buffer_bytes=4 * MIB, make_constraint=make)

@@ -30,29 +30,7 @@ from migration_testing import (
     stream_with_migration,
     wait_idle,
 )
-from worker_testing import EngineLoop, StartedEngine, start_engine
-
-from kvfleet.worker.engines.base import EngineInfo
-
-
-class SharedEngine:
-    """The session's vLLM engine behind an agent that must not stop it (other tests use it too).
-
-    Everything but stop() is the engine's own (delegated), so the wrapper keeps up with the contract.
-    """
-
-    def __init__(self, started: StartedEngine) -> None:
-        self._engine = started.engine
-
-    async def stop(self) -> None:
-        pass
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._engine.info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+from worker_testing import EngineLoop, SharedEngine, StartedEngine, start_engine
 
 
 @pytest.fixture(scope="module")

@@ -7,40 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 from aiohttp import web
 from migration_testing import Worker, free_port, start_worker
-from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop, StartedEngine, start_engine
+from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop, SharedEngine, StartedEngine, start_engine
 
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, WorkerState
 from kvfleet.router.pool import StaticPoolView
 from kvfleet.serving.credentials import PoolCredentials
-from kvfleet.worker.engines.base import EngineInfo
 from kvfleet_e2e import openai_client as exercises
 
 TOKEN = "s3cret-pool-token"
 PROMPT = "Once upon a time"
-
-
-class SharedEngine:
-    """The session's engine behind an agent that must not stop it (other tests use it too)."""
-
-    def __init__(self, started: StartedEngine) -> None:
-        self._engine = started.engine
-
-    async def stop(self) -> None:
-        pass
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._engine.info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
 
 @pytest.fixture(scope="module", params=["builtin", "vllm"])

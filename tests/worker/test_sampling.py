@@ -7,12 +7,13 @@ meaning fails here before an engine test could notice it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from worker_testing import Sequenced  # noqa: E402
 
 from kvfleet.worker.engines.base import SamplingParams, TokenLogprobs  # noqa: E402
 from kvfleet.worker.engines.builtin import sampling  # noqa: E402
@@ -26,30 +27,6 @@ from kvfleet.worker.engines.builtin.sampling import (  # noqa: E402
 
 INF = float("inf")
 ROW = [2.0, -1.0, 3.0, -2.0, 0.5]
-
-
-class Sequenced:
-    """A fake grammar: exactly the next token of a fixed sequence may come; finished at its end."""
-
-    def __init__(self, tokens: Sequence[int], width: int, done: Sequence[int] = ()) -> None:
-        self.tokens, self.width, self.at = list(tokens), width, 0
-        for token in done:
-            self.advance(token)
-
-    def allowed(self) -> Any:
-        mask = torch.zeros(self.width, dtype=torch.bool)
-        if self.at < len(self.tokens):
-            mask[self.tokens[self.at]] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        if self.finished or token_id != self.tokens[self.at]:
-            raise ValueError(f"token {token_id} does not follow")
-        self.at += 1
-
-    @property
-    def finished(self) -> bool:
-        return self.at == len(self.tokens)
 
 
 def params(**kw: Any) -> SamplingParams:

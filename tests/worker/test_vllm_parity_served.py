@@ -34,6 +34,7 @@ from worker_testing import (
     TEST_KV_CAPACITY_BYTES,
     TEST_MAX_MODEL_LEN,
     EngineLoop,
+    SharedEngine,
     StartedEngine,
     skip_without_vllm,
     start_engine,
@@ -43,7 +44,7 @@ from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PoolSnapshot, WorkerState
 from kvfleet.router.pool import StaticPoolView
 from kvfleet.serving.credentials import PoolCredentials
-from kvfleet.worker.engines.base import EngineConfig, EngineInfo
+from kvfleet.worker.engines.base import EngineConfig
 from kvfleet.worker.text import Tokenizer
 
 MODEL = "tiny"
@@ -100,23 +101,6 @@ def vllm_server_env() -> dict[str, str]:
     if env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
-
-
-class SharedEngine:
-    """The session's vLLM engine behind an agent that must not stop it (other tests use it too)."""
-
-    def __init__(self, started: StartedEngine) -> None:
-        self._engine = started.engine
-
-    async def stop(self) -> None:
-        pass
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._engine.info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
 
 @dataclass

@@ -10,11 +10,12 @@ import asyncio
 import importlib.util
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import torch
 
 from kvfleet.worker.elastic.options import MemoryOptions
 from kvfleet.worker.engines import EngineConfig, load_engine
@@ -108,3 +109,52 @@ def tokens(outs: list[StepOutput]) -> list[int]:
 # when the pool runs short (test_elastic_engine.py, test_elastic_overlap.py).
 ELASTIC_PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 20 + 3 * i)] for i in range(10)]
 ELASTIC_MAX_TOKENS = 40
+
+
+# The tiny model's vocabulary: the width of its logits.
+TINY_VOCAB_SIZE = 2048
+
+
+class Sequenced:
+    """A fake grammar (builtin/sampling.py's TokenConstraint): exactly the next token of a fixed sequence
+    may come; finished at its end. `done`: the output already generated (a moved request's)."""
+
+    def __init__(self, tokens: Sequence[int], width: int = TINY_VOCAB_SIZE, done: Sequence[int] = ()) -> None:
+        self.tokens, self.width, self.at = list(tokens), width, 0
+        for token in done:
+            self.advance(token)
+
+    def allowed(self) -> Any:
+        mask = torch.zeros(self.width, dtype=torch.bool)
+        if self.at < len(self.tokens):
+            mask[self.tokens[self.at]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        if self.finished or token_id != self.tokens[self.at]:
+            raise ValueError(f"token {token_id} does not follow")
+        self.at += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.at == len(self.tokens)
+
+
+class SharedEngine:
+    """The session's engine behind an agent that must not stop it (other tests use it too).
+
+    Everything but stop() is the engine's own (delegated), so the wrapper keeps up with the contract.
+    """
+
+    def __init__(self, started: StartedEngine) -> None:
+        self._engine = started.engine
+
+    async def stop(self) -> None:
+        pass
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

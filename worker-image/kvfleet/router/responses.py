@@ -12,15 +12,14 @@ ends the stream with an error event and no `[DONE]`.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from aiohttp import web
 
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.relay import Relay, RelayFailed, Step, Unplaceable, WorkerRefused
+from kvfleet.serving.aio import gather_all, merged
 from kvfleet.serving.httpapi import REQUEST_ID_HEADER, SSE_DONE, SSE_HEADERS, sse_data
 from kvfleet.serving.openai_api import (
     APIError,
@@ -52,9 +51,9 @@ async def respond(request: web.Request, relays: Sequence[Relay], body: Completio
             # A refusal before any output is still a plain HTTP error.
             if stagger and len(steps) > 1:
                 first = await anext(steps[0], None)
-                heads = [first, *await _all([anext(s, None) for s in steps[1:]])]
+                heads = [first, *await gather_all([anext(s, None) for s in steps[1:]])]
             else:
-                heads = await _all([anext(s, None) for s in steps])
+                heads = await gather_all([anext(s, None) for s in steps])
         except WorkerRefused as err:
             metrics.errors.labels(str(err.status)).inc()
             return web.json_response(err.body, status=err.status)
@@ -74,20 +73,6 @@ async def respond(request: web.Request, relays: Sequence[Relay], body: Completio
     finally:
         for stream in steps:
             await stream.aclose()
-
-
-T = TypeVar("T")
-
-
-async def _all(awaitables: Sequence[Awaitable[T]]) -> list[T]:
-    """Every result, or the first error with the others cancelled (and done, so their streams can close)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _FirstText:
@@ -139,7 +124,7 @@ async def _whole(relays: Sequence[Relay], shape: ResponseShape, texts: list[Asyn
                              else None)
 
     try:
-        choices = await _all([one(t) for t in texts])
+        choices = await gather_all([one(t) for t in texts])
     except _MIDWAY as err:
         raise APIError(502, f"the request failed midway: {err}", error_type="server_error", code="workers_failed") from None
     return web.json_response(shape.whole(choices, _counts(relays)), headers={REQUEST_ID_HEADER: shape.request_id})
@@ -156,7 +141,7 @@ async def _stream(request: web.Request, relays: Sequence[Relay], shape: Response
     layouts = [LogprobsLayout(shape.chat) for _ in texts]
     tool_streams = [replies.stream() for _ in texts]
     try:
-        async for index, step in _merged(texts):
+        async for index, step in merged(list(enumerate(texts))):
             logprobs = layouts[index].of(step.logprobs) if wants_logprobs and step.logprobs else None
             if replies.calls_tools:
                 for part, finish in tool_streams[index].step(step.text, step.finish_reason):
@@ -173,37 +158,3 @@ async def _stream(request: web.Request, relays: Sequence[Relay], shape: Response
         await response.write(sse_data(shape.usage_chunk(_counts(relays))))
     await response.write(SSE_DONE)
     return response
-
-
-async def _merged(streams: list[AsyncGenerator[Step, None]]) -> AsyncGenerator[tuple[int, Step], None]:
-    """The steps of the samples' streams as they come, each with its sample's index (one stream: in order)."""
-    if len(streams) == 1:
-        async for step in streams[0]:
-            yield 0, step
-        return
-    queue: asyncio.Queue[tuple[int, Step] | BaseException | None] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[Step, None]) -> None:
-        try:
-            async for step in stream:
-                await queue.put((index, step))
-        except Exception as err:  # the reader raises it
-            await queue.put(err)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

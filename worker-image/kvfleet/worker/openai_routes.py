@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from aiohttp import web
 
 from kvfleet.serving import httpapi
+from kvfleet.serving.aio import gather_all, merged
 from kvfleet.serving.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -211,7 +212,7 @@ class OpenAIRoutes:
             logprobs: list[list[TokenLogprob]] = [[] for _ in jobs]
             rest = [(i, stream) for i, (head, stream) in enumerate(zip(heads, streams, strict=True))
                     if head is not None and head.finish_reason is None]
-            for index, delta in [*((i, h) for i, h in enumerate(heads) if h is not None), *[x async for x in _merged(rest)]]:
+            for index, delta in [*((i, h) for i, h in enumerate(heads) if h is not None), *[x async for x in merged(rest)]]:
                 texts[index] += delta.text
                 tokens[index] += len(delta.token_ids)
                 logprobs[index].extend(delta.logprobs)
@@ -230,8 +231,8 @@ class OpenAIRoutes:
         and share it (MemServe's context caching) instead of each prefilling and holding the prompt."""
         if len(streams) > 1 and self.streams.engine.capabilities.prefix_cache is not None:
             first = await _head(streams[0])
-            return [first, *await _all(_head(stream) for stream in streams[1:])]
-        return await _all(_head(stream) for stream in streams)
+            return [first, *await gather_all(_head(stream) for stream in streams[1:])]
+        return await gather_all(_head(stream) for stream in streams)
 
     async def _stream(self, request: web.Request, jobs: list[Job], shape: ResponseShape, include_usage: bool,
                       echo: str, wants_logprobs: bool, replies: ToolReplies) -> web.StreamResponse:
@@ -266,7 +267,7 @@ class OpenAIRoutes:
                     await send(index, head)
                     if head.finish_reason is None:
                         rest.append((index, stream))
-            async for index, delta in _merged(rest):
+            async for index, delta in merged(rest):
                 await send(index, delta)
             if include_usage:
                 await response.write(httpapi.sse_data(shape.usage_chunk(usage(len(jobs[0].prompt_token_ids), tokens))))
@@ -325,52 +326,5 @@ class OpenAIRoutes:
         return response
 
 
-T = TypeVar("T")
-
-
-async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
-    """Every result, or the first error with the others cancelled (a sample refused refuses the request)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        await _cancelled(tasks)
-
-
 async def _head(stream: AsyncGenerator[Delta, None]) -> Delta | None:
     return await anext(stream, None)
-
-
-async def _merged(streams: list[tuple[int, AsyncGenerator[Delta, None]]]) -> AsyncGenerator[tuple[int, Delta], None]:
-    """The deltas of several samples' streams as they come, each with its sample's index."""
-    queue: asyncio.Queue[tuple[int, Delta] | BaseException | None] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[Delta, None]) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((index, delta))
-        except Exception as err:  # the reader raises it
-            await queue.put(err)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        await _cancelled(tasks)
-
-
-async def _cancelled(tasks: list[asyncio.Task[Any]] | list[asyncio.Future[Any]]) -> None:
-    """Cancel the tasks and wait until they are done, so the streams they read can be closed."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
