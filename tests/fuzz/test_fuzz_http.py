@@ -153,7 +153,11 @@ FIELD_VALUES: dict[str, Any] = {
     "tool_choice": st.sampled_from(["none", None, "auto", "required", {"type": "function"},
                                     {"type": "function", "function": {"name": "f"}}]),
     "parallel_tool_calls": st.sampled_from([False, None, "x"]),
-    "chat_template_kwargs": st.sampled_from([None, {}, {"enable_thinking": True}]) | hostile_values,
+    "chat_template_kwargs": st.sampled_from([None, {}, {"enable_thinking": True}, {"tokenize": True},
+                                             {"messages": []}, {"raise_exception": 1}]) | hostile_values,
+    "continue_final_message": st.sampled_from([True, False, None, "x"]),
+    "add_generation_prompt": st.sampled_from([True, False, None, "x"]),
+    "documents": st.sampled_from([None, [], [{"title": "t", "text": "x"}], [{"a": 1}], "x"]),
 }
 PROMPTS = st.sampled_from(VOCAB_BREAKERS) | hostile_text | st.lists(st.integers(-5, 40_000), max_size=8) | hostile_values
 MESSAGES = st.sampled_from([

@@ -408,3 +408,29 @@ def test_n_samples_read_one_copy_of_their_prompt_with_prefix_caching(tiny_model_
         assert cache.prefix_cache_stats().hit_tokens == 2 * ((prompt_tokens - 1) // block * block)
     finally:
         engine_loop.run(worker.runner.cleanup())
+
+
+def test_the_chat_templates_arguments_shape_the_prompt(workers: list[Server], router: Server) -> None:
+    """add_generation_prompt, continue_final_message, documents and chat_template_kwargs reach the template
+    (the tiny model's renders `role: content` lines and `assistant:` for the reply), on /tokenize too."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+
+    def rendered(server: Server, **fields: Any) -> str:
+        status, tokens = server.post("/tokenize", {"model": MODEL, "messages": messages, **fields})
+        assert status == 200, tokens
+        return str(server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})[1]["prompt"])
+
+    assert rendered(workers[0]).endswith("assistant: Hello th\nassistant:")
+    # Continuing the last message: no generation prompt, and (transformers) the message left open.
+    continued = rendered(workers[0], add_generation_prompt=False, continue_final_message=True)
+    assert continued.endswith("assistant: Hello th") and rendered(router, add_generation_prompt=False,
+                                                                   continue_final_message=True) == continued
+    body = chat(messages=messages, add_generation_prompt=False, continue_final_message=True,
+                chat_template_kwargs={"enable_thinking": False}, documents=[{"title": "t", "text": "x"}])
+    assert whole(router, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == \
+        whole(workers[0], "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    for bad, param in [({"continue_final_message": True}, "continue_final_message"),
+                       ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                       ({"chat_template": "{{ messages }}"}, "chat_template")]:
+        status, answer = router.post("/v1/chat/completions", chat(messages=messages, **bad))
+        assert status == 400 and answer["error"]["param"] == param, answer

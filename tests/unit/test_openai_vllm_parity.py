@@ -56,7 +56,7 @@ def test_a_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -
 
 
 @pytest.mark.parametrize(("field", "value"), [("echo", True), ("reasoning_effort", "high"),
-                                              ("chat_template_kwargs", {"enable_thinking": True})])
+                                              ("chat_template", "{{ messages }}")])
 def test_a_chat_parameter_not_served_yet_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(APIError) as refused:
         validated(ChatCompletionRequest, {"model": "tiny", "messages": MESSAGES, field: value})

@@ -256,9 +256,10 @@ def test_tokenize_detokenize_version_and_models_answer_as_vllms_server(worker: W
     assert status == 400 and body["error"]["param"] == "tokens"
     status, body = worker.post("/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    for bad in ({"prompt": "x", "tools": []}, {"messages": messages, "tools": [{"type": "function"}]}):
+    for bad, param in (({"prompt": "x", "tools": []}, "tools"),
+                       ({"messages": messages, "tools": [{"type": "function"}]}, "tools.0.function")):
         status, body = worker.post("/tokenize", bad)
-        assert (status, body["error"]["param"]) == (400, "tools")
+        assert (status, body["error"]["param"]) == (400, param)
     status, raw = worker.request("GET", "/version")
     assert status == 200 and set(json.loads(raw)) == {"version"}
     status, raw = worker.request("GET", "/v1/models")

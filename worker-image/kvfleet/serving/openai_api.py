@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
@@ -53,8 +53,7 @@ _NOT_SERVED: dict[str, tuple[Any, ...]] = {
 _NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {**_NOT_SERVED, "add_special_tokens": (), "prompt_embeds": ()}
 _NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
     **_NOT_SERVED, "add_special_tokens": (), "echo": (), "reasoning_effort": (), "include_reasoning": (),
-    "add_generation_prompt": (),
-    "continue_final_message": (), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
+    "chat_template": (),
     "media_io_kwargs": (), "mm_processor_kwargs": (), "return_prompt_text": (False,)}
 
 # The most samples one request may ask for (`n`), and the most top log-probabilities per token (vLLM's
@@ -383,6 +382,36 @@ class ChatMessage(BaseModel):
         return message
 
 
+@dataclass(frozen=True)
+class TemplateArguments:
+    """What the chat template renders besides the messages (vLLM's names for them)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    # chat_template_kwargs: variables the template reads (say enable_thinking).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them behind the request's back.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                                       "tools", "documents", "messages", "conversation", "return_dict",
+                                       "return_tensors", "tokenizer_kwargs", "padding", "truncation", "max_length"})
+
+
+def check_template_arguments(add_generation_prompt: bool, continue_final_message: bool,
+                             kwargs: dict[str, Any] | None) -> None:
+    if continue_final_message and add_generation_prompt:
+        # vLLM's wording (its check_generation_prompt).
+        raise PydanticCustomError("value_error", "continue_final_message: Cannot set both `continue_final_message` and "
+                                  "`add_generation_prompt` to True.")
+    reserved = sorted(set(kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise PydanticCustomError("value_error", "chat_template_kwargs: {keys} are the request's own fields",
+                                  {"keys": ", ".join(reserved)})
+
+
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
@@ -481,11 +510,13 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: Any = None
     include_reasoning: Any = True
     parallel_tool_calls: bool | None = True
-    add_generation_prompt: Any = True
-    continue_final_message: Any = False
-    documents: Any = None
+    # How the chat template renders the conversation (vLLM passes them to it). A request's own template
+    # is refused, as vLLM refuses it unless started with --trust-request-chat-template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None
@@ -542,6 +573,15 @@ class ChatCompletionRequest(_Request):
             assert self.tools is not None
             return ("json_schema", json.dumps(tool_calls_schema(self.tools, self.parallel_tool_calls)))
         return super().structured()
+
+    @model_validator(mode="after")
+    def _template_arguments(self) -> ChatCompletionRequest:
+        check_template_arguments(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        return self
+
+    def template_arguments(self) -> TemplateArguments:
+        return TemplateArguments(self.add_generation_prompt, self.continue_final_message, self.documents,
+                                 self.template_tools(), self.chat_template_kwargs or {})
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them; a template sees them whatever `tool_choice` says, as
@@ -734,16 +774,26 @@ class TokenizeChatRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
-    continue_final_message: Literal[False] = False
+    continue_final_message: bool = False
     add_special_tokens: Literal[False] = False
     chat_template: None = None
-    chat_template_kwargs: None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     media_io_kwargs: None = None
     mm_processor_kwargs: None = None
-    tools: None = None
+    tools: list[ChatTool] | None = None
 
-    def text_messages(self) -> list[dict[str, str]]:
+    @model_validator(mode="after")
+    def _template_arguments(self) -> TokenizeChatRequest:
+        check_template_arguments(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        return self
+
+    def text_messages(self) -> list[dict[str, Any]]:
         return text_messages(self.messages)
+
+    def template_arguments(self) -> TemplateArguments:
+        return TemplateArguments(self.add_generation_prompt, self.continue_final_message, None,
+                                 None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools],
+                                 self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(BaseModel):

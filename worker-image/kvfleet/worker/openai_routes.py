@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from kvfleet.serving import httpapi
@@ -25,6 +26,7 @@ from kvfleet.serving.openai_api import (
     DetokenizeRequest,
     LogprobsLayout,
     ResponseShape,
+    TemplateArguments,
     TokenizeChatRequest,
     TokenLogprob,
     ToolReplies,
@@ -72,7 +74,7 @@ class OpenAIRoutes:
         body = tokenize_request(await httpapi.read_json(request))
         self._check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            ids = self._chat_ids(body.text_messages(), body.add_generation_prompt)
+            ids = self._chat_ids(body.text_messages(), body.template_arguments())
         else:
             ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         return web.json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
@@ -91,13 +93,17 @@ class OpenAIRoutes:
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response(version())
 
-    def _chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The messages (and tools) rendered by the model's chat template, or the 400 when it has none."""
+    def _chat_ids(self, messages: list[dict[str, Any]], template: TemplateArguments) -> list[int]:
+        """The messages rendered by the model's chat template with the request's arguments, or the 400
+        when it has none or the template refuses them (a template may raise on what it cannot render)."""
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
-        except ValueError as err:
+            return self.tokenizer.encode_chat(messages, template.add_generation_prompt, template.tools,
+                                              continue_final_message=template.continue_final_message,
+                                              documents=template.documents, extra=template.extra)
+        except ValueError as err:  # no template
             raise APIError(400, str(err), param="messages") from None
+        except (TypeError, jinja2.TemplateError) as err:
+            raise APIError(400, f"the chat template cannot render this chat: {err}", param="messages") from None
 
     def _check_model(self, model: str | None) -> None:
         """A request naming another model is a 404, as on the completions routes (None: this one)."""
@@ -118,7 +124,7 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = self.require_engine()
         body = validated(ChatCompletionRequest, await httpapi.read_json(request))
-        prompt_ids = self._chat_ids(body.text_messages(), tools=body.template_tools())
+        prompt_ids = self._chat_ids(body.text_messages(), body.template_arguments())
         request_id = httpapi.request_id(request, "chatcmpl")
         jobs = self._jobs(info, request_id, body, prompt_ids, body.output_limit())
         return await self._respond(request, request_id, jobs, body, chat=True)

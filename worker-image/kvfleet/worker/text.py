@@ -42,14 +42,19 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[Any, Any]] | None = None) -> list[int]:
-        """Token ids of a chat (and the tools it may call) rendered by the model's own chat template,
-        ready for the reply (unless `add_generation_prompt` is False, as /tokenize may ask)."""
+                    tools: Sequence[dict[Any, Any]] | None = None, *, continue_final_message: bool = False,
+                    documents: Sequence[dict[str, str]] | None = None, extra: dict[str, Any] | None = None
+                    ) -> list[int]:
+        """Token ids of a chat (and the tools it may call, the documents it may read, the template's own
+        variables `extra`) rendered by the model's own chat template, ready for the reply (unless
+        `add_generation_prompt` is False, or the last message is to be continued)."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         rendered: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                       tools=list(tools) if tools is not None else None,
-                                                      tokenize=False)
+                                                      documents=list(documents) if documents is not None else None,
+                                                      continue_final_message=continue_final_message,
+                                                      tokenize=False, **(extra or {}))
         return list(self._tok.encode(str(rendered), add_special_tokens=False))
 
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
