@@ -71,7 +71,7 @@ def test_a_request_three_times_a_workers_kv_borrows_from_the_pool_and_equals_one
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool(model_dir)))
     # One big worker's greedy output (sdpa, a cache that holds the whole request), while the pods start.
     reference = greedy_outputs(model_dir, [REQUEST], 16 * KV_CAPACITY_BYTES)[request_id]
-    want = Tokenizer(model_dir).decode(reference)
+    want = Tokenizer(model_dir).completion_text(reference)
 
     def ready_pods(selector: str, count: int) -> list[dict[str, Any]] | None:
         assert operator.popen.poll() is None, operator.tail(40)

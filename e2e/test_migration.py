@@ -95,7 +95,7 @@ def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Clu
     for rid, _, max_tokens in REQUESTS:
         text, tokens, finish = results[rid]
         assert tokens == max_tokens and finish == "length", (rid, tokens, finish)
-        assert text == tokenizer.decode(reference[rid]), f"{rid}: the client's text differs from the unmigrated output"
+        assert text == tokenizer.completion_text(reference[rid]), f"{rid}: the client's text differs from the unmigrated output"
 
     migrations = cluster.get_json("kvmigrations", "-n", namespace)["items"]
     succeeded = [m for m in migrations if (m.get("status") or {}).get("phase") == "Succeeded"]

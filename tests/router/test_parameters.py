@@ -434,3 +434,53 @@ def test_the_chat_templates_arguments_shape_the_prompt(workers: list[Server], ro
                        ({"chat_template": "{{ messages }}"}, "chat_template")]:
         status, answer = router.post("/v1/chat/completions", chat(messages=messages, **bad))
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_a_request_resumed_after_a_death_then_moved_live_stays_whole(tiny_model_dir: Any, engine_loop: EngineLoop) -> None:
+    """A resumed request's stream counts the output it carried: its position, the budget and the
+    indices a migration hands on are the whole output's (a move of a resumed request once handed on
+    only the new tokens, and the target wrote the carried ones again)."""
+    trio = [start_worker(engine_loop, tiny_model_dir) for _ in range(3)]
+    alive = list(trio)
+    snapshot = PoolSnapshot(tuple(WorkerState(f"w{i}", w.address, True, i, TEST_KV_CAPACITY_BYTES)
+                                  for i, w in enumerate(trio)), {})
+    router_obj = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(snapshot))
+    router = serve(engine_loop, router_obj.app())
+    try:
+        body = completion(max_tokens=240, prompt="Once upon a time", stream_options={"include_usage": True})
+        direct = whole(trio[0], "/v1/completions", body)["choices"][0]["text"]
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                     {"Content-Type": "application/json", "X-Request-Id": "kill-then-move"})
+        response = conn.getresponse()
+        assert response.status == 200
+        received = [response.readline() for _ in range(6)]
+
+        def holder() -> int:
+            pod = router_obj.worker_of("kill-then-move")
+            assert pod is not None
+            return int(pod.removeprefix("w"))
+
+        first = holder()
+        alive.remove(trio[first])
+        engine_loop.run(trio[first].runner.cleanup())
+        received += [response.readline() for _ in range(20)]
+        assert router_obj.metrics.registry.get_sample_value("kvfleet_router_resumes_total") == 1
+        source_index = holder()
+        target_index = next(i for i in range(3) if i not in (first, source_index))
+        source, target = trio[source_index], trio[target_index]
+        status, result = source.post("/internal/requests/kill-then-move/migrate", {
+            "target": {"pod": f"w{target_index}", "address": target.address,
+                       "migrationAddress": f"127.0.0.1:{target.agent.migration_port}"}, "mode": "kv"},
+            Authorization=f"Bearer {TOKEN}")
+        assert status == 200 and result["phase"] == "Succeeded", result
+        raw = b"".join(received) + response.read()
+        events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]", raw[-500:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 240
+        assert choices_of_stream(chunks, chat_=False)[0]["text"] == direct
+    finally:
+        engine_loop.run(router.runner.cleanup())
+        for server in alive:
+            engine_loop.run(server.runner.cleanup())

@@ -115,8 +115,9 @@ def test_a_continuation_repeating_a_chunk_is_dropped_by_index() -> None:
 
 def test_a_gap_is_resumed_by_tokens_from_what_the_client_has() -> None:
     async def scenario() -> None:
+        # The resumed stream's indices count the whole output, the 2 tokens it carries included.
         resume = Scripted({"/internal/resume": [
-            chunk(0, [], "", prompt=True), chunk(0, [12], "c"), chunk(1, [13], "d", "length"), b"data: [DONE]\n\n"]})
+            chunk(0, [], "", prompt=True), chunk(2, [12], "c"), chunk(3, [13], "d", "length"), b"data: [DONE]\n\n"]})
         source = Scripted({"/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [10], "a"), chunk(1, [11], "b"),
                                                 chunk(3, [13], "d")]})
         text, relay = await relay_through(source, [resume], BODY)
@@ -133,7 +134,7 @@ def test_tokens_whose_text_was_held_back_are_generated_again_on_resume() -> None
     async def scenario() -> None:
         # Token 11 came with no text (half a character): the client has seen only token 10's.
         resume = Scripted({"/internal/resume": [
-            chunk(0, [], "", prompt=True), chunk(0, [11], "é"), chunk(1, [12], "z", "length"), b"data: [DONE]\n\n"]})
+            chunk(0, [], "", prompt=True), chunk(1, [11], "é"), chunk(2, [12], "z", "length"), b"data: [DONE]\n\n"]})
         source = Scripted({"/v1/completions": [chunk(0, [], "", prompt=True), chunk(0, [10], "a"), chunk(1, [11], "")]})
         text, relay = await relay_through(source, [resume], {**BODY, "max_tokens": 3})
         assert text == "aéz" and relay.output_token_ids == [10, 11, 12]
@@ -147,7 +148,7 @@ def test_a_chat_without_a_budget_resumes_with_the_rest_of_the_context() -> None:
     async def scenario() -> None:
         resume = Scripted({
             "/v1/models": {"object": "list", "data": [{"id": "tiny", "max_model_len": 10}]},
-            "/internal/resume": [chunk(0, [], "", prompt=True), chunk(0, [11], "b", "stop"), b"data: [DONE]\n\n"]})
+            "/internal/resume": [chunk(0, [], "", prompt=True), chunk(1, [11], "b", "stop"), b"data: [DONE]\n\n"]})
         delta = {"id": "r1", "object": "chat.completion.chunk",
                  "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}],
                  "kvfleet": {"index": 0, "token_ids": [10]}}

@@ -1,4 +1,4 @@
-"""The builtin engine's structured outputs (engines/builtin/grammar.py) on the tiny local model.
+"""Structured outputs (engines/grammar.py, shared by the builtin and vLLM engines) on the tiny local model.
 
 Each kind is driven as the engine drives it, but with random logits instead of the model's: a seeded
 torch.randn per step, the best allowed token taken, until the constraint says it is finished. Random
@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvfleet.worker.engines.base import EngineError, StructuredOutput
-from kvfleet.worker.engines.builtin.grammar import GrammarConstraint, Grammars
+from kvfleet.worker.engines.grammar import GrammarConstraint, Grammars
 
 # Wider than the tiny tokenizer's 2048 tokens, as models pad their logits: ids past it are never allowed.
 VOCAB_SIZE = 2100

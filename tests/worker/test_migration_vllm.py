@@ -6,8 +6,10 @@ unmigrated output: the two engines agree on greedy tokens for the same model (te
 The abort paths keep the request running on the source: a target that dies once the request is stopped
 (it resumes from its own kept blocks, with the presence and frequency penalties counting the output it
 had: engines/vllm/penalties.py), and a target without room (refused before it stops). A request with a
-structured-output constraint does not move off vLLM or onto it (vLLM cannot advance a grammar over
-tokens it did not sample), and runs on where it was.
+structured-output constraint moves off vLLM and onto it like any other: both engines constrain with
+kvfleet's llguidance grammars (engines/grammar.py; on vLLM through kvfleet's logits processor,
+engines/vllm/structured.py), rebuilt at the target from the output so far, so the moved output still
+follows the constraint and is the unmoved one.
 """
 
 from __future__ import annotations
@@ -152,21 +154,38 @@ def test_a_rolled_back_vllm_request_keeps_its_penalties(vllm_and_builtin: tuple[
     wait_idle(v, b)
 
 
-def test_a_structured_request_stays_on_vllm(vllm_and_builtin: tuple[Worker, Worker]) -> None:
+@pytest.mark.parametrize("mode", ["token", "kv"])
+@pytest.mark.parametrize("direction", ["vllm-to-builtin", "builtin-to-vllm"])
+def test_a_structured_request_moves_with_its_grammar(vllm_and_builtin: tuple[Worker, Worker], direction: str,
+                                                     mode: str) -> None:
     v, b = vllm_and_builtin
+    source, target = (v, b) if direction == "vllm-to-builtin" else (b, v)
     ref_text, _ = reference(v, constrained_payload())
     assert re.fullmatch(LETTERS, ref_text), ref_text
-    streamed, result = stream_with_migration(v, b, "vllm-structured", "token", payload=constrained_payload())
-    assert result["phase"] == "Failed" and "structured-output" in result["message"], result
-    assert streamed.done and streamed.text == ref_text
+    assert reference(b, constrained_payload())[0] == ref_text, "the engines disagree: the comparison means nothing"
+    streamed, result = stream_with_migration(source, target, f"{direction}-structured-{mode}", mode,
+                                             payload=constrained_payload(), after_chunks=10)
+    assert result["phase"] == "Succeeded" and result["mode"] == mode, result
+    # The target went on with the grammar where it was: still the 80 letters, and the unmoved ones.
+    assert streamed.done and streamed.text == ref_text, (streamed.text, ref_text)
     wait_idle(v, b)
 
 
-def test_vllm_takes_no_structured_request_with_output(vllm_and_builtin: tuple[Worker, Worker]) -> None:
+def test_a_rolled_back_structured_vllm_request_keeps_its_grammar(vllm_and_builtin: tuple[Worker, Worker],
+                                                                 engine_loop: EngineLoop) -> None:
+    """Stopped in vLLM for a move whose target vanishes: resumed on the source from its own KV, with the
+    output it had as prompt, its grammar goes on from that output (vLLM's own would start again)."""
     v, b = vllm_and_builtin
-    ref_text, _ = reference(b, constrained_payload())
-    streamed, result = stream_with_migration(b, v, "builtin-structured", "token", payload=constrained_payload())
-    assert result["phase"] == "Failed" and "grammar" in result["message"], result
-    # Rolled back onto the builtin engine, which rebuilds its grammar from the output: the stream is whole.
-    assert streamed.done and streamed.text == ref_text and re.fullmatch(LETTERS, ref_text)
+    ref_text, _ = reference(v, constrained_payload())
+    port, listener = fake_destination(engine_loop, "commit")
+    real = b.agent._listener
+    try:
+        b.agent._listener = FixedPort(port)  # type: ignore[assignment]
+        streamed, result = stream_with_migration(v, b, "vllm-structured-dies-at-commit", "kv",
+                                                 payload=constrained_payload(), after_chunks=10)
+    finally:
+        b.agent._listener = real
+        engine_loop.run(listener.close())
+    assert result["phase"] == "Failed" and "keeps running on the source" in result["message"], result
+    assert streamed.done and streamed.text == ref_text and re.fullmatch(LETTERS, streamed.text)
     wait_idle(v, b)

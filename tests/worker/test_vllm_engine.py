@@ -11,7 +11,9 @@ Sampling: every field of kvfleet's SamplingParams reaches vLLM's; log-probabilit
 log_softmax at the greedy tokens; regex and JSON-object constraints hold (decoded with the model's
 tokenizer); a request resumed with output keeps its presence and frequency penalties (kvfleet's logits
 processor, engines/vllm/penalties.py, checked here on vLLM's V1 runner and, for the V2 class, against
-vLLM's own penalty function on CPU tensors), and a structured one with output is refused.
+vLLM's own penalty function on CPU tensors), and a structured one its grammar where it was (kvfleet's
+structured-output processor, engines/vllm/structured.py: inside vLLM's V1 runner here, and for the V2
+class against engines/grammar.py's constraint on CPU tensors).
 
 The whole module is skipped where vllm is not installed, and fails instead under
 KVFLEET_REQUIRE_VLLM=1 (`make test`, which installs it with scripts/install-vllm.sh).
@@ -41,6 +43,7 @@ from worker_testing import (
     greedy,
     start_engine,
     tokens,
+    tokens_of,
     vllm_available,
 )
 
@@ -57,6 +60,7 @@ import psutil  # noqa: E402  (a vLLM dependency)
 import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 from vllm.model_executor.layers.utils import apply_penalties  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState  # noqa: E402
 
 from kvfleet.worker.engines.base import (  # noqa: E402
@@ -68,9 +72,11 @@ from kvfleet.worker.engines.base import (  # noqa: E402
     StructuredOutput,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.capabilities import MigrationError  # noqa: E402
-from kvfleet.worker.engines.vllm.engine import VLLMEngine, _rest_of  # noqa: E402
+from kvfleet.worker.engines.grammar import Grammars  # noqa: E402
+from kvfleet.worker.engines.vllm import structured as vllm_structured  # noqa: E402
+from kvfleet.worker.engines.vllm.engine import VLLMEngine, _rest_of, logits_processors  # noqa: E402
 from kvfleet.worker.engines.vllm.penalties import EXTRA_KEY, CarriedPenalties, CarriedPenaltiesV2, processor_name  # noqa: E402
+from kvfleet.worker.engines.vllm.structured import StructuredOutputsV1, StructuredOutputsV2  # noqa: E402
 from kvfleet.worker.gpu import GPUProbe  # noqa: E402
 from kvfleet.worker.metrics import WorkerMetrics  # noqa: E402
 
@@ -177,27 +183,43 @@ def test_every_sampling_field_reaches_vllm(vllm: StartedEngine) -> None:
     assert mapped.logit_bias == {5: -3.0, 17: 2.5}
     assert (mapped.min_tokens, mapped.seed, mapped.logprobs, mapped.ignore_eos) == (4, 11, 3, False)
     assert mapped.stop_token_ids == [9, 10, 2]
-    assert mapped.structured_outputs is not None and mapped.structured_outputs.regex == "[a-z]+"
+    # The constraint goes to kvfleet's processor, not to vLLM's structured outputs (engines/vllm/structured.py).
+    assert mapped.structured_outputs is None
     assert not mapped.detokenize and mapped.output_kind.name == "DELTA"
-    assert mapped.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-all", "load": False}}}
+    assert mapped.extra_args == {"kv_transfer_params": {"kvfleet": {"id": "r-all", "load": False}},
+                                 vllm_structured.EXTRA_KEY: {"kind": "regex", "spec": "[a-z]+", "any_whitespace": True,
+                                                             "carried": 0}}
     # logprobs=0: the sampled token's only.
     assert engine._sampling_params(SamplingParams(logprobs=0), "r-0", False).logprobs == 0
 
 
-@pytest.mark.parametrize(("kind", "spec", "field", "want"), [
-    ("json_object", "", "json_object", True),
-    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', "json",
-     {"type": "object", "properties": {"a": {"type": "integer"}}}),
-    ("regex", r"\d{3}", "regex", r"\d{3}"),
-    ("choice", '["yes", "no"]', "choice", ["yes", "no"]),
-    ("grammar", 'start: "a"+', "grammar", 'start: "a"+'),
+@pytest.mark.parametrize("structured", [
+    StructuredOutput("json_object"),
+    StructuredOutput("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', any_whitespace=False),
+    StructuredOutput("regex", r"\d{3}"),
+    StructuredOutput("choice", '["yes", "no"]'),
+    StructuredOutput("grammar", 'start: "a"+'),
 ])
-def test_structured_outputs_map_to_vllms_fields(vllm: StartedEngine, kind: Any, spec: str, field: str, want: Any) -> None:
-    mapped = engine_of(vllm)._sampling_params(SamplingParams(structured=StructuredOutput(kind, spec)), "r-so", False)
-    so = mapped.structured_outputs
-    assert so is not None and getattr(so, field) == want
-    others = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"} - {field}
-    assert all(getattr(so, name) is None for name in others)
+def test_structured_outputs_go_to_kvfleets_processor(vllm: StartedEngine, structured: StructuredOutput) -> None:
+    """Every kind reaches the processor whole (the spec, the whitespace switch, the output a resumed request
+    carries), and vLLM's own structured outputs get nothing; vLLM loads no tokenizer."""
+    engine = engine_of(vllm)
+    for carried in (0, 3):
+        mapped = engine._sampling_params(SamplingParams(max_tokens=8, structured=structured), "r-so", False, carried)
+        assert mapped.structured_outputs is None
+        assert vllm_structured.structured_request(mapped) == vllm_structured.StructuredRequest(structured, carried)
+        # Once the grammar is complete only EOS may come: a stop token, so the request ends "stop".
+        assert 2 in (mapped.stop_token_ids or [])
+    llm = engine._llm
+    assert llm is not None and llm.vllm_config.model_config.skip_tokenizer_init
+
+
+def test_malformed_processor_entries_are_refused_at_admission() -> None:
+    for entry in ("regex", {"kind": "regex", "spec": "a"}, {"kind": "sql", "spec": "", "any_whitespace": True, "carried": 0},
+                  {"kind": "regex", "spec": "a", "any_whitespace": True, "carried": -1}):
+        with pytest.raises(ValueError, match=vllm_structured.EXTRA_KEY):
+            StructuredOutputsV1.validate_params(SimpleNamespace(extra_args={vllm_structured.EXTRA_KEY: entry}))  # type: ignore[arg-type]
+    StructuredOutputsV1.validate_params(SimpleNamespace(extra_args=None))  # type: ignore[arg-type]
 
 
 def test_malformed_or_uncompilable_constraints_are_refused(vllm: StartedEngine) -> None:
@@ -206,9 +228,9 @@ def test_malformed_or_uncompilable_constraints_are_refused(vllm: StartedEngine) 
                        StructuredOutput("choice", "[]"), StructuredOutput("choice", '["a", 1]')):
         with pytest.raises(EngineError):
             engine.generate(rid("bad-spec"), PROMPTS[0], greedy(4, structured=structured))
-    # Well-formed, but no regex: llguidance refuses it at vLLM's admission, before any token.
+    # Well-formed, but no regex: llguidance refuses it when the engine compiles it, before vLLM sees it.
     with pytest.raises(EngineError, match="regex"):
-        vllm.loop.run(collect(engine, rid("bad-regex"), PROMPTS[0], greedy(4, structured=StructuredOutput("regex", "("))))
+        engine.generate(rid("bad-regex"), PROMPTS[0], greedy(4, structured=StructuredOutput("regex", "(")))
     with pytest.raises(EngineError, match="presence_penalty"):
         engine.generate(rid("bad-penalty"), PROMPTS[0], greedy(4, presence_penalty=2.5))
     with pytest.raises(EngineError, match="logit_bias"):
@@ -305,7 +327,8 @@ def test_a_resumed_request_keeps_its_presence_and_frequency_penalties(vllm: Star
     # The processor vLLM loaded is the one for its model runner (V1 in vLLM's CPU build).
     llm = engine._llm
     assert llm is not None and not llm.vllm_config.use_v2_model_runner
-    assert llm.vllm_config.model_config.logits_processors == [processor_name(False)]
+    assert llm.vllm_config.model_config.logits_processors == logits_processors(False)
+    assert logits_processors(False) == [processor_name(False), vllm_structured.processor_name(False)]
     # Only repetition (over prompt and output, the same set after a move): vLLM's own stage does it.
     rep_only = engine._sampling_params(greedy(5, repetition_penalty=1.3), "r-rep", False, carried)
     assert rep_only.repetition_penalty == 1.3 and rep_only.extra_args is not None and EXTRA_KEY not in rep_only.extra_args
@@ -332,27 +355,65 @@ def test_min_tokens_and_max_tokens_count_the_output_a_resumed_request_brought(vl
     assert_empty(vllm)
 
 
-def test_a_structured_request_with_output_is_not_resumed_or_suspended(vllm: StartedEngine) -> None:
+LETTERS = "[a-z]{40}"
+
+
+def test_a_resumed_structured_request_follows_its_grammar_from_where_it_was(vllm: StartedEngine,
+                                                                          tiny_model_dir: Path) -> None:
+    """Resumed with part of its output, greedy under a regex: the rest is the unmoved request's, which only
+    holds if the grammar was advanced over the output it brought (vLLM's own structured outputs would
+    restart it: a fresh grammar after the carried letters lets 40 more come)."""
     engine = engine_of(vllm)
-    structured = greedy(30, structured=StructuredOutput("regex", "[a-z ]+"))
-    with pytest.raises(MigrationError, match="grammar"):
-        engine.continue_request(rid("so-resume"), PROMPTS[0], [300], structured, load=False)
-    # With no output yet it starts from the grammar's start, as anywhere.
-    vllm.loop.run(_drain(engine.continue_request(rid("so-fresh"), PROMPTS[0], [], structured, load=False)))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = PROMPTS[0]
+    params = greedy(60, ignore_eos=False, structured=StructuredOutput("regex", LETTERS))
+    full_outs = vllm.loop.run(collect(engine, rid("so-full"), prompt, params))
+    full = tokens(full_outs)
+    assert full_outs[-1].finish_reason == "stop" and full[-1] == 2, full
+    assert re.fullmatch(LETTERS, tokenizer.decode(full, skip_special_tokens=True))
+
+    async def resume(output: list[int], p: SamplingParams = params) -> list[StepOutput]:
+        return [out async for out in engine.continue_request(rid("so-resumed"), prompt, output, p, load=False)]
+
+    for carried in (1, len(full) // 2, len(full) - 2):
+        outs = vllm.loop.run(resume(full[:carried]))
+        assert tokens(outs) == full[carried:] and outs[-1].finish_reason == "stop", carried
+    # The grammar complete in what it brought: only EOS may come.
+    outs = vllm.loop.run(resume(full[:-1]))
+    assert tokens(outs) == [2] and outs[-1].finish_reason == "stop"
+    # What a fresh grammar after the same tokens gives: not the rest of the unmoved output.
+    carried = len(full) // 2
+    naive = tokens(vllm.loop.run(collect(engine, rid("so-naive"), prompt + full[:carried], replace(params, max_tokens=60))))
+    assert naive != full[carried:]
+    # Output that breaks the grammar is refused before anything streams.
+    digits = tokenizer.encode("123", add_special_tokens=False)
+    with pytest.raises(EngineError, match="does not follow"):
+        engine.continue_request(rid("so-broken"), prompt, digits, params, load=False)
+    assert_empty(vllm)
+
+
+def test_a_structured_request_is_suspended_like_any_other(vllm: StartedEngine) -> None:
+    """No refusal: a structured request stops for a move, and resumed here (a rolled-back move) it goes on
+    with its grammar where it was, giving the unmoved output."""
+    engine = engine_of(vllm)
     migration = engine.capabilities.migration
     assert migration is not None
+    params = greedy(60, ignore_eos=False, structured=StructuredOutput("regex", LETTERS))
+    full = tokens(vllm.loop.run(collect(engine, rid("so-unmoved"), PROMPTS[0], params)))
     request_id = rid("so-suspend")
 
-    async def run() -> list[StepOutput]:
-        task = asyncio.create_task(collect(engine, request_id, PROMPTS[0], replace(structured, max_tokens=60)))
-        while engine.running_request(request_id) is None:
-            await asyncio.sleep(0)
-        with pytest.raises(MigrationError, match="structured-output"):
-            await migration.suspend(request_id)
-        return await task
+    async def run() -> list[int]:
+        stream = engine.generate(request_id, PROMPTS[0], params)
+        got = list((await anext(stream)).new_token_ids)
+        # The stream is read on while the request stops: it ends, unfinished, at the suspension.
+        reader = asyncio.create_task(tokens_of(stream))
+        state = await migration.suspend(request_id)
+        got += await reader
+        assert list(state.output_token_ids) == got and len(got) < len(full)
+        rest = migration.resume(request_id, state.prompt_token_ids, state.output_token_ids, state.params)
+        return got + await tokens_of(rest)
 
-    outs = vllm.loop.run(run())
-    assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")  # it ran on, unharmed
+    assert vllm.loop.run(run()) == full
     assert_empty(vllm)
 
 
@@ -411,6 +472,130 @@ def test_the_v2_runner_processor_computes_vllms_penalties_over_the_carried_outpu
     torch.testing.assert_close(v2[:3], want, rtol=0, atol=1e-6)
     assert torch.equal(v2[3:], untouched), "a request without carried penalties is left alone"
     assert processor_name(True).endswith(":CarriedPenaltiesV2") and processor_name(False).endswith(":CarriedPenaltiesV1")
+
+
+def _fake_vllm_config(model_dir: Path, vocab: int) -> Any:
+    return SimpleNamespace(speculative_config=None,
+                           model_config=SimpleNamespace(tokenizer=str(model_dir), get_vocab_size=lambda: vocab))
+
+
+def _structured_params(spec: StructuredOutput | None, carried: int = 0) -> Any:
+    extra = vllm_structured.structured_extra_args(spec, carried) if spec is not None else {}
+    return SimpleNamespace(extra_args=extra or None)
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _valid_tokens(grammars: Grammars, spec: StructuredOutput, n: int, seed: int = 0) -> list[int]:
+    """n tokens the grammar allows one after another (random logits, the best allowed)."""
+    constraint, generator, out = grammars.constraint(spec), torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        token = int(_masked(torch.randn(grammars.vocab_size, generator=generator), constraint.allowed()).argmax())
+        constraint.advance(token)
+        out.append(token)
+    return out
+
+
+def test_the_structured_processors_mask_as_kvfleets_grammar_over_the_carried_output(tiny_model_dir: Path) -> None:
+    """Both model runners' classes on CPU tensors (V2 is not runnable here; V1 also runs inside vLLM above):
+    each row's logits are the grammar's mask over the carried tokens and what vLLM generated, steps
+    advance it, a row without a constraint is left alone, and a complete grammar held back by min_tokens
+    still gets its EOS."""
+    vocab = 2048
+    grammars = Grammars(tiny_model_dir, vocab)
+    regex = StructuredOutput("regex", "[0-9]{3}-[a-z]{2}x*")
+    seq = _valid_tokens(grammars, regex, 6)
+    yes = StructuredOutput("choice", '["yes", "no"]')
+    yes_tokens = AutoTokenizer.from_pretrained(tiny_model_dir).encode("yes", add_special_tokens=False)
+    generator = torch.Generator().manual_seed(1)
+    # Request A: carried 2 tokens at its prompt's end, generated 1; B: json_object, nothing yet;
+    # C: no constraint; D: "yes" complete, its EOS held back (-inf) as min_tokens would.
+    prompts = {"a": [1, 5, *seq[:2]], "b": [1, 7], "c": [1, 9], "d": [1, 4, *yes_tokens]}
+    specs = {"a": (regex, 2), "b": (StructuredOutput("json_object"), 0), "c": None, "d": (yes, len(yes_tokens))}
+    want_prefix = {"a": seq[:3], "b": [], "d": yes_tokens}
+    outputs = {"a": [seq[2]], "b": [], "c": [3], "d": []}
+    order = ["a", "b", "c", "d"]
+
+    def want(logits: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for i, name in enumerate(order):
+            if specs[name] is None:
+                rows.append(logits[i])
+                continue
+            spec, _ = specs[name]  # type: ignore[misc]
+            allowed = grammars.constraint(spec, want_prefix[name]).allowed()
+            row = _masked(logits[i], allowed)
+            rows.append(row if bool((row > float("-inf")).any()) else torch.where(allowed, 0.0, row))
+        return torch.stack(rows)
+
+    def step_logits() -> torch.Tensor:
+        logits = torch.randn(len(order), vocab, generator=generator)
+        logits[3, 2] = float("-inf")  # D's EOS held back
+        return logits
+
+    # V1: rows are batch indices; vLLM hands each request its prompt and live output list when it is added.
+    v1 = StructuredOutputsV1(_fake_vllm_config(tiny_model_dir, vocab), torch.device("cpu"), False)
+    assert not v1.is_argmax_invariant()
+    live = {name: list(outputs[name]) for name in order}
+    v1.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=[
+        (i, _structured_params(*(specs[n] or (None,))), prompts[n], live[n]) for i, n in enumerate(order)]))
+    logits = step_logits()
+    torch.testing.assert_close(v1.apply(logits.clone()), want(logits), rtol=0, atol=0)
+    # A step: A's next token, and B's first; a placeholder (-1, async scheduling) is no token yet.
+    b_first = _valid_tokens(grammars, specs["b"][0], 1)[0]  # type: ignore[index]
+    live["a"].append(seq[3])
+    live["b"] += [b_first, -1]
+    want_prefix["a"], want_prefix["b"] = seq[:4], [b_first]
+    logits = step_logits()
+    torch.testing.assert_close(v1.apply(logits.clone()), want(logits), rtol=0, atol=0)
+    # vLLM dropped A's last token (a failed KV load): the grammar starts again from what is left.
+    live["a"].pop()
+    want_prefix["a"] = seq[:3]
+    logits = step_logits()
+    torch.testing.assert_close(v1.apply(logits.clone()), want(logits), rtol=0, atol=0)
+
+    # V2: the requests in slots 5, 0, 2, 3 with their tokens in the runner's device buffer.
+    want_prefix = {"a": seq[:3], "b": [], "d": yes_tokens}
+    slots = [5, 0, 2, 3]
+    all_token_ids = torch.zeros((6, 32), dtype=torch.int32)
+    prompt_len = np.zeros(6, dtype=np.int32)
+    total_len = torch.zeros(6, dtype=torch.int32)
+    for slot, name in zip(slots, order, strict=True):
+        tokens_now = prompts[name] + outputs[name]
+        all_token_ids[slot, :len(tokens_now)] = torch.tensor(tokens_now, dtype=torch.int32)
+        prompt_len[slot], total_len[slot] = len(prompts[name]), len(tokens_now)
+    states = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=6, vocab_size=vocab,
+                                    all_token_ids=SimpleNamespace(gpu=all_token_ids),  # type: ignore[arg-type]
+                                    prompt_len=SimpleNamespace(np=prompt_len),  # type: ignore[arg-type]
+                                    prefill_len=SimpleNamespace(np=prompt_len),  # type: ignore[arg-type]
+                                    total_len=SimpleNamespace(gpu=total_len))  # type: ignore[arg-type]
+    v2 = StructuredOutputsV2(_fake_vllm_config(tiny_model_dir, vocab), states)
+    for slot, name in zip(slots, order, strict=True):
+        assert v2.add_request(slot, _structured_params(*(specs[name] or (None,)))) == (specs[name] is not None)
+    mapping = torch.tensor(slots)
+
+    def ctx() -> LogitsContext:
+        return LogitsContext(expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=mapping.numpy(),
+                             expanded_local_pos=torch.zeros(4, dtype=torch.int32), input_ids=torch.zeros(4, dtype=torch.int32),
+                             pos=torch.zeros(4, dtype=torch.int32), seq_lens_upper_bound_np=np.zeros(4, dtype=np.int32))
+
+    logits = step_logits()
+    torch.testing.assert_close(v2.apply(logits.clone(), ctx()), want(logits), rtol=0, atol=0)
+    for slot, token in ((5, seq[3]), (0, b_first)):
+        all_token_ids[slot, int(total_len[slot])] = token
+        total_len[slot] += 1
+    want_prefix["a"], want_prefix["b"] = seq[:4], [b_first]
+    logits = step_logits()
+    torch.testing.assert_close(v2.apply(logits.clone(), ctx()), want(logits), rtol=0, atol=0)
+    # A slot's new occupant without a constraint is left alone.
+    assert not v2.add_request(5, _structured_params(None))
+    specs["a"] = None
+    logits = step_logits()
+    torch.testing.assert_close(v2.apply(logits.clone(), ctx()), want(logits), rtol=0, atol=0)
+    assert vllm_structured.processor_name(True).endswith(":StructuredOutputsV2")
+    assert vllm_structured.processor_name(False).endswith(":StructuredOutputsV1")
 
 
 def test_requests_beyond_the_batch_wait_and_kv_stays_within_capacity(vllm: StartedEngine) -> None:

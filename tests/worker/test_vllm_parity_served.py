@@ -391,15 +391,16 @@ JSON_SCHEMA = {"type": "object", "properties": {"b": {"type": "boolean"}, "s": {
 STRUCTURED: dict[str, dict[str, Any]] = {
     "regex": {"structured_outputs": {"regex": "[a-z]{3,8} [0-9]{2}"}},
     "choice": {"structured_outputs": {"choice": ["left", "right", "up"]}},
-    # vLLM's guidance backend takes disable_any_whitespace from the server's config only
-    # (v1/structured_output/backend_guidance.py __post_init__), not from the request: the tiny model
-    # then writes JSON's optional whitespace until max_tokens, on both sides alike.
-    "json": {"structured_outputs": {"json": JSON_SCHEMA, "disable_any_whitespace": True}},
+    "json": {"structured_outputs": {"json": JSON_SCHEMA}},
     # The same with whitespace tokens banned (logit_bias): a whole JSON value.
-    "json_no_whitespace": {"structured_outputs": {"json": JSON_SCHEMA, "disable_any_whitespace": True}},
+    "json_no_whitespace": {"structured_outputs": {"json": JSON_SCHEMA}},
     "response_format": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "pick", "schema": {"enum": ["left", "right"]}}}},
 }
+# A deliberate difference: vLLM 0.32's guidance backend takes disable_any_whitespace from the server's
+# config only (v1/structured_output/backend_guidance.py __post_init__) and ignores the request's, which
+# kvfleet honours on both engines (one grammar for a request wherever it moves).
+TIGHT_JSON = {"structured_outputs": {"json": JSON_SCHEMA, "disable_any_whitespace": True}}
 
 
 @pytest.fixture(scope="module")
@@ -424,6 +425,15 @@ def test_structured_outputs(servers: Servers, case: str, no_whitespace: dict[str
             assert vllm["choices"][0]["finish_reason"] == "stop", f"{case}: unfinished: {texts(vllm)}"
         if case == "json_no_whitespace":
             assert set(json.loads(texts(vllm)[0])) == {"b", "s"}
+
+
+def test_disable_any_whitespace_is_honoured_where_vllm_ignores_it(servers: Servers) -> None:
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "prompt": PROMPTS[1], **TIGHT_JSON}
+    vllm, kvfleet = both(servers, "/v1/completions", body)
+    tight = texts(kvfleet)[0]
+    assert kvfleet["choices"][0]["finish_reason"] == "stop" and set(json.loads(tight)) == {"b", "s"}
+    assert json.dumps(json.loads(tight), separators=(",", ":")) == tight, "whitespace in a tight JSON value"
+    assert texts(vllm)[0] != tight, "vLLM honours the request's disable_any_whitespace now: drop this difference"
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

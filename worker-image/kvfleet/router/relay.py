@@ -101,8 +101,6 @@ class _Broken(Exception):
 class _Source:
     pod_name: str
     address: str
-    # Output index of the stream's own index 0 (a resumed request's output starts after its prompt).
-    base: int
     kind: str  # "placed" (POST), "resumed" (POST), "migrated" (GET the target's stream)
 
 
@@ -140,7 +138,7 @@ class Relay:
 
     async def steps(self) -> AsyncGenerator[Step, None]:
         failed: set[str] = set()
-        source = self._placed(failed, "placed", 0)
+        source = self._placed(failed, "placed")
         failures = 0
         while True:
             self.workers.append(source.pod_name)
@@ -153,7 +151,7 @@ class Relay:
                 raise _Broken("the stream ended without [DONE]")
             except _Migrated as moved:
                 self.on_event("migration")
-                source = _Source(moved.pod_name, moved.address, source.base, "migrated")
+                source = _Source(moved.pod_name, moved.address, "migrated")
                 continue
             except (_Broken, aiohttp.ClientError, TimeoutError, ConnectionError) as err:
                 failures += 1
@@ -163,24 +161,24 @@ class Relay:
                 if failures >= self.max_attempts:
                     raise RelayFailed(f"the request failed on {failures} workers ({', '.join(self.workers)}): {err}") from err
                 if self.prompt_token_ids is None:
-                    source = self._placed(failed, "placed", 0)  # nothing was generated: start afresh
+                    source = self._placed(failed, "placed")  # nothing was generated: start afresh
                 else:
                     self.on_event("resume")
                     del self.output_token_ids[self.clean:]
                     self.pending_logprobs.clear()
-                    source = self._placed(failed, "resumed", self.clean)
+                    source = self._placed(failed, "resumed")
                 if source.pod_name in failed:
                     # Back to a worker that just failed (no other has room): give it, or the pool view
                     # that still shows it, a moment rather than spending every attempt at once.
                     await asyncio.sleep(RETRY_BACKOFF_S * failures)
 
-    def _placed(self, failed: set[str], kind: str, base: int) -> _Source:
+    def _placed(self, failed: set[str], kind: str) -> _Source:
         choice = self.place(frozenset(failed))
         if isinstance(choice, NoRoute) and failed:
             choice = self.place(frozenset())  # every other worker is gone: the failed one may be back
         if isinstance(choice, NoRoute):
             raise Unplaceable(choice)
-        return _Source(choice.pod_name, choice.address, base, kind)
+        return _Source(choice.pod_name, choice.address, kind)
 
     # ------------------------------------------------------------------------------------ one hop
 
@@ -209,7 +207,7 @@ class Relay:
     async def _open(self, source: _Source) -> aiohttp.ClientResponse:
         url = f"http://{source.address}"
         if source.kind == "migrated":
-            after = len(self.output_token_ids) - source.base
+            after = len(self.output_token_ids)
             request = self.session.get(f"{url}{continuation_path(self.request_id)}", params={"after": str(after)},
                                        headers=self._headers(True))
         elif source.kind == "resumed" and self.output_token_ids:
@@ -273,7 +271,7 @@ class Relay:
             self.prompt_token_ids = [int(t) for t in meta["prompt_token_ids"]]
             self.on_worker(source.pod_name, self.prompt_token_ids)
         ids = [int(t) for t in meta.get("token_ids", [])]
-        start = source.base + int(meta.get("index", 0))
+        start = int(meta.get("index", 0))
         have = len(self.output_token_ids)
         if start > have:
             raise _Broken(f"tokens {have}..{start - 1} are missing from the stream")

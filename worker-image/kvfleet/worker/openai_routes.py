@@ -301,7 +301,9 @@ class OpenAIRoutes:
             moved = err.moved
         response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
         await response.prepare(request)
-        tokens = 0
+        # Output indices count the request's whole output, a resume's carried tokens included, as a
+        # migration's continuation does (the router checks them against what it has relayed).
+        tokens = len(job.output_token_ids)
 
         async def send_step(delta: Delta) -> None:
             nonlocal tokens

@@ -133,7 +133,8 @@ class RequestStreams:
                 raise _client_error(err) from None
             detok = self.tokenizer.detokenizer(job.prompt_token_ids + job.output_token_ids)
             stops = StopStrings(job.stops, include=job.include_stop)
-            outputs: list[int] = []
+            # A resumed request's stream goes on from the output it brings (a migration hands all of it on).
+            outputs = list(job.output_token_ids)
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
             meter = self.metrics.request(job.arrived_s, len(job.prompt_token_ids))
         else:

@@ -103,6 +103,11 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
+    def completion_text(self, token_ids: Sequence[int]) -> str:
+        """The text a completion of these output tokens shows: never the bytes of a character it did
+        not complete at its end (Detokenizer.flush, as vLLM's detokenizer)."""
+        return self.decode(token_ids).rstrip(_REPLACEMENT)
+
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
         return Detokenizer(self, list(prompt_token_ids[-_CONTEXT_TOKENS:]))
 

@@ -97,9 +97,8 @@ class SamplingParams:
     is vLLM's: the structured-output mask, min_tokens (no stop token yet), logit_bias, the
     penalties (repetition over prompt and output, presence and frequency over the output), then
     temperature, min_p, top_k and top_p. Every input is the request's own tokens, so a request
-    moved to another engine continues with the same state: the penalty counts are rebuilt from
-    prompt + output on both engines, the grammar on the builtin engine (vLLM cannot advance a grammar
-    over tokens it did not sample, so a structured request does not move onto or off vLLM)."""
+    moved to another engine continues with the same state: the penalty counts and the grammar
+    (engines/grammar.py, applied by kvfleet on both engines) are rebuilt from prompt + output."""
 
     max_tokens: int = 16
     temperature: float = 0.0

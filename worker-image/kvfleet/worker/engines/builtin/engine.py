@@ -48,7 +48,6 @@ from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS, BlockPool
 from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, Lenders, RemotePartLost
 from kvfleet.worker.engines.builtin.cpu_buffer import CpuBuffer
 from kvfleet.worker.engines.builtin.elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
-from kvfleet.worker.engines.builtin.grammar import Grammars
 from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
 from kvfleet.worker.engines.builtin.migration import BuiltinKVMigration
 from kvfleet.worker.engines.builtin.model import (
@@ -67,6 +66,7 @@ from kvfleet.worker.engines.builtin.prefix import PrefixCache
 from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampled, TokenConstraint, next_tokens
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
+from kvfleet.worker.engines.grammar import Grammars
 from kvfleet.worker.engines.speed import SpeedRecorder
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ NEG_INF = float("-inf")
 
 
 class TokenConstraint(Protocol):
-    """A structured-output constraint on one request (its grammar, engines/builtin/grammar.py), as
+    """A structured-output constraint on one request (its grammar, engines/grammar.py), as
     sampling and the scheduler use it: which tokens may come next, and whether it is complete."""
 
     def allowed(self) -> torch.Tensor:

@@ -10,19 +10,22 @@ Token ids go in (`tokens_input`, so vLLM neither tokenizes nor detokenizes: the 
 DELTA outputs come out, one `StepOutput` per engine step that gave the request tokens.
 
 Sampling (`_sampling_params`): every field of `base.SamplingParams` is vLLM's own and goes to
-`vllm.SamplingParams` as it is; a structured-output constraint goes as vLLM's
-`StructuredOutputsParams`, which is why vLLM loads the model's tokenizer (`_engine_args`) though it
-never detokenizes. Log-probabilities are vLLM's default `raw_logprobs` (the model's distribution,
-before penalties, temperature or top-k/top-p), one `TokenLogprobs` per new token (`_token_logprobs`).
+`vllm.SamplingParams` as it is, but the structured-output constraint: kvfleet applies it itself, with
+the builtin engine's llguidance grammars (engines/grammar.py) inside a logits processor that vLLM
+loads (vllm/structured.py), so that it can be advanced over output vLLM did not sample (below). vLLM
+then needs no tokenizer (`skip_tokenizer_init`: token ids in, detokenize=False). Log-probabilities
+are vLLM's default `raw_logprobs` (the model's distribution, before penalties, temperature or
+top-k/top-p), one `TokenLogprobs` per new token (`_token_logprobs`); for a structured request they
+are unmasked too (vLLM computes them before its logits processors run), as on the builtin engine.
 A request resumed here (a migration, or its rollback: `continue_request`) goes in with prompt + output
 as its prompt; what vLLM would then compute otherwise than for the request unmoved:
 - presence and frequency penalties count output tokens only: kvfleet's logits processor counts the
   output the request brought (vllm/penalties.py), so they are the same;
 - min_tokens and max_tokens are lowered by the output it brought;
-- a structured-output grammar cannot be advanced over tokens vLLM did not sample (vLLM's grammar
-  accepts only the tokens its scheduler samples: vllm/v1/core/sched/scheduler.py update_from_output),
-  so a structured request with output is not resumed here (`continue_request` refuses, and the
-  migration capability refuses to suspend one: vllm/migration.py);
+- a structured-output grammar is advanced over the output the request brought: kvfleet's processor
+  replays it through the grammar before the first token here (vllm/structured.py); vLLM's own
+  structured outputs could not (its grammar accepts only the tokens its scheduler samples:
+  vllm/v1/core/sched/scheduler.py update_from_output);
 - a seeded random request continues with another random stream on vLLM's V1 model runner (the CPU
   build): vllm/v1/worker/gpu_model_runner.py seeds a torch.Generator once per request
   (`_update_states`), which draws from its first state again. V2 (CUDA) draws Gumbel noise from a
@@ -86,7 +89,6 @@ Processes and environment (what a caller needs to know):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -100,14 +102,14 @@ import torch
 from prometheus_client import REGISTRY, Metric
 from prometheus_client.registry import Collector
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import KVTransferConfig, StructuredOutputsConfig
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -124,11 +126,12 @@ from kvfleet.worker.engines.base import (
     RequestTooLong,
     SamplingParams,
     StepOutput,
-    StructuredOutput,
     TokenLogprobs,
     kv_blocks_bytes,
 )
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
+from kvfleet.worker.engines.grammar import Grammars
+from kvfleet.worker.engines.vllm import penalties, structured
 from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
     EXTRA_AUTHKEY,
@@ -137,7 +140,7 @@ from kvfleet.worker.engines.vllm.connector import (
     kv_params,
 )
 from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
-from kvfleet.worker.engines.vllm.penalties import carried_extra_args, processor_name
+from kvfleet.worker.engines.vllm.penalties import carried_extra_args
 from kvfleet.worker.engines.vllm.pipe import new_socket_path
 
 logger = logging.getLogger(__name__)
@@ -219,6 +222,13 @@ class _Geometry:
     max_logprobs: int
 
 
+def logits_processors(use_v2_model_runner: bool) -> list[str]:
+    """kvfleet's logits processors, by the names vLLM loads them by, for the model runner it uses: the
+    carried penalties, then structured outputs (vLLM applies custom processors in this order; a
+    masked token stays masked through the penalties either way)."""
+    return [penalties.processor_name(use_v2_model_runner), structured.processor_name(use_v2_model_runner)]
+
+
 def apply_env_defaults(config: EngineConfig) -> dict[str, str]:
     """Sets vLLM's environment defaults for this engine where the user set nothing; returns what it set."""
     applied: dict[str, str] = {}
@@ -284,6 +294,9 @@ class VLLMEngine:
         self._migration = VLLMKVMigration(self)
         self._socket_dir: str | None = None
         self._authkey = secrets.token_bytes(32)
+        # Structured outputs' grammars in this process, to refuse a bad spec (or an output that breaks
+        # it) before vLLM sees the request; made at the first structured request (`_grammars_for`).
+        self._grammars: Grammars | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -332,12 +345,12 @@ class VLLMEngine:
         requested_bytes = self.config.kv_capacity_bytes
         # A first config (no processes, about a second) tells the KV geometry, so that the capacity
         # and max_model_len can be made to agree before anything is allocated, and which model runner
-        # vLLM will use (the penalties processor has one class per runner: vllm/penalties.py).
-        first_processor = processor_name(use_v2_model_runner=False)
-        vllm_config = self._engine_args(self.config.max_model_len, requested_bytes, first_processor).create_engine_config(
+        # vLLM will use (kvfleet's logits processors have one class per runner: vllm/penalties.py).
+        first_processors = logits_processors(use_v2_model_runner=False)
+        vllm_config = self._engine_args(self.config.max_model_len, requested_bytes, first_processors).create_engine_config(
             UsageContext.ENGINE_CONTEXT
         )
-        processor = processor_name(bool(vllm_config.use_v2_model_runner))
+        processors = logits_processors(bool(vllm_config.use_v2_model_runner))
         geometry = _geometry(vllm_config)
         block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
         # On the CPU, vLLM's platform sets kv_cache_memory_bytes from VLLM_CPU_KVCACHE_SPACE when set.
@@ -373,8 +386,8 @@ class VLLMEngine:
                 # small capacity (tests, the demo) serves shorter requests instead.
                 logger.warning("KV capacity holds %d tokens: max_model_len lowered from %d", capacity_tokens, max_model_len)
                 max_model_len = capacity_tokens
-        if ask_bytes is not None or max_model_len != geometry.max_model_len or processor != first_processor:
-            vllm_config = self._engine_args(max_model_len, ask_bytes, processor).create_engine_config(
+        if ask_bytes is not None or max_model_len != geometry.max_model_len or processors != first_processors:
+            vllm_config = self._engine_args(max_model_len, ask_bytes, processors).create_engine_config(
                 UsageContext.ENGINE_CONTEXT)
             geometry = _geometry(vllm_config)
         if bool(vllm_config.cache_config.enable_prefix_caching) != self.config.prefix_caching:
@@ -394,31 +407,21 @@ class VLLMEngine:
         return new_socket_path(self._socket_dir)
 
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None,
-                     logits_processor: str) -> AsyncEngineArgs:
+                     processors: list[str]) -> AsyncEngineArgs:
         config = self.config
         # None means "the model's own": leave vLLM's default rather than pass None to an int field.
         optional: dict[str, Any] = {} if max_model_len is None else {"max_model_len": max_model_len}
         return AsyncEngineArgs(
             model=str(config.model_path),
-            # The agent tokenizes and detokenizes, but vLLM's structured outputs need its tokenizer:
-            # with skip_tokenizer_init a request with a constraint is refused (vllm/sampling_params.py
-            # _validate_structured_outputs: "Structured outputs requires a tokenizer") and the
-            # EngineCore builds no grammar backend (vllm/v1/structured_output/__init__.py
-            # StructuredOutputManager.__init__ loads the tokenizer only without it). Prompts still go
-            # in as token ids and outputs come back with detokenize=False, so vLLM never tokenizes
-            # or detokenizes text.
-            skip_tokenizer_init=False,
-            # llguidance, named rather than vLLM's "auto": auto picks per request (xgrammar, else
-            # llguidance: vllm/sampling_params.py _validate_structured_outputs) but the EngineCore
-            # builds one backend, from the first constrained request (vllm/v1/structured_output/
-            # __init__.py grammar_init), so a request auto sent to llguidance after one sent to
-            # xgrammar would be compiled by xgrammar. And llguidance is what the builtin engine
-            # constrains with (engines/builtin/grammar.py), taking Lark grammars as they are: a request
-            # gets the same constraint on either engine. A constraint it cannot compile is refused at
-            # admission (VLLMValidationError, an EngineError here).
-            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
-            # kvfleet's penalties over the output a resumed request brought (vllm/penalties.py).
-            logits_processors=[logits_processor],
+            # The agent tokenizes and detokenizes: prompts go in as token ids and outputs come back with
+            # detokenize=False, EOS ids are given as stop tokens (`_sampling_params`), and structured
+            # outputs are kvfleet's processor's, which loads the tokenizer itself when a structured
+            # request first comes (vllm/structured.py): vLLM needs no tokenizer, and loads none (in
+            # neither the agent's process nor the EngineCore's).
+            skip_tokenizer_init=True,
+            # kvfleet's penalties over the output a resumed request brought (vllm/penalties.py), and its
+            # structured outputs (vllm/structured.py).
+            logits_processors=list(processors),
             # A torch dtype name; vLLM checks it against the ones it supports.
             dtype=cast(Any, config.dtype),
             seed=config.seed,
@@ -489,6 +492,7 @@ class VLLMEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Checks the request now (raising before anything is yielded), then streams it."""
         self._check_request(request_id, prompt_token_ids, params)
+        self._check_structured(params, ())
         request = _Request(request_id, tuple(prompt_token_ids), params, submitted_tokens=len(prompt_token_ids))
         return self._stream(request, self._sampling_params(params, request_id, False))
 
@@ -498,18 +502,16 @@ class VLLMEngine:
         rest of its budget; with `load`, the KV the connector holds for it is loaded instead of recomputed.
 
         What vLLM counts over output tokens is made to count the output it brings (module docstring):
-        the token budgets, and the presence and frequency penalties. A structured request with output
-        is refused: vLLM would restart its grammar after that output (the rest would match the
-        constraint from its start, the whole would not)."""
+        the token budgets, the presence and frequency penalties, and a structured output's grammar,
+        which kvfleet's processor advances over that output before the first token here (an output
+        that does not follow the grammar is refused now, EngineError)."""
         carried = len(output_token_ids)
         if params.max_tokens - carried < 1:
             raise MigrationError(f"request {request_id!r} already has all its {params.max_tokens} tokens")
-        if params.structured is not None and carried:
-            raise MigrationError(f"request {request_id!r} has a structured-output constraint and {carried} output "
-                                 "tokens: vLLM cannot advance its grammar over tokens it did not sample")
         tokens = [*prompt_token_ids, *output_token_ids]
         rest = _rest_of(params, carried)
         self._check_request(request_id, tokens, rest)
+        self._check_structured(params, output_token_ids)
         request = _Request(request_id, tuple(prompt_token_ids), params, list(output_token_ids), submitted_tokens=len(tokens),
                            cache_hit_counted=load)  # loaded KV is no prefix-cache hit
         return self._stream(request, self._sampling_params(rest, request_id, load, carried))
@@ -521,6 +523,20 @@ class VLLMEngine:
         """Makes an idle EngineCore take a step (any call into it does): the connector's asks run in steps."""
         if self._llm is not None:
             await self._llm.is_sleeping()
+
+    def _grammars_for(self) -> Grammars:
+        """This process's grammars for the model (the tokenizer loaded at the first structured request)."""
+        if self._grammars is None:
+            assert self._geometry is not None
+            self._grammars = Grammars(self.config.model_path, self._geometry.vocab_size)
+        return self._grammars
+
+    def _check_structured(self, params: SamplingParams, output_token_ids: Sequence[int]) -> None:
+        """A structured request's spec compiles, and the output it brings follows it (EngineError else),
+        checked here so that the client's error comes before anything is streamed: in vLLM's process the
+        processor could only end the request. The compiled grammar is cached (engines/grammar.py)."""
+        if params.structured is not None:
+            self._grammars_for().constraint(params.structured, output_token_ids)
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self._llm is None or self._geometry is None:
@@ -571,7 +587,7 @@ class VLLMEngine:
                     break
                 except VLLMClientError as err:
                     # vLLM's own refusal at admission (vllm/v1/engine/input_processor.py _validate_params:
-                    # a constraint its grammar backend cannot compile, say): the client's error.
+                    # a parameter out of its range, say): the client's error.
                     raise EngineError(str(err)) from None
                 if request.abort_requested and not output.finished:
                     # abort() may have come before vLLM knew the request; it knows it now.
@@ -654,6 +670,14 @@ class VLLMEngine:
             stop_token_ids += [t for t in self._geometry.eos_token_ids if t not in stop_token_ids]
         # Names the request to kvfleet's connector (vLLM's own id for it gets a suffix).
         extra_args: dict[str, Any] = {"kv_transfer_params": kv_params(request_id, load)}
+        if params.structured is not None:
+            # kvfleet's processor applies the constraint (vllm/structured.py), over the carried output
+            # first. Once the grammar is complete it allows EOS only (llguidance's rule), the
+            # tokenizer's: a stop token too, so that the request ends there with finish_reason "stop".
+            extra_args |= structured.structured_extra_args(params.structured, carried)
+            if not params.ignore_eos:
+                eos = sorted(self._grammars_for().eos_token_ids)
+                stop_token_ids += [t for t in eos if t not in stop_token_ids]
         presence, frequency, repetition = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
         if carried and (presence or frequency):
             # vLLM would count presence and frequency over the tokens it generates here only: kvfleet's
@@ -681,7 +705,6 @@ class VLLMEngine:
                 ignore_eos=params.ignore_eos,
                 # None or k: the sampled token's and the k most likely (vLLM's raw_logprobs mode, its default).
                 logprobs=params.logprobs,
-                structured_outputs=_structured_outputs(params.structured),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
                 extra_args=extra_args,
@@ -729,33 +752,6 @@ def _rest_of(params: SamplingParams, carried: int) -> SamplingParams:
     if not carried:
         return params
     return replace(params, max_tokens=params.max_tokens - carried, min_tokens=max(0, params.min_tokens - carried))
-
-
-def _structured_outputs(structured: StructuredOutput | None) -> StructuredOutputsParams | None:
-    """kvfleet's constraint as vLLM 0.32 spells it (vllm/sampling_params.py StructuredOutputsParams): a JSON
-    schema as a dict, any JSON object as json_object=True, a regex, the choices as a list, a grammar."""
-    if structured is None:
-        return None
-    kind, spec = structured.kind, structured.spec
-    # vLLM's per-request spelling of the JSON kinds' whitespace switch (its StructuredOutputsParams).
-    tight = not structured.any_whitespace
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True, disable_any_whitespace=tight)
-    if kind == "regex":
-        return StructuredOutputsParams(regex=spec)
-    if kind == "grammar":
-        return StructuredOutputsParams(grammar=spec)
-    try:
-        value = json.loads(spec)
-    except json.JSONDecodeError as err:
-        raise EngineError(f"the {kind} constraint is not JSON: {err}") from None
-    if kind == "json_schema":
-        if not isinstance(value, dict):
-            raise EngineError("the json_schema constraint must be a JSON object")
-        return StructuredOutputsParams(json=value, disable_any_whitespace=tight)
-    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-        raise EngineError("the choice constraint must be a non-empty JSON list of strings")
-    return StructuredOutputsParams(choice=value)
 
 
 def _token_logprobs(token: int, position: Mapping[int, Logprob] | None, k: int) -> TokenLogprobs:

@@ -12,9 +12,9 @@ its pipe (`ConnectorClient`), and keeps what the agent must see of moves in flig
 - What is staged is loaded when the request resumes (vLLM allocates its blocks and the connector
   fills them before the step's forward); if that load fails, vLLM recomputes the blocks
   (`kv_load_failure_policy="recompute"`) and `resume_notes` says so for the migration's message.
-- A request with a structured-output constraint is not suspended: wherever it went on, its rollback
-  would resume it on this vLLM, which cannot advance a grammar over tokens it did not sample
-  (engine.py `continue_request`, which refuses such a resume for a request that comes from elsewhere).
+- A request with a structured-output constraint moves like any other: wherever it resumes (here after a
+  rollback, or on another engine) its grammar is rebuilt from its output (kvfleet's grammar, applied in
+  vLLM by kvfleet's logits processor: vllm/structured.py), not restarted.
 
 Every call runs on the engine's event loop.
 """
@@ -188,10 +188,6 @@ class VLLMKVMigration:
         request = self._engine.running_request(request_id)
         if request is None:
             raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
-        if request.params.structured is not None:
-            # Refused before it stops, so that it runs on here unharmed (module docstring).
-            raise MigrationError(f"request {request_id!r} has a structured-output constraint: vLLM could not resume "
-                                 "it (a rolled-back move) without restarting its grammar")
         request.suspending = True
         try:
             header, _ = await client.ask("suspend", id=request_id)

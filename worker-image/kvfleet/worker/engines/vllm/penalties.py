@@ -24,8 +24,9 @@ It runs where vLLM's penalties would for the request: V1 applies custom processo
 min_tokens and logit_bias processors and just before the penalties (vllm/v1/sample/logits_processor/
 __init__.py `build_logitsprocs` chains them after the builtins; vllm/v1/sample/sampler.py
 `apply_logits_processors`); V2 after logit bias, (here neutral) penalties and bad words (vllm/v1/
-worker/gpu/sample/sampler.py `Sampler.__init__`). The grammar mask and bad words set logits to -inf,
-which the penalties keep at -inf, so the order against them does not matter. vLLM's two model
+worker/gpu/sample/sampler.py `Sampler.__init__`). The grammar mask (kvfleet's own processor, loaded after
+this one: vllm/structured.py) and bad words set logits to -inf, which the penalties keep at -inf, so
+the order against them does not matter. vLLM's two model
 runners take two processor interfaces: `processor_name` names the class for the runner a config uses
 (V2 is vLLM 0.32's default where Triton runs, that is on CUDA; the CPU build runs V1).
 

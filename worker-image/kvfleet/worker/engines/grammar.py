@@ -1,12 +1,15 @@
-"""Structured outputs for the builtin engine: which tokens a request's grammar lets come next.
+"""Structured outputs for both engines: which tokens a request's grammar lets come next.
 
 Clients constrain what a request may generate (OpenAI's `response_format`, vLLM's `structured_outputs`:
-a JSON object, a JSON schema, a regex, a choice of strings, a grammar). vLLM serves them with
-llguidance; the builtin engine uses the same library the same way, so a request gets the same
-constraint whichever engine runs it, and a request migrated between them keeps its grammar: the
-matcher is rebuilt from the request's output tokens (`Grammars.constraint(spec, output_token_ids)`).
+a JSON object, a JSON schema, a regex, a choice of strings, a grammar). vLLM's own structured outputs
+use llguidance; kvfleet constrains with the same library, built the same way, on both engines (the
+builtin engine's scheduler, and a logits processor inside vLLM: engines/vllm/structured.py), so a
+request gets the same constraint whichever engine runs it, and a request migrated between engines,
+or resumed where it was, keeps its grammar: the matcher is rebuilt from the request's output tokens
+(`Grammars.constraint(spec, output_token_ids)`). It lives below both engines (it imports only the
+engine contract, engines/base.py), so that neither engine imports the other.
 
-The scheduler asks a `GrammarConstraint` for the allowed-token mask before sampling and advances it
+An engine asks a `GrammarConstraint` for the allowed-token mask before sampling and advances it
 with the sampled token; `finished` tells it that only the end of the request can follow.
 
 Compiling a grammar (building its lexer over the tokenizer's vocabulary) costs from a fraction of a
@@ -156,8 +159,9 @@ class GrammarConstraint:
         """Nothing but the end can follow (the grammar is complete and admits no more text, or EOS came)."""
         return self._matcher.is_stopped()
 
-    def _replay(self, token_ids: Sequence[int]) -> None:
-        """Advance over a request's output so far: what a request moved from another engine brings.
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Advance over several tokens at once: a request's output so far (what a request moved from
+        another engine brings), or the tokens an engine produced since it last asked.
 
         One llguidance call for the run of tokens instead of a mask per token, so a long output
         resumes at once; the checks are advance()'s."""
@@ -193,12 +197,13 @@ class Grammars:
         # the EOS allowed at the end is the tokenizer's (llguidance's default, and vLLM's).
         self._ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, max(vocab_size, self.num_tokens))
         self.eos_token_ids = frozenset(self._ll_tokenizer.eos_tokens)
-        # (kind, spec) -> a matcher that has consumed nothing, or the spec's error message.
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
+        # The spec (kind, text, and the JSON kinds' whitespace switch, which changes the grammar) -> a
+        # matcher that has consumed nothing, or the spec's error message.
+        self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
 
     def _compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        key = (spec.kind, spec.spec)
+        key = spec
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -235,5 +240,5 @@ class Grammars:
         constraint = GrammarConstraint(matcher, spec.kind, vocab_size=self.vocab_size, num_tokens=self.num_tokens,
                                        eos_token_ids=self.eos_token_ids)
         if output_token_ids:
-            constraint._replay(output_token_ids)
+            constraint.replay(output_token_ids)
         return constraint
