@@ -1,7 +1,8 @@
 """One request's token stream from the workers, kept whole across migrations and worker deaths.
 
 The router always asks a worker for its router-mode stream (`X-Kvfleet-Stream: tokens`): every chunk
-carries the output index it starts at and the token ids it covers, and the first one the prompt's ids.
+carries the index in the request's whole output it starts at and the token ids it covers (and their
+log-probabilities, when asked for), and the first one the prompt's ids.
 With those the router knows exactly which tokens its client has seen, which is what makes both
 continuations exact:
 
@@ -9,9 +10,10 @@ continuations exact:
   reads the rest from the target (`/internal/requests/{id}/stream?after=n`). Chunks repeating an index
   already relayed are dropped; a gap is a broken continuation and handled like a dead worker.
 - a dead worker (connection error, timeout, end of stream without `[DONE]`, an aborted request): the
-  router re-prefills prompt + the output tokens whose text the client has already received on another
-  worker, with the remaining budget and the same sampling parameters (MELL §V's token migration, done
-  by the router because the source cannot take part). Greedy output equals the unbroken run.
+  router has another worker continue the request after the output tokens whose text the client has
+  already received (`POST /internal/resume`: prompt + those tokens re-prefilled, the rest of the budget,
+  every sampling field; MELL §V's token migration, done by the router because the source cannot take
+  part). Greedy output equals the unbroken run.
 
 Text comes from the workers' detokenizers, which hold back the tokens of a half-written character. A
 chunk with text means every token up to it has been shown, so a resume starts after the last such
