@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import jinja2
@@ -209,43 +210,53 @@ class OpenAIRoutes:
                 return await self._router_stream(request, jobs[0], shape, echo)
             return await self._stream(request, jobs, shape, body.include_usage_in_stream(), echo, wants_logprobs,
                                       ToolReplies(body))
-        streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
-        try:
-            heads = await self._heads(streams)
-            texts = [""] * len(jobs)
-            finishes = ["abort"] * len(jobs)
-            tokens = [0] * len(jobs)
-            logprobs: list[list[TokenLogprob]] = [[] for _ in jobs]
-            rest = [(i, stream) for i, (head, stream) in enumerate(zip(heads, streams, strict=True))
-                    if head is not None and head.finish_reason is None]
-            for index, delta in [*((i, h) for i, h in enumerate(heads) if h is not None), *[x async for x in merged(rest)]]:
+        texts = [""] * len(jobs)
+        finishes = ["abort"] * len(jobs)
+        tokens = [0] * len(jobs)
+        logprobs: list[list[TokenLogprob]] = [[] for _ in jobs]
+        async with aclosing(self._samples(jobs)) as samples:
+            async for index, delta in samples:
                 texts[index] += delta.text
                 tokens[index] += len(delta.token_ids)
                 logprobs[index].extend(delta.logprobs)
                 finishes[index] = delta.finish_reason or finishes[index]
-        finally:
-            for stream in streams:
-                await stream.aclose()
         replies = ToolReplies(body)
         choices = [replies.whole(echo + texts[i], finishes[i], LogprobsLayout(chat).of(logprobs[i]) if wants_logprobs
                                  else None) for i in range(len(jobs))]
         return web.json_response(shape.whole(choices, usage(prompt_tokens, sum(tokens))))
 
-    async def _heads(self, streams: list[AsyncGenerator[Delta, None]]) -> list[Delta | None]:
-        """Every sample's first delta (an engine's refusal is still a plain 4xx). With a prefix cache the
-        first sample runs alone until its first token, so that the others find its prompt's KV cached
-        and share it (MemServe's context caching) instead of each prefilling and holding the prompt."""
-        if len(streams) > 1 and self.streams.engine.capabilities.prefix_cache is not None:
-            first = await _head(streams[0])
-            return [first, *await gather_all(_head(stream) for stream in streams[1:])]
-        return await gather_all(_head(stream) for stream in streams)
+    async def _samples(self, jobs: list[Job]) -> AsyncGenerator[tuple[int, Delta], None]:
+        """(sample index, delta) of every sample as they come, a direct client's (migrations followed).
+
+        Every sample's first delta is awaited before any is yielded, so an engine's refusal is still
+        a plain 4xx. With a prefix cache the first sample runs alone until its first token, so that the
+        others find its prompt's KV cached and share it (MemServe's context caching) instead of each
+        prefilling and holding the prompt."""
+        streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
+        try:
+            if len(streams) > 1 and self.streams.engine.capabilities.prefix_cache is not None:
+                first = await _head(streams[0])
+                heads = [first, *await gather_all(_head(stream) for stream in streams[1:])]
+            else:
+                heads = await gather_all(_head(stream) for stream in streams)
+            rest = []
+            for index, (head, stream) in enumerate(zip(heads, streams, strict=True)):
+                if head is not None:
+                    yield index, head
+                    if head.finish_reason is None:
+                        rest.append((index, stream))
+            async for item in merged(rest):
+                yield item
+        finally:
+            for stream in streams:
+                await stream.aclose()
 
     async def _stream(self, request: web.Request, jobs: list[Job], shape: ResponseShape, include_usage: bool,
                       echo: str, wants_logprobs: bool, replies: ToolReplies) -> web.StreamResponse:
         """A direct client's stream: every sample's chunks as they come, each with its choice index."""
-        streams = [self.streams.deltas(job, follow_moves=True) for job in jobs]
+        samples = self._samples(jobs)
         try:
-            heads = await self._heads(streams)
+            first = await anext(samples, None)
             response = web.StreamResponse(headers=httpapi.SSE_HEADERS)
             await response.prepare(request)
             layouts = [LogprobsLayout(shape.chat) for _ in jobs]
@@ -267,14 +278,10 @@ class OpenAIRoutes:
 
             for index in range(len(jobs)):
                 await response.write(httpapi.sse_data(shape.first_chunk(index=index, text=echo)))
-            rest = []
-            for index, (head, stream) in enumerate(zip(heads, streams, strict=True)):
-                if head is not None:
-                    await send(index, head)
-                    if head.finish_reason is None:
-                        rest.append((index, stream))
-            async for index, delta in merged(rest):
-                await send(index, delta)
+            if first is not None:
+                await send(*first)
+                async for index, delta in samples:
+                    await send(index, delta)
             if include_usage:
                 await response.write(httpapi.sse_data(shape.usage_chunk(usage(len(jobs[0].prompt_token_ids), tokens))))
             await response.write(httpapi.SSE_DONE)
@@ -282,8 +289,7 @@ class OpenAIRoutes:
             log.info("client of %s went away; aborting it", shape.request_id)
             raise
         finally:
-            for stream in streams:
-                await stream.aclose()
+            await samples.aclose()
         return response
 
     async def _router_stream(self, request: web.Request, job: Job, shape: ResponseShape, echo: str) -> web.StreamResponse:
