@@ -22,6 +22,7 @@ from worker_testing import EngineLoop
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.agent import Agent, AgentConfig
+from kvfleet.worker.disaggregation import PDConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine
 from kvfleet.worker.migration.transport import Channel, TCPTransport
@@ -69,7 +70,8 @@ class Worker:
 
 
 def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None = None,
-                 kv_capacity_bytes: int = KV_CAPACITY_BYTES, engine: Engine | None = None) -> Worker:
+                 kv_capacity_bytes: int = KV_CAPACITY_BYTES, engine: Engine | None = None,
+                 disaggregation: PDConfig | None = None) -> Worker:
     reports: list[KVLoadReport] = []
     port = port or free_port()
 
@@ -79,8 +81,9 @@ def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None 
     if engine is None:
         engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes,
                                                      max_model_len=1024))
-    agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), report_interval_s=0.05, migration_host="127.0.0.1",
-                              migration_port=0), engine, Tokenizer(model_dir), write)
+    agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), report_interval_s=0.05,
+                              migration_host="127.0.0.1", migration_port=0,
+                              disaggregation=disaggregation or PDConfig()), engine, Tokenizer(model_dir), write)
 
     async def start() -> web.AppRunner:
         runner = web.AppRunner(agent.app())

@@ -67,6 +67,37 @@ class Migrated:
         return cls(str(body["request_id"]), int(body["index"]), str(target.get("pod", "")), str(target["address"]))
 
 
+# A router's request in a disaggregated pool (docs/disaggregation.md): the worker prefills it and then
+# hands it to this decode worker. Sent with the pool token only: a worker honours it from the router.
+DECODE_TARGET_HEADER = "X-Kvfleet-Decode-Target"
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """The decode worker a prefill worker hands a request to once prefilled: its pod, HTTP address and
+    migration address ("" : the HTTP address's host on the pool's migration port)."""
+
+    pod: str
+    address: str
+    migration_address: str = ""
+
+    def header(self) -> dict[str, str]:
+        return {DECODE_TARGET_HEADER: json.dumps({"pod": self.pod, "address": self.address,
+                                                  "migrationAddress": self.migration_address})}
+
+    @classmethod
+    def parse(cls, value: str) -> DecodeTarget:
+        """The header's value as `header` writes it; ValueError naming what is wrong."""
+        try:
+            body = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{DECODE_TARGET_HEADER} is not JSON: {err}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("pod"), str) or not isinstance(body.get("address"), str) \
+                or not isinstance(body.get("migrationAddress", ""), str) or not body["address"]:
+            raise ValueError(f'{DECODE_TARGET_HEADER} must be {{"pod": ..., "address": "ip:port", "migrationAddress": ...}}')
+        return cls(body["pod"], body["address"], body.get("migrationAddress", ""))
+
+
 # Where a request handed over to a worker continues (docs/migration.md): the target serves it, the
 # source's relay and the router read it with `?after=<chunks already seen>`.
 CONTINUATION_ROUTE = "/internal/requests/{request_id}/stream"
@@ -171,13 +202,14 @@ def openai_errors(count: Callable[[int], None], *, retry_after_s: int | None = N
 
 
 def pool_token_auth(credentials: PoolCredentials | None) -> Middleware:
-    """Middleware requiring the pool token on `/internal/*`; without one those paths are closed. A token
-    this pod does not know makes it re-read the pool's Secret once (a peer may have learnt of a
-    rotation first, kvfleet.serving.credentials) before it refuses."""
+    """Middleware requiring the pool token on `/internal/*`, and on any request naming a decode worker
+    (DECODE_TARGET_HEADER: it has this worker connect to another and send KV there); without a token
+    those are closed. A token this pod does not know makes it re-read the pool's Secret once (a peer
+    may have learnt of a rotation first, kvfleet.serving.credentials) before it refuses."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(INTERNAL_PREFIX):
+        if request.path.startswith(INTERNAL_PREFIX) or DECODE_TARGET_HEADER in request.headers:
             if credentials is None:
                 raise APIError(403, "internal endpoints are disabled: the worker has no pool token",
                                error_type="permission_error")

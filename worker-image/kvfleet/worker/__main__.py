@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfleet.api.reports import ANNOTATION
+from kvfleet.worker.disaggregation import CACHINGS, PDConfig
 from kvfleet.worker.distkv.creditors import Creditor, Creditors, PoolPlanCreditors, StaticCreditors
+from kvfleet.worker.migration.source import LAYOUTS
 from kvfleet.worker.migration.transport import split_address
 
 if TYPE_CHECKING:
@@ -82,6 +84,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "worker's cache (needs --attention distattention); creditors from the LLMPool's status")
     parser.add_argument("--distkv-peers", default=env("KVFLEET_DISTKV_PEERS", ""),
                         help="with --distkv outside the operator: creditors as name=host:port,... (best first)")
+    parser.add_argument("--role", default=env("KVFLEET_ROLE") or None, choices=("prefill", "decode"),
+                        help="this worker's role in a disaggregated pool (docs/disaggregation.md); none: colocated")
+    parser.add_argument("--pd-caching", default=env("KVFLEET_PD_CACHING") or "full", choices=CACHINGS,
+                        help="disaggregated pools: none, prefill (cache at P), decode (at P and D), full (D sends KV back)")
+    parser.add_argument("--pd-layout", default=env("KVFLEET_PD_LAYOUT") or "by-request-aggregated", choices=LAYOUTS,
+                        help="disaggregated pools: how a hand-over's KV crosses (one send, or one per layer, K/V, block)")
     parser.add_argument("--report-interval-s", type=float, default=float(env("KVFLEET_REPORT_INTERVAL_S", "5")))
     parser.add_argument("--log-level", default=env("KVFLEET_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
@@ -171,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     credentials = PoolCredentials.from_env(os.environ, SecretReader)
     creditors = _creditors(args, pod_name, namespace, pool) if args.distkv else None
     agent = Agent(AgentConfig(model_name=args.model_name, credentials=credentials, report_interval_s=args.report_interval_s,
-                              migration_host=args.host, migration_port=args.migration_port, creditors=creditors),
+                              migration_host=args.host, migration_port=args.migration_port, creditors=creditors,
+                              disaggregation=PDConfig(args.role, args.pd_caching, args.pd_layout)),
                   engine, Tokenizer(args.model_path), writer)
     if isinstance(creditors, PoolPlanCreditors):
         agent.run_when_ready(creditors.run)

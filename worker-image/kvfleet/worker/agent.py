@@ -37,12 +37,13 @@ from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.openai_api import MAX_BODY_BYTES, APIError
 from kvfleet.serving.tokens import TOKENIZER_PATH
 from kvfleet.worker.adoption import Adoptions
+from kvfleet.worker.disaggregation import HandOvers, PDConfig
 from kvfleet.worker.distkv.borrower import RemoteLease
 from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.engines.base import Engine, EngineInfo, StepOutput
 from kvfleet.worker.gpu import GPUProbe
 from kvfleet.worker.metrics import WorkerMetrics
-from kvfleet.worker.migration.executor import Executor, MigrationMetrics, MigrationResult, parse_mode
+from kvfleet.worker.migration.executor import Executor, MigrationMetrics, MigrationResult, TransferMetrics, parse_mode
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest, Handoffs, HandoffTarget, LiveRequest
 from kvfleet.worker.migration.transport import MIGRATION_PORT, Listener, TCPTransport, split_address
 from kvfleet.worker.openai_routes import OpenAIRoutes
@@ -67,6 +68,8 @@ class AgentConfig:
     migration_port: int | None = MIGRATION_PORT
     # DistKV (docs/distkv.md): whom an engine that borrows asks for KV blocks; None: it borrows none.
     creditors: Creditors | None = None
+    # Its role in a disaggregated pool, and the pool's caching milestone and layout (disaggregation.py).
+    disaggregation: PDConfig = PDConfig()
 
 
 class Agent:
@@ -98,6 +101,8 @@ class Agent:
             engine_metrics=engine.capabilities.prometheus_metrics,
         )
         self.migration_metrics = MigrationMetrics(self.metrics.registry)
+        self.transfer_metrics = TransferMetrics(self.metrics.registry)
+        self.handovers: HandOvers | None = None
         self.streams = RequestStreams(engine, tokenizer, self.metrics, self.handoffs, config.credentials,
                                       self.nudge_reporter)
         self.adoptions = Adoptions(engine, self.streams)
@@ -195,6 +200,8 @@ class Agent:
         if self._listener is not None:
             await self._listener.close()
         self.adoptions.cancel_all()
+        if self.handovers is not None:
+            self.handovers.cancel_all()
         await self.streams.close()
         await self.engine.stop()
 
@@ -261,7 +268,10 @@ class Agent:
 
     async def _start_migrations(self, credentials: PoolCredentials) -> None:
         transport = TCPTransport(credentials)
-        self.executor = Executor(self, transport, self.migration_metrics)
+        self.executor = Executor(self, transport, self.migration_metrics, transfers=self.transfer_metrics)
+        self.handovers = HandOvers(self.config.disaggregation, self.executor, None,
+                                   self.config.migration_port or MIGRATION_PORT)
+        self.openai.hand_over = self.handovers.start
         borrowing = self.engine.capabilities.borrowing
         if borrowing is not None and self.config.creditors is not None:
             # Leases go over the same authenticated port as migrations (distkv/wire.py).
@@ -276,6 +286,10 @@ class Agent:
                       self.config.migration_host, self.config.migration_port, err)
         else:
             log.info("migrations come in on %s:%d", self.config.migration_host, self._listener.port)
+            host = self.config.migration_host
+            if host not in ("", "0.0.0.0", "::"):
+                # Where a decode worker sends a finished request's KV back (PD-Caching-3): this pod's address.
+                self.handovers.own_migration_address = f"{host}:{self._listener.port}"
 
     @property
     def migration_port(self) -> int | None:

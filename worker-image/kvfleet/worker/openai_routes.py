@@ -55,6 +55,9 @@ class OpenAIRoutes:
         self.tokenizer = tokenizer
         self.require_engine = require_engine
         self.streams = streams
+        # Hands a request prefilled here to the decode worker its router named (disaggregation.py);
+        # None: this worker cannot (no pool token), and such a request decodes here.
+        self.hand_over: Callable[[str, httpapi.DecodeTarget], None] | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -294,7 +297,10 @@ class OpenAIRoutes:
 
     async def _router_stream(self, request: web.Request, job: Job, shape: ResponseShape, echo: str) -> web.StreamResponse:
         """A router's stream (X-Kvfleet-Stream: tokens): every step's token ids and log-probabilities
-        with its text, and a hand-off event instead of [DONE] when the request moves (docs/migration.md)."""
+        with its text, and a hand-off event instead of [DONE] when the request moves (docs/migration.md).
+        A request naming a decode worker (a disaggregated pool) is handed to it once its first token is
+        out (docs/disaggregation.md)."""
+        decode = _decode_target(request)
         deltas = self.streams.deltas(job, follow_moves=False)
         # Errors the engine raises before its first output still become a plain 4xx, not a broken stream.
         moved: Moved | None = None
@@ -321,6 +327,8 @@ class OpenAIRoutes:
             await response.write(httpapi.sse_data(shape.first_chunk(token_meta(0, (), job.prompt_token_ids), text=echo)))
             if moved is None:
                 await send_step(head)
+                if head.finish_reason is None and decode is not None and self.hand_over is not None:
+                    self.hand_over(job.request_id, decode)
                 if head.finish_reason is None:
                     try:
                         async for delta in deltas:
@@ -338,6 +346,17 @@ class OpenAIRoutes:
         finally:
             await deltas.aclose()
         return response
+
+
+def _decode_target(request: web.Request) -> httpapi.DecodeTarget | None:
+    """The decode worker the router named (the pool token was checked with the header), or None."""
+    value = request.headers.get(httpapi.DECODE_TARGET_HEADER)
+    if value is None:
+        return None
+    try:
+        return httpapi.DecodeTarget.parse(value)
+    except ValueError as err:
+        raise APIError(400, str(err), param=httpapi.DECODE_TARGET_HEADER) from None
 
 
 async def _head(stream: AsyncGenerator[Delta, None]) -> Delta | None:

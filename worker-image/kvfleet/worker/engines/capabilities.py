@@ -354,6 +354,42 @@ class KVBorrowing(Protocol):
         ...
 
 
+class PrefixKV(Protocol):
+    """KV moving by token prefix in and out of an engine's prefix cache, between workers.
+
+    "MemServe: Flexible Mem Pool for Building Disaggregated LLM Serving with Caching" §5 builds
+    disaggregated serving with caching on MemPool's transfer API: `transfer_with_insert` has the
+    receiver index what it received, and a sender sends only the blocks the receiver's index lacks
+    (PD-Caching-2); at a request's end the decode worker sends the decode phase's KV back to the
+    prefill worker (PD-Caching-3). These are the engine's halves of that, over its prefix cache (the
+    MemPool index): a migration's destination starts a request from the prefix it caches
+    (`stage_prefix`), and a worker sends cached blocks to another's cache (`export_prefix`,
+    `import_prefix`). Full blocks only, in the engine's own block size; the device tier only.
+    """
+
+    def cached_blocks(self, tokens: Sequence[int]) -> int:
+        """How many leading full blocks of `tokens` the cache holds on the device now."""
+        ...
+
+    def stage_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """Stage the cached prefix of `tokens` as the first blocks of a request about to be imported
+        under request_id (KVMigratable.reserve_kv's blocks [0, n), already written and shared with
+        the cache, locked until the request ends or `release`); how many blocks: 0 when nothing of it
+        is cached, or the request already has KV here."""
+        ...
+
+    async def export_prefix(self, tokens: Sequence[int], first_block: int) -> KVBlocks | None:
+        """The cached full blocks of `tokens` from `first_block` on, copied to the CPU; None when the
+        cache holds none past it."""
+        ...
+
+    async def import_prefix(self, tokens: Sequence[int], kv: KVBlocks) -> int:
+        """Write blocks another worker cached for `tokens` into free blocks here and insert them in
+        this cache after the prefix it holds already; how many blocks it took in (0: it had them,
+        the blocks leave a gap after its prefix, or there is no room, which a cache may meet)."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
@@ -367,6 +403,8 @@ class EngineCapabilities:
     elastic_memory: ElasticMemory | None = None
     # Keep finished requests' KV by prompt prefix and prefill only past it (MemServe's context caching).
     prefix_cache: PrefixCache | None = None
+    # Moves KV in and out of that cache by prefix, between workers (disaggregated serving, migrations).
+    prefix_kv: PrefixKV | None = None
     # Lends KV blocks to requests running elsewhere (DistKV, docs/distkv.md).
     lending: KVLending | None = None
     # Borrows KV blocks for requests larger than its own memory (DistKV, docs/distkv.md).

@@ -44,14 +44,15 @@ from collections.abc import Callable
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.distkv.lender import serve_lease
 from kvfleet.worker.distkv.wire import LEND_OPS
-from kvfleet.worker.migration.handoff import HandoffError, HandoffTarget
+from kvfleet.worker.migration import kv_return
+from kvfleet.worker.migration.handoff import Adopted, HandoffError, HandoffTarget
 from kvfleet.worker.migration.host import Host
-from kvfleet.worker.migration.result import MigrationMetrics, MigrationResult
-from kvfleet.worker.migration.source import SourceRun
+from kvfleet.worker.migration.result import MigrationMetrics, MigrationResult, TransferMetrics
+from kvfleet.worker.migration.source import SourceRun, Transfer
 from kvfleet.worker.migration.target import PREALLOCATION_TIMEOUT_S, TargetRun
 from kvfleet.worker.migration.transport import Channel, Transport
 
-__all__ = ["Executor", "MigrationMetrics", "MigrationResult", "parse_mode"]
+__all__ = ["Executor", "MigrationMetrics", "MigrationResult", "Transfer", "TransferMetrics", "parse_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,13 @@ class Executor:
     """Runs migrations from this worker (source side) and takes them in (destination side)."""
 
     def __init__(self, host: Host, transport: Transport, metrics: MigrationMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, transfers: TransferMetrics | None = None) -> None:
         self._host = host
         self._transport = transport
         self.metrics = metrics
+        self.transfers = transfers
         self._clock = clock
+        self._returns: set[asyncio.Task[None]] = set()
 
     async def migrate(self, request_id: str, target: HandoffTarget, migration_address: str, mode: MoveMode,
                       kv_bytes_limit: int | None = None) -> MigrationResult:
@@ -103,12 +106,75 @@ class Executor:
                 result.tokens_moved, "-" if result.downtime_s is None else f"{result.downtime_s * 1000:.1f} ms")
         return result
 
-    async def serve(self, channel: Channel) -> None:
-        """One incoming connection on the migration port, authenticated: a migration (`begin`), or a
-        lease of this worker's KV blocks to a request running elsewhere (DistKV: `lend`)."""
-        first = await channel.recv(PREALLOCATION_TIMEOUT_S)
-        if first.header.get("op") in LEND_OPS:
-            engine = self._host.engine
-            await serve_lease(engine.capabilities.lending, channel, first, engine.info.block_size_tokens)
+    async def transfer(self, request_id: str, target: HandoffTarget, migration_address: str,
+                       transfer: Transfer) -> MigrationResult:
+        """Hands a request just prefilled here to a decode worker (docs/disaggregation.md): a KV move
+        that stops it at once and sends its KV in one stage, counted as a transfer, not a migration.
+        Never raises for what it can meet; when it fails the request decodes here (rolled back)."""
+        try:
+            ticket = self._host.handoffs.begin(request_id)
+        except HandoffError as err:
+            result = MigrationResult(request_id, False, MoveMode.KV, message=str(err))
         else:
-            await TargetRun(self._host, self.metrics, self._clock, channel).go(first)
+            run = SourceRun(self._host, self._transport, self._clock, ticket, target, migration_address, MoveMode.KV,
+                            transfer=transfer)
+            try:
+                result = await run.go()
+            except asyncio.CancelledError:
+                await run.roll_back("cancelled")
+                raise
+        if self.transfers is not None:
+            self.transfers.record(transfer.layout, result)
+        if result.succeeded:
+            log.debug("handed %s to %s: %d bytes in %d sends, %d blocks cached there", request_id, target.pod,
+                      result.bytes_moved, result.sends, result.cached_blocks)
+        else:
+            log.warning("hand-over of %s to %s failed, decoding it here: %s", request_id, target.pod, result.message)
+        return result
+
+    async def serve(self, channel: Channel) -> None:
+        """One incoming connection on the migration port, authenticated: a migration (`begin`), a
+        finished request's KV for the prefix cache (`cache`), or a lease of this worker's KV blocks to a
+        request running elsewhere (DistKV: `lend`)."""
+        first = await channel.recv(PREALLOCATION_TIMEOUT_S)
+        op = first.header.get("op")
+        engine = self._host.engine
+        if op in LEND_OPS:
+            await serve_lease(engine.capabilities.lending, channel, first, engine.info.block_size_tokens)
+        elif op == "cache":
+            inserted = await kv_return.receive(engine, channel, first)
+            if self.transfers is not None:
+                self.transfers.received_blocks.inc(inserted)
+        else:
+            await TargetRun(self._host, self.metrics, self._clock, channel, self._return_at_end).go(first)
+
+    def _return_at_end(self, adopted: Adopted, address: str) -> None:
+        """A handed-over request whose prefill worker wants its KV back (PD-Caching-3): once it ends
+        well here, what this worker's cache holds of it goes to `address`."""
+        task = adopted.task
+        if task is None:
+            return
+        handed = adopted.handed
+
+        def ended(_: asyncio.Task[None]) -> None:
+            last = adopted.entries[-1] if adopted.entries else None
+            if adopted.moved is not None or last is None or last.finish_reason not in ("stop", "length"):
+                return  # moved on, aborted or failed: its KV is not where this would read it
+            tokens = [*handed.prompt_token_ids, *handed.output_token_ids,
+                      *(t for entry in adopted.entries for t in entry.token_ids)]
+            returning = asyncio.get_running_loop().create_task(self._send_back(address, tokens))
+            self._returns.add(returning)
+            returning.add_done_callback(self._returns.discard)
+
+        task.add_done_callback(ended)
+
+    async def _send_back(self, address: str, tokens: list[int]) -> None:
+        result = await kv_return.send_back(self._host.engine, self._transport, address, tokens)
+        if self.transfers is not None:
+            self.transfers.returns.labels("sent" if result.sent else "failed").inc()
+            self.transfers.returned_bytes.inc(result.bytes_sent)
+        if result.sent:
+            log.debug("sent %d blocks of a finished request's KV back to %s (%d taken in)", result.blocks_sent, address,
+                      result.blocks_inserted)
+        else:
+            log.info("sending a finished request's KV back to %s failed: %s", address, result.message)

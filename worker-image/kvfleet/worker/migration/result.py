@@ -33,12 +33,18 @@ class MigrationResult:
     # re-prefill speed (tokens per second) for the tokens it recomputed.
     link_bytes_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    # Data frames the KV crossed in (one per stage when aggregated; disaggregation's by-request layout
+    # sends one per layer, K or V, and block), and leading blocks the destination had cached already
+    # and was not sent (PrefixKV).
+    sends: int = 0
+    cached_blocks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"requestId": self.request_id, "phase": "Succeeded" if self.succeeded else "Failed", "mode": str(self.mode),
                 "bytesMoved": self.bytes_moved, "tokensMoved": self.tokens_moved, "downtimeSeconds": self.downtime_s,
                 "message": self.message, "linkBytesPerSecond": self.link_bytes_per_s,
-                "prefillTokensPerSecond": self.prefill_tokens_per_s}
+                "prefillTokensPerSecond": self.prefill_tokens_per_s, "sends": self.sends,
+                "cachedBlocks": self.cached_blocks}
 
 
 class MigrationMetrics:
@@ -65,3 +71,42 @@ class MigrationMetrics:
             self.downtime.observe(result.downtime_s)
         if result.link_bytes_per_s is not None:
             self.link.set(result.link_bytes_per_s)
+
+
+class TransferMetrics:
+    """A disaggregated pool's KV hand-overs (docs/disaggregation.md), apart from MELL's migrations: a
+    prefill worker hands every request over, and counting those as migrations would drown the moves
+    MELL plans. Also the decode phase's KV sent back (PD-Caching-3), on both ends."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.transfers = Counter("kvfleet_worker_kv_transfers",
+                                 "Requests this prefill worker handed to a decode worker, by layout and outcome "
+                                 "(transferred, or decoded_here when no decode worker took it).",
+                                 ["layout", "outcome"], registry=r)
+        self.bytes = Counter("kvfleet_worker_kv_transfer_bytes", "KV bytes sent by hand-overs.", registry=r)
+        self.sends = Counter("kvfleet_worker_kv_transfer_sends", "Data frames hand-overs sent KV in.", ["layout"],
+                             registry=r)
+        self.cached_blocks = Counter("kvfleet_worker_kv_transfer_cached_blocks",
+                                     "Blocks a hand-over did not send: the decode worker's cache held them.", registry=r)
+        self.seconds = Histogram("kvfleet_worker_kv_transfer_seconds",
+                                 "Stop on the prefill worker to first token on the decode worker.",
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.returns = Counter("kvfleet_worker_kv_returns",
+                               "Finished requests whose KV this worker sent back to the prefill worker, by outcome.",
+                               ["outcome"], registry=r)
+        self.returned_bytes = Counter("kvfleet_worker_kv_returned_bytes", "KV bytes sent back.", registry=r)
+        self.received_blocks = Counter("kvfleet_worker_kv_returned_blocks",
+                                       "Blocks of finished requests' KV other workers sent here, taken into the "
+                                       "prefix cache.", registry=r)
+        self.count = 0  # transfers that landed, for the KV-load report
+
+    def record(self, layout: str, result: MigrationResult) -> None:
+        self.transfers.labels(layout, "transferred" if result.succeeded else "decoded_here").inc()
+        if result.succeeded:
+            self.count += 1
+            self.bytes.inc(result.bytes_moved)
+            self.sends.labels(layout).inc(result.sends)
+            self.cached_blocks.inc(result.cached_blocks)
+            if result.downtime_s is not None:
+                self.seconds.observe(result.downtime_s)

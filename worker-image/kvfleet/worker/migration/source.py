@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.engines.base import EngineError, SamplingParams
@@ -36,7 +37,14 @@ from kvfleet.worker.migration.handoff import (
 from kvfleet.worker.migration.host import Host, continue_on
 from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationResult
 from kvfleet.worker.migration.transport import Channel, Transport, TransportError
-from kvfleet.worker.migration.wire import REPLY_TIMEOUT_S, TargetError, as_bytes, stage_header
+from kvfleet.worker.migration.wire import (
+    REPLY_TIMEOUT_S,
+    TargetError,
+    as_bytes,
+    kv_parts,
+    split_parts,
+    stage_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,24 @@ CONNECT_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10.0
 
 
+# How a disaggregated hand-over's KV crosses ("MemServe: Flexible Mem Pool for Building Disaggregated
+# LLM Serving with Caching" §5.2, Figure 5): by-request-aggregated sends a stage as one buffer (one
+# send per request), by-request one send per layer, K or V, and block (2 x layers x blocks).
+Layout = Literal["by-request-aggregated", "by-request"]
+LAYOUTS: tuple[Layout, ...] = ("by-request-aggregated", "by-request")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A disaggregated hand-over (docs/disaggregation.md) rather than a MELL move: the request has just
+    been prefilled here, so it is stopped at once and its KV sent in one stage (a prefill worker does not
+    decode while it copies), in `layout`; `return_to` is this worker's migration address when the
+    decode worker is to send the decode phase's KV back at the request's end (PD-Caching-3)."""
+
+    layout: Layout = "by-request-aggregated"
+    return_to: str | None = None
+
+
 class SourceGone(MigrationError):
     """The request finished or lost its KV on the source: nothing to move, nothing to roll back."""
 
@@ -58,11 +84,16 @@ class SourceRun:
     """One migration from this worker, step by step."""
 
     def __init__(self, host: Host, transport: Transport, clock: Callable[[], float], ticket: Ticket,
-                 target: HandoffTarget, migration_address: str, mode: MoveMode, kv_bytes_limit: int | None = None) -> None:
+                 target: HandoffTarget, migration_address: str, mode: MoveMode, kv_bytes_limit: int | None = None,
+                 transfer: Transfer | None = None) -> None:
         self.host = host
         self.transport = transport
         self.clock = clock
         self.kv_bytes_limit = kv_bytes_limit
+        self.transfer = transfer
+        # Leading blocks the target holds in its prefix cache already (its hello): never sent.
+        self.cached_blocks = 0
+        self.sends = 0
         self.engine = host.engine
         # None: this engine cannot export KV, so the request moves by its tokens (abort here, re-prefill there).
         self.migration: KVMigratable | None = self.engine.capabilities.migration
@@ -87,7 +118,8 @@ class SourceRun:
         link = self.bytes_moved / self.copy_s if self.copy_s > 0 and self.bytes_moved else None
         text = "; ".join([*self.notes, message]) if message else "; ".join(self.notes)
         return MigrationResult(self.request_id, succeeded, self.mode, bytes_moved=self.bytes_moved if succeeded else 0,
-                               message=text, link_bytes_per_s=link, **kw)
+                               message=text, link_bytes_per_s=link, sends=self.sends, cached_blocks=self.cached_blocks,
+                               **kw)
 
     async def _reply(self) -> dict[str, Any]:
         assert self.channel is not None
@@ -103,9 +135,15 @@ class SourceRun:
             return self._result(False, "the request is not running on the source (finished, or never here)")
         try:
             self.channel = await self.transport.connect(self.address, CONNECT_TIMEOUT_S)
-            await self.channel.send({"op": "begin", "request_id": self.request_id, "mode": str(self.mode)})
-            self._fall_back_to_tokens(await self._reply())
-            sent_block = await self._precopy() if self.mode != MoveMode.TOKEN else 0
+            await self.channel.send(self._begin(live))
+            hello = await self._reply()
+            self._fall_back_to_tokens(hello)
+            # The target starts the request from the prefix its cache holds (PrefixKV.stage_prefix), in
+            # every mode: KV stages begin after it, and a re-prefill computes only what lies past it.
+            self.cached_blocks = int(hello.get("cached_blocks") or 0)
+            sent_block = self.cached_blocks
+            if self.mode != MoveMode.TOKEN and self.transfer is None:
+                sent_block = await self._precopy(sent_block)
             await self._stop(live)
             if self.mode == MoveMode.KV:
                 await self._send_stage(sent_block)
@@ -116,6 +154,16 @@ class SourceRun:
             if isinstance(err, SourceGone):
                 return self._result(False, str(err))
             return self._result(False, reason + ("; the request keeps running on the source" if self.stopped else ""))
+
+    def _begin(self, live: LiveRequest) -> dict[str, Any]:
+        """The `begin` frame: with the prompt, for the target to find its cached prefix, where the target
+        caches by blocks of this engine's size; with where to send the KV back, for a transfer."""
+        begin: dict[str, Any] = {"op": "begin", "request_id": self.request_id, "mode": str(self.mode),
+                                 "prefix": {"tokens": list(live.prompt_token_ids),
+                                            "block_size_tokens": self.engine.info.block_size_tokens}}
+        if self.transfer is not None and self.transfer.return_to is not None:
+            begin["return_to"] = self.transfer.return_to
+        return begin
 
     def _fall_back_to_tokens(self, hello: dict[str, Any]) -> None:
         """Token mode where a KV mode cannot run: an engine without KV migration, or no KV to copy."""
@@ -148,13 +196,12 @@ class SourceRun:
         self.target_format = KVFormat.from_json(hello["kv_format"]) if "kv_format" in hello else here
         return kv_format_mismatch(here, self.target_format)
 
-    async def _precopy(self) -> int:
-        """KV stages while the request decodes; returns the first block not sent."""
+    async def _precopy(self, sent_block: int) -> int:
+        """KV stages from `sent_block` while the request decodes; returns the first block not sent."""
         limit_blocks = None
         if self.mode == MoveMode.HYBRID and self.kv_bytes_limit is not None:
             info = self.engine.info
             limit_blocks = self.kv_bytes_limit // (info.block_size_tokens * info.kv_bytes_per_token)
-        sent_block = 0
         for _ in range(MAX_STAGES):
             room = None if limit_blocks is None else limit_blocks - sent_block
             if room is not None and room <= 0:
@@ -182,10 +229,17 @@ class SourceRun:
         target = self.target_format
         if target is not None and not target.any_block_size:
             kv = split_blocks(kv, target.block_size_tokens)
-        await channel.send(stage_header(kv))
+        by_request = self.transfer is not None and self.transfer.layout == "by-request"
+        await channel.send({**stage_header(kv), **({"parts": kv_parts(kv.data)} if by_request else {})})
         await self._reply()  # the destination reserved the blocks
         started = self.clock()
-        await channel.send({"op": "data"}, as_bytes(kv.data))
+        if by_request:
+            for part in split_parts(kv.data):
+                await channel.send({"op": "data"}, as_bytes(part))
+                self.sends += 1
+        else:
+            await channel.send({"op": "data"}, as_bytes(kv.data))
+            self.sends += 1
         await self._reply()
         self.copy_s += self.clock() - started
         self.bytes_moved += kv.nbytes

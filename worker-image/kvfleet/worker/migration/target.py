@@ -15,20 +15,22 @@ from typing import Any
 
 from kvfleet.worker.engines.base import EngineError, blocks_for
 from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
-from kvfleet.worker.migration.handoff import HandedRequest
+from kvfleet.worker.migration.handoff import Adopted, HandedRequest
 from kvfleet.worker.migration.host import Host, continue_on
 from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationMetrics
 from kvfleet.worker.migration.transport import Channel, Frame, TransportError
 from kvfleet.worker.migration.wire import (
     REPLY_TIMEOUT_S,
     TargetError,
-    as_bytes,
-    empty_stage_tensor,
+    receive_stage_data,
     stage_blocks,
     stage_shape,
 )
 
 log = logging.getLogger(__name__)
+
+# Called when a handed-over request whose source wants its KV back runs here: (it, the source's address).
+ReturnKV = Callable[[Adopted, str], None]
 
 # The destination frees reserved blocks when the source says nothing for this long.
 PREALLOCATION_TIMEOUT_S = 30.0
@@ -37,8 +39,13 @@ PREALLOCATION_TIMEOUT_S = 30.0
 class TargetRun:
     """One incoming migration on an authenticated channel, from `begin` to `commit` or `abort`."""
 
-    def __init__(self, host: Host, metrics: MigrationMetrics, clock: Callable[[], float], channel: Channel) -> None:
+    def __init__(self, host: Host, metrics: MigrationMetrics, clock: Callable[[], float], channel: Channel,
+                 returns: ReturnKV | None = None) -> None:
         self.host = host
+        # A hand-over whose source asks for the decode phase's KV back (`return_to`, PD-Caching-3):
+        # called with the adopted request and that address once it runs here.
+        self.returns = returns
+        self.return_to: str | None = None
         self.engine = host.engine
         # None: this engine cannot import KV, and the source moves the request by its tokens.
         self.migration: KVMigratable | None = self.engine.capabilities.migration
@@ -92,15 +99,29 @@ class TargetRun:
             await channel.send({"ok": False, "error": f"request {request_id!r} is already on this worker"})
             return None
         info = engine.info
+        return_to = frame.header.get("return_to")
+        self.return_to = return_to if isinstance(return_to, str) and return_to else None
         kv: dict[str, Any] = {"kv": False}
         if self.migration is not None:
             try:
                 kv = {"kv": True, "kv_format": self.migration.kv_format().to_json()}
             except MigrationError as err:
                 kv = {"kv": False, "kv_refusal": str(err)}
-        await channel.send({"ok": True, "engine": info.engine, **kv,
+        cached = self._stage_prefix(request_id, frame.header.get("prefix"))
+        await channel.send({"ok": True, "engine": info.engine, **kv, "cached_blocks": cached,
                             "block_size_tokens": info.block_size_tokens, "kv_bytes_per_token": info.kv_bytes_per_token})
         return request_id
+
+    def _stage_prefix(self, request_id: str, prefix: object) -> int:
+        """The request starts from the prompt's prefix this worker's cache holds (PrefixKV): blocks the
+        source then does not send. Only where both cache by blocks of the same size."""
+        prefix_kv = self.engine.capabilities.prefix_kv
+        if prefix_kv is None or not isinstance(prefix, dict):
+            return 0
+        tokens = prefix.get("tokens")
+        if prefix.get("block_size_tokens") != self.engine.info.block_size_tokens or not isinstance(tokens, list):
+            return 0
+        return prefix_kv.stage_prefix(request_id, [int(t) for t in tokens])
 
     async def _receive_stage(self, migration: KVMigratable, request_id: str, header: dict[str, Any]) -> None:
         channel = self.channel
@@ -113,11 +134,7 @@ class TargetRun:
             await channel.send({"ok": False, "error": str(err)})
             raise TargetError(str(err)) from None
         await channel.send({"ok": True})
-        frame = await channel.recv(PREALLOCATION_TIMEOUT_S)
-        if frame.header.get("op") != "data":
-            raise TargetError(f"expected the stage's data, got {frame.header.get('op')!r}")
-        data = empty_stage_tensor(header)
-        await channel.read_payload(frame.payload_nbytes, as_bytes(data))
+        data = await receive_stage_data(channel, header, PREALLOCATION_TIMEOUT_S)
         try:
             await migration.import_kv(request_id, stage_blocks(request_id, header, data))
         except EngineError as err:
@@ -136,6 +153,8 @@ class TargetRun:
             await self.channel.send({"ok": False, "error": str(err)})
             return False
         adopted = self.host.adopt(handed, stream)
+        if self.return_to is not None and self.returns is not None:
+            self.returns(adopted, self.return_to)
         # The reply waits for the first token here, so the source measures the whole pause.
         try:
             await asyncio.wait_for(adopted.first_output.wait(), REPLY_TIMEOUT_S)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from kvfleet.serving.prompt_tree import Match
+
 BLOCK_SIZE_TOKENS = 16
 
 
@@ -90,3 +92,10 @@ class StagedKV:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    # The prefix cache's blocks it starts with (PrefixKV.stage_prefix), locked in the prompt tree:
+    # the first len(shared.nodes) of `blocks`. They are the cache's, never freed with the rest.
+    shared: Match[int] | None = None
+
+    @property
+    def num_shared(self) -> int:
+        return len(self.shared.nodes) if self.shared is not None else 0

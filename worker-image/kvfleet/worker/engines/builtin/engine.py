@@ -63,6 +63,7 @@ from kvfleet.worker.engines.builtin.model import (
 )
 from kvfleet.worker.engines.builtin.options import BuiltinOptions
 from kvfleet.worker.engines.builtin.prefix import PrefixCache
+from kvfleet.worker.engines.builtin.prefix_kv import BuiltinPrefixKV
 from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampled, TokenConstraint, next_tokens
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
@@ -114,6 +115,7 @@ class BuiltinEngine:
             make_constraint=make_constraint)
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
+        self._prefix_kv = BuiltinPrefixKV(self._sched) if self._sched.prefix is not None else None
         # DistKV (docs/distkv.md): the lender's and the borrower's sides, each only when configured.
         if distkv.borrow and options.attention != "distattention":
             raise EngineError("borrowing KV (DistKV) needs attention 'distattention': remote KV is attended where it lives")
@@ -197,6 +199,8 @@ class BuiltinEngine:
             self._sched.open(BlockPool(num_blocks, block_bytes), limits, frozenset(arch.eos_token_ids))
         self._step_lock = asyncio.Lock()
         self._migration.open(cache, self._executor, self._step_lock)
+        if self._prefix_kv is not None:
+            self._prefix_kv.open(cache, self._executor)
         if self._lending is not None:
             self._lending.open(cache, self._executor, self.options.distkv.lend_cap_bytes // block_bytes)
         if self._borrowing is not None:
@@ -234,6 +238,8 @@ class BuiltinEngine:
         self._model = None
         self._cache = None
         self._migration.close()
+        if self._prefix_kv is not None:
+            self._prefix_kv.close()
         if self._lending is not None:
             self._lending.close()
         if self._borrowing is not None:
@@ -252,6 +258,7 @@ class BuiltinEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None,
                                   prefix_cache=self if self._sched.prefix is not None else None,
+                                  prefix_kv=self._prefix_kv,
                                   lending=self._lending, borrowing=self._borrowing)
 
     @property

@@ -153,8 +153,12 @@ class BuiltinKVMigration:
                                  f"{staged.num_tokens} tokens imported so far")
         staged = self._stage_blocks(request_id, kv.end_block)
         staged.num_tokens = max(staged.num_tokens, kv.end_token)
-        block_ids = staged.blocks[kv.first_block:kv.end_block]
-        await self._in_executor(lambda: cache.write_blocks(block_ids, kv.data))
+        # Blocks staged from this worker's prefix cache hold the same KV and are the cache's: never written.
+        skip = max(0, min(staged.num_shared, kv.end_block) - kv.first_block)
+        block_ids = staged.blocks[kv.first_block + skip:kv.end_block]
+        if block_ids:
+            data = kv.data[:, :, skip:]
+            await self._in_executor(lambda: cache.write_blocks(block_ids, data))
 
     def _stage_blocks(self, request_id: str, num_blocks: int) -> StagedKV:
         """Grow the request's staged KV to at least `num_blocks` blocks, or refuse if they are not free."""
@@ -182,7 +186,8 @@ class BuiltinKVMigration:
             req.blocks, req.num_cached, req.parked, req.shared = own.blocks, own.num_cached, own.parked, own.shared
             own.blocks, own.parked, own.shared, own.state = [], None, None, RequestState.FINISHED
         elif (staged := sched.take_staged(request_id)) is not None:
-            req.blocks, req.num_cached = staged.blocks, staged.num_tokens
+            # Blocks it starts from the prefix cache (PrefixKV.stage_prefix) stay locked for it as shared.
+            req.blocks, req.num_cached, req.shared = staged.blocks, staged.num_tokens, staged.shared
         # At least the last token is computed again: its logits give the next token.
         req.num_cached = min(req.num_cached, req.num_tokens - 1)
         # Ahead of new requests: a migrated request is already late by its downtime.

@@ -371,7 +371,9 @@ class Scheduler:
     def release_staged(self, request_id: str) -> None:
         staged = self.staged.pop(request_id, None)
         if staged is not None:
-            self.space.release(staged.blocks)
+            self.space.release(staged.blocks[staged.num_shared:])
+            if staged.shared is not None and self.prefix is not None:
+                self.prefix.unlock(staged.shared)
 
     # -- accounting ----------------------------------------------------------------------------------
 
@@ -393,7 +395,11 @@ class Scheduler:
                                        blocks_for(req.remote_tokens, self.block_size_tokens) * block_bytes, req.spans))
         for request_id, staged in self.staged.items():
             if staged.blocks:
-                usage.append(RequestKV(request_id, staged.num_tokens, len(staged.blocks) * block_bytes))
+                # Cached blocks it starts from are the cache's until it runs (counted like a waiting
+                # request's shared prefix: once, and not to it).
+                num_shared = staged.num_shared
+                usage.append(RequestKV(request_id, staged.num_tokens, (len(staged.blocks) - num_shared) * block_bytes,
+                                       shared_bytes=num_shared * block_bytes))
         return sorted(usage, key=lambda r: r.request_id)
 
     def num_waiting(self) -> int:

@@ -1,0 +1,214 @@
+"""Disaggregated prefill and decode between two real agents (kvfleet.worker.disaggregation).
+
+A prefill worker P is sent a request naming a decode worker D (as the router sends it); P prefills it,
+streams the first token and hands it over; the rest comes from D. The caching milestones of
+"MemServe: Flexible Mem Pool for Building Disaggregated LLM Serving with Caching" §5 (Figure 4) are
+checked by what crosses and what each side's prefix cache then serves.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from migration_testing import TOKEN, Streamed, Worker, follow_target, read_sse, reference, start_worker
+from worker_testing import EngineLoop
+
+from kvfleet.serving.httpapi import DecodeTarget
+from kvfleet.worker.disaggregation import PDConfig
+from kvfleet.worker.engines import EngineConfig, load_engine
+from kvfleet.worker.migration.wire import kv_parts
+
+PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 4)
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir: Path, engine_loop: EngineLoop) -> Iterator[tuple[Worker, Worker]]:
+    workers = []
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=8 * 1024 * 1024,
+                                                     max_model_len=1024, prefix_caching=True))
+        workers.append(start_worker(name, tiny_model_dir, engine_loop, engine=engine,
+                                    disaggregation=PDConfig(role=role)))  # type: ignore[arg-type]
+    yield workers[0], workers[1]
+    for w in workers:
+        engine_loop.run(w.runner.cleanup())
+
+
+def body(prompt: str | list[int] = PROMPT, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+
+def decode_target(decode: Worker) -> DecodeTarget:
+    return DecodeTarget(decode.name, decode.address, f"127.0.0.1:{decode.agent.migration_port}")
+
+
+def post(worker: Worker, request_id: str, payload: dict[str, Any], target: DecodeTarget | None,
+         token: str | None = TOKEN) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=120)
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "X-Kvfleet-Stream": "tokens"}
+    if target is not None:
+        headers.update(target.header())
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request("POST", "/v1/completions", json.dumps(payload).encode(), headers)
+    return conn.getresponse()
+
+
+def disaggregated(prefill: Worker, decode: Worker, request_id: str, payload: dict[str, Any]) -> tuple[Streamed, Streamed]:
+    """What the router reads: the prefill worker's stream, ended by the hand-off, then the decode worker's."""
+    response = post(prefill, request_id, payload, decode_target(decode))
+    assert response.status == 200, response.read()
+    head = read_sse(response)
+    event, data = head.events[-1]
+    assert event == "kvfleet.migrated", head.events
+    moved = json.loads(data)
+    assert moved["target"]["pod"] == decode.name
+    return head, follow_target(decode, request_id, int(moved["index"]))
+
+
+def token_ids(*streams: Streamed) -> list[int]:
+    return [t for s in streams for c in s.chunks if "kvfleet" in c for t in c["kvfleet"]["token_ids"]]
+
+
+def transfers(worker: Worker, outcome: str = "transferred", layout: str = "by-request-aggregated") -> float:
+    value = worker.agent.metrics.registry.get_sample_value("kvfleet_worker_kv_transfers_total",
+                                                           {"layout": layout, "outcome": outcome})
+    return value or 0.0
+
+
+def counter(worker: Worker, name: str) -> float:
+    return worker.agent.metrics.registry.get_sample_value(name) or 0.0
+
+
+def wait_for(check: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def idle(*workers: Worker) -> None:
+    wait_for(lambda: all(not w.agent.engine.kv_usage() for w in workers))
+
+
+def test_a_request_prefilled_on_one_worker_decodes_on_the_other_as_one_whole_stream(pd: tuple[Worker, Worker]) -> None:
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "none")  # type: ignore[union-attr]
+    _, expected = reference(decode, body(max_tokens=MAX_TOKENS))
+    before = transfers(prefill)
+    head, rest = disaggregated(prefill, decode, "pd-basic", body())
+    assert rest.done
+    # The prefill worker goes on decoding only while it connects to the decode worker (a few steps of
+    # this tiny model), then stops it and sends its KV in one stage: most of the output is D's.
+    assert 1 <= len(token_ids(head)) < MAX_TOKENS // 4
+    assert token_ids(head, rest) == expected
+    assert head.text + rest.text == reference(decode, body())[0]
+    assert transfers(prefill) == before + 1
+    idle(prefill, decode)
+
+
+def test_the_decode_worker_is_sent_only_the_blocks_its_cache_lacks(pd: tuple[Worker, Worker]) -> None:
+    """PD-Caching-2 (`transfer_with_insert`): the decode worker caches what it decoded; a later request
+    with the same prompt is handed over without the blocks it holds."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "decode")  # type: ignore[union-attr]
+    prompt = PROMPT + " and the cat"
+    disaggregated(prefill, decode, "pd-cache-d-1", body(prompt))
+    idle(prefill, decode)
+    cached_before, bytes_before = counter(prefill, "kvfleet_worker_kv_transfer_cached_blocks_total"), \
+        counter(prefill, "kvfleet_worker_kv_transfer_bytes_total")
+    head, rest = disaggregated(prefill, decode, "pd-cache-d-2", body(prompt))
+    _, expected = reference(prefill, body(prompt))
+    assert token_ids(head, rest) == expected
+    prompt_blocks = len(decode.agent.tokenizer.encode(prompt)) // decode.agent.engine.info.block_size_tokens
+    assert counter(prefill, "kvfleet_worker_kv_transfer_cached_blocks_total") - cached_before == prompt_blocks
+    # Only the prompt's partial last block crossed (and its first output token).
+    block_bytes = decode.agent.engine.info.block_size_tokens * decode.agent.engine.info.kv_bytes_per_token
+    assert counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") - bytes_before == block_bytes
+    idle(prefill, decode)
+
+
+def test_full_caching_sends_the_decode_phase_back_so_the_next_turn_prefills_only_its_new_tokens(
+        pd: tuple[Worker, Worker]) -> None:
+    """PD-Caching-3: the next turn (prompt + answer + a new question) finds the whole conversation
+    cached on the prefill worker, the answer's blocks included."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "full")  # type: ignore[union-attr]
+    tokenizer = prefill.agent.tokenizer
+    first = tokenizer.encode("a conversation about ships " + PROMPT)
+    received = counter(prefill, "kvfleet_worker_kv_returned_blocks_total")
+    head, rest = disaggregated(prefill, decode, "pd-full-1", body(first, max_tokens=64))
+    answer = token_ids(head, rest)
+    wait_for(lambda: counter(prefill, "kvfleet_worker_kv_returned_blocks_total") > received)
+    bs = prefill.agent.engine.info.block_size_tokens
+    conversation = first + answer
+    # The decode worker cached prompt + answer but the last token (its KV is never computed).
+    assert counter(prefill, "kvfleet_worker_kv_returned_blocks_total") - received == \
+        (len(conversation) - 1) // bs - len(first) // bs
+    cache = prefill.agent.engine.capabilities.prefix_cache
+    assert cache is not None
+    hits = cache.prefix_cache_stats().hit_tokens
+    second = conversation + tokenizer.encode(" and then what happened to the ships")
+    head2, rest2 = disaggregated(prefill, decode, "pd-full-2", body(second, max_tokens=8))
+    assert cache.prefix_cache_stats().hit_tokens - hits == (len(conversation) - 1) // bs * bs
+    assert token_ids(head2, rest2) == reference(decode, body(second, max_tokens=8))[1]
+    idle(prefill, decode)
+
+
+def test_the_by_request_layout_sends_one_frame_per_layer_k_or_v_and_block(pd: tuple[Worker, Worker]) -> None:
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "none", "by-request")  # type: ignore[union-attr]
+    prompt = "a fresh prompt nobody cached, " + PROMPT
+    sends = prefill.agent.metrics.registry.get_sample_value("kvfleet_worker_kv_transfer_sends_total",
+                                                            {"layout": "by-request"}) or 0.0
+    sent_bytes = counter(prefill, "kvfleet_worker_kv_transfer_bytes_total")
+    head, rest = disaggregated(prefill, decode, "pd-by-request", body(prompt))
+    assert token_ids(head, rest) == reference(prefill, body(prompt))[1]
+    info = prefill.agent.engine.info
+    num_blocks = (counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") - sent_bytes) // (
+        info.block_size_tokens * info.kv_bytes_per_token)
+    migration = prefill.agent.engine.capabilities.migration
+    assert migration is not None and num_blocks >= 2
+    layers = migration.kv_format().layers
+    after = prefill.agent.metrics.registry.get_sample_value("kvfleet_worker_kv_transfer_sends_total",
+                                                            {"layout": "by-request"})
+    assert after == sends + kv_parts(torch.empty(layers, 2, int(num_blocks))) == sends + layers * 2 * num_blocks
+    assert transfers(prefill, layout="by-request") >= 1
+    idle(prefill, decode)
+
+
+def test_a_request_whose_decode_worker_is_unreachable_decodes_where_it_was_prefilled(
+        pd: tuple[Worker, Worker]) -> None:
+    prefill, _ = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "none")  # type: ignore[union-attr]
+    before = transfers(prefill, "decoded_here")
+    response = post(prefill, "pd-nowhere", body(), DecodeTarget("gone", "127.0.0.1:9", "127.0.0.1:9"))
+    streamed = read_sse(response)
+    assert streamed.done
+    assert token_ids(streamed) == reference(prefill, body())[1]
+    assert transfers(prefill, "decoded_here") == before + 1
+    idle(prefill)
+
+
+def test_naming_a_decode_worker_needs_the_pool_token(pd: tuple[Worker, Worker]) -> None:
+    prefill, decode = pd
+    response = post(prefill, "pd-no-token", body(), decode_target(decode), token=None)
+    assert response.status == 401
+    response = post(prefill, "pd-bad-header", body(), None)
+    response.read()
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body()).encode(),
+                 {"Content-Type": "application/json", "X-Kvfleet-Stream": "tokens", "X-Kvfleet-Decode-Target": "{",
+                  "Authorization": f"Bearer {TOKEN}"})
+    bad = conn.getresponse()
+    assert bad.status == 400
+    assert "X-Kvfleet-Decode-Target" in json.loads(bad.read())["error"]["message"]
