@@ -18,6 +18,8 @@ from kvfleet.localcluster.cluster import Cluster
 from kvfleet.localcluster.controlplane import VERSIONS_FILE
 
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "llmpool.yaml").read_text())
+DISAGGREGATED_EXAMPLE = yaml.safe_load(
+    (Path(__file__).resolve().parents[1] / "examples" / "llmpool-disaggregated.yaml").read_text())
 
 
 def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> tuple[int, str]:
@@ -63,7 +65,10 @@ def test_example_pool_is_accepted_with_defaults(cluster: Cluster, namespace: str
 def test_printer_columns(cluster: Cluster, namespace: str) -> None:
     assert apply(cluster, namespace, minimal_pool("cols"))[0] == 0
     header = cluster.kubectl("get", "llmpools", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "MODEL", "ENGINE", "POLICY", "DESIRED", "READY", "GPUS", "KV-UTIL%", "MIGRATING", "STATUS", "AGE"]
+    assert header == ["NAME", "MODEL", "ENGINE", "POLICY", "DESIRED", "READY", "PREFILL", "GPUS", "KV-UTIL%", "MIGRATING",
+                      "STATUS", "AGE"]
+    wide = cluster.kubectl("get", "llmpools", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
+    assert "TRANSFERS" in wide and "LOWER-BOUND" in wide
     migration = {
         "apiVersion": "kvfleet.dev/v1alpha1",
         "kind": "KVMigration",
@@ -101,6 +106,30 @@ def test_scale_subresource_sets_the_floor(cluster: Cluster, namespace: str) -> N
     assert cluster.get_json("llmpool", "scaled", "-n", namespace)["spec"]["replicas"] == 3
     refused = cluster.kubectl("scale", "llmpool", "scaled", "-n", namespace, "--replicas=9", check=False)
     assert refused.returncode != 0 and "replicas must not exceed workers.max" in refused.stderr
+
+
+def test_disaggregated_pools_are_accepted_with_defaults(cluster: Cluster, namespace: str) -> None:
+    code, out = apply(cluster, namespace, DISAGGREGATED_EXAMPLE)
+    assert code == 0, out
+    code, out = apply(cluster, namespace, _disaggregated("pd-bare"))
+    assert code == 0, out
+    bare = cluster.get_json("llmp", "pd-bare", "-n", namespace)["spec"]
+    assert bare["disaggregation"] == {"enabled": True, "prefillWorkers": {"min": 1, "max": 4}, "caching": "full",
+                                      "layout": "by-request-aggregated", "choice": "per-request"}
+    # PD-Basic caches nothing, so it needs no prefix cache.
+    pd_basic = _disaggregated("pd-basic", disaggregation={"enabled": True, "caching": "none"}, prefixCaching=None)
+    code, out = apply(cluster, namespace, pd_basic)
+    assert code == 0, out
+    assert cluster.get_json("llmp", "pd-basic", "-n", namespace)["spec"]["prefixCaching"]["enabled"] is False
+
+
+def _disaggregated(name: str = "bad", **spec: Any) -> dict[str, Any]:
+    """A valid disaggregated pool (builtin engine, prefix caching on), with `spec` fields on top (None deletes one)."""
+    pool = minimal_pool(name)
+    pool["spec"].update({"engine": "builtin", "prefixCaching": {"enabled": True}, "disaggregation": {"enabled": True}})
+    pool["spec"].update(spec)
+    pool["spec"] = {k: v for k, v in pool["spec"].items() if v is not None}
+    return pool
 
 
 def _pool_with(path: str, value: Any, name: str = "bad") -> dict[str, Any]:
@@ -154,6 +183,29 @@ MALFORMED_POOLS = [
      "spec.workerTemplate.tolerations[0].effect"),
     ("negative-scale-down-delay", _pool_with("spec.autoscaling", {"scaleDownDelaySeconds": -5}),
      "spec.autoscaling.scaleDownDelaySeconds"),
+    # spec.disaggregation: each CEL rule with the message the models raise (tests/unit/test_disaggregation_api.py).
+    ("disaggregated-without-prefix-cache", _disaggregated(prefixCaching=None),
+     "spec.disaggregation.caching: Invalid value"),
+    ("disaggregated-caching-at-p-without-prefix-cache",
+     _disaggregated(prefixCaching={"enabled": False}, disaggregation={"enabled": True, "caching": "prefill"}),
+     "disaggregation.caching other than none needs prefixCaching.enabled: true"),
+    ("disaggregated-with-distkv", _disaggregated(distkv={"enabled": True}),
+     "spec.disaggregation.enabled: Invalid value"),
+    ("disaggregated-with-distkv-says-why", _disaggregated(distkv={"enabled": True}),
+     "a request whose KV spans workers cannot be handed over"),
+    ("disaggregated-on-vllm", _disaggregated(engine="vllm"), "disaggregation.enabled needs engine: builtin"),
+    ("disaggregated-on-the-default-engine", _disaggregated(engine=None), "vLLM's export path is not built yet"),
+    ("disaggregated-zero-decode-workers", _disaggregated(workers={"max": 0}), "spec.workers.max"),
+    ("prefill-min-above-max", _disaggregated(disaggregation={"enabled": True, "prefillWorkers": {"min": 3, "max": 2}}),
+     "spec.disaggregation.prefillWorkers.min: Invalid value"),
+    ("prefill-max-zero", _disaggregated(disaggregation={"enabled": True, "prefillWorkers": {"min": 0, "max": 0}}),
+     "spec.disaggregation.prefillWorkers.max"),
+    ("unknown-caching", _disaggregated(disaggregation={"enabled": True, "caching": "everything"}),
+     "spec.disaggregation.caching: Unsupported value"),
+    ("unknown-layout", _disaggregated(disaggregation={"enabled": True, "layout": "by-layer"}),
+     "spec.disaggregation.layout: Unsupported value"),
+    ("unknown-choice", _disaggregated(disaggregation={"enabled": True, "choice": "never"}),
+     "spec.disaggregation.choice: Unsupported value"),
 ]
 
 

@@ -9,6 +9,7 @@ names), so the committed YAML is a pure function of the models.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pydantic import BaseModel
@@ -91,7 +92,9 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                 and name not in _NO_DEFAULT_OBJECTS
                 and name not in absent
             ):
-                prop["default"] = {k: v["default"] for k, v in prop["properties"].items() if "default" in v}
+                # Copies: a nested object's default is its own node's too, and YAML would write a shared
+                # dict as an anchor and an alias.
+                prop["default"] = {k: copy.deepcopy(v["default"]) for k, v in prop["properties"].items() if "default" in v}
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     return out
@@ -139,12 +142,14 @@ _LLMPOOL_COLUMNS = [
     _printer("Model", ".spec.model.name", "string", "Served model name"),
     _printer("Engine", ".spec.engine", "string", "Worker engine"),
     _printer("Policy", ".spec.scheduling.policy", "string", "Scheduling policy"),
-    _printer("Desired", ".status.desiredWorkers", "integer", "Workers the scheduler wants"),
-    _printer("Ready", ".status.readyWorkers", "integer", "Workers serving"),
+    _printer("Desired", ".status.desiredWorkers", "integer", "Workers the scheduler wants (decode workers if disaggregated)"),
+    _printer("Ready", ".status.readyWorkers", "integer", "Workers serving (decode workers if disaggregated)"),
+    _printer("Prefill", ".status.readyPrefillWorkers", "integer", "Prefill workers serving (disaggregated pools)"),
     _printer("GPUs", ".status.gpusInUse", "integer", "GPUs holding KV cache"),
     _printer("Lower-Bound", ".status.lowerBoundGpus", "integer", "ceil(sum of KV / capacity)", priority=1),
     _printer("KV-Util%", ".status.kvUtilizationPercent", "integer", "KV cache utilization of active workers"),
     _printer("Migrating", ".status.migrationsInFlight", "integer", "KVMigrations not yet finished"),
+    _printer("Transfers", ".status.kvTransfers", "integer", "KV hand-overs from prefill to decode workers", priority=1),
     _printer("Status", '.status.conditions[?(@.type=="Ready")].reason', "string", "Reason of the Ready condition"),
     _printer("Age", ".metadata.creationTimestamp", "date", "Age"),
 ]

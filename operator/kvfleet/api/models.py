@@ -25,6 +25,11 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 # Every object of a pool (worker pods, KVMigrations, KV-load reports) carries its name in this label.
 POOL_LABEL = f"{GROUP}/pool"
+# A disaggregated pool's worker pods say which half of a request they serve (docs/operator.md,
+# "Disaggregated pools"): "prefill" pods prefill and hand the KV over, "decode" pods (MELL's GPUs)
+# decode. The router and the workers read it; a colocated pool's pods carry no such label.
+ROLE_LABEL = f"{GROUP}/role"
+Role = Literal["prefill", "decode"]
 # Scale from zero (docs/router.md): the router writes on its LLMPool how many requests it holds for
 # want of a Ready worker and when ("<count> <unix seconds>"), re-written every HELD_REFRESH_S while
 # any are held; the operator keeps a worker while it reads a count written within HELD_FRESH_S, so a
@@ -205,6 +210,72 @@ class DistKVSpec(_Model):
     )
 
 
+class PrefillWorkersSpec(_Model):
+    """Bounds on a disaggregated pool's prefill worker pods (one GPU worker each, never one of MELL's)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.min <= self.max", "message": "min must be less than or equal to max", "fieldPath": ".min"}
+            ]
+        }
+    )
+    min: int = Field(default=1, ge=0, le=10000, description="Prefill workers kept even when idle.")
+    max: int = Field(
+        default=4, ge=1, le=10000,
+        description="Prefill workers never exceeded; above it, the router prefills on decode workers (choice: per-request).",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PrefillWorkersSpec:
+        if self.min > self.max:
+            raise ValueError("disaggregation.prefillWorkers.min must be less than or equal to disaggregation.prefillWorkers.max")
+        return self
+
+
+# The engines whose workers can hand a prefilled request's KV to a decode worker. vLLM's export path is
+# not built yet: add "vllm" here when it is (the pydantic check and the CEL rule both read this, so the
+# CRDs regenerate with it: `make crds`).
+DISAGGREGATION_ENGINES: tuple[str, ...] = ("builtin",)
+
+
+class DisaggregationSpec(_Model):
+    """Disaggregated prefill and decode (MemServe §5, arXiv 2406.17565; docs/operator.md "Disaggregated pools").
+
+    Prefill worker pods prefill a request and hand its KV to a decode worker pod, which decodes it. The
+    decode workers are the pool's workers as MELL packs, scales and drains them; the prefill workers are
+    extra pods scaled by the prompt tokens queued on them. Off by default: every worker does both.
+    """
+
+    enabled: bool = Field(default=False, description="Run separate prefill and decode worker pods.")
+    prefill_workers: PrefillWorkersSpec = Field(default_factory=PrefillWorkersSpec)
+    caching: Literal["none", "prefill", "decode", "full"] = Field(
+        default="full",
+        description="Where finished prompts' KV is kept (MemServe's milestones; needs prefixCaching.enabled unless "
+        "none). none: PD-Basic, nothing cached, every prompt prefilled whole at a prefill worker. prefill: "
+        "PD-Caching-1, prefill workers keep prompts' KV and prefill only past the prefix they hold. decode: "
+        "PD-Caching-2, prefill and decode workers both keep it (the decode worker caches the KV it was handed). "
+        "full: PD-Caching-3, also the KV decoding produced is sent back to the prefill worker, so a "
+        "conversation's next turn finds its whole history cached at P.",
+    )
+    layout: Literal["by-request-aggregated", "by-request"] = Field(
+        default="by-request-aggregated",
+        description="How a request's KV crosses from prefill to decode worker (MemServe §5.2): by-request-aggregated "
+        "sends it in one transfer per request; by-request sends one per layer x K/V x block.",
+    )
+    choice: Literal["per-request", "always"] = Field(
+        default="per-request",
+        description="always: every request is prefilled at a prefill worker (MemServe's setting). per-request: the "
+        "router prefills a request on its decode worker when its cost model says that is sooner.",
+    )
+
+    def caches_at(self, role: Role) -> bool:
+        """Whether a worker of this role runs the prefix cache under this pool's `caching`."""
+        if role == "prefill":
+            return self.caching in ("prefill", "decode", "full")
+        return self.caching in ("decode", "full")
+
+
 class SchedulingSpec(_Model):
     """Which placement policy runs every epoch (MELL or a baseline) and how MELL ranks GPUs."""
 
@@ -333,6 +404,16 @@ class WorkerTemplateSpec(_Model):
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
 
 
+# The cross-field rules of spec.disaggregation, said once for the CEL rules and the model validator.
+_DISAGGREGATED_OFF = "!has(self.disaggregation) || !has(self.disaggregation.enabled) || !self.disaggregation.enabled"
+_MESSAGE_CACHING_NEEDS_PREFIX_CACHE = ("disaggregation.caching other than none needs prefixCaching.enabled: true "
+                                       "(the workers' prefix cache is what caches at P and D)")
+_MESSAGE_NO_DISTKV = ("disaggregation.enabled cannot be combined with distkv.enabled: a request whose KV spans "
+                      "workers cannot be handed over")
+_MESSAGE_ENGINE = (f"disaggregation.enabled needs engine: {' or '.join(DISAGGREGATION_ENGINES)} (disaggregation runs "
+                   "on the builtin engine; vLLM's export path is not built yet)")
+
+
 class LLMPoolSpec(_Model):
     """What model to serve, with which engine, on how many GPUs, scheduled how."""
 
@@ -357,6 +438,26 @@ class LLMPoolSpec(_Model):
                     "|| (has(self.engine) && self.engine == 'builtin')",
                     "message": "elasticMemory.enabled needs engine: builtin",
                     "fieldPath": ".elasticMemory.enabled",
+                },
+                {
+                    "rule": f"{_DISAGGREGATED_OFF} || (has(self.disaggregation.caching) && "
+                    "self.disaggregation.caching == 'none') || (has(self.prefixCaching) && "
+                    "has(self.prefixCaching.enabled) && self.prefixCaching.enabled)",
+                    "message": _MESSAGE_CACHING_NEEDS_PREFIX_CACHE,
+                    "fieldPath": ".disaggregation.caching",
+                },
+                {
+                    "rule": f"{_DISAGGREGATED_OFF} || !has(self.distkv) || !has(self.distkv.enabled) || "
+                    "!self.distkv.enabled",
+                    "message": _MESSAGE_NO_DISTKV,
+                    "fieldPath": ".disaggregation.enabled",
+                },
+                {
+                    # The engine defaults to vllm, so an absent engine is refused too.
+                    "rule": f"{_DISAGGREGATED_OFF} || (has(self.engine) && self.engine in "
+                    f"[{', '.join(repr(e) for e in DISAGGREGATION_ENGINES)}])",
+                    "message": _MESSAGE_ENGINE,
+                    "fieldPath": ".disaggregation.enabled",
                 },
                 {
                     "rule": "has(self.capacity.kvCapacityPerWorker) || has(self.capacity.modelWeights)",
@@ -401,6 +502,7 @@ class LLMPoolSpec(_Model):
     elastic_memory: ElasticMemorySpec = Field(default_factory=ElasticMemorySpec)
     prefix_caching: PrefixCachingSpec = Field(default_factory=PrefixCachingSpec)
     distkv: DistKVSpec = Field(default_factory=DistKVSpec)
+    disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
     worker_template: WorkerTemplateSpec = Field(default_factory=WorkerTemplateSpec)
 
     @model_validator(mode="after")
@@ -412,7 +514,26 @@ class LLMPoolSpec(_Model):
         if self.elastic_memory.enabled and self.engine != "builtin":
             raise ValueError("elasticMemory.enabled needs engine: builtin (vLLM's KV cache does not grow or shrink "
                              "through its public interfaces; docs/elastic-memory.md)")
+        self._check_disaggregation()
         return self
+
+    def _check_disaggregation(self) -> None:
+        """The CEL rules on spec.disaggregation, for a spec the API server did not see (tests, the operator)."""
+        if not self.disaggregation.enabled:
+            return
+        if self.engine not in DISAGGREGATION_ENGINES:
+            raise ValueError(_MESSAGE_ENGINE)
+        if self.distkv.enabled:
+            raise ValueError(_MESSAGE_NO_DISTKV)
+        if self.disaggregation.caching != "none" and not self.prefix_caching.enabled:
+            raise ValueError(_MESSAGE_CACHING_NEEDS_PREFIX_CACHE)
+
+    def prefix_cache_on(self, role: Role | None) -> bool:
+        """Whether a worker of this role runs the prefix cache: prefixCaching.enabled, and in a
+        disaggregated pool only where disaggregation.caching caches (DisaggregationSpec.caches_at)."""
+        if not self.prefix_caching.enabled:
+            return False
+        return role is None or self.disaggregation.caches_at(role)
 
     def tpot_load_cap(self) -> tuple[int, int] | None:
         """(max_load_bytes, load_bytes_per_request) of the TPOT objective (see SloSpec), or None."""
@@ -546,9 +667,21 @@ class LLMPoolStatus(_Model):
 
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    workers: int = 0
-    ready_workers: int = 0
-    desired_workers: int = 0
+    workers: int = Field(default=0, description="Live worker pods; in a disaggregated pool, the decode workers (MELL's GPUs).")
+    ready_workers: int = Field(default=0, description="Ready worker pods; in a disaggregated pool, the decode workers.")
+    desired_workers: int = Field(
+        default=0, description="Worker pods the scheduler wants; in a disaggregated pool, the decode workers."
+    )
+    prefill_workers: int = Field(default=0, description="Live prefill worker pods (disaggregated pools).")
+    ready_prefill_workers: int = Field(default=0, description="Ready prefill worker pods (disaggregated pools).")
+    desired_prefill_workers: int = Field(
+        default=0, description="Prefill worker pods the prompt tokens queued on them call for (disaggregated pools)."
+    )
+    kv_transfers: int = Field(
+        default=0, ge=0,
+        description="KV hand-overs from prefill to decode workers, summed from the prefill workers' reports "
+        "(each counts since it started; a deleted worker's count goes with it).",
+    )
     gpus_in_use: int = 0
     lower_bound_gpus: int = 0
     kv_utilization_percent: int = Field(default=0, ge=0, le=100)

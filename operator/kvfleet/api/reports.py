@@ -100,6 +100,13 @@ class KVLoadReport(_Model):
     # prompt tree keeps no more for this worker, which is how the worker's evictions reach it.
     prefix_cache_blocks: int | None = Field(default=None, ge=0)
 
+    # A worker of a disaggregated pool (docs/operator.md, "Disaggregated pools"). queued_prefill_tokens:
+    # prompt tokens waiting to be prefilled on this worker; the prefill workers' sum is what the
+    # operator scales them by. kv_transfers: requests this worker handed to a decode worker since it
+    # started (it only grows). Its role is its pod's label (ROLE_LABEL), not part of the report.
+    queued_prefill_tokens: int | None = Field(default=None, ge=0)
+    kv_transfers: int | None = Field(default=None, ge=0)
+
     # DistKV (docs/distkv.md, Infinite-LLM §4.3-4.4). lend_cap_bytes: the most KV this worker lends
     # to requests of other workers (absent: it lends none). lent_bytes: its blocks lent now; they are
     # in neither used_bytes nor any request's kv_bytes, and are not room. borrowed: creditor pod ->

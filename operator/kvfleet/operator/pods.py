@@ -4,7 +4,9 @@ Pure decisions over the observed pods and the epoch's outcome (kvfleet.operator.
 is either bound to a scheduler GPU (label `kvfleet.dev/gpu-id`) or unbound: kept warm by the pool's
 floor (workers.min, `kubectl scale`) or waiting out the scale-down delay. A pod is deleted only when
 it holds no request, lends no KV blocks (DistKV) and no migration is heading to it, so a worker holding live KV is never deleted;
-the autoscaler annotations say the same to the cluster autoscaler and Karpenter.
+the autoscaler annotations say the same to the cluster autoscaler and Karpenter. A disaggregated
+pool's prefill workers are never MELL's workers (`pod_info` leaves them out); `prefill_pod_info` reads
+them for kvfleet.operator.prefill, which scales them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.api.reports import KVLoadReport
-from kvfleet.operator.resources import GPU_LABEL, IDLE_SINCE_ANNOTATION, worker_index
+from kvfleet.operator.resources import GPU_LABEL, IDLE_SINCE_ANNOTATION, is_prefill_pod, prefill_index, worker_index
 from kvfleet.operator.status import is_live, is_ready
 
 SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
@@ -38,18 +40,32 @@ class PodInfo:
     # KV blocks it lends to other workers' requests (DistKV): its debtors read them every step, so a
     # lending pod holds KV cache as much as one running requests does.
     lent_bytes: int = 0
+    # Prompt tokens waiting to be prefilled on it (disaggregated pools): work it has taken on.
+    queued_prefill_tokens: int = 0
 
     @property
     def holding(self) -> bool:
-        """Whether it holds live KV cache: its own requests' or blocks it lent."""
-        return self.num_requests > 0 or self.lent_bytes > 0
+        """Whether it holds live KV cache or work: its own requests, blocks it lent, prompts queued to prefill."""
+        return self.num_requests > 0 or self.lent_bytes > 0 or self.queued_prefill_tokens > 0
 
 
 def pod_info(pod: dict[str, Any], report: KVLoadReport | None) -> PodInfo | None:
-    """The operator's view of one worker pod with its KV-load report, if it has one yet (None for a pod
-    that is not one of the pool's workers)."""
+    """The operator's view of one of MELL's worker pods with its KV-load report, if it has one yet (None
+    for a pod that is not one of the pool's MELL workers: a prefill worker is not)."""
+    if is_prefill_pod(pod):
+        return None
+    return _info(pod, report, worker_index(pod["metadata"]["name"]))
+
+
+def prefill_pod_info(pod: dict[str, Any], report: KVLoadReport | None) -> PodInfo | None:
+    """The operator's view of one prefill worker of a disaggregated pool (None for any other pod)."""
+    if not is_prefill_pod(pod):
+        return None
+    return _info(pod, report, prefill_index(pod["metadata"]["name"]))
+
+
+def _info(pod: dict[str, Any], report: KVLoadReport | None, index: int | None) -> PodInfo | None:
     meta = pod["metadata"]
-    index = worker_index(meta["name"])
     if index is None:
         return None
     annotations = dict(meta.get("annotations") or {})
@@ -71,6 +87,7 @@ def pod_info(pod: dict[str, Any], report: KVLoadReport | None) -> PodInfo | None
         labels=dict(meta.get("labels") or {}),
         annotations=annotations,
         lent_bytes=(report.lent_bytes or 0) if report else 0,
+        queued_prefill_tokens=(report.queued_prefill_tokens or 0) if report else 0,
     )
 
 
@@ -81,6 +98,7 @@ class PodActions:
     # pod name -> label/annotation values to set (None removes); only pods whose metadata changes
     metadata: Mapping[str, tuple[Mapping[str, str | None], Mapping[str, str | None]]]
     waiting_for_max: tuple[str, ...]  # GPUs MELL wants that workers.max does not allow
+    create_prefill: tuple[int, ...] = ()  # prefill worker indices to create (kvfleet.operator.prefill)
 
 
 def plan_pods(
@@ -123,6 +141,35 @@ def plan_pods(
     metadata = {pod.name: changes for pod in live
                 if pod.name not in delete and (changes := _metadata_changes(pod, gpu_of[pod.name], routed_pods, now_s))}
     return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
+
+
+def plan_prefill_pods(pods: Iterable[PodInfo], *, desired: int, scale_down_delay_s: float, now_s: float) -> PodActions:
+    """A disaggregated pool's prefill workers toward `desired` (kvfleet.operator.prefill): new ones at
+    the next index; above it, the highest-index pod that has been idle (no request, no prompt queued)
+    for the scale-down delay goes first, one whose report says it is busy never. Finished pods go.
+    Their autoscaler annotations and idle clock as MELL's workers' (no GPU to bind)."""
+    pods = sorted(pods, key=lambda p: p.index)
+    live = [p for p in pods if p.live]
+    next_index = max((p.index for p in pods), default=-1) + 1
+    create = tuple(range(next_index, next_index + max(0, desired - len(live))))
+    delete = [p.name for p in pods if not p.live and not p.deleting]
+    num_live = len(live)
+    for pod in reversed(live):
+        if num_live <= desired:
+            break
+        since = pod.idle_since_s
+        if not pod.holding and since is not None and now_s - since >= scale_down_delay_s:
+            delete.append(pod.name)
+            num_live -= 1
+    metadata = {pod.name: changes for pod in live
+                if pod.name not in delete and (changes := _metadata_changes(pod, None, set(), now_s))}
+    return PodActions((), tuple(delete), metadata, (), create)
+
+
+def merged(first: PodActions, second: PodActions) -> PodActions:
+    """Both plans' actions (they name different pods: MELL's workers, and a disaggregated pool's prefill workers)."""
+    return PodActions(first.create + second.create, first.delete + second.delete, {**first.metadata, **second.metadata},
+                      first.waiting_for_max + second.waiting_for_max, first.create_prefill + second.create_prefill)
 
 
 def _bind_or_create(live: list[PodInfo], gpu_of: dict[str, str | None], unserved_gpu_ids: Iterable[str], next_index: int,

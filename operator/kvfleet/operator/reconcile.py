@@ -23,10 +23,10 @@ from pydantic import ValidationError
 
 from kvfleet.api.models import Condition, LLMPoolSpec, LLMPoolStatus
 from kvfleet.api.quantity import format_bytes
-from kvfleet.api.reports import pool_reports
+from kvfleet.api.reports import KVLoadReport, pool_reports
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import PolicyConfig
-from kvfleet.operator import distkv, epoch, metrics, migrations, pods, resources
+from kvfleet.operator import distkv, epoch, metrics, migrations, pods, prefill, resources
 from kvfleet.operator.epoch import EpochOutcome, MoveOrder, PoolScheduler
 from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.owned import reconcile_owned
@@ -102,10 +102,13 @@ class Observed:
 
     now_s: float
     raw_pods: list[dict[str, Any]]
-    infos: list[pods.PodInfo]  # the pool's worker pods, live or not
+    infos: list[pods.PodInfo]  # the pool's MELL worker pods (decode workers if disaggregated), live or not
     node_of_pod: dict[str, str]
     workers: list[epoch.WorkerView]  # the live workers, as the scheduler sees them
     view: migrations.MigrationView
+    # A disaggregated pool's prefill workers, live or not, and the reports of the live ones: never MELL's.
+    prefill_infos: list[pods.PodInfo] = field(default_factory=list)
+    prefill_reports: list[KVLoadReport] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,14 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
     planned = write_migrations(ctx, state, observed, outcome)
     table = epoch.routing_table(state.routes or {}, observed.workers)
     held = held_requests(pool, time.time())
+    demand = prefill.demand_of(spec, observed.prefill_reports,
+                               [w.report for w in observed.workers if w.report is not None],
+                               sum(1 for i in observed.prefill_infos if i.live))
+    desired_prefill = prefill.desired_for_pool(spec, demand)
     actions = plan_pods(ctx, observed, outcome, planned, table, held)
+    actions = pods.merged(actions, pods.plan_prefill_pods(
+        observed.prefill_infos, desired=desired_prefill, scale_down_delay_s=spec.autoscaling.scale_down_delay_seconds,
+        now_s=observed.now_s))
     woken_at = note_wake(ctx, observed, actions, held)
     raw_pods = write_pods(ctx, actions, observed.raw_pods)
     figures = SchedulingFigures(
@@ -153,6 +163,8 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
         cpu_buffer_bytes=sum(w.report.cpu_buffer_bytes or 0 for w in observed.workers if w.report is not None),
         held_requests=held,
         woken_at=woken_at,
+        desired_prefill_workers=desired_prefill,
+        kv_transfers=prefill.kv_transfers(observed.prefill_reports),
     )
     status = write_status(ctx, raw_pods, figures, table, router_ready, distkv_status)
     log_epoch(ctx, state, outcome, planned, actions)
@@ -176,11 +188,16 @@ def parse_spec(api: KubeApi, namespace: str, name: str, pool: dict[str, Any]) ->
 
 def read_observed(ctx: PassContext) -> Observed:
     """Read the worker pods, their KV-load reports (kvfleet.api.reports.pool_reports), the nodes' zones
-    and the pool's KVMigrations."""
+    and the pool's KVMigrations. A disaggregated pool's prefill workers are kept apart from the first
+    read on: they never become WorkerViews, so MELL, the routing table, the lower bound, the planned
+    capacity and GPU binding never see them."""
     now_s = time.time()
     raw_pods = ctx.api.worker_pods(ctx.namespace, ctx.name)
     reports = pool_reports(ctx.api.list_kvloads(ctx.namespace, ctx.name), raw_pods)
     infos = [info for p in raw_pods if (info := pods.pod_info(p, reports.get(p["metadata"]["name"]))) is not None]
+    prefill_infos = [info for p in raw_pods
+                     if (info := pods.prefill_pod_info(p, reports.get(p["metadata"]["name"]))) is not None]
+    prefill_reports = [report for i in prefill_infos if i.live and (report := reports.get(i.name)) is not None]
     zones = ctx.api.node_zones()
     node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
     ip_of_pod = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") or "" for p in raw_pods}
@@ -195,7 +212,7 @@ def read_observed(ctx: PassContext) -> Observed:
             reported_on.setdefault(req.id, []).append(worker.pod_name)
     pods_started_s = {p["metadata"]["name"]: migrations.worker_started_s(p) for p in raw_pods}
     view = migrations.view(ctx.api.list_migrations(ctx.namespace, ctx.name), ctx.spec, now_s, reported_on, pods_started_s)
-    return Observed(now_s, raw_pods, infos, node_of_pod, workers, view)
+    return Observed(now_s, raw_pods, infos, node_of_pod, workers, view, prefill_infos, prefill_reports)
 
 
 def settle_migrations(ctx: PassContext, view: migrations.MigrationView) -> None:
@@ -332,12 +349,15 @@ def note_wake(ctx: PassContext, observed: Observed, actions: pods.PodActions, he
 
 
 def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Create, delete and relabel worker pods. Returns the worker pods after the writes (read again
-    only when some were created or deleted)."""
+    """Create, delete and relabel worker pods (prefill workers too). Returns the worker pods after the
+    writes (read again only when some were created or deleted)."""
     api, namespace = ctx.api, ctx.namespace
     for index, gpu_id in actions.create:
         if api.create(namespace, resources.worker_pod(ctx.pool, ctx.spec, index, gpu_id)):
             ctx.logger.info("created worker %s for %s", resources.worker_name(ctx.name, index), gpu_id or "the floor")
+    for index in actions.create_prefill:
+        if api.create(namespace, resources.prefill_pod(ctx.pool, ctx.spec, index)):
+            ctx.logger.info("created prefill worker %s", resources.prefill_name(ctx.name, index))
     for pod_name in actions.delete:
         api.delete_pod(namespace, pod_name)
         ctx.logger.info("deleted worker %s", pod_name)
@@ -345,9 +365,11 @@ def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[s
         api.patch_pods_metadata(namespace, actions.metadata)
     if actions.create:
         api.post_event(ctx.pool, "ScaleUp", f"created {len(actions.create)} worker pod(s)")
+    if actions.create_prefill:
+        api.post_event(ctx.pool, "ScaleUp", f"created {len(actions.create_prefill)} prefill worker pod(s)")
     if actions.delete:
         api.post_event(ctx.pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
-    if actions.create or actions.delete:
+    if actions.create or actions.create_prefill or actions.delete:
         return api.worker_pods(namespace, ctx.name)
     return raw_pods
 
@@ -374,7 +396,7 @@ def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: Sche
 def log_epoch(ctx: PassContext, state: PoolState, outcome: EpochOutcome, planned: PlannedMoves,
               actions: pods.PodActions) -> None:
     """One line for an epoch that changed something; a quiet epoch logs nothing."""
-    if outcome.num_events or planned.chosen or actions.create or actions.delete:
+    if outcome.num_events or planned.chosen or actions.create or actions.create_prefill or actions.delete:
         ctx.logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets, "
                         "%d for room on them), %d GPUs in use, lower bound %d", state.epoch, outcome.num_events,
                         len(planned.chosen), planned.num_deferred, outcome.num_deferred_moves, planned.num_waiting_room,

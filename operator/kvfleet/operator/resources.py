@@ -3,7 +3,8 @@
 Handlers compare these desired objects with what the cluster has and write only the difference.
 Names are deterministic (`<pool>-worker-<index>`) so a restarted operator finds what it made instead of
 making it twice, and the index records activation order, which MELL's "most recently activated GPU"
-rule needs after a restart.
+rule needs after a restart. A disaggregated pool's prefill workers are `<pool>-prefill-<index>`: worker
+pods too (same container, same selector), told apart by their role label and never one of MELL's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvfleet.api.models import API_VERSION, POOL_LABEL, LLMPoolSpec
+from kvfleet.api.models import API_VERSION, POOL_LABEL, ROLE_LABEL, LLMPoolSpec, Role
 from kvfleet.api.quantity import quantity_bytes
 from kvfleet.serving.credentials import MIGRATION_KEY_ENV, MIGRATION_KEY_KEY, SECRET_ENV, TOKEN_ENV, TOKEN_KEY
 
@@ -24,6 +25,7 @@ WORKER_PORT = 8000
 # Where workers receive migrated KV blocks (docs/migration.md): a raw TCP stream, not HTTP.
 MIGRATION_PORT = 8001
 _WORKER_NAME = re.compile(r"^(?P<pool>.+)-worker-(?P<index>\d+)$")
+_PREFILL_NAME = re.compile(r"^(?P<pool>.+)-prefill-(?P<index>\d+)$")
 
 
 def owner_reference(pool: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +35,22 @@ def owner_reference(pool: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_selector(pool_name: str) -> str:
+    """The pool's worker pods, of both roles in a disaggregated pool."""
     return f"{POOL_LABEL}={pool_name},{COMPONENT_LABEL}=worker"
+
+
+def scaled_selector(pool_name: str, spec: LLMPoolSpec) -> str:
+    """The pods `status.workers` counts (the scale subresource's selector): the worker pods, less a
+    disaggregated pool's prefill workers. `!=` keeps decode pods made before the pool was disaggregated,
+    which have no role label, as status.workers counts them."""
+    if not spec.disaggregation.enabled:
+        return worker_selector(pool_name)
+    return f"{worker_selector(pool_name)},{ROLE_LABEL}!=prefill"
+
+
+def is_prefill_pod(pod: dict[str, Any]) -> bool:
+    """A disaggregated pool's prefill worker: its role label says so (never one of MELL's workers)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "prefill"
 
 
 def worker_name(pool_name: str, index: int) -> str:
@@ -42,6 +59,17 @@ def worker_name(pool_name: str, index: int) -> str:
 
 def worker_index(pod_name: str) -> int | None:
     match = _WORKER_NAME.match(pod_name)
+    return int(match.group("index")) if match else None
+
+
+def prefill_name(pool_name: str, index: int) -> str:
+    # One character longer than a worker's name: with a 40-character pool name and a 5-digit index it
+    # is 54 characters, inside the 63 of a pod's hostname like the workers' (MAX_POOL_NAME_LENGTH).
+    return f"{pool_name}-prefill-{index}"
+
+
+def prefill_index(pod_name: str) -> int | None:
+    match = _PREFILL_NAME.match(pod_name)
     return int(match.group("index")) if match else None
 
 
@@ -167,8 +195,9 @@ def _locked_down(pod_spec: dict[str, Any], container: dict[str, Any]) -> None:
     container["volumeMounts"] = [*container.get("volumeMounts", []), *SCRATCH_MOUNTS]
 
 
-def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
-    """The worker's configuration (kvfleet.worker reads it from its environment), then the template's variables."""
+def _worker_env(name: str, spec: LLMPoolSpec, role: Role | None) -> list[dict[str, Any]]:
+    """The worker's configuration (kvfleet.worker reads it from its environment), then the template's
+    variables. `role`: the pod's half of a disaggregated pool, None in a colocated one."""
     env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -194,8 +223,14 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
         env += [{"name": name, "value": str(value)} for name, value in
                 (("KVFLEET_TTFT_SLO_MS", elastic.ttft_milliseconds), ("KVFLEET_TPOT_SLO_MS", elastic.tpot_milliseconds))
                 if value is not None]
-    if spec.prefix_caching.enabled:
+    if spec.prefix_cache_on(role):
+        # Per role in a disaggregated pool: disaggregation.caching says which half keeps prompts' KV.
         env.append({"name": "KVFLEET_PREFIX_CACHING", "value": "1"})
+    if role is not None:
+        disaggregation = spec.disaggregation
+        env += [{"name": "KVFLEET_ROLE", "value": role},
+                {"name": "KVFLEET_PD_CACHING", "value": disaggregation.caching},
+                {"name": "KVFLEET_PD_LAYOUT", "value": disaggregation.layout}]
     if spec.distkv.enabled:
         # DistKV (docs/operator.md): attention over KV spread across workers, borrowing on, and the
         # §4.3 cap on what this worker lends. Borrowers read their creditors from the pool's status.
@@ -206,10 +241,28 @@ def _worker_env(name: str, spec: LLMPoolSpec) -> list[dict[str, Any]]:
 
 
 def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str | None = None) -> dict[str, Any]:
-    """One GPU worker: the engine plus the agent, configured through its environment.
+    """One GPU worker: the engine plus the agent, configured through its environment (a decode worker
+    in a disaggregated pool).
 
     `gpu_id` binds it to the scheduler GPU it is created for; a floor pod starts unbound.
     """
+    name = pool["metadata"]["name"]
+    labels = {INDEX_LABEL: str(index)}
+    if gpu_id is not None:
+        labels[GPU_LABEL] = gpu_id
+    role: Role | None = "decode" if spec.disaggregation.enabled else None
+    return _worker_pod(pool, spec, worker_name(name, index), labels, role)
+
+
+def prefill_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int) -> dict[str, Any]:
+    """One prefill worker of a disaggregated pool: a worker's pod with the prefill role. No GPU label
+    and no worker index: MELL never places requests on it; it still requests its GPUs like any worker."""
+    return _worker_pod(pool, spec, prefill_name(pool["metadata"]["name"], index), {}, "prefill")
+
+
+def _worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, pod_name: str, extra_labels: dict[str, str],
+                role: Role | None) -> dict[str, Any]:
+    """A worker pod of either role (or of a colocated pool, `role` None) named `pod_name`."""
     name = pool["metadata"]["name"]
     template = spec.worker_template
     resources = _worker_resources(spec)
@@ -217,7 +270,7 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         "name": "worker",
         "image": template.image,
         "imagePullPolicy": template.image_pull_policy,
-        "env": _worker_env(name, spec),
+        "env": _worker_env(name, spec, role),
         "ports": [{"name": "http", "containerPort": WORKER_PORT},
                   {"name": "migration", "containerPort": MIGRATION_PORT}],
         "resources": {k: v for k, v in resources.items() if v},
@@ -248,14 +301,14 @@ def worker_pod(pool: dict[str, Any], spec: LLMPoolSpec, index: int, gpu_id: str 
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in template.tolerations]
     if template.priority_class_name:
         pod_spec["priorityClassName"] = template.priority_class_name
-    labels = _labels(name, "worker") | {INDEX_LABEL: str(index)}
-    if gpu_id is not None:
-        labels[GPU_LABEL] = gpu_id
+    labels = _labels(name, "worker") | extra_labels
+    if role is not None:
+        labels[ROLE_LABEL] = role
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": worker_name(name, index),
+            "name": pod_name,
             "labels": labels,
             # A new worker is empty and may be evicted; the operator flips these while it holds KV cache.
             "annotations": {

@@ -3,7 +3,8 @@
 `pool_status` turns (pool, spec, observed pods, the last epoch's figures, now) into the status
 subresource: counts, conditions with reasons, the selector for `/scale`. `is_live`, `is_ready` and
 `unschedulable_reason` read a pod's state, `floor_workers` is the pool's floor (workers.min raised by
-`kubectl scale`). Which pods to create, bind or delete is `kvfleet.operator.pods`. Pure functions, so
+`kubectl scale`). In a disaggregated pool the worker counts are the decode workers' (MELL's GPUs) and
+the prefill workers are counted apart. Which pods to create, bind or delete is `kvfleet.operator.pods`. Pure functions, so
 every branch is unit-tested without a cluster; `kvfleet.operator.reconcile` does the reads and writes around them.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api.models import HELD_FRESH_S, HELD_REQUESTS_ANNOTATION, LLMPoolSpec
-from kvfleet.operator.resources import worker_selector
+from kvfleet.operator.resources import is_prefill_pod, scaled_selector
 
 
 def is_live(pod: dict[str, Any]) -> bool:
@@ -75,6 +76,10 @@ class SchedulingFigures:
     # Requests the router holds for want of a Ready worker, and when they woke the pool (this pass).
     held_requests: int = 0
     woken_at: str | None = None
+    # A disaggregated pool's prefill workers (kvfleet.operator.prefill): how many it wants, and the KV
+    # hand-overs its prefill workers report.
+    desired_prefill_workers: int = 0
+    kv_transfers: int = 0
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -83,12 +88,16 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any
 
 def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, Any]], figures: SchedulingFigures,
                 now: str, router_ready: bool | None = None) -> dict[str, Any]:
-    """The status subresource: counts, conditions with reasons, the selector for `/scale`."""
+    """The status subresource: counts, conditions with reasons, the selector for `/scale`. Conditions
+    weigh both tiers of a disaggregated pool: Ready needs enough decode and prefill workers Ready."""
     name = pool["metadata"]["name"]
-    live = [p for p in pods if is_live(p)]
+    live = [p for p in pods if is_live(p) and not is_prefill_pod(p)]
     ready = [p for p in live if is_ready(p)]
     desired = min(spec.workers.max, max(floor_workers(spec, figures.held_requests), figures.gpus_in_use))
-    pending = [(p["metadata"]["name"], reason) for p in live if (reason := unschedulable_reason(p))]
+    live_prefill = [p for p in pods if is_live(p) and is_prefill_pod(p)]
+    ready_prefill = [p for p in live_prefill if is_ready(p)]
+    desired_prefill = figures.desired_prefill_workers
+    pending = [(p["metadata"]["name"], reason) for p in live + live_prefill if (reason := unschedulable_reason(p))]
     if figures.waiting_for_max:
         pending.append(("", f"{figures.waiting_for_max} more GPU(s) needed but workers.max={spec.workers.max} is reached"))
     crashing = sorted(
@@ -98,15 +107,23 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         or any((s.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff"
                for s in p.get("status", {}).get("containerStatuses") or [])
     )
-    all_ready = len(ready) >= desired
+    all_ready = len(ready) >= desired and len(ready_prefill) >= desired_prefill
+    # A colocated pool has no prefill tier (none live, none desired): then these say what they always did.
+    prefill_shown = spec.disaggregation.enabled or bool(live_prefill)
+    scaling_up = len(live) < desired or len(live_prefill) < desired_prefill
+    scaling_down = len(live) > desired or len(live_prefill) > desired_prefill
+    starting = len(ready) < len(live) or len(ready_prefill) < len(live_prefill)
     conditions = [
         _condition("Ready", all_ready, ("WorkersReady" if desired else "ScaledToZero") if all_ready else "WorkersNotReady",
-                   f"{len(ready)}/{desired} workers ready"),
-        _condition("Progressing", len(live) != desired or len(ready) < len(live),
-                   ("WakingUp" if figures.held_requests and not ready else "ScalingUp") if len(live) < desired
-                   else "ScalingDown" if len(live) > desired
-                   else "WaitingForWorkers" if len(ready) < len(live) else "Stable",
-                   f"{len(live)} workers, {desired} desired, {len(ready)} ready"),
+                   f"{len(ready)}/{desired} workers ready"
+                   + (f", {len(ready_prefill)}/{desired_prefill} prefill workers ready" if prefill_shown else "")),
+        _condition("Progressing", scaling_up or scaling_down or starting,
+                   ("WakingUp" if figures.held_requests and not ready else "ScalingUp") if scaling_up
+                   else "ScalingDown" if scaling_down
+                   else "WaitingForWorkers" if starting else "Stable",
+                   f"{len(live)} workers, {desired} desired, {len(ready)} ready"
+                   + (f"; {len(live_prefill)} prefill workers, {desired_prefill} desired, {len(ready_prefill)} ready"
+                      if prefill_shown else "")),
         _condition("Degraded", bool(crashing), "WorkersCrashing" if crashing else "AsExpected",
                    f"crashing or failed: {', '.join(crashing)}" if crashing else "no worker is failing"),
         _condition("WaitingForCapacity", bool(pending),
@@ -130,6 +147,10 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         "workers": len(live),
         "readyWorkers": len(ready),
         "desiredWorkers": desired,
+        "prefillWorkers": len(live_prefill),
+        "readyPrefillWorkers": len(ready_prefill),
+        "desiredPrefillWorkers": desired_prefill,
+        "kvTransfers": figures.kv_transfers,
         "gpusInUse": figures.gpus_in_use,
         "lowerBoundGpus": figures.lower_bound_gpus,
         "kvUtilizationPercent": min(100, round(100 * figures.used_bytes / active_bytes)) if active_bytes else 0,
@@ -138,7 +159,7 @@ def pool_status(pool: dict[str, Any], spec: LLMPoolSpec, pods: list[dict[str, An
         "cpuBufferBytes": figures.cpu_buffer_bytes,
         "heldRequests": figures.held_requests,
         **({"lastWokenAt": woke} if (woke := figures.woken_at or (pool.get("status") or {}).get("lastWokenAt")) else {}),
-        "selector": worker_selector(name),
+        "selector": scaled_selector(name, spec),
     }
 
 
