@@ -8,8 +8,10 @@ checked by what crosses and what each side's prefix cache then serves.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from migration_testing import TOKEN, Streamed, Worker, follow_target, read_sse, reference, start_worker
+from aiohttp import web
+from migration_testing import TOKEN, Streamed, Worker, follow_target, free_port, read_sse, reference, start_worker
 from worker_testing import EngineLoop
 
+from kvfleet.router.app import Router, RouterConfig
+from kvfleet.router.placement import PDSettings, PoolSnapshot, WorkerState
+from kvfleet.router.pool import StaticPoolView
+from kvfleet.serving.credentials import PoolCredentials
 from kvfleet.serving.httpapi import DecodeTarget
 from kvfleet.worker.disaggregation import PDConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
@@ -212,3 +219,88 @@ def test_naming_a_decode_worker_needs_the_pool_token(pd: tuple[Worker, Worker]) 
     bad = conn.getresponse()
     assert bad.status == 400
     assert "X-Kvfleet-Decode-Target" in json.loads(bad.read())["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------ through a router
+
+
+@pytest.fixture(scope="module")
+def router(pd: tuple[Worker, Worker], engine_loop: EngineLoop) -> Iterator[tuple[Router, int]]:
+    """A router over the two workers as a disaggregated pool's view shows them (roles from pod labels)."""
+    prefill, decode = pd
+    workers = tuple(WorkerState(w.name, w.address, True, i, 8 * 1024 * 1024, role=role,
+                                migration_address=f"127.0.0.1:{w.agent.migration_port}")
+                    for i, (w, role) in enumerate(((prefill, "prefill"), (decode, "decode"))))
+    view = StaticPoolView(PoolSnapshot(workers, {}, locality="prompt-tree",
+                                       disaggregation=PDSettings(caching="full", choice="always")))
+    router = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), view)
+    port = free_port()
+
+    async def start() -> web.AppRunner:
+        runner = web.AppRunner(router.app(), shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = engine_loop.run(start())
+    yield router, port
+    engine_loop.run(runner.cleanup())
+
+
+def through(port: int, payload: dict[str, Any]) -> Streamed:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    return read_sse(response)
+
+
+def placements(router: Router, rule: str) -> float:
+    return router.metrics.registry.get_sample_value("kvfleet_router_placements_total", {"rule": rule}) or 0.0
+
+
+def test_a_router_serves_a_disaggregated_pool_one_whole_stream_per_request(
+        pd: tuple[Worker, Worker], router: tuple[Router, int]) -> None:
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "full")  # type: ignore[union-attr]
+    app, port = router
+    before = transfers(prefill)
+    prompt = "a router's request, " + PROMPT
+    streamed = through(port, body(prompt))
+    assert streamed.done
+    assert streamed.text == reference(decode, body(prompt))[0]
+    assert transfers(prefill) == before + 1
+    assert sum(placements(app, rule) for rule in ("pd:least-loaded", "pd:least-queued", "pd:prefix")) >= 1
+    assert app.metrics.registry.get_sample_value("kvfleet_router_time_to_second_token_seconds_count") >= 1
+    # The tree now believes both roles cache the conversation (full caching): the next turn's
+    # prefill worker is found by its prefix, and the decode worker too.
+    tree = app.prefix.tree
+    assert tree is not None and tree.blocks_of(prefill.name) > 0 and tree.blocks_of(decode.name) > 0
+    idle(prefill, decode)
+
+
+def test_a_prefill_worker_lost_before_the_hand_over_costs_the_stream_nothing(
+        pd: tuple[Worker, Worker], router: tuple[Router, int], engine_loop: EngineLoop) -> None:
+    """The router resumes a request whose prefill worker failed on another worker (here the decode
+    worker, the only one left), and the client's stream stays whole."""
+    prefill, decode = pd
+    app, port = router
+    view = app.view
+    assert isinstance(view, StaticPoolView)
+    snapshot = view.snapshot()
+    # A prefill worker that accepts the connection and dies: its address answers nothing.
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen()
+    dead_address = f"127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()
+    view.set(dataclasses.replace(snapshot, workers=(
+        dataclasses.replace(snapshot.workers[0], address=dead_address), snapshot.workers[1])))
+    try:
+        prompt = "a request whose prefill worker is gone, " + PROMPT
+        streamed = through(port, body(prompt))
+        assert streamed.done
+        assert streamed.text == reference(decode, body(prompt))[0]
+    finally:
+        view.set(snapshot)
+    idle(prefill, decode)

@@ -25,11 +25,14 @@ import aiohttp
 from aiohttp import web
 
 from kvfleet.api.speed import SPEED_PROFILE_PATH
+from kvfleet.router.disaggregation import PREFILL, caches, place_disaggregated
 from kvfleet.router.hold import HoldFull, HoldQueue, HoldTimeout
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.model_info import ModelInfo, ModelInfoSource
 from kvfleet.router.placement import (
     NoRoute,
+    PDSettings,
+    PoolSnapshot,
     Reservation,
     RouteChoice,
     estimate_prompt_tokens,
@@ -254,9 +257,25 @@ class Router:
         finally:
             for relay in relays:
                 self._reservations.pop(relay.request_id, None)
-                done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
-                self.prefix.ended(relay.request_id, relay.workers[-1] if done else None,
-                                  (relay.prompt_token_ids or []) + relay.output_token_ids if done else None, user)
+                self._ended(relay, user)
+
+    def _ended(self, relay: Relay, user: str | None) -> None:
+        """The prompt tree learns what the request left cached where (MemServe §6's update path)."""
+        done = relay.finish_reason is not None and relay.prompt_token_ids is not None and relay.workers
+        tokens = (relay.prompt_token_ids or []) + relay.output_token_ids
+        snapshot = self.view.snapshot()
+        pd = snapshot.disaggregation
+        if pd is None or not done:
+            self.prefix.ended(relay.request_id, relay.workers[-1] if done else None, tokens if done else None, user)
+            return
+        # A disaggregated pool: each role's cache per the pool's milestone (kvfleet.router.disaggregation).
+        roles = {w.pod_name: w.role for w in snapshot.workers}
+        last = relay.workers[-1]
+        self.prefix.ended(relay.request_id, last if caches(roles.get(last), pd.caching) else None, tokens, user)
+        first = relay.workers[0]
+        if first != last and roles.get(first) == PREFILL and caches(PREFILL, pd.caching):
+            # The prefill worker cached the prompt as it handed it over, and got the answer back (full).
+            self.prefix.remember(first, tokens if pd.caching == "full" else list(relay.prompt_token_ids or []))
 
     async def _wait_for_a_worker(self) -> None:
         """Hold the request while the pool has no Ready worker (scaled to zero, or waking): hold.py."""
@@ -295,6 +314,8 @@ class Router:
             others = [r for r in self._reservations.values() if r.request_id != request_id]
             capacity = (info.capacity_bytes if info else None) or 1
             snapshot = self.view.snapshot()
+            if snapshot.disaggregation is not None:
+                return choose_disaggregated(snapshot, snapshot.disaggregation, others, capacity, exclude)
             locality = self.prefix.locality(snapshot, prompt_ids, user)
             choice = place(snapshot, others, estimate["bytes"], default_capacity_bytes=capacity, exclude=exclude,
                            locality=locality)
@@ -304,6 +325,20 @@ class Router:
                 if locality is not None:
                     self.metrics.prefix_matched_tokens.inc(locality.cached_tokens.get(choice.pod_name, 0))
                 log.debug("%s (%d bytes of KV) -> %s by %s", request_id, estimate["bytes"], choice.pod_name, choice.rule)
+            return choice
+
+        def choose_disaggregated(snapshot: PoolSnapshot, pd: PDSettings, others: list[Reservation], capacity: int,
+                                 exclude: frozenset[str]) -> RouteChoice | NoRoute:
+            tokens = len(prompt_ids) if prompt_ids is not None else prompt_tokens
+            locality = self.prefix.disaggregated_input(snapshot, prompt_ids, tokens, user)
+            choice = place_disaggregated(snapshot, pd, others, estimate["bytes"], default_capacity_bytes=capacity,
+                                         exclude=exclude, locality=locality,
+                                         kv_bytes_per_token=(info.kv_bytes_per_token or 0) if info else 0)
+            if isinstance(choice, RouteChoice):
+                self.metrics.placements.labels(choice.rule).inc()
+                self.prefix.placed(request_id, choice.pod_name, prompt_ids, locality, tokens)
+                log.debug("%s -> %s%s by %s", request_id, choice.pod_name,
+                          f" then {choice.decode.pod}" if choice.decode else "", choice.rule)
             return choice
 
         def on_worker(pod_name: str, ids: list[int] | None) -> None:

@@ -32,6 +32,10 @@ class RouterMetrics:
                                      "Requests that met the hold queue, by outcome: released, full, timeout, gone",
                                      ["outcome"], registry=self.registry)
         self.in_flight = Gauge("kvfleet_router_requests_in_flight", "Requests being relayed", registry=self.registry)
+        self.time_to_second_token = Histogram(
+            "kvfleet_router_time_to_second_token_seconds",
+            "From the request's arrival to its second text (after a disaggregated pool's hand-over)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry)
         self.time_to_first_token = Histogram(
             "kvfleet_router_time_to_first_token_seconds", "From the request's arrival to its first text",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry)

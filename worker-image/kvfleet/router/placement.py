@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvfleet.mell import GpuLoad, PolicyConfig, allocate_one, cluster_snapshot, policy_config
 from kvfleet.mell.size_classes import SizeClass, class_of_name, size_class
 from kvfleet.router.locality import Locality, LocalityInput, prefer_cached
+from kvfleet.serving.httpapi import DecodeTarget
 
 # Rough bytes of UTF-8 text per token of a BPE tokenizer, for prompts the router sees as text (it has
 # no tokenizer: the model's files live with the workers). The first streamed chunk gives the exact count.
@@ -30,6 +31,20 @@ class ReportedRequest:
     request_id: str
     kv_bytes: int
     size_class: SizeClass
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    """A disaggregated pool's spec as the router uses it (the LLMPool's spec.disaggregation)."""
+
+    # MemServe §5's milestones: none (PD-Basic), prefill (cache at P), decode (at P and D), full (D's
+    # KV back to P): which workers' caches the router's prompt tree believes in.
+    caching: str = "full"
+    # "always" (the paper: every request prefilled on a prefill worker) or "per-request"
+    # (kvfleet.router.disaggregation.choose).
+    choice: str = "per-request"
+    # The pool's link for KV between workers (spec.migration.communicationBoundaryBytesPerSecond).
+    link_bytes_per_s: float = 10e9
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,11 @@ class WorkerState:
     reported: tuple[ReportedRequest, ...] = ()
     # Blocks its prefix cache holds, from its report; None: it has no cache (or has not said).
     prefix_cache_blocks: int | None = None
+    # Its role in a disaggregated pool ("prefill" or "decode", its pod's kvfleet.dev/role label); None:
+    # a colocated pool's worker.
+    role: str | None = None
+    # "ip:port" of its migration port (its pod's `migration` container port); "": the pool's default.
+    migration_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,8 @@ class PoolSnapshot:
     # pool's workers cache prefixes (prefixCaching.enabled).
     locality: Locality = "none"
     prefix_ttl_s: float = 600.0
+    # The pool's spec.disaggregation while enabled (kvfleet.router.disaggregation); None: colocated.
+    disaggregation: PDSettings | None = None
 
     def ready_workers(self) -> list[WorkerState]:
         return [w for w in self.workers if w.ready and w.address]
@@ -86,6 +108,8 @@ class RouteChoice:
     address: str
     # How it was chosen: "route", "allocate:<step>", "least-loaded" or "queued:<where>" (logged, counted in metrics).
     rule: str
+    # A disaggregated pool's decode worker: this worker prefills the request and hands it there.
+    decode: DecodeTarget | None = None
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,13 @@ from typing import Any, Literal, Protocol
 from pydantic import ValidationError
 
 from kvfleet.api.incluster import load_config
-from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, POOL_LABEL, LLMPoolSpec
+from kvfleet.api.models import HELD_REFRESH_S, HELD_REQUESTS_ANNOTATION, POOL_LABEL, ROLE_LABEL, LLMPoolSpec
+from kvfleet.api.quantity import parse_quantity
 from kvfleet.api.reports import KVLOAD_PLURAL, KVLoadReport, pool_reports
 from kvfleet.api.scheduling import scheduler_config
 from kvfleet.mell import PolicyConfig
 from kvfleet.router.locality import LOCALITIES, Locality
-from kvfleet.router.placement import PoolSnapshot, ReportedRequest, WorkerState, parse_class
+from kvfleet.router.placement import PDSettings, PoolSnapshot, ReportedRequest, WorkerState, parse_class
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,21 @@ def worker_state(pod: Mapping[str, Any], report: KVLoadReport | None) -> WorkerS
     reported: tuple[ReportedRequest, ...] = ()
     if report is not None:
         reported = tuple(ReportedRequest(r.id, r.kv_bytes, parse_class(r.size_class)) for r in report.requests)
+    role = labels.get(ROLE_LABEL)
     return WorkerState(name, f"{ip}:{WORKER_PORT}" if ip else "", is_ready(pod),
                        int(index_text) if index_text.isdigit() else -1,
                        report.capacity_bytes if report else None, reported,
-                       report.prefix_cache_blocks if report else None)
+                       report.prefix_cache_blocks if report else None,
+                       role=str(role) if role else None, migration_address=_migration_address(pod, ip))
+
+
+def _migration_address(pod: Mapping[str, Any], ip: str) -> str:
+    """The pod's migration port (its container port named `migration`) on its IP; "" if it lists none."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "migration" and port.get("containerPort") and ip:
+                return f"{ip}:{int(port['containerPort'])}"
+    return ""
 
 
 def report_of(pod: Mapping[str, Any], kvload: Mapping[str, Any] | None) -> KVLoadReport | None:
@@ -161,6 +173,20 @@ def locality_of(pool: Mapping[str, Any] | None) -> tuple[Locality, float]:
     ttl_s = caching.get("ttlSeconds", 600)
     locality: Locality = routing if routing in LOCALITIES else "prompt-tree"
     return locality, float(ttl_s) if isinstance(ttl_s, (int, float)) and ttl_s > 0 else 600.0
+
+
+def disaggregation_of(pool: Mapping[str, Any] | None) -> PDSettings | None:
+    """The pool's spec.disaggregation while enabled (the spec's defaults where unset); None: colocated."""
+    spec = (pool or {}).get("spec") or {}
+    pd = spec.get("disaggregation") or {}
+    if not pd.get("enabled"):
+        return None
+    link = ((spec.get("migration") or {}).get("communicationBoundaryBytesPerSecond"))
+    try:
+        link_bytes_per_s = float(parse_quantity(link)) if link is not None else PDSettings().link_bytes_per_s
+    except ValueError:
+        link_bytes_per_s = PDSettings().link_bytes_per_s
+    return PDSettings(str(pd.get("caching", "full")), str(pd.get("choice", "per-request")), link_bytes_per_s)
 
 
 def policy_of(pool: Mapping[str, Any] | None) -> str:
@@ -390,4 +416,4 @@ class KubePoolView:
         locality, ttl_s = locality_of(self._pool)
         self._snapshot = PoolSnapshot(workers, routes_of(self._pool), synced=all(self._synced.values()),
                                       config=self._config, policy=policy_of(self._pool), locality=locality,
-                                      prefix_ttl_s=ttl_s)
+                                      prefix_ttl_s=ttl_s, disaggregation=disaggregation_of(self._pool))

@@ -90,7 +90,9 @@ class PrefixRouting:
         refreshed_s = float("-inf")
         while True:
             await asyncio.sleep(1.0)
-            if self.view.snapshot().locality != "prompt-tree" or self.clock() - refreshed_s < PROFILE_REFRESH_S:
+            snapshot = self.view.snapshot()
+            weighs = snapshot.locality == "prompt-tree" or snapshot.disaggregation is not None
+            if not weighs or self.clock() - refreshed_s < PROFILE_REFRESH_S:
                 continue
             refreshed_s = self.clock()
             try:
@@ -138,18 +140,35 @@ class PrefixRouting:
             return None
         return LocalityInput(len(prompt_ids), cached, queued_s(self._queued.values(), self.cost), self.cost)
 
-    def placed(self, request_id: str, pod_name: str, prompt_ids: list[int] | None, locality: LocalityInput | None) -> None:
-        """The request was sent to `pod_name`: its prefill is queued there until its first token."""
-        if prompt_ids is None:
+    def disaggregated_input(self, snapshot: PoolSnapshot, prompt_ids: list[int] | None, prompt_tokens: int,
+                            user: str | None) -> LocalityInput:
+        """What a disaggregated pool's placement weighs (kvfleet.router.disaggregation), always: the
+        prompt tree's matches where the pool caches, the prefill queued per worker, exec(x, y)."""
+        matched = self.locality(snapshot, prompt_ids, user) if snapshot.locality == "prompt-tree" else None
+        cached = matched.cached_tokens if matched is not None else {}
+        return LocalityInput(prompt_tokens, cached, queued_s(self._queued.values(), self.cost), self.cost)
+
+    def placed(self, request_id: str, pod_name: str, prompt_ids: list[int] | None, locality: LocalityInput | None,
+               prompt_tokens: int | None = None) -> None:
+        """The request was sent to `pod_name`: its prefill is queued there until its first token
+        (`prompt_tokens`: its estimated length, where the router has no ids for it)."""
+        if prompt_ids is None and prompt_tokens is None:
             return
         cached_tokens = locality.cached_tokens.get(pod_name, 0) if locality is not None else 0
-        self._queued[request_id] = Queued(pod_name, len(prompt_ids), cached_tokens)
-        if self.tree is not None and cached_tokens:
+        self._queued[request_id] = Queued(pod_name, len(prompt_ids) if prompt_ids is not None else prompt_tokens or 0,
+                                          cached_tokens)
+        if self.tree is not None and cached_tokens and prompt_ids is not None:
             self.tree.touch(pod_name, prompt_ids[:cached_tokens], self.clock())
 
     def started(self, request_id: str) -> None:
         """Its first token came back: its prefill is no longer ahead of anyone."""
         self._queued.pop(request_id, None)
+
+    def remember(self, pod_name: str, token_ids: list[int]) -> None:
+        """`pod_name`'s cache holds these tokens' KV now (a disaggregated pool's prefill worker: the
+        prompt it cached, and under PD-Caching-3 the answer sent back)."""
+        if self.tree is not None and token_ids:
+            self.tree.insert(pod_name, token_ids, self.clock())
 
     def ended(self, request_id: str, pod_name: str | None, token_ids: list[int] | None, user: str | None) -> None:
         """The response came back through the router (§6's update path): `pod_name` now caches its

@@ -39,6 +39,7 @@ from kvfleet.serving.httpapi import (
     RESUME_PATH,
     TOKEN_STREAM_HEADER,
     TOKEN_STREAM_MODE,
+    DecodeTarget,
     Migrated,
     bearer,
     continuation_path,
@@ -104,6 +105,9 @@ class _Source:
     pod_name: str
     address: str
     kind: str  # "placed" (POST), "resumed" (POST), "migrated" (GET the target's stream)
+    # A disaggregated pool's decode worker, which this worker hands the request to once prefilled: its
+    # stream then ends with the hand-off event, followed like a migration's.
+    decode: DecodeTarget | None = None
 
 
 class Relay:
@@ -180,12 +184,15 @@ class Relay:
             choice = self.place(frozenset())  # every other worker is gone: the failed one may be back
         if isinstance(choice, NoRoute):
             raise Unplaceable(choice)
-        return _Source(choice.pod_name, choice.address, kind)
+        return _Source(choice.pod_name, choice.address, kind, choice.decode)
 
     # ------------------------------------------------------------------------------------ one hop
 
-    def _headers(self, internal: bool) -> dict[str, str]:
+    def _headers(self, internal: bool, decode: DecodeTarget | None = None) -> dict[str, str]:
         headers = {TOKEN_STREAM_HEADER: TOKEN_STREAM_MODE, REQUEST_ID_HEADER: self.request_id}
+        if decode is not None and self.credentials is not None:
+            headers.update(decode.header())  # honoured with the pool token only
+            internal = True
         if internal and self.credentials is not None:
             headers.update(bearer(self.credentials.token))
         return headers
@@ -215,12 +222,12 @@ class Relay:
         elif source.kind == "resumed" and self.output_token_ids:
             # Continued after its output (penalties, min_tokens and a grammar count it): pool token needed.
             request = self.session.post(f"{url}{RESUME_PATH}", params={"output": str(len(self.output_token_ids))},
-                                        json=await self._resume_body(source), headers=self._headers(True))
+                                        json=await self._resume_body(source), headers=self._headers(True, source.decode))
         elif source.kind == "resumed":
             request = self.session.post(f"{url}/v1/completions", json=await self._resume_body(source),
-                                        headers=self._headers(False))
+                                        headers=self._headers(False, source.decode))
         else:
-            request = self.session.post(f"{url}{self.path}", json=self.body, headers=self._headers(False))
+            request = self.session.post(f"{url}{self.path}", json=self.body, headers=self._headers(False, source.decode))
         try:
             response = await asyncio.wait_for(request, self.timeouts.first_token_s)
         except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: the connect timeout, not the first token's

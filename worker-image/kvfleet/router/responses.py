@@ -76,17 +76,19 @@ async def respond(request: web.Request, relays: Sequence[Relay], body: Completio
 
 
 class _FirstText:
-    """Observes the time to the request's first text (whichever sample gives it)."""
+    """Observes the time to the request's first text and to its second (whichever sample gives them):
+    in a disaggregated pool the second comes after the hand-over to the decode worker."""
 
     def __init__(self, metrics: RouterMetrics, arrived_s: float) -> None:
         self.metrics = metrics
         self.arrived_s = arrived_s
-        self.seen = False
+        self.seen = 0
 
     def text(self) -> None:
-        if not self.seen:
-            self.seen = True
-            self.metrics.time_to_first_token.observe(time.monotonic() - self.arrived_s)
+        if self.seen < 2:
+            self.seen += 1
+            histogram = self.metrics.time_to_first_token if self.seen == 1 else self.metrics.time_to_second_token
+            histogram.observe(time.monotonic() - self.arrived_s)
 
 
 async def _client_texts(head: Step | None, steps: AsyncIterator[Step], stops: StopStrings, timer: _FirstText
