@@ -120,6 +120,10 @@ def test_a_request_prefilled_on_one_worker_decodes_on_the_other_as_one_whole_str
     assert token_ids(head, rest) == expected
     assert head.text + rest.text == reference(decode, body())[0]
     assert transfers(prefill) == before + 1
+    # Both report their role's figures: the operator sizes the prefill tier by the queued prompt tokens
+    # and sums the prefill workers' hand-overs in the pool's status.
+    wait_for(lambda: prefill.reports and prefill.reports[-1].kv_transfers == prefill.agent.transfer_metrics.count)
+    assert decode.reports[-1].queued_prefill_tokens == 0 and decode.reports[-1].kv_transfers is None
     idle(prefill, decode)
 
 

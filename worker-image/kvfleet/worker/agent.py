@@ -47,7 +47,7 @@ from kvfleet.worker.migration.executor import Executor, MigrationMetrics, Migrat
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest, Handoffs, HandoffTarget, LiveRequest
 from kvfleet.worker.migration.transport import MIGRATION_PORT, Listener, TCPTransport, split_address
 from kvfleet.worker.openai_routes import OpenAIRoutes
-from kvfleet.worker.reporter import CacheFigures, DistKVFigures, LoadReporter, WriteReport, measured_from
+from kvfleet.worker.reporter import CacheFigures, DistKVFigures, LoadReporter, PDFigures, WriteReport, measured_from
 from kvfleet.worker.streams import RequestStreams
 from kvfleet.worker.text import Tokenizer
 
@@ -226,8 +226,21 @@ class Agent:
                                      measured=measured_from(self.metrics.registry),
                                      block_size_tokens=info.block_size_tokens, step_s=self._decode_step_s,
                                      memory=elastic.memory_state if elastic is not None else None,
-                                     prefix_cache=self._cache_figures(info), distkv=self._distkv_figures(info))
+                                     prefix_cache=self._cache_figures(info), distkv=self._distkv_figures(info),
+                                     pd=self._pd_figures())
         self._tasks.append(asyncio.create_task(self.reporter.run()))
+
+    def _pd_figures(self) -> Callable[[], PDFigures] | None:
+        role = self.config.disaggregation.role
+        if role is None:
+            return None
+        transfers = self.transfer_metrics
+
+        def figures() -> PDFigures:
+            queued = sum(r.tokens for r in self.engine.queued())
+            return PDFigures(queued, transfers.count if role == "prefill" else None)
+
+        return figures
 
     def _distkv_figures(self, info: EngineInfo) -> Callable[[], DistKVFigures] | None:
         lending, borrowing = self.engine.capabilities.lending, self.engine.capabilities.borrowing

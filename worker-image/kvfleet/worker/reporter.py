@@ -90,7 +90,7 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                  queued: list[RequestKV] | None = None, measured: Measured | None = None,
                  block_size_tokens: int | None = None, finishing_tokens: float | None = None,
                  cpu_buffer_bytes: int | None = None, prefix_cache: CacheFigures | None = None,
-                 distkv: DistKVFigures | None = None) -> KVLoadReport:
+                 distkv: DistKVFigures | None = None, pd: PDFigures | None = None) -> KVLoadReport:
     """A report of the requests holding KV (`usage`) and those queued for it. Beyond the size limit
     only the largest are listed (the rest are rare and tiny at that count); used_bytes counts every
     request holding KV, and only those."""
@@ -113,7 +113,18 @@ def build_report(usage: list[RequestKV], capacity_bytes: int, sequence: int,
                         prefix_cache_blocks=prefix_cache.cached_blocks if prefix_cache else None,
                         lend_cap_bytes=distkv.lend_cap_bytes if distkv else None,
                         lent_bytes=distkv.lent_bytes if distkv and distkv.lend_cap_bytes is not None else None,
-                        borrowed=dict(distkv.borrowed) if distkv and distkv.borrowed else None)
+                        borrowed=dict(distkv.borrowed) if distkv and distkv.borrowed else None,
+                        queued_prefill_tokens=pd.queued_prefill_tokens if pd else None,
+                        kv_transfers=pd.kv_transfers if pd else None)
+
+
+@dataclass(frozen=True)
+class PDFigures:
+    """A disaggregated pool's worker's figures (docs/disaggregation.md): the prompt tokens queued on it,
+    which the operator sizes the prefill tier by, and (a prefill worker) the requests it handed over."""
+
+    queued_prefill_tokens: int
+    kv_transfers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,8 +175,10 @@ class LoadReporter:
                  step_s: Callable[[], float | None] | None = None,
                  memory: Callable[[], MemoryState] | None = None,
                  prefix_cache: Callable[[], CacheFigures] | None = None,
-                 distkv: Callable[[], DistKVFigures] | None = None) -> None:
+                 distkv: Callable[[], DistKVFigures] | None = None,
+                 pd: Callable[[], PDFigures] | None = None) -> None:
         self._usage = usage
+        self._pd = pd
         self._distkv = distkv
         self._memory = memory
         self._prefix_cache = prefix_cache
@@ -200,7 +213,8 @@ class LoadReporter:
                               finishing_tokens=2 * self.interval_s / step_s if step_s else None,
                               cpu_buffer_bytes=memory.cpu_buffer_bytes if memory else None,
                               prefix_cache=self._prefix_cache() if self._prefix_cache else None,
-                              distkv=self._distkv() if self._distkv else None)
+                              distkv=self._distkv() if self._distkv else None,
+                              pd=self._pd() if self._pd else None)
         key = report_key(report, self._capacity_bytes if memory else None)
         if key == self._last_key or self._clock() - self._last_write_s < self.interval_s:
             return False
