@@ -21,7 +21,6 @@ object) to $KVFLEET_CHAOS_SUMMARY, which the make target prints after pytest's o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -43,6 +42,7 @@ from kvfleet.sim import bundled
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.operators import OperatorHandle
 from kvfleet_e2e.pools import ready
+from kvfleet_e2e.processes import signal_group, worker_pid
 from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
 from kvfleet_e2e.reports import worker_reports
 
@@ -209,18 +209,6 @@ def holder(cluster: Cluster, namespace: str, pool: str, request_id: str) -> tupl
             others = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"] and ready(p)]
             return (pod, others[0]) if others else None
     return None
-
-
-def worker_pid(pod: dict[str, Any]) -> int:
-    """The worker's process (the node agent's containerID is process://PID, its own process group)."""
-    container_id = pod["status"]["containerStatuses"][0]["containerID"]
-    assert container_id.startswith("process://"), container_id
-    return int(container_id.removeprefix("process://"))
-
-
-def signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, sig)
 
 
 # -------------------------------------------------------------------------------------------- tests
