@@ -3,7 +3,8 @@
 A dashboard whose query names a metric nobody exports draws an empty panel without an error, so a
 renamed metric would go unnoticed: every metric name in the dashboard's PromQL must be one of the
 operator's (its metrics module), a worker's (a `WorkerMetrics` registry, the builtin case: the vLLM
-names it emulates, which vLLM's own workers export too) or a router's (`RouterMetrics`).
+names it emulates, which vLLM's own workers export too, with the migration executor's and the
+hand-overs' metrics the agent registers beside them) or a router's (`RouterMetrics`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import kvfleet.operator.metrics as operator_metrics
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.worker.gpu import GPUProbe
 from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.migration.result import MigrationMetrics, TransferMetrics
 from kvfleet_e2e.helm import render_chart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +53,9 @@ def exposed() -> dict[str, str]:
     meter = worker.request(0.0, num_prompt_tokens=3)  # fed once, as a served request feeds it
     meter.tokens(1)
     meter.finished("stop")
+    # The agent registers its migration executor's and hand-overs' metrics on the same registry.
+    MigrationMetrics(worker.registry)
+    TransferMetrics(worker.registry).transfers.labels("by-request-aggregated", "transferred").inc()
     for name in series_names(worker.registry.collect()):
         names[name] = "worker"
     for name in series_names(RouterMetrics().registry.collect()):
