@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from kvfleet.api.crdgen import all_crds
 from kvfleet.api.models import (
-    DISAGGREGATION_ENGINES,
+    DISAGGREGATION_CACHING,
     ROLE_LABEL,
     DisaggregationSpec,
     LLMPoolSpec,
@@ -59,9 +59,11 @@ def test_the_fields_are_camel_case_on_the_wire() -> None:
         # (b) DistKV's spanning requests cannot be handed over.
         ({"distkv": {"enabled": True}}, "disaggregation.enabled cannot be combined with distkv.enabled: a request whose "
                                         "KV spans workers cannot be handed over"),
-        # (c) vLLM, the default engine, has no export path yet.
-        ({"engine": "vllm"}, "disaggregation.enabled needs engine: builtin .*vLLM's export path is not built yet"),
-        ({"engine": None}, "disaggregation.enabled needs engine: builtin"),
+        # (c) vLLM, the default engine, serves PD-Basic only: its prefix cache takes in no KV from others.
+        ({"engine": "vllm"}, "disaggregation.caching: a vllm pool serves only caching: none"),
+        ({"engine": None}, "disaggregation.caching: a vllm pool serves only caching: none"),
+        ({"engine": "vllm", "disaggregation": {"enabled": True, "caching": "prefill"}},
+         "vLLM's prefix cache cannot take in KV another worker sends"),
         # (d) zero decode workers is impossible, as for any pool.
         ({"workers": {"max": 0}}, r"workers\.max\n.*greater than or equal to 1"),
         ({"disaggregation": {"enabled": True, "prefillWorkers": {"min": 3, "max": 2}}},
@@ -113,7 +115,7 @@ def test_each_pydantic_rule_has_a_cel_twin_with_its_message_and_field() -> None:
     assert len(rules) == 3
     for overrides, field_path in [({"prefixCaching": {"enabled": False}}, ".disaggregation.caching"),
                                   ({"distkv": {"enabled": True}}, ".disaggregation.enabled"),
-                                  ({"engine": "vllm"}, ".disaggregation.enabled")]:
+                                  ({"engine": "vllm"}, ".disaggregation.caching")]:
         message = _pydantic_message(overrides)
         twins = [rule for text, rule in rules.items() if text in message]
         assert len(twins) == 1, f"no CEL rule says what pydantic says: {message}"
@@ -124,10 +126,17 @@ def test_each_pydantic_rule_has_a_cel_twin_with_its_message_and_field() -> None:
         {"rule": "self.min <= self.max", "message": "min must be less than or equal to max", "fieldPath": ".min"}]
 
 
-def test_the_engine_rule_is_one_list_to_lift() -> None:
-    engine_rule = next(r for m, r in _cel_rules().items() if "engine" in m)
-    assert DISAGGREGATION_ENGINES == ("builtin",)
-    assert engine_rule["rule"].endswith("self.engine in ['builtin'])")
+def test_the_engine_rule_is_one_table_to_lift() -> None:
+    engine_rule = next(r for m, r in _cel_rules().items() if "vllm pool" in m)
+    assert DISAGGREGATION_CACHING["vllm"] == ("none",)
+    assert engine_rule["rule"].endswith("self.disaggregation.caching in ['none'])")
+    assert engine_rule["fieldPath"] == ".disaggregation.caching"
+
+
+def test_a_vllm_pool_disaggregates_without_caching() -> None:
+    pool = LLMPoolSpec.model_validate(spec(engine="vllm", prefixCaching={"enabled": False},
+                                           disaggregation={"enabled": True, "caching": "none"}))
+    assert pool.disaggregation.enabled and pool.engine == "vllm"
 
 
 def test_the_server_fills_in_the_disaggregation_defaults() -> None:

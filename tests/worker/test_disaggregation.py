@@ -21,7 +21,7 @@ import pytest
 import torch
 from aiohttp import web
 from migration_testing import TOKEN, Streamed, Worker, follow_target, free_port, read_sse, reference, start_worker
-from worker_testing import EngineLoop
+from worker_testing import EngineLoop, SharedEngine, StartedEngine, start_engine
 
 from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PDSettings, PoolSnapshot, WorkerState
@@ -307,4 +307,39 @@ def test_a_prefill_worker_lost_before_the_hand_over_costs_the_stream_nothing(
         assert streamed.text == reference(decode, body(prompt))[0]
     finally:
         view.set(snapshot)
+    idle(prefill, decode)
+
+
+# -------------------------------------------------------------------------------------------- vLLM
+
+
+@pytest.fixture(scope="module")
+def vllm_and_builtin(tiny_model_dir: Path, engine_loop: EngineLoop,
+                     started_engines: dict[str, StartedEngine]) -> Iterator[tuple[Worker, Worker]]:
+    started = start_engine("vllm", tiny_model_dir, started_engines, engine_loop)
+    v = start_worker("vllm-0", tiny_model_dir, engine_loop, engine=SharedEngine(started),
+                     disaggregation=PDConfig("prefill", "none"))
+    b = start_worker("builtin-0", tiny_model_dir, engine_loop, disaggregation=PDConfig("prefill", "none"))
+    yield v, b
+    for w in (v, b):
+        engine_loop.run(w.runner.cleanup())
+
+
+@pytest.mark.parametrize("direction", ["vllm-to-builtin", "builtin-to-vllm"])
+def test_vllm_prefills_and_exports_or_imports_and_decodes_through_its_kv_connector(
+        vllm_and_builtin: tuple[Worker, Worker], direction: str) -> None:
+    """vLLM's prefill-then-export pattern (its NIXL connector's do_remote_decode) through kvfleet's KV
+    connector: a vLLM worker hands a prefilled request to a decode worker, or decodes one handed to it,
+    and the stream is the colocated greedy output (the two engines agree on greedy tokens)."""
+    v, b = vllm_and_builtin
+    prefill, decode = (v, b) if direction == "vllm-to-builtin" else (b, v)
+    payload = {**body(), "max_tokens": 32}
+    expected = reference(decode, payload)[1]
+    assert reference(prefill, payload)[1] == expected, "the engines disagree on greedy tokens"
+    before = transfers(prefill)
+    head, rest = disaggregated(prefill, decode, f"pd-{direction}", payload)
+    assert rest.done
+    assert token_ids(head, rest) == expected
+    assert transfers(prefill) == before + 1
+    assert counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") > 0  # KV crossed, not tokens
     idle(prefill, decode)

@@ -233,10 +233,12 @@ class PrefillWorkersSpec(_Model):
         return self
 
 
-# The engines whose workers can hand a prefilled request's KV to a decode worker. vLLM's export path is
-# not built yet: add "vllm" here when it is (the pydantic check and the CEL rule both read this, so the
-# CRDs regenerate with it: `make crds`).
-DISAGGREGATION_ENGINES: tuple[str, ...] = ("builtin",)
+# The caching milestones each engine's workers serve in a disaggregated pool (the pydantic check and the
+# CEL rule both read this, so the CRDs regenerate with it: `make crds`). vLLM hands requests over and
+# takes them in through kvfleet's KV connector (PD-Basic), but its prefix cache is vLLM's own, which
+# cannot take in KV another worker sends (PD-Caching-2 and -3) and is not tested behind a hand-over.
+DISAGGREGATION_CACHING: dict[str, tuple[str, ...]] = {"builtin": ("none", "prefill", "decode", "full"),
+                                                      "vllm": ("none",)}
 
 
 class DisaggregationSpec(_Model):
@@ -410,8 +412,8 @@ _MESSAGE_CACHING_NEEDS_PREFIX_CACHE = ("disaggregation.caching other than none n
                                        "(the workers' prefix cache is what caches at P and D)")
 _MESSAGE_NO_DISTKV = ("disaggregation.enabled cannot be combined with distkv.enabled: a request whose KV spans "
                       "workers cannot be handed over")
-_MESSAGE_ENGINE = (f"disaggregation.enabled needs engine: {' or '.join(DISAGGREGATION_ENGINES)} (disaggregation runs "
-                   "on the builtin engine; vLLM's export path is not built yet)")
+_MESSAGE_ENGINE = ("disaggregation.caching: a vllm pool serves only caching: none (vLLM's prefix cache cannot take "
+                   "in KV another worker sends); the builtin engine serves every milestone")
 
 
 class LLMPoolSpec(_Model):
@@ -453,11 +455,12 @@ class LLMPoolSpec(_Model):
                     "fieldPath": ".disaggregation.enabled",
                 },
                 {
-                    # The engine defaults to vllm, so an absent engine is refused too.
-                    "rule": f"{_DISAGGREGATED_OFF} || (has(self.engine) && self.engine in "
-                    f"[{', '.join(repr(e) for e in DISAGGREGATION_ENGINES)}])",
+                    # The engine defaults to vllm and caching to full: an absent engine or caching is read so.
+                    "rule": f"{_DISAGGREGATED_OFF} || (has(self.engine) && self.engine == 'builtin') || "
+                    "(has(self.disaggregation.caching) && self.disaggregation.caching in "
+                    f"[{', '.join(repr(c) for c in DISAGGREGATION_CACHING['vllm'])}])",
                     "message": _MESSAGE_ENGINE,
-                    "fieldPath": ".disaggregation.enabled",
+                    "fieldPath": ".disaggregation.caching",
                 },
                 {
                     "rule": "has(self.capacity.kvCapacityPerWorker) || has(self.capacity.modelWeights)",
@@ -521,7 +524,7 @@ class LLMPoolSpec(_Model):
         """The CEL rules on spec.disaggregation, for a spec the API server did not see (tests, the operator)."""
         if not self.disaggregation.enabled:
             return
-        if self.engine not in DISAGGREGATION_ENGINES:
+        if self.disaggregation.caching not in DISAGGREGATION_CACHING[self.engine]:
             raise ValueError(_MESSAGE_ENGINE)
         if self.distkv.enabled:
             raise ValueError(_MESSAGE_NO_DISTKV)
