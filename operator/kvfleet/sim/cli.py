@@ -2,7 +2,9 @@
 
 Without workload flags it runs the paper's evaluation (§VIII): both Azure traces and Poisson arrivals
 at lambda 0.5 / 0.8 / 1.1 with LMSYS/WildChat-like lengths scaled x10, on both setups (LLaMA-2-13B on
-A100-40GB, LLaMA-2-7B on RTX 4090-24GB), under MELL, BF, WF and LB.
+A100-40GB, LLaMA-2-7B on RTX 4090-24GB), under MELL, BF, WF and LB. With `--disaggregation 1P2D,...` it
+replays each workload on disaggregated prefill/decode pools beside colocated serving instead
+(kvfleet.sim.disaggregation, kvfleet.sim.pd_report).
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvfleet.mell.cluster import PolicyConfig
 from kvfleet.mell.mell_default import MellDefaultConfig
 from kvfleet.mell.policy import policy_config
-from kvfleet.sim import bundled
+from kvfleet.sim import bundled, pd_report
 from kvfleet.sim.bundled import AZURE_TRACES
+from kvfleet.sim.disaggregation import DEFAULT_LINK_GBPS, PdCaching, PdSplit, simulate_disaggregated
 from kvfleet.sim.hardware import A100_40GB, GIB, LLAMA2_7B, LLAMA2_13B, RTX4090_24GB
+from kvfleet.sim.pd_report import PdComparison
 from kvfleet.sim.prefix_cache import PrefixCacheSpec
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
@@ -81,9 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay at the speed workers measured (a SpeedProfile JSON, as `kvfleet replay` "
                              "writes it) instead of a --setup's GPU model: one setup, profile-<model>, with the "
                              "profile's C")
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES),
-                        help=f"comma-separated, from {','.join(POLICY_NAMES)} (all): mell is kvfleet's default, "
-                             "mell-paper MELL's Fig. 10 as written")
+    parser.add_argument("--policies", default=None,
+                        help=f"comma-separated, from {','.join(POLICY_NAMES)} (all; mell with --disaggregation): mell "
+                             "is kvfleet's default, mell-paper MELL's Fig. 10 as written")
     parser.add_argument("--epoch-s", type=float, default=1.0, help="scheduling epoch (1.0 s)")
     parser.add_argument("--paper-strict", action="store_true",
                         help="run MELL exactly as Fig. 10 (mell-paper) in place of kvfleet's default (mell)")
@@ -110,6 +115,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
+    pd = parser.add_argument_group("disaggregated prefill/decode pools (MemServe §5)")
+    pd.add_argument("--disaggregation", default=None, metavar="SPLITS",
+                    help="replay each workload on disaggregated pools, e.g. 1P2D (1 prefill, 2 decode GPUs) or a "
+                         "comma list 1P2D,2P2D, beside colocated serving of the same trace; one policy (mell unless "
+                         "--policies names another) packs the decode GPUs and the colocated ones")
+    pd.add_argument("--pd-caching", choices=(*(m.value for m in PdCaching), "all"), default=None,
+                    help="what each role caches over the trace's hash_ids: none (PD-Basic), prefill (at the prefill "
+                         "GPU), decode (also at the decode GPU: only blocks it lacks are sent), full (also the answer "
+                         "sent back to the prefill GPU), all (a row each); default none")
+    pd.add_argument("--link-gbps", type=float, default=None,
+                    help=f"prefill-to-decode link speed in Gb/s ({DEFAULT_LINK_GBPS:g}: one 200 Gb/s NIC per GPU, as a "
+                         "DGX A100 has)")
     out = parser.add_argument_group("output")
     out.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write the table as CSV ('-': stdout)")
     out.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write Fig. 11/12/14/15-style PNGs")
@@ -141,6 +158,8 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
     if args.prefix_cache and args.trace_length_scale != 1.0:
         # Scaled lengths no longer match the blocks the trace hashed.
         raise TraceError("--trace-length-scale cannot be used with --prefix-cache: hash_ids describe the real prompts")
+    if args.pd_caching not in (None, "none") and args.trace_length_scale != 1.0:
+        raise TraceError("--trace-length-scale cannot be used with --pd-caching: hash_ids describe the real prompts")
     for path in traces:
         reqs = read_trace(path, args.max_context_tokens, args.hash_block_tokens)
         if window:
@@ -182,11 +201,15 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--scale-up-s must be >= 0")
         if not args.scale_down_delay_s >= 0:
             raise _UsageError("--scale-down-delay-s must be >= 0")
+        disaggregation = _disaggregation(args, policies)
         # Before any replay, so a TPOT objective no GPU can meet is refused at once.
         configs = [_policy_configs(args, setup, policies) for setup in setups]
     except (TraceError, _UsageError) as err:
         print(f"kvfleet simulate: error: {err}", file=sys.stderr)
         return 2
+    if disaggregation is not None:
+        _run_disaggregation(args, disaggregation, setups, configs, workloads)
+        return 0
     bar = None if args.no_progress else _progress_bar(args.epoch_s, workloads, len(setups) * len(policies))
     scenarios = [scenario for setup, config in zip(setups, configs)
                  for scenario in _run_setup(args, setup, config, workloads, policies, bar)]
@@ -196,8 +219,79 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _PdPlan:
+    """What `--disaggregation` asks for: the splits, the caching modes (a row each) and the link."""
+
+    splits: tuple[PdSplit, ...]
+    modes: tuple[PdCaching, ...]
+    link_bytes_per_s: float
+
+
+def _disaggregation(args: argparse.Namespace, policies: list[str]) -> _PdPlan | None:
+    """The --disaggregation run asked for, checked before any replay; None without the flag."""
+    if args.disaggregation is None:
+        for flag, value in (("--pd-caching", args.pd_caching), ("--link-gbps", args.link_gbps)):
+            if value is not None:
+                raise _UsageError(f"{flag} needs --disaggregation")
+        return None
+    try:
+        splits = tuple(dict.fromkeys(PdSplit.parse(x) for x in args.disaggregation.split(",") if x.strip()))
+    except ValueError as err:
+        raise _UsageError(f"--disaggregation: {err}") from None
+    if not splits:
+        raise _UsageError("--disaggregation: name at least one split, e.g. 1P2D")
+    if len(policies) != 1:
+        raise _UsageError("--disaggregation packs the decode GPUs with one policy: give one with --policies (e.g. mell)")
+    for flag, given in (("--prefix-cache", args.prefix_cache), ("--no-batching", args.no_batching),
+                        ("--plot", args.plot is not None)):
+        if given:
+            raise _UsageError(f"{flag} cannot be used with --disaggregation"
+                              + (" (--pd-caching sets the caching of both)" if flag == "--prefix-cache" else ""))
+    link_gbps = DEFAULT_LINK_GBPS if args.link_gbps is None else args.link_gbps
+    if not link_gbps > 0:
+        raise _UsageError("--link-gbps must be positive")
+    mode = args.pd_caching or "none"
+    modes = tuple(PdCaching) if mode == "all" else (PdCaching(mode),)
+    return _PdPlan(splits, modes, link_gbps * 1e9 / 8)
+
+
+def _run_disaggregation(args: argparse.Namespace, pd: _PdPlan, setups: list[Setup],
+                        configs: list[dict[str, PolicyConfig]], workloads: list[tuple[str, list[TraceRequest]]]) -> None:
+    """Each workload on each setup: the colocated replay (without, and where a mode caches with, the
+    prefix cache model) and every split under every caching mode; one table (or JSON object)."""
+    comparisons: list[PdComparison] = []
+    for setup, config in zip(setups, configs):
+        if not args.json:
+            print(_capacity_line(setup), file=sys.stderr)
+        (policy, cfg), = config.items()  # `_disaggregation` allowed one policy
+        for wname, reqs in workloads:
+            colocated: list[RunResult] = []
+            caches = [False] * (PdCaching.NONE in pd.modes) + [True] * any(m.caches_at_prefill for m in pd.modes)
+            for cache in caches:
+                colocated.append(simulate(reqs, setup, policy, args.epoch_s, cfg, lookahead_epochs=args.lookahead_epochs,
+                                          scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
+                                          prefix_cache=PrefixCacheSpec(args.hash_block_tokens) if cache else None))
+            runs = [simulate_disaggregated(reqs, setup, split, mode, pd.link_bytes_per_s, policy, args.epoch_s, cfg,
+                                           args.lookahead_epochs, args.hash_block_tokens)
+                    for split in pd.splits for mode in pd.modes]
+            comparisons.append(PdComparison(setup.name, wname, len(reqs), tuple(colocated), tuple(runs)))
+    if args.json:
+        print(json.dumps(pd_report.to_json(comparisons)))
+    else:
+        print(pd_report.table(comparisons))
+    if args.csv is not None:
+        text = pd_report.to_csv(comparisons)
+        if str(args.csv) == "-":
+            sys.stdout.write(text)
+        else:
+            args.csv.write_text(text)
+
+
 def _policies(args: argparse.Namespace) -> list[str]:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    # A disaggregated run packs its decode GPUs with one policy: kvfleet's default unless one is named.
+    default = ",".join(POLICY_NAMES) if args.disaggregation is None else "mell"
+    policies = [p.strip() for p in (args.policies or default).split(",") if p.strip()]
     for p in policies:
         if p not in POLICY_NAMES:
             raise _UsageError(f"unknown policy {p!r} ({', '.join(POLICY_NAMES)})")

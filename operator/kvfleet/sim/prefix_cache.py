@@ -64,6 +64,16 @@ class GpuPrefixCache:
     def match(self, hash_ids: Sequence[int], block_tokens: Sequence[int]) -> int:
         """Prompt tokens whose KV this GPU holds: its hash blocks from the first up to the first miss
         (§4.2 `match`). The hit blocks become the most recently used."""
+        hit_tokens, hits = self._held_prefix(hash_ids, block_tokens)
+        self._touch(hits)
+        return hit_tokens
+
+    def peek(self, hash_ids: Sequence[int], block_tokens: Sequence[int]) -> int:
+        """What `match` would return, without making the blocks recent: a scheduler looking at every
+        worker's prompt tree (MemServe §6) before it picks one must not change the others' LRU order."""
+        return self._held_prefix(hash_ids, block_tokens)[0]
+
+    def _held_prefix(self, hash_ids: Sequence[int], block_tokens: Sequence[int]) -> tuple[int, list[int]]:
         hit_tokens = 0
         hits: list[int] = []
         for hash_id, tokens in zip(hash_ids, block_tokens):
@@ -74,8 +84,7 @@ class GpuPrefixCache:
             # another) holds only the shorter block's KV.
             hit_tokens += min(held, tokens)
             hits.append(hash_id)
-        self._touch(hits)
-        return hit_tokens
+        return hit_tokens, hits
 
     def insert(self, hash_ids: Sequence[int], block_tokens: Sequence[int]) -> None:
         """Keep a finished request's prompt blocks (§4.1 `insert`) as the most recently used."""

@@ -59,6 +59,9 @@ class RunResult:
     # Per finished request: time not spent prefilling or decoding, and decode time per output token.
     queue_delays_s: list[float] = field(default_factory=list)
     tpots_s: list[float] = field(default_factory=list)
+    # Per finished request, from its arrival: to the end of its first decode step, and to its last token.
+    ttfts_s: list[float] = field(default_factory=list)
+    jcts_s: list[float] = field(default_factory=list)
     num_over_capacity_requests: int = 0  # requests whose reservation ever passed C (they span GPUs)
     shared_bound: SharedBound = SharedBound()
     # False: every operation was scheduled on its own (MELL Fig. 13's baseline), see simulate().

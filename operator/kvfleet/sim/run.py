@@ -97,6 +97,7 @@ class _Live:
     last_decoded_s: float | None = None
     waited_s: float = 0.0
     decoding_s: float = 0.0
+    first_token_s: float | None = None  # when its first decode step ended (TTFT = this - arrival)
 
 
 @dataclass
@@ -170,7 +171,9 @@ class _Replay:
     """The state of one `simulate` run between epochs, and the steps that advance it.
 
     A class rather than one long loop so that each step (decode, growth, arrivals, applying the
-    plan, costing migrations, recording) can be read, and extended, on its own.
+    plan, costing migrations, recording) can be read, and extended, on its own: the decode GPUs of a
+    disaggregated pool (kvfleet.sim.disaggregation) are this replay with its arrivals, prefix
+    matching and caching replaced.
     """
 
     def __init__(
@@ -230,6 +233,8 @@ class _Replay:
                 busy_s = now_s - begin_s
                 before = m.generated
                 if busy_s > 0:
+                    if m.first_token_s is None:
+                        m.first_token_s = begin_s + step
                     m.generated += busy_s / step
                     # Time since it last decoded (or could first decode) is waiting: exactly 0 when
                     # it decoded through the previous epoch, since this epoch begins where it ended.
@@ -237,7 +242,7 @@ class _Replay:
                     m.last_decoded_s = now_s
                 if m.generated >= m.req.output_tokens:
                     events.append(Finish(m.req.request_id))
-                    self._record_finish(m, before, step, busy_s)
+                    self._record_finish(m, before, step, begin_s, busy_s)
                 elif busy_s > 0:
                     m.decoding_s += busy_s
         # In the order they finished (events), not a set's: it is the order their blocks enter the caches.
@@ -302,17 +307,24 @@ class _Replay:
             m.earliest_decode_s = req.arrival_s + self.setup.prefill_s(m.prefill_tokens)
             m.decode_from_s = max(m.earliest_decode_s, m.not_before_s)
 
-    def _record_finish(self, m: _Live, before: float, step: float, busy_s: float) -> None:
-        """Queueing delay and TPOT of a request done this epoch.
+    def _record_finish(self, m: _Live, before: float, step: float, begin_s: float, busy_s: float) -> float:
+        """Queueing delay, TPOT, TTFT and JCT of a request done this epoch; returns when it finished.
 
         It finishes inside the epoch, when `generated` reaches its output: its last decode took
         the remaining tokens x the step, not the whole epoch.
         """
+        finish_s = begin_s + (m.req.output_tokens - before) * step
         if busy_s > 0:
             m.decoding_s += (m.req.output_tokens - before) * step
         self.result.queue_delays_s.append(m.waited_s)
         if m.req.output_tokens > 0:  # TPOT of a request with no output is undefined
             self.result.tpots_s.append(m.decoding_s / m.req.output_tokens)
+        # Its first step was timed at the step of the epoch it began in; one that straddled an epoch end
+        # may really have ended sooner, but never after its last token.
+        first_token_s = finish_s if m.first_token_s is None else min(m.first_token_s, finish_s)
+        self.result.ttfts_s.append(first_token_s - m.req.arrival_s)
+        self.result.jcts_s.append(finish_s - m.req.arrival_s)
+        return finish_s
 
     def report_growth(self) -> list[Event]:
         """A Grow for each running request whose reservation passed what the scheduler last heard."""
