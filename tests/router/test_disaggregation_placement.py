@@ -39,23 +39,25 @@ def test_the_prefill_worker_carries_the_decode_worker_mell_chose() -> None:
                                  kv_bytes_per_token=KV_PER_TOKEN)
     assert isinstance(choice, RouteChoice)
     assert choice.pod_name == "p0" and choice.rule.startswith("pd:")
-    # MELL packs: the decode worker already holding KV takes it, not the empty one.
-    d1 = snapshot.workers[2]
-    assert choice.decode == DecodeTarget("d1", d1.address, d1.migration_address)
+    # MELL packs: the decode worker already holding KV takes it, not the empty one; the other is next,
+    # for a hand-over d1 refuses.
+    d0, d1 = snapshot.workers[1:]
+    assert choice.decode == (DecodeTarget("d1", d1.address, d1.migration_address),
+                             DecodeTarget("d0", d0.address, d0.migration_address))
 
 
 def test_without_a_ready_prefill_worker_the_decode_worker_prefills_it_too() -> None:
     snapshot = pool(worker("p0", "prefill", ready=False), worker("d0", "decode"))
     choice = place_disaggregated(snapshot, ALWAYS, [], 50, default_capacity_bytes=CAPACITY)
     assert isinstance(choice, RouteChoice)
-    assert (choice.pod_name, choice.rule, choice.decode) == ("d0", "pd:no-prefill-worker", None)
+    assert (choice.pod_name, choice.rule, choice.decode) == ("d0", "pd:no-prefill-worker", ())
 
 
 def test_without_a_decode_worker_it_decodes_where_it_is_prefilled() -> None:
     snapshot = pool(worker("p0", "prefill"))
     choice = place_disaggregated(snapshot, ALWAYS, [], 50, default_capacity_bytes=CAPACITY)
     assert isinstance(choice, RouteChoice)
-    assert (choice.pod_name, choice.rule, choice.decode) == ("p0", "pd:no-decode-worker", None)
+    assert (choice.pod_name, choice.rule, choice.decode) == ("p0", "pd:no-decode-worker", ())
     assert isinstance(place_disaggregated(pool(), ALWAYS, [], 50, default_capacity_bytes=CAPACITY), NoRoute)
 
 
@@ -63,7 +65,7 @@ def test_when_no_decode_worker_has_room_it_decodes_where_it_is_prefilled() -> No
     snapshot = pool(worker("p0", "prefill"), worker("d0", "decode", 1, CAPACITY - 10))
     choice = place_disaggregated(snapshot, ALWAYS, [], 50, default_capacity_bytes=CAPACITY)
     assert isinstance(choice, RouteChoice)
-    assert (choice.pod_name, choice.rule, choice.decode) == ("p0", "pd:no-decode-room", None)
+    assert (choice.pod_name, choice.rule, choice.decode) == ("p0", "pd:no-decode-room", ())
 
 
 def test_per_request_keeps_a_short_prompt_on_a_quiet_decode_worker() -> None:
@@ -71,11 +73,11 @@ def test_per_request_keeps_a_short_prompt_on_a_quiet_decode_worker() -> None:
     choice = place_disaggregated(snapshot, PER_REQUEST, [], 50, default_capacity_bytes=CAPACITY, locality=locality(40),
                                  kv_bytes_per_token=KV_PER_TOKEN)
     assert isinstance(choice, RouteChoice)
-    assert (choice.pod_name, choice.rule, choice.decode) == ("d0", "pd:local", None)
+    assert (choice.pod_name, choice.rule, choice.decode) == ("d0", "pd:local", ())
     # The paper's behaviour, selectable: always disaggregated.
     always = place_disaggregated(snapshot, ALWAYS, [], 50, default_capacity_bytes=CAPACITY, locality=locality(40),
                                  kv_bytes_per_token=KV_PER_TOKEN)
-    assert isinstance(always, RouteChoice) and always.pod_name == "p0" and always.decode is not None
+    assert isinstance(always, RouteChoice) and always.pod_name == "p0" and len(always.decode) == 1
 
 
 def test_per_request_disaggregates_when_the_decode_worker_is_busy_decoding() -> None:
@@ -84,7 +86,7 @@ def test_per_request_disaggregates_when_the_decode_worker_is_busy_decoding() -> 
     choice = place_disaggregated(busy, PER_REQUEST, [], 50, default_capacity_bytes=CAPACITY, locality=locality(40),
                                  kv_bytes_per_token=KV_PER_TOKEN)
     assert isinstance(choice, RouteChoice)
-    assert choice.pod_name == "p0" and choice.decode is not None and choice.decode.pod == "d0"
+    assert choice.pod_name == "p0" and [t.pod for t in choice.decode] == ["d0"]
     # Reservations count as running too (requests the router placed that no report shows yet).
     quiet = pool(worker("p0", "prefill"), worker("d0", "decode"))
     reserved = [Reservation(f"r{i}", "d0", 10) for i in range(8)]

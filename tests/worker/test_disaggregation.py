@@ -27,7 +27,7 @@ from kvfleet.router.app import Router, RouterConfig
 from kvfleet.router.placement import PDSettings, PoolSnapshot, WorkerState
 from kvfleet.router.pool import StaticPoolView
 from kvfleet.serving.credentials import PoolCredentials
-from kvfleet.serving.httpapi import DecodeTarget
+from kvfleet.serving.httpapi import DecodeTarget, header_of
 from kvfleet.worker.disaggregation import PDConfig
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.migration.wire import kv_parts
@@ -59,11 +59,12 @@ def decode_target(decode: Worker) -> DecodeTarget:
 
 
 def post(worker: Worker, request_id: str, payload: dict[str, Any], target: DecodeTarget | None,
-         token: str | None = TOKEN) -> http.client.HTTPResponse:
+         token: str | None = TOKEN, extra: dict[str, str] | None = None) -> http.client.HTTPResponse:
     conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=120)
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "X-Kvfleet-Stream": "tokens"}
     if target is not None:
         headers.update(target.header())
+    headers.update(extra or {})
     if token:
         headers["Authorization"] = f"Bearer {token}"
     conn.request("POST", "/v1/completions", json.dumps(payload).encode(), headers)
@@ -208,6 +209,25 @@ def test_a_request_whose_decode_worker_is_unreachable_decodes_where_it_was_prefi
     assert token_ids(streamed) == reference(prefill, body())[1]
     assert transfers(prefill, "decoded_here") == before + 1
     idle(prefill)
+
+
+def test_a_hand_over_the_first_decode_worker_refuses_goes_to_the_next(pd: tuple[Worker, Worker]) -> None:
+    """A decode worker without room (or gone) refuses before the request stops: the prefill worker tries
+    the next the router named, and only when none takes it decodes it itself."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "none")  # type: ignore[union-attr]
+    alternates = counter(prefill, "kvfleet_worker_kv_transfer_alternates_total")
+    before = transfers(prefill)
+    gone = DecodeTarget("gone", "127.0.0.1:9", "127.0.0.1:9")
+    response = post(prefill, "pd-alternate", body(), None, extra=header_of((gone, decode_target(decode))))
+    head = read_sse(response)
+    event, data = head.events[-1]
+    assert event == "kvfleet.migrated" and json.loads(data)["target"]["pod"] == decode.name
+    rest = follow_target(decode, "pd-alternate", int(json.loads(data)["index"]))
+    assert token_ids(head, rest) == reference(decode, body())[1]
+    assert counter(prefill, "kvfleet_worker_kv_transfer_alternates_total") == alternates + 1
+    assert transfers(prefill) == before + 1
+    idle(prefill, decode)
 
 
 def test_naming_a_decode_worker_needs_the_pool_token(pd: tuple[Worker, Worker]) -> None:

@@ -338,7 +338,7 @@ class Router:
                 self.metrics.placements.labels(choice.rule).inc()
                 self.prefix.placed(request_id, choice.pod_name, prompt_ids, locality, tokens)
                 log.debug("%s -> %s%s by %s", request_id, choice.pod_name,
-                          f" then {choice.decode.pod}" if choice.decode else "", choice.rule)
+                          f" then {choice.decode[0].pod}" if choice.decode else "", choice.rule)
             return choice
 
         def on_worker(pod_name: str, ids: list[int] | None) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from kvfleet.router.locality import LocalityInput, PrefillCost, predicted_s
 from kvfleet.router.placement import NoRoute, PDSettings, PoolSnapshot, Reservation, RouteChoice, place
-from kvfleet.serving.httpapi import DecodeTarget
+from kvfleet.serving.httpapi import MAX_DECODE_TARGETS, DecodeTarget
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -79,9 +79,25 @@ def place_disaggregated(snapshot: PoolSnapshot, pd: PDSettings, reservations: Se
     if pd.choice == "per-request" and _local_is_cheaper(snapshot, reservations, decode.pod_name, prefill.pod_name,
                                                         pd, locality, kv_bytes_per_token):
         return dataclasses.replace(decode, rule="pd:local")
-    worker = next(w for w in snapshot.workers if w.pod_name == decode.pod_name)
     return dataclasses.replace(prefill, rule=f"pd:{prefill.rule}",
-                               decode=DecodeTarget(worker.pod_name, worker.address, worker.migration_address))
+                               decode=decode_targets(snapshot, reservations, kv_bytes, decode.pod_name,
+                                                     default_capacity_bytes, exclude))
+
+
+def decode_targets(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, first: str,
+                   default_capacity_bytes: int, exclude: frozenset[str]) -> tuple[DecodeTarget, ...]:
+    """MELL's decode worker, then the ones MELL would choose were it gone, that have room: a prefill
+    worker whose hand-over is refused (no room when the KV arrives, gone) tries the next."""
+    decode_pool = of_role(snapshot, DECODE)
+    chosen = [first]
+    while len(chosen) < MAX_DECODE_TARGETS:
+        nxt = place(decode_pool, reservations, kv_bytes, default_capacity_bytes=default_capacity_bytes,
+                    exclude=exclude | frozenset(chosen))
+        if isinstance(nxt, NoRoute) or nxt.rule.startswith("queued") or nxt.pod_name in chosen:
+            break
+        chosen.append(nxt.pod_name)
+    by_name = {w.pod_name: w for w in snapshot.workers}
+    return tuple(DecodeTarget(name, by_name[name].address, by_name[name].migration_address) for name in chosen)
 
 
 def choose_prefill(prefill: PoolSnapshot, reservations: Sequence[Reservation], exclude: frozenset[str],

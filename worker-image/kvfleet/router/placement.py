@@ -108,8 +108,9 @@ class RouteChoice:
     address: str
     # How it was chosen: "route", "allocate:<step>", "least-loaded" or "queued:<where>" (logged, counted in metrics).
     rule: str
-    # A disaggregated pool's decode worker: this worker prefills the request and hands it there.
-    decode: DecodeTarget | None = None
+    # A disaggregated pool's decode workers, best first: this worker prefills the request and hands it
+    # to the first that takes it. Empty: it runs here.
+    decode: tuple[DecodeTarget, ...] = ()
 
 
 @dataclass(frozen=True)

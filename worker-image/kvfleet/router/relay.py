@@ -43,6 +43,7 @@ from kvfleet.serving.httpapi import (
     Migrated,
     bearer,
     continuation_path,
+    header_of,
     sse_events,
 )
 from kvfleet.serving.openai_api import TokenLogprob
@@ -107,7 +108,7 @@ class _Source:
     kind: str  # "placed" (POST), "resumed" (POST), "migrated" (GET the target's stream)
     # A disaggregated pool's decode worker, which this worker hands the request to once prefilled: its
     # stream then ends with the hand-off event, followed like a migration's.
-    decode: DecodeTarget | None = None
+    decode: tuple[DecodeTarget, ...] = ()
 
 
 class Relay:
@@ -188,10 +189,10 @@ class Relay:
 
     # ------------------------------------------------------------------------------------ one hop
 
-    def _headers(self, internal: bool, decode: DecodeTarget | None = None) -> dict[str, str]:
+    def _headers(self, internal: bool, decode: tuple[DecodeTarget, ...] = ()) -> dict[str, str]:
         headers = {TOKEN_STREAM_HEADER: TOKEN_STREAM_MODE, REQUEST_ID_HEADER: self.request_id}
-        if decode is not None and self.credentials is not None:
-            headers.update(decode.header())  # honoured with the pool token only
+        if decode and self.credentials is not None:
+            headers.update(header_of(decode))  # honoured with the pool token only
             internal = True
         if internal and self.credentials is not None:
             headers.update(bearer(self.credentials.token))

@@ -72,30 +72,48 @@ class Migrated:
 DECODE_TARGET_HEADER = "X-Kvfleet-Decode-Target"
 
 
+# Decode workers named in one header at most: the router's choice and a few to try when it has no room.
+MAX_DECODE_TARGETS = 4
+
+
 @dataclass(frozen=True)
 class DecodeTarget:
-    """The decode worker a prefill worker hands a request to once prefilled: its pod, HTTP address and
+    """A decode worker a prefill worker hands a request to once prefilled: its pod, HTTP address and
     migration address ("" : the HTTP address's host on the pool's migration port)."""
 
     pod: str
     address: str
     migration_address: str = ""
 
+    def to_json(self) -> dict[str, str]:
+        return {"pod": self.pod, "address": self.address, "migrationAddress": self.migration_address}
+
     def header(self) -> dict[str, str]:
-        return {DECODE_TARGET_HEADER: json.dumps({"pod": self.pod, "address": self.address,
-                                                  "migrationAddress": self.migration_address})}
+        return header_of((self,))
 
     @classmethod
-    def parse(cls, value: str) -> DecodeTarget:
-        """The header's value as `header` writes it; ValueError naming what is wrong."""
+    def parse(cls, value: str) -> tuple[DecodeTarget, ...]:
+        """The header's value as `header_of` writes it (a list, best first; one object is read as a list
+        of one); ValueError naming what is wrong."""
         try:
             body = json.loads(value)
         except json.JSONDecodeError as err:
             raise ValueError(f"{DECODE_TARGET_HEADER} is not JSON: {err}") from None
-        if not isinstance(body, dict) or not isinstance(body.get("pod"), str) or not isinstance(body.get("address"), str) \
-                or not isinstance(body.get("migrationAddress", ""), str) or not body["address"]:
-            raise ValueError(f'{DECODE_TARGET_HEADER} must be {{"pod": ..., "address": "ip:port", "migrationAddress": ...}}')
-        return cls(body["pod"], body["address"], body.get("migrationAddress", ""))
+        items = body if isinstance(body, list) else [body]
+        if not 0 < len(items) <= MAX_DECODE_TARGETS or not all(_is_target(item) for item in items):
+            raise ValueError(f'{DECODE_TARGET_HEADER} must be 1 to {MAX_DECODE_TARGETS} of {{"pod": ..., '
+                             '"address": "ip:port", "migrationAddress": ...}, best first')
+        return tuple(cls(item["pod"], item["address"], item.get("migrationAddress", "")) for item in items)
+
+
+def header_of(targets: tuple[DecodeTarget, ...]) -> dict[str, str]:
+    """The header naming these decode workers, best first (the others are tried when one has no room)."""
+    return {DECODE_TARGET_HEADER: json.dumps([t.to_json() for t in targets[:MAX_DECODE_TARGETS]])}
+
+
+def _is_target(item: object) -> bool:
+    return (isinstance(item, dict) and isinstance(item.get("pod"), str) and isinstance(item.get("address"), str)
+            and bool(item["address"]) and isinstance(item.get("migrationAddress", ""), str))
 
 
 # Where a request handed over to a worker continues (docs/migration.md): the target serves it, the

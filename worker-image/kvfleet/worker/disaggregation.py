@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from kvfleet.serving.httpapi import DecodeTarget
-from kvfleet.worker.migration.executor import Executor
+from kvfleet.worker.migration.executor import Executor, TransferMetrics
 from kvfleet.worker.migration.handoff import HandoffTarget
 from kvfleet.worker.migration.source import LAYOUTS, Layout, Transfer
 from kvfleet.worker.migration.transport import MIGRATION_PORT, split_address
@@ -72,23 +72,40 @@ class HandOvers:
         self.migration_port = migration_port
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self, request_id: str, target: DecodeTarget) -> None:
-        """Hands the request over in the background; its stream ends with the hand-off event when it
-        lands, or it keeps decoding here."""
-        migration_address = target.migration_address
-        if not migration_address:
-            host, _ = split_address(target.address)
-            migration_address = f"{host}:{self.migration_port}"
+    def start(self, request_id: str, targets: tuple[DecodeTarget, ...]) -> None:
+        """Hands the request over in the background, to the first of `targets` (best first) that takes
+        it; its stream ends with the hand-off event when it lands, or it keeps decoding here."""
         return_to = self.own_migration_address if self.config.caching == "full" else None
         transfer = Transfer(self.config.layout, return_to)
 
         async def run() -> None:
-            await self.executor.transfer(request_id, HandoffTarget(target.pod, target.address), migration_address,
-                                         transfer)
+            result = None
+            for attempt, target in enumerate(targets):
+                if attempt:
+                    self.metrics.alternates.inc()
+                result = await self.executor.transfer(request_id, HandoffTarget(target.pod, target.address),
+                                                      self._migration_address(target), transfer)
+                # Refused or unreachable (no room, gone): the next decode worker. A request that ended,
+                # or was lost, while it was being handed over has nothing left to hand.
+                if result.succeeded or not self.executor.host_has(request_id):
+                    break
+            if result is not None:
+                self.metrics.record(self.config.layout, result)
 
         task = asyncio.get_running_loop().create_task(run(), name=f"kvfleet-handover-{request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _migration_address(self, target: DecodeTarget) -> str:
+        if target.migration_address:
+            return target.migration_address
+        host, _ = split_address(target.address)
+        return f"{host}:{self.migration_port}"
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        assert self.executor.transfers is not None, "the agent's executor counts transfers"
+        return self.executor.transfers
 
     def cancel_all(self) -> None:
         for task in list(self._tasks):

@@ -57,7 +57,7 @@ class OpenAIRoutes:
         self.streams = streams
         # Hands a request prefilled here to the decode worker its router named (disaggregation.py);
         # None: this worker cannot (no pool token), and such a request decodes here.
-        self.hand_over: Callable[[str, httpapi.DecodeTarget], None] | None = None
+        self.hand_over: Callable[[str, tuple[httpapi.DecodeTarget, ...]], None] | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -348,8 +348,8 @@ class OpenAIRoutes:
         return response
 
 
-def _decode_target(request: web.Request) -> httpapi.DecodeTarget | None:
-    """The decode worker the router named (the pool token was checked with the header), or None."""
+def _decode_target(request: web.Request) -> tuple[httpapi.DecodeTarget, ...] | None:
+    """The decode workers the router named, best first (the pool token was checked with the header), or None."""
     value = request.headers.get(httpapi.DECODE_TARGET_HEADER)
     if value is None:
         return None

@@ -109,8 +109,9 @@ class Executor:
     async def transfer(self, request_id: str, target: HandoffTarget, migration_address: str,
                        transfer: Transfer) -> MigrationResult:
         """Hands a request just prefilled here to a decode worker (docs/disaggregation.md): a KV move
-        that stops it at once and sends its KV in one stage, counted as a transfer, not a migration.
-        Never raises for what it can meet; when it fails the request decodes here (rolled back)."""
+        that stops it once connected and sends its KV in one stage; a transfer, not a migration (the
+        caller counts it in `transfers`). Never raises for what it can meet; when it fails the request
+        goes on here (rolled back)."""
         try:
             ticket = self._host.handoffs.begin(request_id)
         except HandoffError as err:
@@ -123,14 +124,16 @@ class Executor:
             except asyncio.CancelledError:
                 await run.roll_back("cancelled")
                 raise
-        if self.transfers is not None:
-            self.transfers.record(transfer.layout, result)
         if result.succeeded:
             log.debug("handed %s to %s: %d bytes in %d sends, %d blocks cached there", request_id, target.pod,
                       result.bytes_moved, result.sends, result.cached_blocks)
         else:
-            log.warning("hand-over of %s to %s failed, decoding it here: %s", request_id, target.pod, result.message)
+            log.warning("hand-over of %s to %s failed: %s", request_id, target.pod, result.message)
         return result
+
+    def host_has(self, request_id: str) -> bool:
+        """Whether the request still runs on this worker (after a hand-over that did not land)."""
+        return self._host.live_request(request_id) is not None
 
     async def serve(self, channel: Channel) -> None:
         """One incoming connection on the migration port, authenticated: a migration (`begin`), a
