@@ -202,7 +202,7 @@ MALFORMED_POOLS = [
      "spec.disaggregation.prefillWorkers.max"),
     ("unknown-caching", _disaggregated(disaggregation={"enabled": True, "caching": "everything"}),
      "spec.disaggregation.caching: Unsupported value"),
-    ("unknown-layout", _disaggregated(disaggregation={"enabled": True, "layout": "by-layer"}),
+    ("unknown-layout", _disaggregated(disaggregation={"enabled": True, "layout": "by-block"}),
      "spec.disaggregation.layout: Unsupported value"),
     ("unknown-choice", _disaggregated(disaggregation={"enabled": True, "choice": "never"}),
      "spec.disaggregation.choice: Unsupported value"),

@@ -71,7 +71,7 @@ def test_the_fields_are_camel_case_on_the_wire() -> None:
         ({"disaggregation": {"enabled": True, "prefillWorkers": {"max": 0}}}, r"prefillWorkers\.max\n.*greater than or equal to 1"),
         ({"disaggregation": {"enabled": True, "prefillWorkers": {"min": -1}}}, r"prefillWorkers\.min\n.*greater than or equal to 0"),
         ({"disaggregation": {"enabled": True, "caching": "everything"}}, r"disaggregation\.caching"),
-        ({"disaggregation": {"enabled": True, "layout": "by-layer"}}, r"disaggregation\.layout"),
+        ({"disaggregation": {"enabled": True, "layout": "by-block"}}, r"disaggregation\.layout"),
         ({"disaggregation": {"enabled": True, "choice": "never"}}, r"disaggregation\.choice"),
         ({"disaggregation": {"enabled": True, "role": "prefill"}}, "Extra inputs are not permitted"),
     ],

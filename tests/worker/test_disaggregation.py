@@ -345,21 +345,79 @@ def vllm_and_builtin(tiny_model_dir: Path, engine_loop: EngineLoop,
         engine_loop.run(w.runner.cleanup())
 
 
-@pytest.mark.parametrize("direction", ["vllm-to-builtin", "builtin-to-vllm"])
+@pytest.mark.parametrize(("direction", "layout"), [("vllm-to-builtin", "by-request-aggregated"),
+                                                   ("builtin-to-vllm", "by-request-aggregated"),
+                                                   ("builtin-to-vllm", "by-layer")])
 def test_vllm_prefills_and_exports_or_imports_and_decodes_through_its_kv_connector(
-        vllm_and_builtin: tuple[Worker, Worker], direction: str) -> None:
+        vllm_and_builtin: tuple[Worker, Worker], direction: str, layout: str) -> None:
     """vLLM's prefill-then-export pattern (its NIXL connector's do_remote_decode) through kvfleet's KV
     connector: a vLLM worker hands a prefilled request to a decode worker, or decodes one handed to it,
-    and the stream is the colocated greedy output (the two engines agree on greedy tokens)."""
+    and the stream is the colocated greedy output (the two engines agree on greedy tokens). vLLM takes
+    no KV layer by layer: a by-layer hand-over to it sends the KV whole, on the channel it opened."""
     v, b = vllm_and_builtin
     prefill, decode = (v, b) if direction == "vllm-to-builtin" else (b, v)
+    prefill.agent.handovers.config = PDConfig("prefill", "none", layout)  # type: ignore[union-attr,arg-type]
     payload = {**body(), "max_tokens": 32}
     expected = reference(decode, payload)[1]
     assert reference(prefill, payload)[1] == expected, "the engines disagree on greedy tokens"
-    before = transfers(prefill)
-    head, rest = disaggregated(prefill, decode, f"pd-{direction}", payload)
+    before = transfers(prefill, layout=layout)
+    head, rest = disaggregated(prefill, decode, f"pd-{direction}-{layout}", payload)
     assert rest.done
     assert token_ids(head, rest) == expected
-    assert transfers(prefill) == before + 1
+    assert transfers(prefill, layout=layout) == before + 1
     assert counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") > 0  # KV crossed, not tokens
+    idle(prefill, decode)
+
+
+def test_the_by_layer_layout_streams_the_prompt_while_it_is_prefilled(pd: tuple[Worker, Worker]) -> None:
+    """MemServe §5.2's by-layer transfer: each layer's KV leaves as the prefill writes it, on a channel
+    opened before the prefill; the hand-over then sends, all layers at once, only the prompt's last
+    partial block and what was decoded since. The output is the colocated one."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "none", "by-layer")  # type: ignore[union-attr]
+    parts = counter(prefill, "kvfleet_worker_kv_transfer_layer_parts_total")
+    sent_bytes = counter(prefill, "kvfleet_worker_kv_transfer_bytes_total")
+    before = transfers(prefill, layout="by-layer")
+    prompt = "streamed layer by layer, " + PROMPT + " and once more " + PROMPT
+    head, rest = disaggregated(prefill, decode, "pd-by-layer", body(prompt))
+    assert token_ids(head, rest) == reference(prefill, body(prompt))[1]
+    assert transfers(prefill, layout="by-layer") == before + 1
+    migration = prefill.agent.engine.capabilities.migration
+    assert migration is not None
+    layers = migration.kv_format().layers
+    # One part per layer of the (single) prefill step: the prompt fits one step of this engine.
+    assert counter(prefill, "kvfleet_worker_kv_transfer_layer_parts_total") - parts == layers
+    info = prefill.agent.engine.info
+    prompt_tokens = len(prefill.agent.tokenizer.encode(prompt))
+    block_bytes = info.block_size_tokens * info.kv_bytes_per_token
+    streamed = -(-prompt_tokens // info.block_size_tokens) * block_bytes
+    moved = counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") - sent_bytes
+    # The stream carried every prompt block; the final stage re-sent at most the last one or two
+    # (the prompt's partial block, and a block the tokens decoded since may have opened).
+    assert streamed + block_bytes <= moved <= streamed + 2 * block_bytes
+    idle(prefill, decode)
+
+
+def test_a_by_layer_hand_over_sends_the_prefix_the_prefill_worker_held_once_then_the_new_layers(
+        pd: tuple[Worker, Worker]) -> None:
+    """A prompt whose prefix the prefill worker caches is prefilled from there: those blocks were
+    computed by no step, so the stream sends them first, all layers, then the new tokens' layers."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "prefill", "by-layer")  # type: ignore[union-attr]
+    shared = "a prefix only the prefill worker will hold, " + PROMPT
+    disaggregated(prefill, decode, "pd-layer-held-1", body(shared))
+    idle(prefill, decode)
+    # The decode worker forgets it (its cache would trim the part): evict everything nobody reads.
+    cache = decode.agent.engine
+    assert hasattr(cache, "scheduler")
+    sched = cache.scheduler
+    sched.evict_cached(sched.prefix.num_blocks if sched.prefix is not None else 0)
+    parts = counter(prefill, "kvfleet_worker_kv_transfer_layer_parts_total")
+    prompt = shared + " and a new question about it"
+    head, rest = disaggregated(prefill, decode, "pd-layer-held-2", body(prompt))
+    assert token_ids(head, rest) == reference(decode, body(prompt))[1]
+    migration = prefill.agent.engine.capabilities.migration
+    assert migration is not None
+    # The held prefix (one part, all layers) and one part per layer of the step that prefilled the rest.
+    assert counter(prefill, "kvfleet_worker_kv_transfer_layer_parts_total") - parts == 1 + migration.kv_format().layers
     idle(prefill, decode)

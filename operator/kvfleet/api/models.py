@@ -260,10 +260,11 @@ class DisaggregationSpec(_Model):
         "full: PD-Caching-3, also the KV decoding produced is sent back to the prefill worker, so a "
         "conversation's next turn finds its whole history cached at P.",
     )
-    layout: Literal["by-request-aggregated", "by-request"] = Field(
+    layout: Literal["by-request-aggregated", "by-request", "by-layer"] = Field(
         default="by-request-aggregated",
         description="How a request's KV crosses from prefill to decode worker (MemServe §5.2): by-request-aggregated "
-        "sends it in one transfer per request; by-request sends one per layer x K/V x block.",
+        "sends it in one transfer per request; by-request sends one per layer x K/V x block; by-layer streams "
+        "each layer's KV while the prefill computes the next (builtin engine; vLLM workers send it whole).",
     )
     choice: Literal["per-request", "always"] = Field(
         default="per-request",

@@ -285,6 +285,8 @@ class Agent:
         self.handovers = HandOvers(self.config.disaggregation, self.executor, None,
                                    self.config.migration_port or MIGRATION_PORT)
         self.openai.hand_over = self.handovers.start
+        self.openai.prepare_hand_over = self.handovers.prepare
+        self.openai.no_hand_over = self.handovers.forget
         borrowing = self.engine.capabilities.borrowing
         if borrowing is not None and self.config.creditors is not None:
             # Leases go over the same authenticated port as migrations (distkv/wire.py).

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
 from kvfleet.serving.httpapi import DecodeTarget
 from kvfleet.worker.migration.executor import Executor, TransferMetrics
 from kvfleet.worker.migration.handoff import HandoffTarget
+from kvfleet.worker.migration.layers import LayerStream
 from kvfleet.worker.migration.source import LAYOUTS, Layout, Transfer
 from kvfleet.worker.migration.transport import MIGRATION_PORT, split_address
 
@@ -71,20 +72,40 @@ class HandOvers:
         self.own_migration_address = own_migration_address
         self.migration_port = migration_port
         self._tasks: set[asyncio.Task[None]] = set()
+        # By-layer hand-overs whose prompt KV is streaming to their first decode worker.
+        self._streams: dict[str, LayerStream] = {}
+
+    def prepare(self, request_id: str, prompt_token_ids: Sequence[int], targets: tuple[DecodeTarget, ...]) -> None:
+        """Before the request's prefill: under the by-layer layout, start streaming its prompt's KV to the
+        first decode worker as the prefill computes it (migration/layers.py)."""
+        if self.config.layout != "by-layer" or not targets or request_id in self._streams:
+            return
+        stream = self.executor.layer_stream(request_id, self._migration_address(targets[0]), prompt_token_ids,
+                                            self._return_to())
+        if stream is not None:
+            self._streams[request_id] = stream
+
+    def _return_to(self) -> str | None:
+        return self.own_migration_address if self.config.caching == "full" else None
 
     def start(self, request_id: str, targets: tuple[DecodeTarget, ...]) -> None:
         """Hands the request over in the background, to the first of `targets` (best first) that takes
         it; its stream ends with the hand-off event when it lands, or it keeps decoding here."""
-        return_to = self.own_migration_address if self.config.caching == "full" else None
-        transfer = Transfer(self.config.layout, return_to)
+        transfer = Transfer(self.config.layout, self._return_to())
+        stream = self._streams.pop(request_id, None)
 
         async def run() -> None:
+            prepared = await stream.finish() if stream is not None else None
+            if stream is not None:
+                self.metrics.layer_parts.inc(stream.parts_sent)
+                self.metrics.bytes.inc(stream.bytes_sent)
             result = None
             for attempt, target in enumerate(targets):
                 if attempt:
                     self.metrics.alternates.inc()
                 result = await self.executor.transfer(request_id, HandoffTarget(target.pod, target.address),
-                                                      self._migration_address(target), transfer)
+                                                      self._migration_address(target), transfer,
+                                                      prepared if attempt == 0 else None)
                 # Refused or unreachable (no room, gone): the next decode worker. A request that ended,
                 # or was lost, while it was being handed over has nothing left to hand.
                 if result.succeeded or not self.executor.host_has(request_id):
@@ -107,6 +128,25 @@ class HandOvers:
         assert self.executor.transfers is not None, "the agent's executor counts transfers"
         return self.executor.transfers
 
+    def forget(self, request_id: str) -> None:
+        """A request that ended before its hand-over (finished at its first token, or failed): its
+        stream, if any, is closed."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            task = asyncio.get_running_loop().create_task(self._close(stream))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _close(stream: LayerStream) -> None:
+        prepared = await stream.finish()
+        if prepared is not None:
+            prepared.channel.close()  # the decode worker frees what it staged when the connection drops
+
     def cancel_all(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for stream in self._streams.values():
+            if stream.task is not None:
+                stream.task.cancel()
+        self._streams.clear()

@@ -58,6 +58,10 @@ class OpenAIRoutes:
         # Hands a request prefilled here to the decode worker its router named (disaggregation.py);
         # None: this worker cannot (no pool token), and such a request decodes here.
         self.hand_over: Callable[[str, tuple[httpapi.DecodeTarget, ...]], None] | None = None
+        # Before its prefill (by-layer layout: the prompt's KV streams out as it is computed), and when
+        # it ends before a hand-over.
+        self.prepare_hand_over: Callable[[str, list[int], tuple[httpapi.DecodeTarget, ...]], None] | None = None
+        self.no_hand_over: Callable[[str], None] | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -301,6 +305,17 @@ class OpenAIRoutes:
         A request naming a decode worker (a disaggregated pool) is handed to it once its first token is
         out (docs/disaggregation.md)."""
         decode = _decode_target(request)
+        if decode is None or self.prepare_hand_over is None or job.output_token_ids:
+            return await self._relay_steps(request, job, shape, echo, decode)
+        self.prepare_hand_over(job.request_id, job.prompt_token_ids, decode)
+        try:
+            return await self._relay_steps(request, job, shape, echo, decode)
+        finally:
+            if self.no_hand_over is not None:
+                self.no_hand_over(job.request_id)  # closes a by-layer stream no hand-over took up
+
+    async def _relay_steps(self, request: web.Request, job: Job, shape: ResponseShape, echo: str,
+                           decode: tuple[httpapi.DecodeTarget, ...] | None) -> web.StreamResponse:
         deltas = self.streams.deltas(job, follow_moves=False)
         # Errors the engine raises before its first output still become a plain 4xx, not a broken stream.
         moved: Moved | None = None

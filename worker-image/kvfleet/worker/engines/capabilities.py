@@ -35,6 +35,7 @@ ends, and falls back to moving tokens otherwise.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -391,6 +392,40 @@ class PrefixKV(Protocol):
 
 
 @dataclass(frozen=True)
+class LayerPart:
+    """KV a by-layer hand-over sends as the prefill computes it: one layer's K and V of a run of a
+    request's blocks ([2, blocks, block_size, kv_heads, head_dim]), or (`layer` None) all layers' of
+    blocks the prefill did not compute (a cached prefix; KVBlocks' layout)."""
+
+    layer: int | None
+    first_block: int
+    # Valid tokens in these blocks, from the first block's start.
+    num_tokens: int
+    block_size_tokens: int
+    data: torch.Tensor
+
+
+class LayerKV(Protocol):
+    """KV streamed layer by layer while a prompt is prefilled ("MemServe: Flexible Mem Pool for Building
+    Disaggregated LLM Serving with Caching" §5.2, Figure 5's by-layer transfer): the prefill worker's
+    engine hands each layer's new KV out as soon as it is in its cache, the decode worker's writes it
+    into the blocks staged for the request (KVMigratable.reserve_kv's)."""
+
+    def watch_layers(self, request_id: str, first_block: int) -> asyncio.Queue[LayerPart | None]:
+        """From now on, every step that prefills the request's prompt puts its KV there, blocks from
+        `first_block` on (blocks before the step's first token that it holds first, as one all-layer
+        part), and None once the prompt is prefilled. Until `unwatch`."""
+        ...
+
+    def unwatch(self, request_id: str) -> None:
+        ...
+
+    async def import_layer(self, request_id: str, part: LayerPart) -> None:
+        """Reserve (as reserve_kv) and write one part for a request about to be resumed here."""
+        ...
+
+
+@dataclass(frozen=True)
 class EngineCapabilities:
     """The optional features an engine has: each field is the feature's implementation, or None.
 
@@ -405,6 +440,8 @@ class EngineCapabilities:
     prefix_cache: PrefixCache | None = None
     # Moves KV in and out of that cache by prefix, between workers (disaggregated serving, migrations).
     prefix_kv: PrefixKV | None = None
+    # Streams a prompt's KV layer by layer as it is prefilled, and takes it in (by-layer hand-overs).
+    layer_kv: LayerKV | None = None
     # Lends KV blocks to requests running elsewhere (DistKV, docs/distkv.md).
     lending: KVLending | None = None
     # Borrows KV blocks for requests larger than its own memory (DistKV, docs/distkv.md).

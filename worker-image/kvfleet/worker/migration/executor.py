@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvfleet.mell.migration import MoveMode
 from kvfleet.worker.distkv.lender import serve_lease
@@ -47,6 +47,7 @@ from kvfleet.worker.distkv.wire import LEND_OPS
 from kvfleet.worker.migration import kv_return
 from kvfleet.worker.migration.handoff import Adopted, HandoffError, HandoffTarget
 from kvfleet.worker.migration.host import Host
+from kvfleet.worker.migration.layers import LayerStream, Prepared
 from kvfleet.worker.migration.result import MigrationMetrics, MigrationResult, TransferMetrics
 from kvfleet.worker.migration.source import SourceRun, Transfer
 from kvfleet.worker.migration.target import PREALLOCATION_TIMEOUT_S, TargetRun
@@ -106,8 +107,21 @@ class Executor:
                 result.tokens_moved, "-" if result.downtime_s is None else f"{result.downtime_s * 1000:.1f} ms")
         return result
 
+    def layer_stream(self, request_id: str, migration_address: str, prompt_token_ids: Sequence[int],
+                     return_to: str | None) -> LayerStream | None:
+        """A by-layer hand-over's stream of the request's prompt KV, started now (before its prefill);
+        None when this engine cannot stream layers."""
+        engine = self._host.engine
+        layer_kv = engine.capabilities.layer_kv
+        if layer_kv is None:
+            return None
+        stream = LayerStream(engine, layer_kv, self._transport, request_id, migration_address, prompt_token_ids,
+                             return_to)
+        stream.start()
+        return stream
+
     async def transfer(self, request_id: str, target: HandoffTarget, migration_address: str,
-                       transfer: Transfer) -> MigrationResult:
+                       transfer: Transfer, prepared: Prepared | None = None) -> MigrationResult:
         """Hands a request just prefilled here to a decode worker (docs/disaggregation.md): a KV move
         that stops it once connected and sends its KV in one stage; a transfer, not a migration (the
         caller counts it in `transfers`). Never raises for what it can meet; when it fails the request
@@ -118,7 +132,7 @@ class Executor:
             result = MigrationResult(request_id, False, MoveMode.KV, message=str(err))
         else:
             run = SourceRun(self._host, self._transport, self._clock, ticket, target, migration_address, MoveMode.KV,
-                            transfer=transfer)
+                            transfer=transfer, prepared=prepared)
             try:
                 result = await run.go()
             except asyncio.CancelledError:

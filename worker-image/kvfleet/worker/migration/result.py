@@ -99,6 +99,9 @@ class TransferMetrics:
         self.received_blocks = Counter("kvfleet_worker_kv_returned_blocks",
                                        "Blocks of finished requests' KV other workers sent here, taken into the "
                                        "prefix cache.", registry=r)
+        self.layer_parts = Counter("kvfleet_worker_kv_transfer_layer_parts",
+                                   "Parts by-layer hand-overs streamed while the prompt was prefilled (one per "
+                                   "layer and step, and one for a prefix held before it).", registry=r)
         self.alternates = Counter("kvfleet_worker_kv_transfer_alternates",
                                   "Hand-overs tried at another decode worker after the first one refused or was "
                                   "unreachable.", registry=r)

@@ -35,6 +35,7 @@ from kvfleet.worker.migration.handoff import (
     Ticket,
 )
 from kvfleet.worker.migration.host import Host, continue_on
+from kvfleet.worker.migration.layers import Prepared
 from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationResult
 from kvfleet.worker.migration.transport import Channel, Transport, TransportError
 from kvfleet.worker.migration.wire import (
@@ -61,8 +62,10 @@ STOP_TIMEOUT_S = 10.0
 # How a disaggregated hand-over's KV crosses ("MemServe: Flexible Mem Pool for Building Disaggregated
 # LLM Serving with Caching" §5.2, Figure 5): by-request-aggregated sends a stage as one buffer (one
 # send per request), by-request one send per layer, K or V, and block (2 x layers x blocks).
-Layout = Literal["by-request-aggregated", "by-request"]
-LAYOUTS: tuple[Layout, ...] = ("by-request-aggregated", "by-request")
+# by-layer streams each layer's KV while the prefill computes it (layers.py), then sends the rest as
+# by-request-aggregated does.
+Layout = Literal["by-request-aggregated", "by-request", "by-layer"]
+LAYOUTS: tuple[Layout, ...] = ("by-request-aggregated", "by-request", "by-layer")
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,14 @@ class SourceRun:
 
     def __init__(self, host: Host, transport: Transport, clock: Callable[[], float], ticket: Ticket,
                  target: HandoffTarget, migration_address: str, mode: MoveMode, kv_bytes_limit: int | None = None,
-                 transfer: Transfer | None = None) -> None:
+                 transfer: Transfer | None = None, prepared: Prepared | None = None) -> None:
         self.host = host
         self.transport = transport
         self.clock = clock
         self.kv_bytes_limit = kv_bytes_limit
         self.transfer = transfer
+        # A by-layer hand-over's channel, its prompt's KV streamed already (layers.py).
+        self.prepared = prepared
         # Leading blocks the target holds in its prefix cache already (its hello): never sent.
         self.cached_blocks = 0
         self.sends = 0
@@ -134,14 +139,14 @@ class SourceRun:
             self.host.handoffs.done(self.ticket, None)
             return self._result(False, "the request is not running on the source (finished, or never here)")
         try:
-            self.channel = await self.transport.connect(self.address, CONNECT_TIMEOUT_S)
-            await self.channel.send(self._begin(live))
-            hello = await self._reply()
+            hello = await self._open(live)
             self._fall_back_to_tokens(hello)
             # The target starts the request from the prefix its cache holds (PrefixKV.stage_prefix), in
             # every mode: KV stages begin after it, and a re-prefill computes only what lies past it.
             self.cached_blocks = int(hello.get("cached_blocks") or 0)
             sent_block = self.cached_blocks
+            if self.prepared is not None and self.mode == MoveMode.KV:
+                sent_block = max(sent_block, self.prepared.streamed_block)
             if self.mode != MoveMode.TOKEN and self.transfer is None:
                 sent_block = await self._precopy(sent_block)
             await self._stop(live)
@@ -154,6 +159,21 @@ class SourceRun:
             if isinstance(err, SourceGone):
                 return self._result(False, str(err))
             return self._result(False, reason + ("; the request keeps running on the source" if self.stopped else ""))
+
+    async def _open(self, live: LiveRequest) -> dict[str, Any]:
+        """The channel and the target's hello: a by-layer stream's, once the target confirms it wrote
+        every part (`layers_done`), or a new one."""
+        prepared = self.prepared
+        if prepared is not None:
+            self.channel = prepared.channel
+            if not prepared.hello.get("ok"):
+                raise TargetError(str(prepared.hello.get("error", "refused")))
+            await self.channel.send({"op": "layers_done"})
+            await self._reply()
+            return prepared.hello
+        self.channel = await self.transport.connect(self.address, CONNECT_TIMEOUT_S)
+        await self.channel.send(self._begin(live))
+        return await self._reply()
 
     def _begin(self, live: LiveRequest) -> dict[str, Any]:
         """The `begin` frame: with the prompt, for the target to find its cached prefix, where the target

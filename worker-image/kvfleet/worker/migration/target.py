@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfleet.worker.engines.base import EngineError, blocks_for
-from kvfleet.worker.engines.capabilities import KVMigratable, MigrationError
+from kvfleet.worker.engines.capabilities import KVMigratable, LayerKV, LayerPart, MigrationError
 from kvfleet.worker.migration.handoff import Adopted, HandedRequest
 from kvfleet.worker.migration.host import Host, continue_on
 from kvfleet.worker.migration.result import MIN_PREFILL_SAMPLE_TOKENS, MigrationMetrics
@@ -67,6 +67,10 @@ class TargetRun:
                 op = frame.header.get("op")
                 if op == "stage" and self.migration is not None:
                     await self._receive_stage(self.migration, request_id, frame.header)
+                elif op == "layer" and self.engine.capabilities.layer_kv is not None:
+                    await self._receive_layer(self.engine.capabilities.layer_kv, request_id, frame.header)
+                elif op == "layers_done":
+                    await channel.send({"ok": True})  # every layer part before it is written
                 elif op == "commit":
                     committed = await self._commit(request_id, frame.header)
                     return
@@ -109,6 +113,7 @@ class TargetRun:
                 kv = {"kv": False, "kv_refusal": str(err)}
         cached = self._stage_prefix(request_id, frame.header.get("prefix"))
         await channel.send({"ok": True, "engine": info.engine, **kv, "cached_blocks": cached,
+                            "layer_kv": kv.get("kv", False) and engine.capabilities.layer_kv is not None,
                             "block_size_tokens": info.block_size_tokens, "kv_bytes_per_token": info.kv_bytes_per_token})
         return request_id
 
@@ -141,6 +146,18 @@ class TargetRun:
             await channel.send({"ok": False, "error": str(err)})
             raise TargetError(str(err)) from None
         await channel.send({"ok": True})
+
+    async def _receive_layer(self, layer_kv: LayerKV, request_id: str, header: dict[str, Any]) -> None:
+        """One part of a by-layer stream (layers.py): written without a reply, unless it fails."""
+        data = await receive_stage_data(self.channel, header, PREALLOCATION_TIMEOUT_S)
+        layer = header.get("layer")
+        part = LayerPart(None if layer is None else int(layer), int(header["first_block"]), int(header["num_tokens"]),
+                         int(header["block_size_tokens"]), data)
+        try:
+            await layer_kv.import_layer(request_id, part)
+        except EngineError as err:
+            await self.channel.send({"ok": False, "error": str(err)})
+            raise TargetError(str(err)) from None
 
     async def _commit(self, request_id: str, header: dict[str, Any]) -> bool:
         handed = HandedRequest.from_json(header["handed"])

@@ -48,6 +48,7 @@ from kvfleet.worker.engines.builtin.blocks import BLOCK_SIZE_TOKENS, BlockPool
 from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing, Lenders, RemotePartLost
 from kvfleet.worker.engines.builtin.cpu_buffer import CpuBuffer
 from kvfleet.worker.engines.builtin.elastic import ActivationChunks, ElasticKVBlocks, ElasticScheduler, ElasticSettings
+from kvfleet.worker.engines.builtin.layer_kv import BuiltinLayerKV
 from kvfleet.worker.engines.builtin.lending import BuiltinKVLending
 from kvfleet.worker.engines.builtin.migration import BuiltinKVMigration
 from kvfleet.worker.engines.builtin.model import (
@@ -116,6 +117,7 @@ class BuiltinEngine:
         # Exists from the start (capabilities are the same before and after start); `start` opens it.
         self._migration = BuiltinKVMigration(self._sched)
         self._prefix_kv = BuiltinPrefixKV(self._sched) if self._sched.prefix is not None else None
+        self._layer_kv = BuiltinLayerKV(self._sched)
         # DistKV (docs/distkv.md): the lender's and the borrower's sides, each only when configured.
         if distkv.borrow and options.attention != "distattention":
             raise EngineError("borrowing KV (DistKV) needs attention 'distattention': remote KV is attended where it lives")
@@ -201,6 +203,7 @@ class BuiltinEngine:
         self._migration.open(cache, self._executor, self._step_lock)
         if self._prefix_kv is not None:
             self._prefix_kv.open(cache, self._executor)
+        self._layer_kv.open(cache, self._executor)
         if self._lending is not None:
             self._lending.open(cache, self._executor, self.options.distkv.lend_cap_bytes // block_bytes)
         if self._borrowing is not None:
@@ -240,6 +243,7 @@ class BuiltinEngine:
         self._migration.close()
         if self._prefix_kv is not None:
             self._prefix_kv.close()
+        self._layer_kv.close()
         if self._lending is not None:
             self._lending.close()
         if self._borrowing is not None:
@@ -258,7 +262,7 @@ class BuiltinEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(migration=self._migration, elastic_memory=self if self._elastic is not None else None,
                                   prefix_cache=self if self._sched.prefix is not None else None,
-                                  prefix_kv=self._prefix_kv,
+                                  prefix_kv=self._prefix_kv, layer_kv=self._layer_kv,
                                   lending=self._lending, borrowing=self._borrowing)
 
     @property
@@ -406,7 +410,10 @@ class BuiltinEngine:
         takes off the step's path (ElasticScheduler.overlap)."""
         if self._executor is None:
             raise RuntimeError("the builtin engine is not started")
-        tokens = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(self._execute, step))
+        # Built here, on the loop: the watches it reads change only here (a by-layer hand-over's).
+        on_layer = self._layer_kv.hook(step)
+        tokens = asyncio.get_running_loop().run_in_executor(self._executor,
+                                                            functools.partial(self._execute, step, on_layer))
         if self._elastic is not None:
             try:
                 self._elastic.overlap(step)
@@ -464,11 +471,11 @@ class BuiltinEngine:
                 prefill_tokens += num_new
         self._speed.record_step(len(step.entries), context_tokens, prefill_tokens, step_seconds)
 
-    def _execute(self, step: Step) -> list[Sampled]:
+    def _execute(self, step: Step, on_layer: Callable[[int], None] | None = None) -> list[Sampled]:
         """The step's torch work, on the executor thread: one forward, then one token per request (and
-        its logprobs, where asked)."""
+        its logprobs, where asked); `on_layer` streams watched prompts' KV (builtin/layer_kv.py)."""
         assert self._model is not None and self._cache is not None
-        return next_tokens(self._model.forward(step.entries, self._cache), step.samplings)
+        return next_tokens(self._model.forward(step.entries, self._cache, on_layer=on_layer), step.samplings)
 
 
 def _activation_of(arch: LlamaArchitecture, dtype: torch.dtype, new_tokens: int, context_tokens: int) -> int:

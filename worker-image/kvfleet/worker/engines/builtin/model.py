@@ -539,11 +539,14 @@ class LlamaForward:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqBatchEntry], cache: PagedKVCache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, seqs: Sequence[SeqBatchEntry], cache: PagedKVCache, *, all_logits: bool = False,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Write the new tokens' K and V into the cache and return float32 logits.
 
         One row per sequence (its last new token), or with all_logits one row per new token, in
         order. Sequences with several new tokens attend causally to their whole cached context.
+        `on_layer(i)` is called once layer i's K and V are in the cache (a by-layer hand-over sends
+        them while the next layers compute).
         """
         # Longer than the house's ~60 lines on purpose: the batch's index tensors (slots, block
         # tables, masks) are built once and read by every layer; split, they would travel as a bag.
@@ -619,6 +622,8 @@ class LlamaForward:
             elif cached_rows:
                 kv[0][block_index, offset_index] = k[cached_index]
                 kv[1][block_index, offset_index] = v[cached_index]
+            if on_layer is not None:
+                on_layer(layer_index)
             if plan is not None:
                 for i in prefill:
                     sink = seqs[i].offload_to
