@@ -18,7 +18,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.pools import ready
+from kvfleet_e2e.pools import metrics, ready
 
 BLOCK = 16
 SHARED = " ".join(f"The fleet keeps its caches warm, section {i}." for i in range(40))
@@ -38,17 +38,6 @@ def complete(ip: str, prompt: str) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=120) as resp:
         result: dict[str, Any] = json.loads(resp.read())
         return result
-
-
-def metrics(ip: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def test_two_requests_sharing_a_prefix_land_on_one_worker_and_the_second_prefills_only_its_new_tokens(

@@ -22,7 +22,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.pools import ready
+from kvfleet_e2e.pools import metrics, ready
 from kvfleet_e2e.processes import signal_group, worker_pid
 from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
 from kvfleet_e2e.reports import worker_reports
@@ -36,17 +36,6 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     proc = start_operator(cluster, "operator-disaggregation-e2e")
     yield proc
     stop_process(proc)
-
-
-def metrics(ip: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def transferred(ip: str) -> float:

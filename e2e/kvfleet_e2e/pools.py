@@ -3,6 +3,7 @@ what they ask of their pods."""
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Any
 
 
@@ -24,3 +25,15 @@ def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
 def ready(pod: dict[str, Any]) -> bool:
     """Whether a pod (as `kubectl get -o json` gives it) has the condition Ready."""
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def metrics(ip: str) -> dict[str, float]:
+    """A pod's Prometheus samples (a worker's or a router's, on port 8000), by name with its labels."""
+    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

@@ -99,6 +99,19 @@ def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None 
     return worker
 
 
+def serve_app(loop: EngineLoop, app: web.Application, port: int | None = None) -> tuple[web.AppRunner, int]:
+    """An aiohttp app (a router, mostly) served on loopback from the test loop: its runner and port."""
+    port = port or free_port()
+
+    async def start() -> web.AppRunner:
+        runner = web.AppRunner(app, shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    return loop.run(start()), port
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,8 +19,16 @@ from typing import Any
 
 import pytest
 import torch
-from aiohttp import web
-from migration_testing import TOKEN, Streamed, Worker, follow_target, free_port, read_sse, reference, start_worker
+from migration_testing import (
+    TOKEN,
+    Streamed,
+    Worker,
+    follow_target,
+    read_sse,
+    reference,
+    serve_app,
+    start_worker,
+)
 from worker_testing import EngineLoop, SharedEngine, StartedEngine, start_engine
 
 from kvfleet.router.app import Router, RouterConfig
@@ -122,8 +130,13 @@ def test_a_request_prefilled_on_one_worker_decodes_on_the_other_as_one_whole_str
     assert head.text + rest.text == reference(decode, body())[0]
     assert transfers(prefill) == before + 1
     # Both report their role's figures: the operator sizes the prefill tier by the queued prompt tokens
-    # and sums the prefill workers' hand-overs in the pool's status.
+    # and sums the prefill workers' hand-overs in the pool's status; a hand-over alone is news (the
+    # request came and went within one report interval, leaving the requests as they were).
     wait_for(lambda: prefill.reports and prefill.reports[-1].kv_transfers == prefill.agent.transfer_metrics.count)
+    requests_before = [r.id for r in prefill.reports[-1].requests]
+    disaggregated(prefill, decode, "pd-basic-again", body())
+    wait_for(lambda: prefill.reports[-1].kv_transfers == prefill.agent.transfer_metrics.count)
+    assert [r.id for r in prefill.reports[-1].requests] == requests_before
     assert decode.reports[-1].queued_prefill_tokens == 0 and decode.reports[-1].kv_transfers is None
     idle(prefill, decode)
 
@@ -258,15 +271,7 @@ def router(pd: tuple[Worker, Worker], engine_loop: EngineLoop) -> Iterator[tuple
     view = StaticPoolView(PoolSnapshot(workers, {}, locality="prompt-tree",
                                        disaggregation=PDSettings(caching="full", choice="always")))
     router = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), view)
-    port = free_port()
-
-    async def start() -> web.AppRunner:
-        runner = web.AppRunner(router.app(), shutdown_timeout=1.0)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = engine_loop.run(start())
+    runner, port = serve_app(engine_loop, router.app())
     yield router, port
     engine_loop.run(runner.cleanup())
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from aiohttp import web
-from migration_testing import Worker, free_port, start_worker
+from migration_testing import Worker, serve_app, start_worker
 from worker_testing import TEST_KV_CAPACITY_BYTES, EngineLoop, SharedEngine, StartedEngine, start_engine
 
 from kvfleet.router.app import Router, RouterConfig
@@ -32,15 +31,7 @@ def client(request: pytest.FixtureRequest, tiny_model_dir: Path, engine_loop: En
     worker: Worker = start_worker(f"worker-{request.param}", tiny_model_dir, engine_loop, engine=engine)
     snapshot = PoolSnapshot((WorkerState("w0", worker.address, True, 0, TEST_KV_CAPACITY_BYTES),), {})
     router = Router(RouterConfig(pool_name="test", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(snapshot))
-    port = free_port()
-
-    async def start() -> web.AppRunner:
-        runner = web.AppRunner(router.app(), shutdown_timeout=1.0)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = engine_loop.run(start())
+    runner, port = serve_app(engine_loop, router.app())
     try:
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from migration_testing import TOKEN, Worker, free_port, start_worker
+from migration_testing import TOKEN, Worker, free_port, serve_app, start_worker
 from worker_testing import (
     TEST_KV_CAPACITY_BYTES,
     TEST_MAX_MODEL_LEN,
@@ -155,15 +155,7 @@ def servers(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict
         worker = start_worker("worker-vllm-parity", tiny_model_dir, engine_loop, engine=engine)
         snapshot = PoolSnapshot((WorkerState("w0", worker.address, True, 0, TEST_KV_CAPACITY_BYTES),), {})
         router = Router(RouterConfig(pool_name="parity", credentials=PoolCredentials.of(TOKEN)), StaticPoolView(snapshot))
-        router_port = free_port()
-
-        async def start() -> web.AppRunner:
-            r = web.AppRunner(router.app(), shutdown_timeout=1.0)
-            await r.setup()
-            await web.TCPSite(r, "127.0.0.1", router_port).start()
-            return r
-
-        runner = engine_loop.run(start())
+        runner, router_port = serve_app(engine_loop, router.app())
         direct = f"127.0.0.1:{port}"
         _wait_healthy(direct, proc, log_path)
         yield Servers(direct=direct, pool=f"127.0.0.1:{router_port}")

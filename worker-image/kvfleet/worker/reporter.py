@@ -56,6 +56,9 @@ class ReportKey:
     capacity_step: int = 0
     # DistKV: what it lends and borrows (the operator's ledger and plan follow it, docs/distkv.md).
     lending: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
+    # A prefill worker's hand-overs so far (the pool's status sums them): a request handed over within
+    # one interval of its arrival leaves the requests as they were, and the count would go unwritten.
+    transfers: int = 0
 
 
 # An elastic worker's capacity moves with its activations; a change of this fraction is news to MELL
@@ -155,7 +158,7 @@ def report_key(report: KVLoadReport, rest_capacity_bytes: int | None = None) -> 
     step = round(report.capacity_bytes / (rest_capacity_bytes * CAPACITY_STEP_FRACTION)) if rest_capacity_bytes else 0
     lending = (report.lent_bytes or 0, tuple(sorted((report.borrowed or {}).items())))
     return ReportKey(tuple((r.id, r.size_class, str(r.queued), str(r.finishing)) for r in report.requests), step,
-                     lending)
+                     lending, report.kv_transfers or 0)
 
 
 class LoadReporter:
