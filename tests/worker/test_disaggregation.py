@@ -151,11 +151,17 @@ def test_the_decode_worker_is_sent_only_the_blocks_its_cache_lacks(pd: tuple[Wor
     idle(prefill, decode)
     cached_before, bytes_before = counter(prefill, "kvfleet_worker_kv_transfer_cached_blocks_total"), \
         counter(prefill, "kvfleet_worker_kv_transfer_bytes_total")
+    decode_cache = decode.agent.engine.capabilities.prefix_cache
+    assert decode_cache is not None
+    decode_hits = decode_cache.prefix_cache_stats().hit_tokens
     head, rest = disaggregated(prefill, decode, "pd-cache-d-2", body(prompt))
     _, expected = reference(prefill, body(prompt))
     assert token_ids(head, rest) == expected
     prompt_blocks = len(decode.agent.tokenizer.encode(prompt)) // decode.agent.engine.info.block_size_tokens
     assert counter(prefill, "kvfleet_worker_kv_transfer_cached_blocks_total") - cached_before == prompt_blocks
+    # The decode worker counts what its cache served as hits, as a prefill from its cache would.
+    bs = decode.agent.engine.info.block_size_tokens
+    assert decode_cache.prefix_cache_stats().hit_tokens - decode_hits == prompt_blocks * bs
     # Only the prompt's partial last block crossed (and its first output token).
     block_bytes = decode.agent.engine.info.block_size_tokens * decode.agent.engine.info.kv_bytes_per_token
     assert counter(prefill, "kvfleet_worker_kv_transfer_bytes_total") - bytes_before == block_bytes

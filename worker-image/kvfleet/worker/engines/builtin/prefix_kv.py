@@ -80,6 +80,8 @@ class BuiltinPrefixKV:
             return 0
         num = len(match.nodes)
         sched.staged[request_id] = StagedKV(list(match.values), num * sched.block_size_tokens, match)
+        # Tokens whose KV this worker did not receive: its cache served them (a decode worker's hits).
+        sched.num_cache_hit_tokens += num * sched.block_size_tokens
         return num
 
     async def export_prefix(self, tokens: Sequence[int], first_block: int) -> KVBlocks | None:
