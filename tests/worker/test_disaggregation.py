@@ -168,6 +168,32 @@ def test_the_decode_worker_is_sent_only_the_blocks_its_cache_lacks(pd: tuple[Wor
     idle(prefill, decode)
 
 
+def test_the_decode_worker_caches_a_prompt_it_received_while_the_request_still_runs(
+        pd: tuple[Worker, Worker]) -> None:
+    """The imported prompt joins the decode worker's cache at once (MemServe's transfer_with_insert), not
+    only when its request ends: a request with the same prompt meanwhile shares it."""
+    prefill, decode = pd
+    prefill.agent.handovers.config = PDConfig("prefill", "decode")  # type: ignore[union-attr]
+    cache = decode.agent.engine.capabilities.prefix_cache
+    assert cache is not None
+    prompt = "a prompt the decode worker has not seen, " + PROMPT
+    prompt_blocks = len(decode.agent.tokenizer.encode(prompt)) // decode.agent.engine.info.block_size_tokens
+    response = post(prefill, "pd-insert-early", body(prompt, max_tokens=400), decode_target(decode))
+    head = read_sse(response)
+    event, data = head.events[-1]
+    assert event == "kvfleet.migrated"
+    # The hand-over's commit answered after the request's first token on the decode worker: it runs there.
+    running = {r.request_id for r in decode.agent.engine.kv_usage()}
+    assert "pd-insert-early" in running
+    hits = cache.prefix_cache_stats().hit_tokens
+    # The same prompt, straight to the decode worker while the first still decodes there: a cache hit.
+    reference(decode, body(prompt, max_tokens=4))
+    assert cache.prefix_cache_stats().hit_tokens - hits == prompt_blocks * decode.agent.engine.info.block_size_tokens
+    rest = follow_target(decode, "pd-insert-early", int(json.loads(data)["index"]))
+    assert rest.done
+    idle(prefill, decode)
+
+
 def test_full_caching_sends_the_decode_phase_back_so_the_next_turn_prefills_only_its_new_tokens(
         pd: tuple[Worker, Worker]) -> None:
     """PD-Caching-3: the next turn (prompt + answer + a new question) finds the whole conversation

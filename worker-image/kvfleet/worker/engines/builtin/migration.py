@@ -188,6 +188,9 @@ class BuiltinKVMigration:
         elif (staged := sched.take_staged(request_id)) is not None:
             # Blocks it starts from the prefix cache (PrefixKV.stage_prefix) stay locked for it as shared.
             req.blocks, req.num_cached, req.shared = staged.blocks, staged.num_tokens, staged.shared
+            # Its imported prompt goes in the cache now, as a prompt prefilled here would (MemServe's
+            # transfer_with_insert): a request with the same prompt arriving while it runs shares it.
+            sched.share_prompt(req)
         # At least the last token is computed again: its logits give the next token.
         req.num_cached = min(req.num_cached, req.num_tokens - 1)
         # Ahead of new requests: a migrated request is already late by its downtime.

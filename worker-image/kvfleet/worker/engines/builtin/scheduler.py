@@ -134,7 +134,7 @@ class Request:
     # The prefix cache's blocks it reads (pinned in the prompt tree): the first len(shared.nodes) of
     # `blocks` belong to the cache, not to the request, and are never freed with it. Set when it is
     # admitted from a cached prefix, and extended to its full prompt blocks once its prompt is
-    # prefilled (`Scheduler._share_prompt`).
+    # prefilled (`Scheduler.share_prompt`), or imported (a migration's or a hand-over's destination).
     shared: Match[int] | None = None
     # DistKV: the request is larger than this engine's whole cache and borrows (module docstring);
     # `remote` holds its first remote_tokens tokens' KV, and `blocks` the rest from there on.
@@ -561,7 +561,7 @@ class Scheduler:
                 self._cache_blocks(req)
                 self.finish(req)
             elif entry.start_position < len(req.prompt):  # this step finished its prompt's prefill
-                self._share_prompt(req)
+                self.share_prompt(req)
 
     def _advance_constraint(self, req: Request, token: int) -> bool:
         """Feed a delivered token to the request's grammar; False (the request failed alone) if the
@@ -642,7 +642,7 @@ class Scheduler:
                 self.remote.release_remote(req)
             req.remote = None
 
-    def _share_prompt(self, req: Request) -> None:
+    def share_prompt(self, req: Request) -> None:
         """A running request whose prompt was just prefilled puts its full prompt blocks in the cache
         and reads them from there (`PrefixCache.share`), so a request admitted with the same prompt
         while it still runs (OpenAI `n` samples, the same system prompt under load) matches them
