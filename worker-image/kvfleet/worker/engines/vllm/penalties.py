@@ -36,13 +36,15 @@ formula on CPU tensors, not on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+
+from kvfleet.worker.engines.vllm.extra_args import extra_entry
 
 if TYPE_CHECKING:
     from vllm import SamplingParams as VLLMSamplingParams
@@ -94,11 +96,9 @@ def carried_extra_args(carried: int, presence: float, frequency: float, repetiti
 def carried_penalties(params: VLLMSamplingParams) -> CarriedPenalties | None:
     """The request's carried penalties, None if it has none; ValueError if the entry is malformed
     (vLLM calls `validate_params` at admission and turns that into a refusal of the request)."""
-    entry = (params.extra_args or {}).get(EXTRA_KEY)
+    entry = extra_entry(params, EXTRA_KEY)
     if entry is None:
         return None
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be a mapping")
     try:
         penalties = CarriedPenalties(int(entry["carried"]), float(entry["presence"]), float(entry["frequency"]),
                                      float(entry["repetition"]))

@@ -58,6 +58,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Logi
 
 from kvfleet.worker.engines.base import EngineError, StructuredKind, StructuredOutput
 from kvfleet.worker.engines.grammar import GrammarConstraint, Grammars
+from kvfleet.worker.engines.vllm.extra_args import extra_entry
 
 if TYPE_CHECKING:
     from vllm import SamplingParams as VLLMSamplingParams
@@ -87,11 +88,9 @@ def structured_extra_args(spec: StructuredOutput, carried: int) -> dict[str, Any
 def structured_request(params: VLLMSamplingParams) -> StructuredRequest | None:
     """The request's constraint, None if it has none; ValueError if the entry is malformed (vLLM calls
     `validate_params` at admission and turns that into a refusal of the request)."""
-    entry = (params.extra_args or {}).get(EXTRA_KEY)
+    entry = extra_entry(params, EXTRA_KEY)
     if entry is None:
         return None
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be a mapping")
     try:
         kind, spec, any_whitespace, carried = entry["kind"], entry["spec"], entry["any_whitespace"], entry["carried"]
     except KeyError as err:
