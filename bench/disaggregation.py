@@ -74,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _loopback import free_port, wait_ready  # noqa: E402
 from _machine import cpu_model  # noqa: E402
 
+from kvfleet.api.models import Role  # noqa: E402
 from kvfleet.router.app import Router, RouterConfig  # noqa: E402
 from kvfleet.router.disaggregation import caches  # noqa: E402
 from kvfleet.router.locality import Locality  # noqa: E402
@@ -82,7 +83,7 @@ from kvfleet.router.pool import StaticPoolView  # noqa: E402
 from kvfleet.serving.credentials import PoolCredentials  # noqa: E402
 from kvfleet.sim.result import nearest_rank  # noqa: E402
 from kvfleet.worker.agent import Agent, AgentConfig  # noqa: E402
-from kvfleet.worker.disaggregation import Caching, PDConfig, Role  # noqa: E402
+from kvfleet.worker.disaggregation import Caching, PDConfig  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
 from kvfleet.worker.migration.source import LAYOUTS, Layout  # noqa: E402
 from kvfleet.worker.model.tiny import TinySpec, make_tiny  # noqa: E402

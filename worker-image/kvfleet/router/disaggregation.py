@@ -66,7 +66,8 @@ def place_disaggregated(snapshot: PoolSnapshot, pd: PDSettings, reservations: Se
                         locality: LocalityInput | None = None, kv_bytes_per_token: int = 0) -> RouteChoice | NoRoute:
     """The prefill worker, carrying its decode worker, for a new request (module docstring); or a lone
     worker when one role cannot serve it or (per-request) when prefilling on D is cheaper."""
-    decode = place(of_role(snapshot, DECODE), reservations, kv_bytes, default_capacity_bytes=default_capacity_bytes,
+    decode_pool = of_role(snapshot, DECODE)
+    decode = place(decode_pool, reservations, kv_bytes, default_capacity_bytes=default_capacity_bytes,
                    exclude=exclude, locality=locality)
     prefill = choose_prefill(of_role(snapshot, PREFILL), reservations, exclude, locality)
     if isinstance(decode, NoRoute):
@@ -80,15 +81,15 @@ def place_disaggregated(snapshot: PoolSnapshot, pd: PDSettings, reservations: Se
                                                         pd, locality, kv_bytes_per_token):
         return dataclasses.replace(decode, rule="pd:local")
     return dataclasses.replace(prefill, rule=f"pd:{prefill.rule}",
-                               decode=decode_targets(snapshot, reservations, kv_bytes, decode.pod_name,
+                               decode=decode_targets(decode_pool, reservations, kv_bytes, decode.pod_name,
                                                      default_capacity_bytes, exclude))
 
 
-def decode_targets(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, first: str,
+def decode_targets(decode_pool: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes: int, first: str,
                    default_capacity_bytes: int, exclude: frozenset[str]) -> tuple[DecodeTarget, ...]:
-    """MELL's decode worker, then the ones MELL would choose were it gone, that have room: a prefill
-    worker whose hand-over is refused (no room when the KV arrives, gone) tries the next."""
-    decode_pool = of_role(snapshot, DECODE)
+    """MELL's decode worker, then the ones MELL would choose were it gone, that have room, over the
+    decode workers (`of_role`): a prefill worker whose hand-over is refused (no room when the KV
+    arrives, gone) tries the next."""
     chosen = [first]
     while len(chosen) < MAX_DECODE_TARGETS:
         nxt = place(decode_pool, reservations, kv_bytes, default_capacity_bytes=default_capacity_bytes,
@@ -96,7 +97,7 @@ def decode_targets(snapshot: PoolSnapshot, reservations: Sequence[Reservation], 
         if isinstance(nxt, NoRoute) or nxt.rule.startswith("queued") or nxt.pod_name in chosen:
             break
         chosen.append(nxt.pod_name)
-    by_name = {w.pod_name: w for w in snapshot.workers}
+    by_name = {w.pod_name: w for w in decode_pool.workers}
     return tuple(DecodeTarget(name, by_name[name].address, by_name[name].migration_address) for name in chosen)
 
 

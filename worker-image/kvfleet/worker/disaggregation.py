@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
+from kvfleet.api.models import Role
 from kvfleet.serving.httpapi import DecodeTarget
 from kvfleet.worker.migration.executor import Executor, TransferMetrics
 from kvfleet.worker.migration.handoff import HandoffTarget
 from kvfleet.worker.migration.layers import LayerStream
-from kvfleet.worker.migration.source import LAYOUTS, Layout, Transfer
+from kvfleet.worker.migration.source import Layout, Transfer
 from kvfleet.worker.migration.transport import MIGRATION_PORT, split_address
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
 Caching = Literal["none", "prefill", "decode", "full"]
 CACHINGS: tuple[Caching, ...] = ("none", "prefill", "decode", "full")
 
@@ -41,24 +40,12 @@ CACHINGS: tuple[Caching, ...] = ("none", "prefill", "decode", "full")
 @dataclass(frozen=True)
 class PDConfig:
     """This worker's role in a disaggregated pool (None: a colocated pool), the pool's caching milestone
-    and transfer layout (the LLMPool's spec.disaggregation, passed by the operator in the environment)."""
+    and transfer layout (the LLMPool's spec.disaggregation, passed by the operator in the environment,
+    which the worker's command line reads: `--role`, `--pd-caching`, `--pd-layout`)."""
 
     role: Role | None = None
     caching: Caching = "full"
     layout: Layout = "by-request-aggregated"
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> PDConfig:
-        role = env.get("KVFLEET_ROLE") or None
-        caching = env.get("KVFLEET_PD_CACHING") or "full"
-        layout = env.get("KVFLEET_PD_LAYOUT") or "by-request-aggregated"
-        if role not in (None, "prefill", "decode"):
-            raise ValueError(f"KVFLEET_ROLE must be prefill or decode, not {role!r}")
-        if caching not in CACHINGS:
-            raise ValueError(f"KVFLEET_PD_CACHING must be one of {', '.join(CACHINGS)}, not {caching!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"KVFLEET_PD_LAYOUT must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-        return cls(cast(Role | None, role), caching, layout)
 
 
 class HandOvers:
