@@ -23,7 +23,7 @@ def started_engines(engine_loop: EngineLoop) -> Iterator[dict[str, StartedEngine
         engine_loop.run(started.engine.stop())
 
 
-@pytest.fixture(scope="session", params=["builtin", "builtin-elastic", "vllm"])
+@pytest.fixture(scope="session", params=["builtin", "builtin-elastic", "vllm", "vllm-elastic"])
 def any_engine(request: pytest.FixtureRequest, tiny_model_dir: Path, engine_loop: EngineLoop,
                started_engines: dict[str, StartedEngine]) -> StartedEngine:
     return start_engine(request.param, tiny_model_dir, started_engines, engine_loop)

@@ -1,5 +1,5 @@
-"""The contract both engines share (EngineConfig) and the builtin engine's own options: a vLLM worker is
-never handed a setting it would ignore, neither through `load_engine` nor through the worker's flags."""
+"""The contract both engines share (EngineConfig) and each engine's own options: a vLLM worker is never
+handed a setting it would ignore, neither through `load_engine` nor through the worker's flags."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.worker.__main__ import builtin_options, parse_args
+from kvfleet.worker.__main__ import builtin_options, parse_args, vllm_options
 from kvfleet.worker.distkv.options import DistKVOptions
 from kvfleet.worker.elastic.options import DEFAULT_CHUNK_BYTES, MemoryOptions
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import EngineError
 from kvfleet.worker.engines.builtin.options import BuiltinOptions
+from kvfleet.worker.engines.vllm.options import VLLMOptions
 
 
 @pytest.mark.parametrize("options", [BuiltinOptions(memory=MemoryOptions(budget_bytes=2**26, elastic=True)),
@@ -29,15 +30,56 @@ def model_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize(("flags", "named"), [(["--elastic-memory", "--memory-budget-bytes", "1000000"], "--elastic-memory"),
-                                              (["--cpu-buffer-bytes", "4096"], "--cpu-buffer-bytes"),
-                                              (["--attention", "distattention"], "--attention distattention"),
-                                              (["--lend-cap-bytes", "4096"], "--lend-cap-bytes")])
+@pytest.mark.parametrize(("flags", "named"), [(["--attention", "distattention"], "--attention distattention"),
+                                              (["--lend-cap-bytes", "4096"], "--lend-cap-bytes"),
+                                              (["--attention", "distattention", "--distkv"], "--distkv")])
 def test_the_worker_refuses_builtin_flags_with_the_vllm_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                flags: list[str], named: str) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), *flags])
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--cpu-buffer-bytes", "4096"], "--cpu-buffer-bytes"),
+                                              (["--ttft-slo-ms", "500"], "--ttft-slo-ms"),
+                                              (["--tpot-slo-ms", "50"], "--tpot-slo-ms")])
+def test_the_worker_refuses_the_cpu_buffer_and_its_objectives_with_the_vllm_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
+                    "--elastic-memory", *flags])
+    err = capsys.readouterr().err
+    assert named in err and "run no CPU buffer" in err
+
+
+def test_the_worker_refuses_a_kv_capacity_and_a_memory_budget_together_with_the_vllm_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
+                    "--kv-capacity-bytes", "4194304"])
+    assert "--kv-capacity-bytes and --memory-budget-bytes" in capsys.readouterr().err
+    # The builtin engine takes both (its budget holds the KV cache it is given).
+    parse_args(["--engine", "builtin", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
+                "--kv-capacity-bytes", "4194304"])
+
+
+def test_the_vllm_engines_memory_flags_become_its_options(tmp_path: Path) -> None:
+    args = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
+                       "--elastic-memory", "--memory-chunk-bytes", "4194304"])
+    assert vllm_options(args) == VLLMOptions(
+        memory=MemoryOptions(budget_bytes=8388608, elastic=True, chunk_bytes=4194304))
+    static = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608"])
+    assert vllm_options(static) == VLLMOptions(
+        memory=MemoryOptions(budget_bytes=8388608, elastic=False, chunk_bytes=DEFAULT_CHUNK_BYTES))
+    plain = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path))])
+    assert vllm_options(plain) == VLLMOptions()
+
+
+def test_the_worker_still_needs_a_budget_for_elastic_memory_with_the_vllm_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--elastic-memory"])
+    assert "--elastic-memory needs --memory-budget-bytes" in capsys.readouterr().err
 
 
 def test_the_builtin_engines_flags_become_its_options(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from kvfleet.worker.elastic.options import MemoryOptions
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine, EngineInfo, SamplingParams, StepOutput
 from kvfleet.worker.engines.builtin.options import BuiltinOptions
+from kvfleet.worker.engines.vllm.options import VLLMOptions
 
 T = TypeVar("T")
 
@@ -67,15 +69,18 @@ class StartedEngine:
 
 def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], loop: EngineLoop) -> StartedEngine:
     """The session's engine of this kind, started on first use."""
-    if name == "vllm":
+    if name.startswith("vllm"):
         skip_without_vllm()
     if name not in engines:
         config = EngineConfig(model_path=model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
                               max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16, dtype="float32")
-        options = None
+        options: BuiltinOptions | VLLMOptions | None = None
         if name == "builtin-elastic":  # the builtin engine with elastic memory keeps the same contract
             options = BuiltinOptions(memory=MemoryOptions(budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic=True,
                                                           cpu_buffer_bytes=TEST_KV_CAPACITY_BYTES))
+        elif name == "vllm-elastic":  # and vLLM with elastic memory (engines/vllm/elastic.py)
+            config = replace(config, kv_capacity_bytes=None)
+            options = VLLMOptions(memory=MemoryOptions(budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic=True))
         engine = load_engine(name.removesuffix("-elastic"), config, options)
         info = loop.run(engine.start(), timeout_s=300)
         engines[name] = StartedEngine(name, engine, info, loop)

@@ -198,6 +198,11 @@ def _locked_down(pod_spec: dict[str, Any], container: dict[str, Any]) -> None:
 def _worker_env(name: str, spec: LLMPoolSpec, role: Role | None) -> list[dict[str, Any]]:
     """The worker's configuration (kvfleet.worker reads it from its environment), then the template's
     variables. `role`: the pod's half of a disaggregated pool, None in a colocated one."""
+    elastic = spec.elastic_memory
+    # A vLLM worker's memory budget sizes its KV cache itself (it refuses a KV capacity beside one); the
+    # builtin engine's budget holds the KV capacity it is given.
+    kv_capacity = [] if elastic.enabled and spec.engine == "vllm" else [
+        {"name": "KVFLEET_KV_CAPACITY_BYTES", "value": str(spec.kv_capacity_per_worker_bytes())}]
     env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -207,19 +212,20 @@ def _worker_env(name: str, spec: LLMPoolSpec, role: Role | None) -> list[dict[st
         {"name": "KVFLEET_ENGINE", "value": spec.engine},
         {"name": "KVFLEET_MODEL_NAME", "value": spec.model.name},
         {"name": "KVFLEET_MODEL_PATH", "value": spec.model.path},
-        {"name": "KVFLEET_KV_CAPACITY_BYTES", "value": str(spec.kv_capacity_per_worker_bytes())},
+        *kv_capacity,
         {"name": "KVFLEET_PORT", "value": str(WORKER_PORT)},
         {"name": "KVFLEET_MIGRATION_PORT", "value": str(MIGRATION_PORT)},
         # Workers coalesce their KV-load reports to at most one write per scheduling epoch.
         {"name": "KVFLEET_REPORT_INTERVAL_S", "value": str(spec.scheduling.epoch_seconds)},
         *_secret_env(name, migration_key=True),
     ]
-    elastic = spec.elastic_memory
     if elastic.enabled:
         env += [{"name": "KVFLEET_ELASTIC_MEMORY", "value": "1"},
-                {"name": "KVFLEET_MEMORY_BUDGET_BYTES", "value": str(spec.memory_budget_bytes())},
-                {"name": "KVFLEET_CPU_BUFFER_BYTES",
-                 "value": str(quantity_bytes(elastic.cpu_buffer) if elastic.cpu_buffer is not None else 0)}]
+                {"name": "KVFLEET_MEMORY_BUDGET_BYTES", "value": str(spec.memory_budget_bytes())}]
+        if spec.engine == "builtin":
+            # vLLM workers run no CPU buffer; the spec refuses one, and the objectives that scale it, for them.
+            env.append({"name": "KVFLEET_CPU_BUFFER_BYTES",
+                        "value": str(quantity_bytes(elastic.cpu_buffer) if elastic.cpu_buffer is not None else 0)})
         env += [{"name": name, "value": str(value)} for name, value in
                 (("KVFLEET_TTFT_SLO_MS", elastic.ttft_milliseconds), ("KVFLEET_TPOT_SLO_MS", elastic.tpot_milliseconds))
                 if value is not None]

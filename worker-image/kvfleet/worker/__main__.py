@@ -25,7 +25,9 @@ from kvfleet.worker.migration.source import LAYOUTS
 from kvfleet.worker.migration.transport import split_address
 
 if TYPE_CHECKING:
+    from kvfleet.worker.elastic.options import MemoryOptions
     from kvfleet.worker.engines.builtin.options import BuiltinOptions
+    from kvfleet.worker.engines.vllm.options import VLLMOptions
     from kvfleet.worker.reporter import WriteReport
 
 # Pending connections the listening socket queues (the kernel caps it at net.core.somaxconn).
@@ -54,7 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(env("KVFLEET_PORT", "8000")))
     parser.add_argument("--migration-port", type=int, default=int(env("KVFLEET_MIGRATION_PORT", "8001")),
                         help="where migrations come in (docs/migration.md); 0 picks a free port")
-    parser.add_argument("--kv-capacity-bytes", type=int, default=_env_int("KVFLEET_KV_CAPACITY_BYTES"))
+    parser.add_argument("--kv-capacity-bytes", type=int, default=_env_int("KVFLEET_KV_CAPACITY_BYTES"),
+                        help="the KV cache's size (vLLM: not with --memory-budget-bytes, which sizes it)")
     parser.add_argument("--max-model-len", type=int, default=_env_int("KVFLEET_MAX_MODEL_LEN"))
     parser.add_argument("--max-num-seqs", type=int, default=int(env("KVFLEET_MAX_NUM_SEQS", "64")))
     parser.add_argument("--dtype", default=env("KVFLEET_DTYPE"),
@@ -67,16 +70,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", default=env("KVFLEET_ATTENTION", "sdpa"), choices=("sdpa", "distattention"),
                         help="builtin engine: torch SDPA, or DistAttention partials merged by ScaleReduce (kvfleet.kernels)")
     parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
-                        help="builtin engine: one pool for KV cache and activations (docs/elastic-memory.md); "
+                        help="one pool for KV cache and activations (docs/elastic-memory.md); "
                              "static split unless --elastic-memory")
     parser.add_argument("--elastic-memory", action=argparse.BooleanOptionalAction,
                         default=env("KVFLEET_ELASTIC_MEMORY", "0") == "1",
-                        help="builtin engine: KV and activations take what each step needs from the budget (eLLM)")
-    parser.add_argument("--memory-chunk-bytes", type=int, default=_env_int("KVFLEET_MEMORY_CHUNK_BYTES"))
+                        help="KV and activations take what each step needs from the budget (eLLM)")
+    parser.add_argument("--memory-chunk-bytes", type=int, default=_env_int("KVFLEET_MEMORY_CHUNK_BYTES"),
+                        help="the memory pool's unit (default: elastic.options.DEFAULT_CHUNK_BYTES)")
     parser.add_argument("--cpu-buffer-bytes", type=int, default=_env_int("KVFLEET_CPU_BUFFER_BYTES") or 0,
-                        help="host memory for the KV of waiting or preempted requests (elastic memory)")
-    parser.add_argument("--ttft-slo-ms", type=float, default=_env_float("KVFLEET_TTFT_SLO_MS"))
-    parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"))
+                        help="builtin engine: host memory for the KV of waiting or preempted requests (elastic memory)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=_env_float("KVFLEET_TTFT_SLO_MS"),
+                        help="builtin engine: a TTFT objective that scales the CPU buffer (elastic memory)")
+    parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"),
+                        help="builtin engine: a TPOT objective that scales the CPU buffer (elastic memory)")
     parser.add_argument("--lend-cap-bytes", type=int, default=_env_int("KVFLEET_LEND_CAP_BYTES") or 0,
                         help="builtin engine: lend up to this much free KV to other workers' requests (DistKV, docs/distkv.md)")
     parser.add_argument("--distkv", action=argparse.BooleanOptionalAction, default=env("KVFLEET_DISTKV", "0") == "1",
@@ -112,34 +118,56 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(f"--distkv-peers: {err}")
     if args.engine == "vllm":
+        # Refused rather than ignored, so a pool never believes it runs what it does not.
         builtin_only = [flag for flag, value in (
-            ("--attention distattention", args.attention != "sdpa"), ("--memory-budget-bytes", args.memory_budget_bytes),
-            ("--elastic-memory", args.elastic_memory), ("--cpu-buffer-bytes", args.cpu_buffer_bytes),
-            ("--lend-cap-bytes", args.lend_cap_bytes), ("--distkv", args.distkv)) if value]
+            ("--attention distattention", args.attention != "sdpa"), ("--lend-cap-bytes", args.lend_cap_bytes),
+            ("--distkv", args.distkv)) if value]
         if builtin_only:
-            # vLLM sizes its KV cache once at start and attends only over its own cache (load_engine says
-            # more): refused rather than ignored, so a pool never believes it runs what it does not.
-            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM's KV "
-                         "cache cannot grow or shrink while it serves, and its attention takes no remote KV")
+            # vLLM's attention is its own backends', over its own cache (load_engine says more).
+            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM's "
+                         "attention takes no remote KV")
+        no_buffer = [flag for flag, value in (
+            ("--cpu-buffer-bytes", args.cpu_buffer_bytes), ("--ttft-slo-ms", args.ttft_slo_ms),
+            ("--tpot-slo-ms", args.tpot_slo_ms)) if value]
+        if no_buffer:
+            parser.error(f"{', '.join(no_buffer)}: vLLM workers run no CPU buffer (a request vLLM preempts is "
+                         "recomputed), and the latency objectives scale that buffer (--engine builtin)")
+        if args.kv_capacity_bytes is not None and args.memory_budget_bytes is not None:
+            parser.error("--kv-capacity-bytes and --memory-budget-bytes: with vLLM the memory budget sizes the KV "
+                         "cache itself; give one")
     if args.elastic_memory and args.memory_budget_bytes is None:
         parser.error("--elastic-memory needs --memory-budget-bytes (KVFLEET_MEMORY_BUDGET_BYTES): the pool to share")
     args.model_name = args.model_name or args.model_path.name
     return args
 
 
-def builtin_options(args: argparse.Namespace) -> BuiltinOptions:
-    """The builtin engine's own settings, from its flags."""
-    from kvfleet.worker.distkv.options import DistKVOptions
+def memory_options(args: argparse.Namespace) -> MemoryOptions | None:
+    """The memory budget's settings, from its flags (either engine); None without a budget."""
     from kvfleet.worker.elastic.options import DEFAULT_CHUNK_BYTES, MemoryOptions
-    from kvfleet.worker.engines.builtin.options import BuiltinOptions
 
-    memory = None if args.memory_budget_bytes is None else MemoryOptions(
+    if args.memory_budget_bytes is None:
+        return None
+    return MemoryOptions(
         budget_bytes=args.memory_budget_bytes, elastic=args.elastic_memory, cpu_buffer_bytes=args.cpu_buffer_bytes,
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
         tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
         chunk_bytes=args.memory_chunk_bytes or DEFAULT_CHUNK_BYTES)
-    return BuiltinOptions(attention=args.attention, memory=memory,
+
+
+def builtin_options(args: argparse.Namespace) -> BuiltinOptions:
+    """The builtin engine's own settings, from its flags."""
+    from kvfleet.worker.distkv.options import DistKVOptions
+    from kvfleet.worker.engines.builtin.options import BuiltinOptions
+
+    return BuiltinOptions(attention=args.attention, memory=memory_options(args),
                           distkv=DistKVOptions(lend_cap_bytes=args.lend_cap_bytes, borrow=args.distkv))
+
+
+def vllm_options(args: argparse.Namespace) -> VLLMOptions:
+    """The vLLM engine's own settings, from its flags (parse_args has refused those it does not run)."""
+    from kvfleet.worker.engines.vllm.options import VLLMOptions
+
+    return VLLMOptions(memory=memory_options(args))
 
 
 def parse_peers(text: str) -> list[tuple[str, str]]:
@@ -172,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_engine(args.engine, EngineConfig(
         model_path=args.model_path, kv_capacity_bytes=args.kv_capacity_bytes, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, device=device, min_step_s=args.min_step_s,
-        prefix_caching=args.prefix_caching), builtin_options(args) if args.engine == "builtin" else None)
+        prefix_caching=args.prefix_caching), builtin_options(args) if args.engine == "builtin" else vllm_options(args))
     pod_name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
     pod_uid, pool = os.environ.get("POD_UID"), os.environ.get("KVFLEET_POOL")
     writer = report_writer(pod_name, namespace, pod_uid, pool)

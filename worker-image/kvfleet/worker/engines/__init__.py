@@ -12,33 +12,32 @@ from kvfleet.worker.engines.base import Engine, EngineConfig, EngineError
 
 if TYPE_CHECKING:
     from kvfleet.worker.engines.builtin.options import BuiltinOptions
+    from kvfleet.worker.engines.vllm.options import VLLMOptions
 
 ENGINE_NAMES = ("builtin", "vllm")
 
 
-def load_engine(name: str, config: EngineConfig, builtin: BuiltinOptions | None = None) -> Engine:
-    """An engine, not yet started (call `await engine.start()`); `builtin` the builtin engine's own
-    settings (the vLLM engine refuses them rather than ignore them)."""
+def load_engine(name: str, config: EngineConfig, options: BuiltinOptions | VLLMOptions | None = None) -> Engine:
+    """An engine, not yet started (call `await engine.start()`); `options` the engine's own settings
+    (an engine refuses the other's rather than ignore them)."""
+    from kvfleet.worker.engines.builtin.options import BuiltinOptions
+    from kvfleet.worker.engines.vllm.options import VLLMOptions
+
     if name == "builtin":
         from kvfleet.worker.engines.builtin.engine import BuiltinEngine
 
-        return BuiltinEngine(config, builtin)
+        if isinstance(options, VLLMOptions):
+            raise EngineError("VLLMOptions given to the builtin engine")
+        return BuiltinEngine(config, options)
     if name == "vllm":
-        from kvfleet.worker.engines.builtin.options import BuiltinOptions
-
-        if builtin is not None and builtin != BuiltinOptions():
-            # vLLM sizes its KV cache once at start (kv_cache_memory_bytes): sleep/wake_up and
-            # release_kv_cache_memory drop all of it at once (a paused engine, no request), and the CPU
-            # worker ignores sleep mode. Its CPU offloading (OffloadingConnector, SimpleCPUOffloadConnector)
-            # refuses the CPU platform ("CPU Offloading is currently only supported on CUDA-alike and
-            # XPU GPUs", vllm/v1/kv_offload/cpu/spec.py) and copies on CUDA streams. Its attention is its
-            # own backends', which take no KV held on another worker. docs/elastic-memory.md.
-            raise EngineError("elastic memory, a CPU buffer, DistAttention and DistKV need the builtin engine: "
-                              "vLLM's KV cache cannot grow or shrink while it serves, its CPU offloading runs on "
-                              "CUDA or XPU GPUs only, and its attention takes no remote KV")
+        if isinstance(options, BuiltinOptions) and options != BuiltinOptions():
+            # vLLM's attention is its own backends', which take no KV held on another worker; elastic
+            # memory for vLLM comes through VLLMOptions. docs/elastic-memory.md, docs/distkv.md.
+            raise EngineError("DistAttention and DistKV need the builtin engine (vLLM's attention takes no remote "
+                              "KV); elastic memory for vLLM is VLLMOptions(memory=...)")
         from kvfleet.worker.engines.vllm.engine import VLLMEngine
 
-        return VLLMEngine(config)
+        return VLLMEngine(config, options if isinstance(options, VLLMOptions) else None)
     raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINE_NAMES)}")
 
 

@@ -62,11 +62,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvfleet.worker.engines.vllm.elastic import (
+    EXTRA_ELASTIC,
+    Balloon,
+    ElasticRefused,
+    ElasticSettings,
+    MapReport,
+    SetGeometry,
+    WorkerPool,
+)
 from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -204,6 +216,9 @@ class KvfleetMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     # vLLM's ids of finished requests whose kept blocks vLLM may free now (get_finished).
     frees: list[str] = field(default_factory=list)
+    # Elastic memory (vllm/elastic.py): sets of the KV cache to map and to unmap before the forward.
+    balloon_maps: list[int] = field(default_factory=list)
+    balloon_unmaps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -211,12 +226,16 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
     saved: dict[int, torch.Tensor] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     failed_loads: dict[str, str] = field(default_factory=dict)
+    # Elastic memory: what the worker side did with the step's balloon orders, and its mapped slots.
+    balloon: MapReport | None = None
+    mapped_slots: int | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # One worker per engine (tensor parallelism refuses moves, module docstring): nothing to merge.
+        # One worker per engine (tensor parallelism refuses moves and elastic memory): nothing to merge.
         assert isinstance(other, KvfleetWorkerMetadata)
         return KvfleetWorkerMetadata({**self.saved, **other.saved}, {**self.errors, **other.errors},
-                                     {**self.failed_loads, **other.failed_loads})
+                                     {**self.failed_loads, **other.failed_loads}, other.balloon or self.balloon,
+                                     other.mapped_slots if other.mapped_slots is not None else self.mapped_slots)
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
@@ -277,6 +296,9 @@ class _SchedulerSide:
         self.saves: dict[int, tuple[int, dict[str, Any]]] = {}   # task -> (seq, reply so far)
         self.tasks = itertools.count(1)
         self.pipe: Pipe | None = None
+        # Elastic memory's scheduler side (vllm/elastic.py), once vLLM binds its block pool.
+        self.balloon: Balloon | None = None
+        self._memory_sent: dict[str, Any] = {}
         self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
 
@@ -345,7 +367,8 @@ class _SchedulerSide:
     # The loop thread -----------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return not self.inbox.empty() or bool(self.loads or self.frees or self.saves)
+        return (not self.inbox.empty() or bool(self.loads or self.frees or self.saves)
+                or (self.balloon is not None and self.balloon.waiting_for_worker))
 
     def admitted(self, request: Request) -> None:
         rid = _agent_id(request)
@@ -396,6 +419,10 @@ class _SchedulerSide:
             self.last_step_s = time.monotonic()
         meta = KvfleetMetadata(loads=self.loads, frees=self.frees)
         self.loads, self.frees = [], []
+        if self.balloon is not None:
+            orders = self.balloon.plan(scheduler_output)
+            meta.balloon_maps, meta.balloon_unmaps = orders.maps, orders.unmaps
+            self._send_memory()
         while True:
             try:
                 msg = self.inbox.get_nowait()
@@ -451,10 +478,22 @@ class _SchedulerSide:
         self.saves[task] = (seq, {"ok": True, "first_block": first_block,
                                   "num_tokens": min(num_tokens, end * bs) - first_block * bs})
 
+    def _send_memory(self) -> None:
+        """The pool's figures to the agent's process when they change (engine.py memory_state)."""
+        assert self.balloon is not None
+        memory = self.balloon.memory()
+        if memory != self._memory_sent:
+            self._memory_sent = memory
+            self.event(op="memory", **memory)
+
     def worker_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KvfleetWorkerMetadata):
             return
+        if self.balloon is not None and (meta.balloon is not None or meta.mapped_slots is not None):
+            report = meta.balloon or MapReport()
+            self.balloon.confirmed(report.mapped, report.failed, meta.mapped_slots, report.map_s, report.unmap_s)
+            self._send_memory()
         for task, data in meta.saved.items():
             seq, reply = self.saves.pop(task)
             self.reply_with(seq, data, **reply)
@@ -516,14 +555,25 @@ class _WorkerSide:
         self.freed: set[str] = set()
         self.failed_blocks: set[int] = set()
         self.refusal = "no KV cache registered"
+        # Elastic memory's worker side (vllm/elastic.py): the KV cache over kvfleet's memory.
+        self.pool: WorkerPool | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str) -> None:
         self.layers = list(kv_caches.values())
+        if self.pool is not None:
+            self.pool.check_backing(self.layers)
         try:
             self.layout = KVLayout.calibrate(self.layers[0], self.block_size, self.kv_heads, self.head_dim, kv_cache_dtype)
         except Exception as err:   # any failure means: no KV moves (the agent moves tokens and says why)
             self.refusal = str(err)
             log.warning("kvfleet connector: no KV moves: %s", err)
+
+    def apply_balloon(self, meta: KvfleetMetadata) -> None:
+        """The step's deflations and inflations, before its forward reads or writes any block."""
+        if self.pool is None or not (meta.balloon_maps or meta.balloon_unmaps):
+            return
+        self.out.balloon = self.pool.apply(meta.balloon_maps, meta.balloon_unmaps)
+        self.out.mapped_slots = self.pool.mapped_slots
 
     def load(self, meta: KvfleetMetadata) -> None:
         for load in meta.loads:
@@ -563,7 +613,7 @@ class _WorkerSide:
 
     def take_output(self) -> KvfleetWorkerMetadata | None:
         out, self.out = self.out, KvfleetWorkerMetadata()
-        return out if (out.saved or out.errors or out.failed_loads) else None
+        return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None) else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -583,8 +633,17 @@ class KvfleetConnector(KVConnectorBase_V1):
         kv_heads, head_dim = model.get_num_kv_heads(parallel), model.get_head_size()
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        # Elastic memory (vllm/elastic.py): the engine asked for it only after checking this vLLM
+        # (internals.problems); what does not fit here stops vLLM's start with the reason (ElasticRefused).
+        self._elastic = ElasticSettings.from_extra(extra[EXTRA_ELASTIC]) if extra.get(EXTRA_ELASTIC) else None
+        self._geometry: SetGeometry | None = None
+        if self._elastic is not None:
+            if parallel.world_size > 1:
+                raise ElasticRefused("elastic memory needs one device per engine (no tensor or pipeline parallelism)")
+            assert kv_cache_config is not None, "vLLM 0.32 gives both roles the KV cache config"
+            self._geometry = SetGeometry.of(kv_cache_config, self._elastic.chunk_bytes)
         if role == KVConnectorRole.SCHEDULER:
-            extra = self._kv_transfer_config.kv_connector_extra_config
             # The worker side finds the layout (KVLayout.calibrate) and refuses what it cannot read; the
             # cases known here are refused up front, so the agent falls back to tokens with the reason.
             refusal = None
@@ -601,6 +660,8 @@ class KvfleetConnector(KVConnectorBase_V1):
                                              refusal, layout, float(extra.get(EXTRA_MIN_STEP_S, 0.0)))
         else:
             self._worker = _WorkerSide(block_size, kv_heads, head_dim)
+            if self._geometry is not None:
+                self._worker.pool = WorkerPool(self._geometry, torch.device(vllm_config.device_config.device_type))
 
     # Worker side -----------------------------------------------------------------------------------
 
@@ -608,10 +669,16 @@ class KvfleetConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype))
 
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        # Elastic memory: vLLM's KV allocation becomes a view of the eTensor (vllm/elastic.py).
+        assert self._worker is not None
+        return self._worker.pool.backing if self._worker.pool is not None else None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvfleetMetadata)
+        self._worker.apply_balloon(meta)
         self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -641,13 +708,26 @@ class KvfleetConnector(KVConnectorBase_V1):
 
     # Scheduler side --------------------------------------------------------------------------------
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        assert self._scheduler is not None
+        if self._elastic is not None and self._geometry is not None:
+            self._scheduler.balloon = Balloon(gpu_block_pool, self._geometry, self._elastic,
+                                              int(self._vllm_config.cache_config.block_size),
+                                              int(self._vllm_config.scheduler_config.max_num_batched_tokens))
+
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.admitted(request)
+        if self._scheduler.balloon is not None:
+            self._scheduler.balloon.requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        matched = self._scheduler.matched_tokens(request, num_computed_tokens)
+        balloon = self._scheduler.balloon
+        if balloon is not None and not balloon.admit(request, num_computed_tokens, matched):
+            return None, False  # Algorithm 1 holds it this step (vllm/elastic.py)
+        return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -667,6 +747,8 @@ class KvfleetConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._scheduler.balloon is not None:
+            self._scheduler.balloon.requests.pop(request.request_id, None)
         return self._scheduler.finished(request, block_ids), None
 
     def has_pending_push_work(self) -> bool:

@@ -116,6 +116,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from kvfleet.api.speed import SpeedProfile
+from kvfleet.worker.elastic import granularity_bytes
 from kvfleet.worker.engines.base import (
     DuplicateRequest,
     EngineConfig,
@@ -129,9 +130,9 @@ from kvfleet.worker.engines.base import (
     TokenLogprobs,
     kv_blocks_bytes,
 )
-from kvfleet.worker.engines.capabilities import EngineCapabilities, MigrationError, PrefixCacheStats
+from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, MigrationError, PrefixCacheStats
 from kvfleet.worker.engines.grammar import Grammars
-from kvfleet.worker.engines.vllm import penalties, structured
+from kvfleet.worker.engines.vllm import internals, penalties, structured
 from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
     EXTRA_AUTHKEY,
@@ -139,7 +140,9 @@ from kvfleet.worker.engines.vllm.connector import (
     EXTRA_SOCKET,
     kv_params,
 )
+from kvfleet.worker.engines.vllm.elastic import EXTRA_ELASTIC, ActivationModel, ElasticSettings, set_chunk_bytes
 from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
+from kvfleet.worker.engines.vllm.options import VLLMOptions
 from kvfleet.worker.engines.vllm.penalties import carried_extra_args
 from kvfleet.worker.engines.vllm.pipe import new_socket_path
 
@@ -276,8 +279,20 @@ class VLLMMetrics(Collector):
 class VLLMEngine:
     """vLLM's AsyncLLM in this process, keeping `base.Engine`. Call `start()` first, `stop()` last."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, options: VLLMOptions | None = None) -> None:
         self.config = config
+        self.options = options = options or VLLMOptions()
+        memory = options.memory
+        if memory is not None and (memory.cpu_buffer_bytes or memory.ttft_slo_s or memory.tpot_slo_s):
+            raise EngineError("the vLLM engine runs no CPU buffer (a request vLLM preempts is recomputed): leave "
+                              "cpu_buffer_bytes and the latency objectives that scale it unset (docs/elastic-memory.md)")
+        if memory is not None and config.kv_capacity_bytes is not None:
+            raise EngineError("a memory budget sizes the KV cache itself: give kv_capacity_bytes or a budget, not both")
+        # Elastic memory's settings as the connector gets them, and its pool as it last reported it
+        # (vllm/elastic.py; `memory_state`).
+        self._elastic: ElasticSettings | None = None
+        self._memory_report: dict[str, Any] = {}
+        self.static_reserve_bytes = 0
         self._llm: AsyncLLM | None = None
         self._info: EngineInfo | None = None
         self._geometry: _Geometry | None = None
@@ -316,6 +331,12 @@ class VLLMEngine:
         if not num_blocks:
             raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
         usable_blocks = num_blocks - NULL_BLOCKS
+        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        if self._elastic is not None:
+            # What KV can hold when activations are at rest (a full batch of decodes); the moving figure
+            # comes through `memory_state`, as the builtin engine's.
+            rest_bytes = self._elastic.activations.charge(self.config.max_num_seqs, self.config.max_num_seqs)
+            usable_blocks = min(usable_blocks, (self._elastic.budget_bytes - rest_bytes) // block_bytes)
         self._info = EngineInfo(
             engine=ENGINE_NAME,
             model_path=str(self.config.model_path),
@@ -357,7 +378,14 @@ class VLLMEngine:
         env_bytes = vllm_config.cache_config.kv_cache_memory_bytes if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None
         ask_bytes: int | None = None  # kv_cache_memory_bytes to give vLLM
         usable_blocks: int | None = None  # blocks requests can use; None: vLLM sizes the cache (GPU default)
-        if env_bytes is not None:
+        batched_tokens: int | None = None  # max_num_batched_tokens, pinned when a budget is split
+        if self.options.memory is not None:
+            if env_bytes is not None:
+                raise EngineError("VLLM_CPU_KVCACHE_SPACE and a memory budget both size vLLM's KV cache: unset one")
+            batched_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+            ask_bytes = self._budget_split(vllm_config, geometry, batched_tokens)
+            usable_blocks = ask_bytes // block_bytes - NULL_BLOCKS
+        elif env_bytes is not None:
             if requested_bytes is not None:
                 logger.warning(
                     "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_capacity_bytes=%d inside vLLM",
@@ -387,7 +415,7 @@ class VLLMEngine:
                 logger.warning("KV capacity holds %d tokens: max_model_len lowered from %d", capacity_tokens, max_model_len)
                 max_model_len = capacity_tokens
         if ask_bytes is not None or max_model_len != geometry.max_model_len or processors != first_processors:
-            vllm_config = self._engine_args(max_model_len, ask_bytes, processors).create_engine_config(
+            vllm_config = self._engine_args(max_model_len, ask_bytes, processors, batched_tokens).create_engine_config(
                 UsageContext.ENGINE_CONTEXT)
             geometry = _geometry(vllm_config)
         if bool(vllm_config.cache_config.enable_prefix_caching) != self.config.prefix_caching:
@@ -406,11 +434,57 @@ class VLLMEngine:
         assert self._socket_dir is not None
         return new_socket_path(self._socket_dir)
 
+    def _budget_split(self, vllm_config: Any, geometry: _Geometry, batched_tokens: int) -> int:
+        """kv_cache_memory_bytes for a memory budget (VLLMOptions.memory): the budget less the activation
+        reserve of vLLM's largest step when split statically, as vLLM sizes it (max_num_batched_tokens
+        over max_num_seqs); whole sets of the balloon up to the budget when elastic (vllm/elastic.py)."""
+        memory = self.options.memory
+        assert memory is not None
+        model_config = vllm_config.model_config
+        activations = ActivationModel.of_hf_config(model_config.hf_text_config, model_config.dtype.itemsize)
+        self.static_reserve_bytes = activations.charge(batched_tokens, self.config.max_num_seqs)
+        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        if not memory.elastic:
+            kv_bytes = (memory.budget_bytes - self.static_reserve_bytes) // block_bytes * block_bytes
+            if kv_bytes < 2 * block_bytes:
+                raise EngineError(f"a budget of {memory.budget_bytes} bytes less the activation reserve of "
+                                  f"{self.static_reserve_bytes} ({batched_tokens} tokens) leaves no KV block")
+            return kv_bytes
+        found = internals.problems()
+        if found:
+            raise EngineError("elastic memory cannot run on this vLLM (engines/vllm/internals.py): " + "; ".join(found))
+        layers = model_config.get_num_layers(vllm_config.parallel_config)
+        page_bytes = block_bytes // layers
+        device = torch.device(self.config.device)
+        chunk_bytes = set_chunk_bytes(page_bytes, memory.chunk_bytes, granularity_bytes(
+            "cuda" if device.type == "cuda" else "host", device))
+        set_bytes = chunk_bytes // page_bytes * block_bytes
+        num_sets = memory.budget_bytes // set_bytes
+        step_bytes = activations.charge(batched_tokens, 1)
+        if memory.budget_bytes - step_bytes < 2 * set_bytes:
+            # Algorithm 1 admits a prefill only with room for its step's activations beside its KV.
+            raise EngineError(f"a budget of {memory.budget_bytes} bytes leaves less than two sets of KV ({set_bytes} bytes "
+                              f"each) beside one prefill step's activations ({step_bytes} bytes at "
+                              f"{batched_tokens} tokens): raise the budget")
+        if num_sets < 2:
+            raise EngineError(f"a budget of {memory.budget_bytes} bytes holds fewer than two sets of {set_bytes} "
+                              f"(chunks of {chunk_bytes} bytes in each of {layers} layers): raise it or lower the chunk")
+        self._elastic = ElasticSettings(budget_bytes=memory.budget_bytes, chunk_bytes=chunk_bytes, threshold_bytes=0,
+                                        per_token_activation_bytes=activations.per_token_bytes,
+                                        per_sequence_activation_bytes=activations.per_sequence_bytes)
+        return int(num_sets * set_bytes)
+
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None,
-                     processors: list[str]) -> AsyncEngineArgs:
+                     processors: list[str], max_num_batched_tokens: int | None = None) -> AsyncEngineArgs:
         config = self.config
         # None means "the model's own": leave vLLM's default rather than pass None to an int field.
         optional: dict[str, Any] = {} if max_model_len is None else {"max_model_len": max_model_len}
+        if max_num_batched_tokens is not None:
+            optional["max_num_batched_tokens"] = max_num_batched_tokens
+        extra: dict[str, Any] = {EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex(),
+                                 EXTRA_MIN_STEP_S: config.min_step_s}
+        if self._elastic is not None:
+            extra[EXTRA_ELASTIC] = self._elastic.to_extra()
         return AsyncEngineArgs(
             model=str(config.model_path),
             # The agent tokenizes and detokenizes: prompts go in as token ids and outputs come back with
@@ -437,8 +511,7 @@ class VLLMEngine:
             kv_transfer_config=KVTransferConfig(
                 kv_connector=CONNECTOR_NAME, kv_connector_module_path="kvfleet.worker.engines.vllm.connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex(),
-                                           EXTRA_MIN_STEP_S: config.min_step_s}),
+                kv_connector_extra_config=extra),
             **optional,
         )
 
@@ -470,11 +543,33 @@ class VLLMEngine:
 
     @property
     def capabilities(self) -> EngineCapabilities:
+        memory = self.options.memory
         # KV migration through kvfleet's connector (vllm/migration.py); where the connector cannot move
         # KV (an unknown layout, tensor parallelism) its kv_format says why and moves go by tokens.
         return EngineCapabilities(migration=self._migration,
+                                  elastic_memory=self if memory is not None and memory.elastic else None,
                                   prefix_cache=self if self.config.prefix_caching else None,
                                   prometheus_metrics=self.prometheus_metrics)
+
+    def memory_state(self) -> MemoryState:
+        """The pool as the connector last reported it (capabilities.ElasticMemory; vllm/elastic.py): the
+        KV capacity is the budget less the largest activation of the recent steps. No CPU buffer."""
+        if self._elastic is None:  # not started yet
+            return MemoryState(0, 0, 0, 0, self.options.memory.budget_bytes if self.options.memory else 0)
+        report = self._memory_report
+        capacity = int(report.get("capacity_bytes", self._info.kv_capacity_bytes if self._info is not None else 0))
+        return MemoryState(kv_capacity_bytes=capacity, cpu_buffer_bytes=0, cpu_buffer_capacity_bytes=0,
+                           activation_bytes=int(report.get("activation_bytes", 0)), budget_bytes=self._elastic.budget_bytes)
+
+    def memory_report(self, report: dict[str, Any]) -> None:
+        """The connector's figures (a pipe event, vllm/migration.py): kept for memory_state and `balloon`."""
+        self._memory_report = dict(report)
+
+    @property
+    def balloon(self) -> dict[str, Any]:
+        """Elastic memory's books and counters as the connector last reported them (vllm/elastic.py
+        Balloon.memory): tests and the bench read them."""
+        return dict(self._memory_report)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """vLLM's prefix cache so far (capabilities.PrefixCache); only asked of an engine that caches.

