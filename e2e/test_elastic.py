@@ -8,6 +8,9 @@ directly. At rest it reports about 106 MiB of KV room; a 1,800-token prefill hol
 activations, so its report drops by more than 5% and the operator re-plans with the smaller
 capacity (status, Event), then climbs back once the long prefills leave its window of recent steps.
 Every stream comes back whole and equal to the greedy output of the engine without elastic memory.
+
+Then the same on vLLM workers (engines/vllm/elastic.py): two of them with elastic memory, whose reported
+capacity the operator plans with, and a running stream moved from one to the other by its KV.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt
+from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, seeded_prompt, stream_completion
 from kvfleet_e2e.reports import worker_report
 
 MIB = 2**20
@@ -145,4 +148,87 @@ def test_elastic_workers_serve_long_prompts_and_the_planned_capacity_follows_the
     events = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=CapacityChanged")["items"]
     assert len(events) >= 3 and all("the smallest the workers report" in e["message"] for e in events), events
     logs = "".join(p.read_text() for p in cluster.plane.work_dir.glob(f"agent/pods/{namespace}_elastic-worker-*/worker.log"))
+    assert "Traceback" not in logs, logs[-4000:]
+
+
+def vllm_pool(model_dir: Path) -> dict[str, Any]:
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": "elastic-vllm"}, "spec": {
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "engine": "vllm",
+        # A 128 MiB pool per worker: room for a 2,048-token prefill step's activations (about 33 MiB for
+        # the tiny model in float32) beside the KV.
+        "capacity": {"kvCapacityPerWorker": "64Mi", "gpuMemory": "640Mi", "activationReserveFraction": 0.1},
+        "elasticMemory": {"enabled": True},
+        "workers": {"min": 2, "max": 2},
+        "scheduling": {"epochSeconds": 1},
+        "migration": {"mode": "kv"},
+        "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "KVFLEET_MIN_STEP_S", "value": "0.03"}]},
+    }}
+
+
+def test_elastic_vllm_workers_lend_their_capacity_to_mell_and_migrate_by_kv(
+        cluster: Cluster, namespace: str, operator: Process, model_dir: Path) -> None:
+    """vLLM workers with elastic memory (engines/vllm/elastic.py): the operator plans with the capacity
+    they report, not the spec's, and a KVMigration moves a running stream between them by its KV."""
+    require_vllm()
+    request = ("moved", 300, 400)
+    reference = greedy_outputs(model_dir, [request], 8 * MIB, "vllm")[request[0]]
+    tokenizer = Tokenizer(model_dir)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(vllm_pool(model_dir)))
+
+    def ready_workers() -> list[dict[str, Any]] | None:
+        assert operator.popen.poll() is None, operator.tail(40)
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "kvfleet.dev/pool=elastic-vllm")["items"]
+        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                        for c in p["status"].get("conditions", []))]
+        return sorted(ready, key=lambda p: p["metadata"]["name"]) if len(ready) == 2 else None
+
+    source, target = wait_for(ready_workers, "two Ready elastic vLLM workers", timeout_s=240, interval_s=0.5)
+    env = {e["name"]: e.get("value") for e in source["spec"]["containers"][0]["env"]}
+    assert (env["KVFLEET_ELASTIC_MEMORY"], env["KVFLEET_MEMORY_BUDGET_BYTES"]) == ("1", str(128 * MIB))
+    assert "KVFLEET_KV_CAPACITY_BYTES" not in env
+
+    def from_reports() -> int | None:
+        status = cluster.get_json("llmpool", "elastic-vllm", "-n", namespace).get("status") or {}
+        value = status.get("kvCapacityPerWorkerBytes")
+        return value if value and value != 64 * MIB else None
+
+    # MELL plans with what the workers report: the pool less the activations of their recent steps,
+    # more than the 64 MiB a static split would keep for KV.
+    planned = wait_for(from_reports, "a planned capacity from the vLLM workers' reports", timeout_s=90)
+    assert 64 * MIB < planned <= 128 * MIB, planned
+    report = wait_for(lambda: worker_report(cluster, namespace, source["metadata"]["name"]), "the source's report", timeout_s=30)
+    assert 64 * MIB < report.capacity_bytes <= 128 * MIB, report
+
+    result: dict[str, tuple[str, int, str | None]] = {}
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            body = {"model": "tiny", "prompt": seeded_prompt(request[1], 0), "max_tokens": request[2], "temperature": 0,
+                    "ignore_eos": True}
+            result["moved"] = stream_completion(source["status"]["podIP"], "moved", body, direct=True)
+        except BaseException as err:  # reported on the main thread
+            errors.append(err)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    wait_for(lambda: (r := worker_report(cluster, namespace, source["metadata"]["name"])) is not None
+             and any(q.id == "moved" for q in r.requests) or None, "the request running at the source",
+             timeout_s=60, interval_s=0.2)
+    migration = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "KVMigration",
+                 "metadata": {"name": "elastic-move", "labels": {"kvfleet.dev/pool": "elastic-vllm"}},
+                 "spec": {"pool": "elastic-vllm", "requestId": "moved", "sourcePod": source["metadata"]["name"],
+                          "targetPod": target["metadata"]["name"], "mode": "kv", "reason": "Rebalance"}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(migration))
+    done = wait_for(lambda: (st := (cluster.get_json("kvmigration", "elastic-move", "-n", namespace).get("status") or {}))
+                    .get("phase") in ("Succeeded", "Failed") and st, "the move to finish", timeout_s=90, interval_s=0.2)
+    thread.join(240)
+    assert not errors, errors
+    assert done["phase"] == "Succeeded" and done["bytesMoved"] > 0, done
+    assert done["message"].endswith("in kv mode") and "as tokens" not in done["message"], done
+    text, tokens, finish = result["moved"]
+    assert tokens == request[2] and finish == "length"
+    assert text == tokenizer.completion_text(reference), "the moved stream differs from the unmoved greedy output"
+    logs = "".join(p.read_text() for p in cluster.plane.work_dir.glob(f"agent/pods/{namespace}_elastic-vllm-worker-*/worker.log"))
     assert "Traceback" not in logs, logs[-4000:]
