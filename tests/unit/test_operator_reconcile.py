@@ -336,32 +336,31 @@ def test_elastic_memory_gives_workers_one_pool_and_a_cpu_buffer() -> None:
     assert "KVFLEET_TPOT_SLO_MS" not in env
 
 
-def test_elastic_memory_runs_on_vllm_workers_without_a_cpu_buffer() -> None:
+def test_elastic_memory_runs_on_vllm_workers_with_their_cpu_buffer() -> None:
     s = spec(engine="vllm", capacity={"gpuMemory": "80Gi", "modelWeights": "16Gi", "activationReserveFraction": 0.1},
-             elasticMemory={"enabled": True})
+             elasticMemory={"enabled": True, "cpuBuffer": "8Gi"})
     env = {e["name"]: e.get("value") for e in resources.worker_pod(POOL, s, 0)["spec"]["containers"][0]["env"]}
     gib = 2**30
-    assert (env["KVFLEET_ENGINE"], env["KVFLEET_ELASTIC_MEMORY"], env["KVFLEET_MEMORY_BUDGET_BYTES"]) == (
-        "vllm", "1", str(64 * gib))
+    assert (env["KVFLEET_ENGINE"], env["KVFLEET_ELASTIC_MEMORY"], env["KVFLEET_MEMORY_BUDGET_BYTES"],
+            env["KVFLEET_CPU_BUFFER_BYTES"]) == ("vllm", "1", str(64 * gib), str(8 * gib))
     # The budget sizes a vLLM worker's KV cache (the worker refuses a KV capacity beside it), and it
-    # runs no CPU buffer.
-    assert not {"KVFLEET_KV_CAPACITY_BYTES", "KVFLEET_CPU_BUFFER_BYTES", "KVFLEET_TTFT_SLO_MS",
-                "KVFLEET_TPOT_SLO_MS"} & env.keys()
+    # runs no Algorithm 2.
+    assert not {"KVFLEET_KV_CAPACITY_BYTES", "KVFLEET_TTFT_SLO_MS", "KVFLEET_TPOT_SLO_MS"} & env.keys()
     # Without elastic memory a vLLM worker is given its KV capacity, as before.
     plain = {e["name"]: e.get("value") for e in resources.worker_pod(POOL, spec(engine="vllm"), 0)["spec"]["containers"][0]["env"]}
     assert plain["KVFLEET_KV_CAPACITY_BYTES"] == str(gib) and "KVFLEET_MEMORY_BUDGET_BYTES" not in plain
 
 
-def test_elastic_memory_on_vllm_refuses_the_cpu_buffer_and_its_objectives_naming_the_field() -> None:
+def test_elastic_memory_on_vllm_refuses_the_objectives_of_algorithm_2_naming_the_field() -> None:
     import pytest
     from pydantic import ValidationError
 
     spec(elasticMemory={"enabled": True})  # the default engine, vllm
-    spec(engine="vllm", elasticMemory={"enabled": True})
-    for field, value in (("cpuBuffer", "32Gi"), ("ttftMilliseconds", 2000), ("tpotMilliseconds", 50)):
+    spec(engine="vllm", elasticMemory={"enabled": True, "cpuBuffer": "32Gi"})
+    for field, value in (("ttftMilliseconds", 2000), ("tpotMilliseconds", 50)):
         for engine in ({"engine": "vllm"}, {}):
             with pytest.raises(ValidationError, match=rf"elasticMemory\.{field} needs engine: builtin \(.*vLLM workers "
-                                                      "run no CPU buffer"):
+                                                      "do not run eLLM's Algorithm 2"):
                 spec(**engine, elasticMemory={"enabled": True, field: value})
         spec(engine="builtin", elasticMemory={"enabled": True, field: value})
         # Off, the fields bind no worker (ttftMilliseconds still sizes a disaggregated pool's prefill tier).
@@ -381,8 +380,8 @@ def test_each_elastic_memory_rule_has_a_cel_twin_with_its_message_and_field() ->
     schema = all_crds()["llmpools.yaml"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = {r["message"]: r for r in schema["properties"]["spec"]["x-kubernetes-validations"]
              if "elasticMemory" in r["rule"]}
-    assert len(rules) == 3
-    for field, value in (("cpuBuffer", "32Gi"), ("ttftMilliseconds", 2000), ("tpotMilliseconds", 50)):
+    assert len(rules) == 2
+    for field, value in (("ttftMilliseconds", 2000), ("tpotMilliseconds", 50)):
         with pytest.raises(ValidationError) as err:
             spec(engine="vllm", elasticMemory={"enabled": True, field: value})
         twins = [rule for message, rule in rules.items() if message in str(err.value)]

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from worker_testing import (
     TEST_KV_CAPACITY_BYTES,
     TEST_MAX_MODEL_LEN,
@@ -48,7 +49,9 @@ from kvfleet.worker.engines.vllm.elastic import (  # noqa: E402
     ENV_FAIL_MAPS,
     ActivationModel,
     Balloon,
+    CpuBuffer,
     ElasticSettings,
+    Parked,
     SetGeometry,
     SetState,
 )
@@ -169,6 +172,38 @@ def test_a_cached_block_taken_by_the_balloon_leaves_vllms_prefix_cache() -> None
     assert b.state[1] is SetState.HELD and block.block_hash is None and b.counters.books_errors == 0
 
 
+def test_the_cpu_buffer_parks_what_a_preemption_freed_and_offers_it_back() -> None:
+    buffer = CpuBuffer(capacity_bytes=3 * BLOCK, block_bytes=BLOCK, block_size_tokens=BLOCK_TOKENS)
+    a, b = SimpleNamespace(request_id="a", num_tokens=0, num_computed_tokens=0), SimpleNamespace(
+        request_id="b", num_tokens=0, num_computed_tokens=0)
+    tables = {"a": [4, 5, 6], "b": [7, 8]}
+    a.num_computed_tokens, b.num_computed_tokens = 30, 17
+    # A schedule runs both (tables read after it: a holds 31 tokens' KV, b 18)...
+    assert buffer.snapshot(SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"a": 1, "b": 1}),
+                           {"a": a, "b": b}, lambda rid: tables[rid]) == []
+    # ...the next preempts both: a's two blocks fit the buffer, b's two more do not.
+    parks = buffer.snapshot(SimpleNamespace(preempted_req_ids={"a", "b"}, num_scheduled_tokens={}), {}, tables.get)
+    assert [(p.request, p.block_ids, p.num_tokens) for p in parks] in (
+        [("a", [4, 5], 31)], [("b", [7, 8], 18)])
+    parked = parks[0].request
+    assert buffer.num_refused == 1 and buffer.held_bytes == 2 * BLOCK
+    buffer.reported({parked: Parked(torch.zeros(2, 2, 4), parks[0].num_tokens)})
+    again = SimpleNamespace(request_id=parked, num_tokens=parks[0].num_tokens + 1)
+    assert buffer.loadable(again) == parks[0].num_tokens  # vLLM computes the token after it
+    assert buffer.take(again) is not None and buffer.loadable(again) == 0 and buffer.held_bytes == 0
+    assert buffer.figures()["parked"] == buffer.figures()["loaded_from_buffer"] == 1
+
+
+def test_a_park_the_worker_did_not_report_is_given_up() -> None:
+    buffer = CpuBuffer(capacity_bytes=8 * BLOCK, block_bytes=BLOCK, block_size_tokens=BLOCK_TOKENS)
+    a = SimpleNamespace(request_id="a", num_tokens=0, num_computed_tokens=15)
+    buffer.snapshot(SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"a": 1}), {"a": a}, lambda rid: [3])
+    assert len(buffer.snapshot(SimpleNamespace(preempted_req_ids={"a"}, num_scheduled_tokens={}), {}, lambda rid: [])) == 1
+    buffer.reported({})
+    buffer.unreported()
+    assert buffer.held_bytes == 0 and buffer.loadable(SimpleNamespace(request_id="a", num_tokens=17)) == 0
+
+
 def test_the_pinned_vllm_has_every_private_name_elastic_memory_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert internals.problems() == []
     import vllm.v1.worker.utils as utils
@@ -258,8 +293,8 @@ def test_a_vllm_without_the_names_elastic_memory_uses_is_refused_at_start(tiny_m
 
 
 @pytest.mark.parametrize(("memory", "message"), [
-    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=True, cpu_buffer_bytes=1 << 20), "no CPU buffer"),
-    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=True, ttft_slo_s=1.0), "no CPU buffer"),
+    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=False, cpu_buffer_bytes=1 << 20), "needs elastic memory"),
+    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=True, ttft_slo_s=1.0), "Algorithm 2"),
 ])
 def test_what_vllm_does_not_run_is_refused(tiny_model_dir: Path, memory: MemoryOptions, message: str) -> None:
     with pytest.raises(EngineError, match=message):
@@ -271,3 +306,28 @@ def test_a_budget_with_no_room_beside_a_prefill_step_is_refused(tiny_model_dir: 
                          VLLMOptions(memory=MemoryOptions(budget_bytes=16 * 1024 * 1024, elastic=True)))
     with pytest.raises(EngineError, match="prefill step's activations"):
         engine_loop.run(engine.start(), timeout_s=120)
+
+
+def test_the_cpu_buffer_parks_preempted_requests_instead_of_recomputing_them(tiny_model_dir: Path,
+                                                                            engine_loop: EngineLoop) -> None:
+    """Outputs that outgrow the pool make vLLM preempt; their KV goes to the CPU buffer and comes back,
+    and every stream is what the request gives alone."""
+    engine = load_engine("vllm", EngineConfig(model_path=tiny_model_dir, max_model_len=2048, max_num_seqs=24, dtype="float32"),
+                         VLLMOptions(memory=MemoryOptions(budget_bytes=40 * 1024 * 1024, elastic=True,
+                                                          cpu_buffer_bytes=32 * 1024 * 1024)))
+    prompts = [[1, *range(10 + 7 * i, 110 + 7 * i)] for i in range(24)]
+    engine_loop.run(engine.start(), timeout_s=300)
+    try:
+        async def serve() -> list[Any]:
+            return await asyncio.gather(*(collect(engine, f"b{i}", prompt, greedy(900)) for i, prompt in enumerate(prompts)))
+
+        together = [tokens(out) for out in engine_loop.run(serve(), timeout_s=600)]
+        books = engine.balloon
+        assert books["parked"] > 0 and books["loaded_from_buffer"] == books["parked"], books
+        assert books["books_errors"] == 0 and books["cpu_buffer_bytes"] == 0, books
+        assert engine.memory_state().cpu_buffer_capacity_bytes == 32 * 1024 * 1024
+        for i in (0, 23):  # alone, nothing is preempted
+            alone = tokens(engine_loop.run(collect(engine, f"alone{i}", prompts[i], greedy(900)), timeout_s=300))
+            assert together[i] == alone, i
+    finally:
+        engine_loop.run(engine.stop())

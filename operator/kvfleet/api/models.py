@@ -162,16 +162,16 @@ class ElasticMemorySpec(_Model):
     """Elastic memory in the workers (eLLM, docs/elastic-memory.md; both engines).
 
     Each worker keeps its KV cache and its activations in one pool, the KV capacity plus the
-    activation reserve it would otherwise keep (capacity.activationReserveFraction of the GPUs), and,
-    with the builtin engine, the KV of requests that wait in a CPU buffer (vLLM workers run none: a
-    request vLLM preempts is recomputed). Workers then report a capacity that moves with their
-    activations, and MELL plans with what they report.
+    activation reserve it would otherwise keep (capacity.activationReserveFraction of the GPUs), and the
+    KV of requests that wait (builtin) or that vLLM preempted (vllm) in a CPU buffer. Workers then report
+    a capacity that moves with their activations, and MELL plans with what they report. The latency
+    objectives scale the buffer (eLLM Algorithm 2), which only the builtin engine runs.
     """
 
     enabled: bool = Field(default=False, description="Share one memory pool between KV cache and activations.")
     cpu_buffer: Quantity | None = Field(
         default=None,
-        description="Builtin engine: host memory per worker for the KV of waiting requests; none by default.",
+        description="Host memory per worker for the KV of waiting (builtin) or preempted (vllm) requests; none by default.",
     )
     ttft_milliseconds: float | None = Field(
         default=None, gt=0, le=3.6e6,
@@ -424,17 +424,15 @@ _MESSAGE_ENGINE = ("disaggregation.caching: a vllm pool serves only caching: non
                    "in KV another worker sends); the builtin engine serves every milestone")
 
 # The cross-field rules of spec.elasticMemory, said once for the CEL rules and the model validator. Both
-# engines run elastic memory, but vLLM workers run no CPU buffer, and the latency objectives scale that
-# buffer: with elastic memory on, a vllm pool refuses them rather than ignore them. (Off, they bind no
-# worker: ttftMilliseconds then still sizes a disaggregated pool's prefill workers, for either engine.)
+# engines run elastic memory and its CPU buffer, but vLLM workers do not run eLLM's Algorithm 2, which
+# the latency objectives steer: with elastic memory on, a vllm pool refuses them rather than ignore
+# them. (Off, they bind no worker: ttftMilliseconds then still sizes a disaggregated pool's prefill
+# workers, for either engine.)
 _ELASTIC_OFF = "!has(self.elasticMemory) || !has(self.elasticMemory.enabled) || !self.elasticMemory.enabled"
-_NO_CPU_BUFFER = "vLLM workers run no CPU buffer: a request vLLM preempts is recomputed"
+_NO_ALGORITHM_2 = "vLLM workers do not run eLLM's Algorithm 2, which the objective steers the CPU buffer by"
 _MESSAGES_BUILTIN_ONLY_ELASTIC: dict[str, str] = {
-    "cpuBuffer": f"elasticMemory.cpuBuffer needs engine: builtin ({_NO_CPU_BUFFER})",
-    "ttftMilliseconds": f"elasticMemory.ttftMilliseconds needs engine: builtin (the objective scales the CPU buffer, "
-                        f"and {_NO_CPU_BUFFER})",
-    "tpotMilliseconds": f"elasticMemory.tpotMilliseconds needs engine: builtin (the objective scales the CPU buffer, "
-                        f"and {_NO_CPU_BUFFER})",
+    "ttftMilliseconds": f"elasticMemory.ttftMilliseconds needs engine: builtin ({_NO_ALGORITHM_2})",
+    "tpotMilliseconds": f"elasticMemory.tpotMilliseconds needs engine: builtin ({_NO_ALGORITHM_2})",
 }
 _RULES_BUILTIN_ONLY_ELASTIC: list[JsonValue] = [
     {
@@ -549,8 +547,7 @@ class LLMPoolSpec(_Model):
         elastic = self.elastic_memory
         if not elastic.enabled or self.engine == "builtin":
             return
-        for field, value in (("cpuBuffer", elastic.cpu_buffer), ("ttftMilliseconds", elastic.ttft_milliseconds),
-                             ("tpotMilliseconds", elastic.tpot_milliseconds)):
+        for field, value in (("ttftMilliseconds", elastic.ttft_milliseconds), ("tpotMilliseconds", elastic.tpot_milliseconds)):
             if value is not None:
                 raise ValueError(_MESSAGES_BUILTIN_ONLY_ELASTIC[field])
 

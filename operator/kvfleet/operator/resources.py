@@ -222,10 +222,8 @@ def _worker_env(name: str, spec: LLMPoolSpec, role: Role | None) -> list[dict[st
     if elastic.enabled:
         env += [{"name": "KVFLEET_ELASTIC_MEMORY", "value": "1"},
                 {"name": "KVFLEET_MEMORY_BUDGET_BYTES", "value": str(spec.memory_budget_bytes())}]
-        if spec.engine == "builtin":
-            # vLLM workers run no CPU buffer; the spec refuses one, and the objectives that scale it, for them.
-            env.append({"name": "KVFLEET_CPU_BUFFER_BYTES",
-                        "value": str(quantity_bytes(elastic.cpu_buffer) if elastic.cpu_buffer is not None else 0)})
+        env.append({"name": "KVFLEET_CPU_BUFFER_BYTES",
+                    "value": str(quantity_bytes(elastic.cpu_buffer) if elastic.cpu_buffer is not None else 0)})
         env += [{"name": name, "value": str(value)} for name, value in
                 (("KVFLEET_TTFT_SLO_MS", elastic.ttft_milliseconds), ("KVFLEET_TPOT_SLO_MS", elastic.tpot_milliseconds))
                 if value is not None]

@@ -65,9 +65,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvfleet.worker.engines.vllm.elastic import (
     EXTRA_ELASTIC,
     Balloon,
+    CpuBuffer,
     ElasticRefused,
     ElasticSettings,
     MapReport,
+    Park,
+    Parked,
     SetGeometry,
     WorkerPool,
 )
@@ -211,6 +214,13 @@ class _Load:
 
 
 @dataclass
+class _Unpark:
+    request: str                      # vLLM's id of a request resumed from the CPU buffer
+    block_ids: list[int]              # its blocks to write, from its first loaded block on
+    data: torch.Tensor                # [layers, blocks, *vLLM's block layout]: the parked copy, raw
+
+
+@dataclass
 class KvfleetMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)
@@ -219,6 +229,9 @@ class KvfleetMetadata(KVConnectorMetadata):
     # Elastic memory (vllm/elastic.py): sets of the KV cache to map and to unmap before the forward.
     balloon_maps: list[int] = field(default_factory=list)
     balloon_unmaps: list[int] = field(default_factory=list)
+    # The CPU buffer (vllm/elastic.py CpuBuffer): preempted requests to copy out, parked ones to copy in.
+    parks: list[Park] = field(default_factory=list)
+    unparks: list[_Unpark] = field(default_factory=list)
 
 
 @dataclass
@@ -229,13 +242,15 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
     # Elastic memory: what the worker side did with the step's balloon orders, and its mapped slots.
     balloon: MapReport | None = None
     mapped_slots: int | None = None
+    parked: dict[str, Parked] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # One worker per engine (tensor parallelism refuses moves and elastic memory): nothing to merge.
         assert isinstance(other, KvfleetWorkerMetadata)
         return KvfleetWorkerMetadata({**self.saved, **other.saved}, {**self.errors, **other.errors},
                                      {**self.failed_loads, **other.failed_loads}, other.balloon or self.balloon,
-                                     other.mapped_slots if other.mapped_slots is not None else self.mapped_slots)
+                                     other.mapped_slots if other.mapped_slots is not None else self.mapped_slots,
+                                     {**self.parked, **other.parked})
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
@@ -298,6 +313,8 @@ class _SchedulerSide:
         self.pipe: Pipe | None = None
         # Elastic memory's scheduler side (vllm/elastic.py), once vLLM binds its block pool.
         self.balloon: Balloon | None = None
+        self.buffer: CpuBuffer | None = None
+        self.unparks: list[_Unpark] = []
         self._memory_sent: dict[str, Any] = {}
         self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
@@ -367,7 +384,7 @@ class _SchedulerSide:
     # The loop thread -----------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (not self.inbox.empty() or bool(self.loads or self.frees or self.saves)
+        return (not self.inbox.empty() or bool(self.loads or self.frees or self.saves or self.unparks)
                 or (self.balloon is not None and self.balloon.waiting_for_worker))
 
     def admitted(self, request: Request) -> None:
@@ -387,9 +404,26 @@ class _SchedulerSide:
         return 0 if held is None else min(held.num_tokens, request.num_tokens - 1)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if self.buffer is not None and _load_id(request) is None:
+            return max(0, self.buffer.loadable(request) - num_computed_tokens)
         return max(0, self._loadable(request) - num_computed_tokens)
 
+    def unpark(self, request: Request, block_ids: list[int], num_external_tokens: int) -> bool:
+        """A request resumed from the CPU buffer: its parked KV into its new blocks (False: not one)."""
+        if self.buffer is None or _load_id(request) is not None:
+            return False
+        first_token = self.buffer.loadable(request) - num_external_tokens
+        parked = self.buffer.take(request)
+        if parked is None or num_external_tokens <= 0:
+            return parked is not None
+        bs = self.block_size
+        first, end = first_token // bs, -(-(first_token + num_external_tokens) // bs)
+        self.unparks.append(_Unpark(request.request_id, block_ids[first:end], parked.data[:, first:end]))
+        return True
+
     def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if self.unpark(request, block_ids, num_external_tokens):
+            return
         rid = _load_id(request)
         if rid is None or num_external_tokens <= 0:
             return
@@ -422,6 +456,9 @@ class _SchedulerSide:
         if self.balloon is not None:
             orders = self.balloon.plan(scheduler_output)
             meta.balloon_maps, meta.balloon_unmaps = orders.maps, orders.unmaps
+            if self.buffer is not None:
+                meta.parks = self.buffer.snapshot(scheduler_output, self.balloon.requests, block_ids_of)
+                meta.unparks, self.unparks = self.unparks, []
             self._send_memory()
         while True:
             try:
@@ -481,13 +518,17 @@ class _SchedulerSide:
     def _send_memory(self) -> None:
         """The pool's figures to the agent's process when they change (engine.py memory_state)."""
         assert self.balloon is not None
-        memory = self.balloon.memory()
+        memory = {**self.balloon.memory(), **(self.buffer.figures() if self.buffer is not None else {})}
         if memory != self._memory_sent:
             self._memory_sent = memory
             self.event(op="memory", **memory)
 
     def worker_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
+        if self.buffer is not None:
+            # Parks the worker reported are held; any other ordered for the step was not carried out.
+            self.buffer.reported(meta.parked if isinstance(meta, KvfleetWorkerMetadata) else {})
+            self.buffer.unreported()
         if not isinstance(meta, KvfleetWorkerMetadata):
             return
         if self.balloon is not None and (meta.balloon is not None or meta.mapped_slots is not None):
@@ -575,6 +616,25 @@ class _WorkerSide:
         self.out.balloon = self.pool.apply(meta.balloon_maps, meta.balloon_unmaps)
         self.out.mapped_slots = self.pool.mapped_slots
 
+    def park(self, meta: KvfleetMetadata) -> None:
+        """Preempted requests' blocks to host memory, before the step reuses any of them."""
+        for park in meta.parks:
+            index = torch.tensor(park.block_ids, dtype=torch.long)
+            data = torch.stack([layer.index_select(0, index) for layer in self.layers]).to("cpu")
+            self.out.parked[park.request] = Parked(data, park.num_tokens)
+
+    def unpark(self, meta: KvfleetMetadata) -> None:
+        for unpark in meta.unparks:
+            try:
+                if unpark.data.shape[1] != len(unpark.block_ids):
+                    raise RuntimeError(f"{unpark.data.shape[1]} parked blocks for {len(unpark.block_ids)} allocated")
+                index = torch.tensor(unpark.block_ids, dtype=torch.long)
+                for layer, data in zip(self.layers, unpark.data, strict=True):
+                    layer.index_copy_(0, index, data.to(layer.device))
+            except Exception as err:  # reported: vLLM recomputes the blocks (kv_load_failure_policy)
+                log.warning("kvfleet connector: loading parked KV for %s failed: %s", unpark.request, err)
+                self.failed_blocks.update(unpark.block_ids)
+
     def load(self, meta: KvfleetMetadata) -> None:
         for load in meta.loads:
             try:
@@ -613,7 +673,8 @@ class _WorkerSide:
 
     def take_output(self) -> KvfleetWorkerMetadata | None:
         out, self.out = self.out, KvfleetWorkerMetadata()
-        return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None) else None
+        return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None
+                       or out.parked) else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -669,6 +730,12 @@ class KvfleetConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype))
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Called before the step writes any block (vLLM's model runner): parks copy preempted requests'
+        # KV while their freed blocks still hold it.
+        assert self._worker is not None and isinstance(kv_connector_metadata, KvfleetMetadata)
+        self._worker.park(kv_connector_metadata)
+
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         # Elastic memory: vLLM's KV allocation becomes a view of the eTensor (vllm/elastic.py).
         assert self._worker is not None
@@ -679,6 +746,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvfleetMetadata)
         self._worker.apply_balloon(meta)
+        self._worker.unpark(meta)
         self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -711,9 +779,11 @@ class KvfleetConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self._scheduler is not None
         if self._elastic is not None and self._geometry is not None:
-            self._scheduler.balloon = Balloon(gpu_block_pool, self._geometry, self._elastic,
-                                              int(self._vllm_config.cache_config.block_size),
+            block_size = int(self._vllm_config.cache_config.block_size)
+            self._scheduler.balloon = Balloon(gpu_block_pool, self._geometry, self._elastic, block_size,
                                               int(self._vllm_config.scheduler_config.max_num_batched_tokens))
+            if self._elastic.cpu_buffer_bytes > 0:
+                self._scheduler.buffer = CpuBuffer(self._elastic.cpu_buffer_bytes, self._geometry.block_bytes, block_size)
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
@@ -732,6 +802,7 @@ class KvfleetConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         if num_external_tokens <= 0:
+            self._scheduler.unpark(request, [], 0)  # parked KV vLLM did not need (its own cache had it)
             return
         self._scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
@@ -749,6 +820,8 @@ class KvfleetConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if self._scheduler.balloon is not None:
             self._scheduler.balloon.requests.pop(request.request_id, None)
+        if self._scheduler.buffer is not None:
+            self._scheduler.buffer.forget(request.request_id)
         return self._scheduler.finished(request, block_ids), None
 
     def has_pending_push_work(self) -> bool:

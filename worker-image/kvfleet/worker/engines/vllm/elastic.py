@@ -34,10 +34,15 @@ and allocates blocks itself, so here the pool is imposed from outside through kv
   queue with no reference; the worker's mapped slots = layers x the sets not in the balloon; mapped KV +
   the step's activations + θ within the budget (`violations` counts the steps that were not).
 
-What is not elastic here, and why (docs/elastic-memory.md says the same to users): the CPU buffer
-(§4.3.2; a request vLLM preempts is recomputed, as on static vLLM), Algorithm 2 (it scales that
-buffer), and mapping ahead of need (§5.1). vLLM's CUDA build cannot be installed on the GPU machines
-this project was lent, so the CUDA backend (`open_memory("cuda")`) is wired but was never run.
+- **The CPU buffer** (§4.3.2, `CpuBuffer`): a request vLLM preempts has its KV copied to host memory
+  (the connector's `handle_preemptions`, before the step reuses its blocks) and loaded back when vLLM
+  schedules it again (the connector's load path), instead of being recomputed.
+
+What is not here, and why (docs/elastic-memory.md says the same to users): Algorithm 2 (§4.4.2, it
+scales the buffer by latency objectives), offloaded prefills (a prefill whose KV goes straight to the
+buffer: vLLM allocates a prefill's blocks itself) and mapping ahead of need (§5.1). vLLM's CUDA build
+cannot be installed on the GPU machines this project was lent, so the CUDA backend
+(`open_memory("cuda")`) is wired but was never run.
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class ElasticSettings:
     threshold_bytes: int       # θ: kept free at all times (Algorithm 1)
     per_token_activation_bytes: int
     per_sequence_activation_bytes: int
+    cpu_buffer_bytes: int = 0  # host memory for preempted requests' KV (CpuBuffer); 0: vLLM recomputes them
 
     @property
     def activations(self) -> ActivationModel:
@@ -454,6 +460,107 @@ class Balloon:
             self.counters.books_errors += 1
 
 
+# -- the CPU buffer (eLLM §4.3.2): a preempted request's KV parked in host memory ------------------
+
+
+@dataclass
+class Park:
+    """An order to the worker side: copy a preempted request's blocks to host memory before the step
+    reuses them (handle_preemptions runs before anything writes a block)."""
+
+    request: str            # vLLM's id
+    block_ids: list[int]
+    num_tokens: int         # tokens whose KV the blocks hold
+
+
+@dataclass
+class Parked:
+    data: torch.Tensor      # [layers, blocks, *vLLM's block layout], a copy in host memory
+    num_tokens: int
+
+
+class CpuBuffer:
+    """The scheduler side of eLLM's CPU buffer for vLLM (§4.3.2): where static vLLM recomputes a request
+    it preempts (recompute mode), the KV its blocks held is copied to host memory first and loaded back
+    when vLLM schedules it again, through the connector's load path (vLLM then computes only the token
+    after it). With the balloon that is how a larger batch decodes than the static split holds: a
+    request prefilled while there was room for its activations, parked while others prefill, comes
+    back needing no prefill activations at all.
+
+    Tables are read after each schedule (`snapshot`): a request preempted in the next schedule has
+    lost its blocks to vLLM's free queue by the time the connector hears of it. A request that finishes
+    or aborts while parked drops its KV. Bytes are reserved when a park is ordered and counted held
+    once the worker reports the copy."""
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, block_size_tokens: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        self.block_size = block_size_tokens
+        self.tables: dict[str, tuple[list[int], int]] = {}
+        self.ordered: dict[str, int] = {}     # request -> bytes reserved for a park not reported yet
+        self.parked: dict[str, Parked] = {}
+        self.num_parked = 0
+        self.num_loaded = 0
+        self.num_refused = 0                  # preempted requests the buffer had no room for
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.ordered.values()) + sum(-(-p.num_tokens // self.block_size) * self.block_bytes
+                                                for p in self.parked.values())
+
+    def snapshot(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                 block_ids_of: Callable[[str], list[int]]) -> list[Park]:
+        """Parks for the requests this schedule preempted, then the tables of those it scheduled."""
+        parks: list[Park] = []
+        for rid in scheduler_output.preempted_req_ids or ():
+            table = self.tables.pop(rid, None)
+            if table is None or rid in self.parked or rid in self.ordered:
+                continue
+            block_ids, num_tokens = table
+            blocks = -(-num_tokens // self.block_size)
+            if num_tokens < 1 or blocks > len(block_ids):
+                continue
+            if self.held_bytes + blocks * self.block_bytes > self.capacity_bytes:
+                self.num_refused += 1
+                continue
+            self.ordered[rid] = blocks * self.block_bytes
+            parks.append(Park(rid, block_ids[:blocks], num_tokens))
+        for rid, num in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is not None:
+                self.tables[rid] = (block_ids_of(rid), request.num_computed_tokens + num)
+        return parks
+
+    def reported(self, parked: dict[str, Parked]) -> None:
+        for rid, item in parked.items():
+            if self.ordered.pop(rid, None) is not None:
+                self.parked[rid] = item
+                self.num_parked += 1
+
+    def unreported(self) -> None:
+        """A step whose worker reported no parks: orders it could not carry out are given up."""
+        self.ordered.clear()
+
+    def loadable(self, request: Request) -> int:
+        item = self.parked.get(request.request_id)
+        return 0 if item is None else min(item.num_tokens, request.num_tokens - 1)
+
+    def take(self, request: Request) -> Parked | None:
+        item = self.parked.pop(request.request_id, None)
+        if item is not None:
+            self.num_loaded += 1
+        return item
+
+    def forget(self, request_id: str) -> None:
+        self.tables.pop(request_id, None)
+        self.ordered.pop(request_id, None)
+        self.parked.pop(request_id, None)
+
+    def figures(self) -> dict[str, int]:
+        return {"cpu_buffer_bytes": self.held_bytes, "cpu_buffer_capacity_bytes": self.capacity_bytes,
+                "parked": self.num_parked, "loaded_from_buffer": self.num_loaded, "park_refused": self.num_refused}
+
+
 # -- the worker side ---------------------------------------------------------------------------------
 
 
@@ -538,5 +645,5 @@ class WorkerPool:
         return report
 
 
-__all__ = ["EXTRA_ELASTIC", "ActivationModel", "Balloon", "ElasticRefused", "ElasticSettings", "Orders", "SetGeometry",
-           "WorkerPool", "set_chunk_bytes"]
+__all__ = ["EXTRA_ELASTIC", "ActivationModel", "Balloon", "CpuBuffer", "ElasticRefused", "ElasticSettings", "Orders",
+           "Park", "Parked", "SetGeometry", "WorkerPool", "set_chunk_bytes"]

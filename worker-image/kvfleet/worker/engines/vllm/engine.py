@@ -283,9 +283,11 @@ class VLLMEngine:
         self.config = config
         self.options = options = options or VLLMOptions()
         memory = options.memory
-        if memory is not None and (memory.cpu_buffer_bytes or memory.ttft_slo_s or memory.tpot_slo_s):
-            raise EngineError("the vLLM engine runs no CPU buffer (a request vLLM preempts is recomputed): leave "
-                              "cpu_buffer_bytes and the latency objectives that scale it unset (docs/elastic-memory.md)")
+        if memory is not None and (memory.ttft_slo_s or memory.tpot_slo_s):
+            raise EngineError("the vLLM engine does not run eLLM's Algorithm 2 (the latency objectives that scale the "
+                              "CPU buffer): leave them unset (docs/elastic-memory.md)")
+        if memory is not None and memory.cpu_buffer_bytes and not memory.elastic:
+            raise EngineError("a CPU buffer needs elastic memory: a static split recomputes what vLLM preempts")
         if memory is not None and config.kv_capacity_bytes is not None:
             raise EngineError("a memory budget sizes the KV cache itself: give kv_capacity_bytes or a budget, not both")
         # Elastic memory's settings as the connector gets them, and its pool as it last reported it
@@ -471,7 +473,8 @@ class VLLMEngine:
                               f"(chunks of {chunk_bytes} bytes in each of {layers} layers): raise it or lower the chunk")
         self._elastic = ElasticSettings(budget_bytes=memory.budget_bytes, chunk_bytes=chunk_bytes, threshold_bytes=0,
                                         per_token_activation_bytes=activations.per_token_bytes,
-                                        per_sequence_activation_bytes=activations.per_sequence_bytes)
+                                        per_sequence_activation_bytes=activations.per_sequence_bytes,
+                                        cpu_buffer_bytes=memory.cpu_buffer_bytes)
         return int(num_sets * set_bytes)
 
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None,
@@ -553,12 +556,14 @@ class VLLMEngine:
 
     def memory_state(self) -> MemoryState:
         """The pool as the connector last reported it (capabilities.ElasticMemory; vllm/elastic.py): the
-        KV capacity is the budget less the largest activation of the recent steps. No CPU buffer."""
+        KV capacity is the budget less the largest activation of the recent steps; the CPU buffer holds
+        preempted requests' KV."""
         if self._elastic is None:  # not started yet
             return MemoryState(0, 0, 0, 0, self.options.memory.budget_bytes if self.options.memory else 0)
         report = self._memory_report
         capacity = int(report.get("capacity_bytes", self._info.kv_capacity_bytes if self._info is not None else 0))
-        return MemoryState(kv_capacity_bytes=capacity, cpu_buffer_bytes=0, cpu_buffer_capacity_bytes=0,
+        return MemoryState(kv_capacity_bytes=capacity, cpu_buffer_bytes=int(report.get("cpu_buffer_bytes", 0)),
+                           cpu_buffer_capacity_bytes=self._elastic.cpu_buffer_bytes,
                            activation_bytes=int(report.get("activation_bytes", 0)), budget_bytes=self._elastic.budget_bytes)
 
     def memory_report(self, report: dict[str, Any]) -> None:
