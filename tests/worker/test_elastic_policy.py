@@ -1,11 +1,11 @@
-"""eLLM's Algorithms 1 and 2 (builtin/elastic_policy.py), exactly, on small numbers."""
+"""eLLM's Algorithms 1 and 2 (elastic/policy.py), exactly, on small numbers."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.worker.engines.builtin.elastic_policy import (
+from kvfleet.worker.elastic.policy import (
     Admission,
     Demand,
     PoolState,

@@ -40,26 +40,18 @@ def test_the_worker_refuses_builtin_flags_with_the_vllm_engine(tmp_path: Path, c
     assert named in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("flags", "named"), [(["--ttft-slo-ms", "500"], "--ttft-slo-ms"),
-                                              (["--tpot-slo-ms", "50"], "--tpot-slo-ms")])
-def test_the_worker_refuses_algorithm_2s_objectives_with_the_vllm_engine(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+@pytest.mark.parametrize("flags", [["--cpu-buffer-bytes", "4096"], ["--ttft-slo-ms", "500"], ["--tpot-slo-ms", "50"]])
+def test_the_worker_takes_a_cpu_buffer_and_its_objectives_with_elastic_vllm_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
     with pytest.raises(SystemExit):
-        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
-                    "--elastic-memory", *flags])
-    err = capsys.readouterr().err
-    assert named in err and "do not run eLLM's Algorithm 2" in err
-
-
-def test_the_worker_takes_a_cpu_buffer_with_elastic_vllm_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608", *flags])
+    assert f"{flags[0]} needs --elastic-memory" in capsys.readouterr().err
     args = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
-                       "--elastic-memory", "--cpu-buffer-bytes", "4096"])
-    assert vllm_options(args) == VLLMOptions(memory=MemoryOptions(budget_bytes=8388608, elastic=True,
-                                                                  chunk_bytes=DEFAULT_CHUNK_BYTES, cpu_buffer_bytes=4096))
-    with pytest.raises(SystemExit):
-        parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--memory-budget-bytes", "8388608",
-                    "--cpu-buffer-bytes", "4096"])
-    assert "--cpu-buffer-bytes needs --elastic-memory" in capsys.readouterr().err
+                       "--elastic-memory", "--cpu-buffer-bytes", "4096", *flags])
+    memory = vllm_options(args).memory
+    assert memory is not None and memory.elastic and memory.cpu_buffer_bytes == 4096
+    assert (memory.ttft_slo_s, memory.tpot_slo_s) == ((0.5 if "--ttft-slo-ms" in flags else None),
+                                                      (0.05 if "--tpot-slo-ms" in flags else None))
 
 
 def test_the_worker_refuses_a_kv_capacity_and_a_memory_budget_together_with_the_vllm_engine(

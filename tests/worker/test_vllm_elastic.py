@@ -100,6 +100,9 @@ def test_a_set_reaches_vllm_only_once_the_worker_confirms_its_map() -> None:
     b.confirmed([1], {}, worker_slots=4, map_s=0.0, unmap_s=0.0)
     assert b.state[1] is SetState.MAPPED and b.free_blocks == 7 and b.counters.grows == 1
     assert not b.waiting_for_worker and b.counters.books_errors == 0
+    # vllm:kv_cache_usage_perc: used blocks over the mapped capacity (2 of 7), not over the whole cache.
+    b.pool.get_new_blocks(2)
+    assert b.pool.get_usage() == 2 / 7
 
 
 def test_a_failed_map_leaves_the_set_in_the_balloon_and_vllm_untouched() -> None:
@@ -204,6 +207,28 @@ def test_a_park_the_worker_did_not_report_is_given_up() -> None:
     assert buffer.held_bytes == 0 and buffer.loadable(SimpleNamespace(request_id="a", num_tokens=17)) == 0
 
 
+def test_algorithm_2_scales_what_the_buffer_may_take_by_the_objectives() -> None:
+    buffer = CpuBuffer(capacity_bytes=8 * BLOCK, block_bytes=BLOCK, block_size_tokens=BLOCK_TOKENS,
+                       ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert buffer.logical_bytes == BLOCK  # with objectives it starts small (as the builtin engine's)
+    late = SimpleNamespace(request_id="late", num_tokens=10, num_computed_tokens=9, arrival_time=0.0)
+    others = [SimpleNamespace(request_id=f"o{i}", num_tokens=10, num_computed_tokens=9, arrival_time=0.0) for i in range(2)]
+    requests = {r.request_id: r for r in (late, *others)}
+    # Three first tokens 5 s after arrival (TTFT 1 s) in one step: a TTFT event doubles the buffer.
+    buffer.observe(5.0, SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in requests}), requests)
+    assert buffer.logical_bytes == 2 * BLOCK
+    # Their next tokens 0.5 s later (TPOT 0.1 s): a TPOT event halves it, to its floor of one block.
+    buffer.observe(5.5, SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in requests}), requests)
+    assert buffer.logical_bytes == BLOCK
+    # A park over the logical size is refused (recomputed) though the buffer has room.
+    a = SimpleNamespace(request_id="a", num_tokens=0, num_computed_tokens=30)
+    buffer.snapshot(SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"a": 1}), {"a": a}, lambda rid: [4, 5])
+    assert buffer.snapshot(SimpleNamespace(preempted_req_ids={"a"}, num_scheduled_tokens={}), {}, lambda rid: []) == []
+    assert buffer.num_refused == 1
+    # Without objectives the whole buffer is there.
+    assert CpuBuffer(8 * BLOCK, BLOCK, BLOCK_TOKENS).logical_bytes == 8 * BLOCK
+
+
 def test_the_pinned_vllm_has_every_private_name_elastic_memory_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert internals.problems() == []
     import vllm.v1.worker.utils as utils
@@ -293,8 +318,8 @@ def test_a_vllm_without_the_names_elastic_memory_uses_is_refused_at_start(tiny_m
 
 
 @pytest.mark.parametrize(("memory", "message"), [
-    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=False, cpu_buffer_bytes=1 << 20), "needs elastic memory"),
-    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=True, ttft_slo_s=1.0), "Algorithm 2"),
+    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=False, cpu_buffer_bytes=1 << 20), "need elastic memory"),
+    (MemoryOptions(budget_bytes=BUDGET_BYTES, elastic=False, ttft_slo_s=1.0), "need elastic memory"),
 ])
 def test_what_vllm_does_not_run_is_refused(tiny_model_dir: Path, memory: MemoryOptions, message: str) -> None:
     with pytest.raises(EngineError, match=message):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvfleet.api.quantity import parse_quantity, quantity_bytes
@@ -163,9 +163,9 @@ class ElasticMemorySpec(_Model):
 
     Each worker keeps its KV cache and its activations in one pool, the KV capacity plus the
     activation reserve it would otherwise keep (capacity.activationReserveFraction of the GPUs), and the
-    KV of requests that wait (builtin) or that vLLM preempted (vllm) in a CPU buffer. Workers then report
-    a capacity that moves with their activations, and MELL plans with what they report. The latency
-    objectives scale the buffer (eLLM Algorithm 2), which only the builtin engine runs.
+    KV of requests that wait (builtin) or that vLLM preempted (vllm) in a CPU buffer, whose share the
+    latency objectives scale (eLLM Algorithm 2). Workers then report a capacity that moves with their
+    activations, and MELL plans with what they report.
     """
 
     enabled: bool = Field(default=False, description="Share one memory pool between KV cache and activations.")
@@ -175,12 +175,12 @@ class ElasticMemorySpec(_Model):
     )
     ttft_milliseconds: float | None = Field(
         default=None, gt=0, le=3.6e6,
-        description="Builtin engine: TTFT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2); also "
+        description="TTFT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2); also "
         "the objective a disaggregated pool's prefill workers are sized by.",
     )
     tpot_milliseconds: float | None = Field(
         default=None, gt=0, le=60000,
-        description="Builtin engine: TPOT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2).",
+        description="TPOT objective the worker's CPU buffer is scaled by (eLLM Algorithm 2).",
     )
 
 
@@ -423,28 +423,6 @@ _MESSAGE_NO_DISTKV = ("disaggregation.enabled cannot be combined with distkv.ena
 _MESSAGE_ENGINE = ("disaggregation.caching: a vllm pool serves only caching: none (vLLM's prefix cache cannot take "
                    "in KV another worker sends); the builtin engine serves every milestone")
 
-# The cross-field rules of spec.elasticMemory, said once for the CEL rules and the model validator. Both
-# engines run elastic memory and its CPU buffer, but vLLM workers do not run eLLM's Algorithm 2, which
-# the latency objectives steer: with elastic memory on, a vllm pool refuses them rather than ignore
-# them. (Off, they bind no worker: ttftMilliseconds then still sizes a disaggregated pool's prefill
-# workers, for either engine.)
-_ELASTIC_OFF = "!has(self.elasticMemory) || !has(self.elasticMemory.enabled) || !self.elasticMemory.enabled"
-_NO_ALGORITHM_2 = "vLLM workers do not run eLLM's Algorithm 2, which the objective steers the CPU buffer by"
-_MESSAGES_BUILTIN_ONLY_ELASTIC: dict[str, str] = {
-    "ttftMilliseconds": f"elasticMemory.ttftMilliseconds needs engine: builtin ({_NO_ALGORITHM_2})",
-    "tpotMilliseconds": f"elasticMemory.tpotMilliseconds needs engine: builtin ({_NO_ALGORITHM_2})",
-}
-_RULES_BUILTIN_ONLY_ELASTIC: list[JsonValue] = [
-    {
-        # The engine defaults to vllm: an absent engine is read so.
-        "rule": f"{_ELASTIC_OFF} || !has(self.elasticMemory.{field}) || (has(self.engine) && self.engine == 'builtin')",
-        "message": message,
-        "fieldPath": f".elasticMemory.{field}",
-    }
-    for field, message in _MESSAGES_BUILTIN_ONLY_ELASTIC.items()
-]
-
-
 class LLMPoolSpec(_Model):
     """What model to serve, with which engine, on how many GPUs, scheduled how."""
 
@@ -464,7 +442,6 @@ class LLMPoolSpec(_Model):
                     "scheduling.policy mell",
                     "fieldPath": ".slo",
                 },
-                *_RULES_BUILTIN_ONLY_ELASTIC,
                 {
                     "rule": f"{_DISAGGREGATED_OFF} || (has(self.disaggregation.caching) && "
                     "self.disaggregation.caching == 'none') || (has(self.prefixCaching) && "
@@ -538,18 +515,8 @@ class LLMPoolSpec(_Model):
             raise ValueError("replicas must not exceed workers.max")
         self.kv_capacity_per_worker_bytes()  # raises when it cannot be derived
         self.tpot_load_cap()  # raises when the objective cannot be turned into a load cap
-        self._check_elastic_memory()
         self._check_disaggregation()
         return self
-
-    def _check_elastic_memory(self) -> None:
-        """The CEL rules on spec.elasticMemory, for a spec the API server did not see (tests, the operator)."""
-        elastic = self.elastic_memory
-        if not elastic.enabled or self.engine == "builtin":
-            return
-        for field, value in (("ttftMilliseconds", elastic.ttft_milliseconds), ("tpotMilliseconds", elastic.tpot_milliseconds)):
-            if value is not None:
-                raise ValueError(_MESSAGES_BUILTIN_ONLY_ELASTIC[field])
 
     def _check_disaggregation(self) -> None:
         """The CEL rules on spec.disaggregation, for a spec the API server did not see (tests, the operator)."""

@@ -80,9 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-buffer-bytes", type=int, default=_env_int("KVFLEET_CPU_BUFFER_BYTES") or 0,
                         help="host memory for the KV of waiting or preempted requests (elastic memory)")
     parser.add_argument("--ttft-slo-ms", type=float, default=_env_float("KVFLEET_TTFT_SLO_MS"),
-                        help="builtin engine: a TTFT objective that scales the CPU buffer (elastic memory, eLLM Algorithm 2)")
+                        help="a TTFT objective that scales the CPU buffer (elastic memory, eLLM Algorithm 2)")
     parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"),
-                        help="builtin engine: a TPOT objective that scales the CPU buffer (elastic memory, eLLM Algorithm 2)")
+                        help="a TPOT objective that scales the CPU buffer (elastic memory, eLLM Algorithm 2)")
     parser.add_argument("--lend-cap-bytes", type=int, default=_env_int("KVFLEET_LEND_CAP_BYTES") or 0,
                         help="builtin engine: lend up to this much free KV to other workers' requests (DistKV, docs/distkv.md)")
     parser.add_argument("--distkv", action=argparse.BooleanOptionalAction, default=env("KVFLEET_DISTKV", "0") == "1",
@@ -126,13 +126,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             # vLLM's attention is its own backends', over its own cache (load_engine says more).
             parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM's "
                          "attention takes no remote KV")
-        no_algorithm_2 = [flag for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms))
-                          if value]
-        if no_algorithm_2:
-            parser.error(f"{', '.join(no_algorithm_2)}: vLLM workers do not run eLLM's Algorithm 2, which the latency "
-                         "objectives steer the CPU buffer by (--engine builtin)")
-        if args.cpu_buffer_bytes and not args.elastic_memory:
-            parser.error("--cpu-buffer-bytes needs --elastic-memory with vLLM: a static split recomputes what vLLM preempts")
+        buffer = [flag for flag, value in (("--cpu-buffer-bytes", args.cpu_buffer_bytes), ("--ttft-slo-ms", args.ttft_slo_ms),
+                                           ("--tpot-slo-ms", args.tpot_slo_ms)) if value]
+        if buffer and not args.elastic_memory:
+            parser.error(f"{', '.join(buffer)} needs --elastic-memory with vLLM: a static split recomputes what vLLM "
+                         "preempts, and the objectives scale the CPU buffer")
         if args.kv_capacity_bytes is not None and args.memory_budget_bytes is not None:
             parser.error("--kv-capacity-bytes and --memory-budget-bytes: with vLLM the memory budget sizes the KV "
                          "cache itself; give one")

@@ -17,7 +17,6 @@ pool and its memory backends; `kvfleet.worker.distkv`: DistKV's wire and lease p
 | migration.py | the KVMigratable calls: the object `capabilities.migration` hands out |
 | elastic.py | elastic memory (eLLM): one chunk pool for KV and activations (`ElasticSpace`), §5.1's overlapped (un)mapping (`MappingOverlap`); `ElasticScheduler` replaces only the batch choice (Algorithm 1) and sizes the CPU buffer (Algorithm 2), composed of those parts and a `CpuBuffer` |
 | cpu_buffer.py | eLLM's CPU buffer (§4.3.2, `CpuBuffer`): parked KV, offloaded prefills' sinks, their copies; with prefix caching the cache's host tier (`HostTierPrefixCache`) |
-| elastic_policy.py | eLLM's Algorithms 1 and 2 as pure functions |
 | lending.py | DistKV's lender side: blocks lent to requests of other workers (`capabilities.lending`) |
 | borrowing.py | DistKV's borrower side: a request larger than the cache keeps its oldest KV in leases (`Lenders`: the scheduler's hooks) |
 

@@ -11,7 +11,7 @@ activations leave (inflation and deflation, §4.3.1).
 The KV of a request that cannot stay in the pool goes to a CPU buffer and comes back before it
 decodes, instead of being recomputed (§4.3.2: builtin/cpu_buffer.py's `CpuBuffer`, which with prefix
 caching is also the cache's host tier). What to run each step is Algorithm 1 and the buffer's size
-Algorithm 2, both pure functions in builtin/elastic_policy.py; `ElasticScheduler` does what they
+Algorithm 2, both pure functions in elastic/policy.py; `ElasticScheduler` does what they
 decide, through the parts it is composed of.
 
 | piece | what it owns |
@@ -65,10 +65,7 @@ import torch
 
 from kvfleet.serving.prompt_tree import Match
 from kvfleet.worker.elastic import ChunkPool, ETensor, Fence, MapError, Owner, PhysicalMemory, PoolExhausted
-from kvfleet.worker.engines.base import RequestTooLong, SamplingParams, TokenLogprobs, blocks_for
-from kvfleet.worker.engines.builtin.blocks import BlockPool
-from kvfleet.worker.engines.builtin.cpu_buffer import CopyIn, CopyOut, CpuBuffer, NewSink
-from kvfleet.worker.engines.builtin.elastic_policy import (
+from kvfleet.worker.elastic.policy import (
     Admission,
     Demand,
     PoolState,
@@ -76,6 +73,9 @@ from kvfleet.worker.engines.builtin.elastic_policy import (
     plan_batch,
     scale_logical_buffer,
 )
+from kvfleet.worker.engines.base import RequestTooLong, SamplingParams, TokenLogprobs, blocks_for
+from kvfleet.worker.engines.builtin.blocks import BlockPool
+from kvfleet.worker.engines.builtin.cpu_buffer import CopyIn, CopyOut, CpuBuffer, NewSink
 from kvfleet.worker.engines.builtin.model import SeqBatchEntry
 from kvfleet.worker.engines.builtin.sampling import MakeConstraint
 from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, Request, RequestState, Scheduler, Step

@@ -62,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvfleet.worker.engines.vllm import internals
 from kvfleet.worker.engines.vllm.elastic import (
     EXTRA_ELASTIC,
     Balloon,
@@ -161,9 +162,8 @@ class KVLayout:
         if kv_cache_dtype != "auto":
             raise RuntimeError(f"a quantized KV cache ({kv_cache_dtype}) is not a plain copy of K and V")
         from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: the kernel vLLM picks
 
-        isa = _get_attn_isa(layer.dtype, block_size_tokens, head_dim, kv_cache_dtype)
+        isa = internals.cpu_attention_isa(layer.dtype, block_size_tokens, head_dim, kv_cache_dtype)
         per_kind = block_size_tokens * kv_heads * head_dim
         numbers = torch.arange(per_kind, dtype=torch.long)
         slots = torch.arange(block_size_tokens, dtype=torch.long)
@@ -457,6 +457,7 @@ class _SchedulerSide:
             orders = self.balloon.plan(scheduler_output)
             meta.balloon_maps, meta.balloon_unmaps = orders.maps, orders.unmaps
             if self.buffer is not None:
+                self.buffer.observe(time.time(), scheduler_output, self.balloon.requests)
                 meta.parks = self.buffer.snapshot(scheduler_output, self.balloon.requests, block_ids_of)
                 meta.unparks, self.unparks = self.unparks, []
             self._send_memory()
@@ -782,8 +783,11 @@ class KvfleetConnector(KVConnectorBase_V1):
             block_size = int(self._vllm_config.cache_config.block_size)
             self._scheduler.balloon = Balloon(gpu_block_pool, self._geometry, self._elastic, block_size,
                                               int(self._vllm_config.scheduler_config.max_num_batched_tokens))
-            if self._elastic.cpu_buffer_bytes > 0:
-                self._scheduler.buffer = CpuBuffer(self._elastic.cpu_buffer_bytes, self._geometry.block_bytes, block_size)
+            settings = self._elastic
+            if settings.cpu_buffer_bytes > 0:
+                self._scheduler.buffer = CpuBuffer(settings.cpu_buffer_bytes, self._geometry.block_bytes, block_size,
+                                                   ttft_slo_s=settings.ttft_slo_us / 1e6 if settings.ttft_slo_us else None,
+                                                   tpot_slo_s=settings.tpot_slo_us / 1e6 if settings.tpot_slo_us else None)
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None

@@ -38,8 +38,9 @@ and allocates blocks itself, so here the pool is imposed from outside through kv
   (the connector's `handle_preemptions`, before the step reuses its blocks) and loaded back when vLLM
   schedules it again (the connector's load path), instead of being recomputed.
 
-What is not here, and why (docs/elastic-memory.md says the same to users): Algorithm 2 (§4.4.2, it
-scales the buffer by latency objectives), offloaded prefills (a prefill whose KV goes straight to the
+  With latency objectives, Algorithm 2 (§4.4.2) scales how much of it parks may take.
+
+What is not here, and why (docs/elastic-memory.md says the same to users): offloaded prefills (a prefill whose KV goes straight to the
 buffer: vLLM allocates a prefill's blocks itself) and mapping ahead of need (§5.1). vLLM's CUDA build
 cannot be installed on the GPU machines this project was lent, so the CUDA backend
 (`open_memory("cuda")`) is wired but was never run.
@@ -69,6 +70,7 @@ from kvfleet.worker.elastic import (
     granularity_bytes,
     open_memory,
 )
+from kvfleet.worker.elastic.policy import SloWindow, scale_logical_buffer
 from kvfleet.worker.engines.vllm import internals
 
 if TYPE_CHECKING:
@@ -136,6 +138,9 @@ class ElasticSettings:
     per_token_activation_bytes: int
     per_sequence_activation_bytes: int
     cpu_buffer_bytes: int = 0  # host memory for preempted requests' KV (CpuBuffer); 0: vLLM recomputes them
+    # Latency objectives Algorithm 2 scales the buffer's logical size by; 0: none.
+    ttft_slo_us: int = 0
+    tpot_slo_us: int = 0
 
     @property
     def activations(self) -> ActivationModel:
@@ -490,12 +495,23 @@ class CpuBuffer:
     Tables are read after each schedule (`snapshot`): a request preempted in the next schedule has
     lost its blocks to vLLM's free queue by the time the connector hears of it. A request that finishes
     or aborts while parked drops its KV. Bytes are reserved when a park is ordered and counted held
-    once the worker reports the copy."""
+    once the worker reports the copy.
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, block_size_tokens: int) -> None:
+    Algorithm 2 (§4.4.2) with latency objectives: the buffer takes parks up to its logical size, which
+    starts at one block's worth, doubles on a TTFT violation event and halves on a TPOT one (`observe`,
+    elastic/policy.py; as the builtin engine). A park it has no logical room for is recomputed, as on
+    static vLLM. Without objectives the logical size is the whole buffer."""
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, block_size_tokens: int,
+                 ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
         self.block_size = block_size_tokens
+        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
+        self.with_slo = ttft_slo_s is not None or tpot_slo_s is not None
+        self.logical_bytes = min(block_bytes, capacity_bytes) if self.with_slo else capacity_bytes
+        self._window = SloWindow()
+        self._last_token_s: dict[str, float] = {}
         self.tables: dict[str, tuple[list[int], int]] = {}
         self.ordered: dict[str, int] = {}     # request -> bytes reserved for a park not reported yet
         self.parked: dict[str, Parked] = {}
@@ -520,7 +536,7 @@ class CpuBuffer:
             blocks = -(-num_tokens // self.block_size)
             if num_tokens < 1 or blocks > len(block_ids):
                 continue
-            if self.held_bytes + blocks * self.block_bytes > self.capacity_bytes:
+            if self.held_bytes + blocks * self.block_bytes > min(self.logical_bytes, self.capacity_bytes):
                 self.num_refused += 1
                 continue
             self.ordered[rid] = blocks * self.block_bytes
@@ -530,6 +546,27 @@ class CpuBuffer:
             if request is not None:
                 self.tables[rid] = (block_ids_of(rid), request.num_computed_tokens + num)
         return parks
+
+    def observe(self, now_s: float, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Algorithm 2 on the step just scheduled: its first tokens late against the TTFT objective and
+        its decodes late against the TPOT objective (since their last token), §4.4.2's events."""
+        if not self.with_slo:
+            return
+        ttft_misses = tpot_misses = 0
+        for rid, num in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.num_computed_tokens + num < request.num_tokens:
+                continue  # a prefill chunk: no token this step
+            last = self._last_token_s.get(rid)
+            if last is None:
+                ttft_misses += self.ttft_slo_s is not None and now_s - request.arrival_time > self.ttft_slo_s
+            else:
+                tpot_misses += self.tpot_slo_s is not None and now_s - last > self.tpot_slo_s
+            self._last_token_s[rid] = now_s
+        ttft_event, tpot_event = self._window.observe(ttft_misses, tpot_misses)
+        self.logical_bytes = scale_logical_buffer(self.logical_bytes, ttft_event=ttft_event, tpot_event=tpot_event,
+                                                  max_bytes=self.capacity_bytes,
+                                                  min_bytes=min(self.block_bytes, self.capacity_bytes))
 
     def reported(self, parked: dict[str, Parked]) -> None:
         for rid, item in parked.items():
@@ -552,12 +589,14 @@ class CpuBuffer:
         return item
 
     def forget(self, request_id: str) -> None:
+        self._last_token_s.pop(request_id, None)
         self.tables.pop(request_id, None)
         self.ordered.pop(request_id, None)
         self.parked.pop(request_id, None)
 
     def figures(self) -> dict[str, int]:
         return {"cpu_buffer_bytes": self.held_bytes, "cpu_buffer_capacity_bytes": self.capacity_bytes,
+                "cpu_buffer_logical_bytes": self.logical_bytes,
                 "parked": self.num_parked, "loaded_from_buffer": self.num_loaded, "park_refused": self.num_refused}
 
 

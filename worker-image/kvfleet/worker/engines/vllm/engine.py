@@ -283,11 +283,9 @@ class VLLMEngine:
         self.config = config
         self.options = options = options or VLLMOptions()
         memory = options.memory
-        if memory is not None and (memory.ttft_slo_s or memory.tpot_slo_s):
-            raise EngineError("the vLLM engine does not run eLLM's Algorithm 2 (the latency objectives that scale the "
-                              "CPU buffer): leave them unset (docs/elastic-memory.md)")
-        if memory is not None and memory.cpu_buffer_bytes and not memory.elastic:
-            raise EngineError("a CPU buffer needs elastic memory: a static split recomputes what vLLM preempts")
+        if memory is not None and (memory.cpu_buffer_bytes or memory.ttft_slo_s or memory.tpot_slo_s) and not memory.elastic:
+            raise EngineError("a CPU buffer, and the latency objectives that scale it, need elastic memory: a static "
+                              "split recomputes what vLLM preempts")
         if memory is not None and config.kv_capacity_bytes is not None:
             raise EngineError("a memory budget sizes the KV cache itself: give kv_capacity_bytes or a budget, not both")
         # Elastic memory's settings as the connector gets them, and its pool as it last reported it
@@ -474,7 +472,9 @@ class VLLMEngine:
         self._elastic = ElasticSettings(budget_bytes=memory.budget_bytes, chunk_bytes=chunk_bytes, threshold_bytes=0,
                                         per_token_activation_bytes=activations.per_token_bytes,
                                         per_sequence_activation_bytes=activations.per_sequence_bytes,
-                                        cpu_buffer_bytes=memory.cpu_buffer_bytes)
+                                        cpu_buffer_bytes=memory.cpu_buffer_bytes,
+                                        ttft_slo_us=round(memory.ttft_slo_s * 1e6) if memory.ttft_slo_s else 0,
+                                        tpot_slo_us=round(memory.tpot_slo_s * 1e6) if memory.tpot_slo_s else 0)
         return int(num_sets * set_bytes)
 
     def _engine_args(self, max_model_len: int | None, kv_cache_memory_bytes: int | None,

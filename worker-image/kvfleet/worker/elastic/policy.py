@@ -1,8 +1,10 @@
 """eLLM's scheduling decisions as pure functions: which requests a step runs, and how big the CPU buffer is.
 
-The builtin engine's elastic scheduler (builtin/elastic.py) asks these functions what to do and then
-does it (maps chunks, moves KV); keeping the decisions apart from the doing lets them be tested
-exactly, on numbers, as the paper states them ("eLLM: Elastic Memory Management Framework for
+The builtin engine's elastic scheduler (engines/builtin/elastic.py) asks these functions what to do
+and then does it (maps chunks, moves KV); the vLLM engine's connector (engines/vllm/elastic.py) asks
+Algorithm 2's for its CPU buffer (vLLM schedules its own batch, so Algorithm 1 is applied there
+through the connector's seams instead). Keeping the decisions apart from the doing lets them be
+tested exactly, on numbers, as the paper states them ("eLLM: Elastic Memory Management Framework for
 Efficient LLM Serving", Xu et al.):
 
 - `plan_batch` is Algorithm 1 (§4.4.1, "Scheduling with Elastic Memory"): a request joins the
