@@ -87,6 +87,9 @@ ENV_FAIL_MAPS = "KVFLEET_VLLM_ELASTIC_FAIL_MAPS"
 CAPACITY_WINDOW_STEPS = 32
 # At most this many sets inflated per step: a grow maps layers x sets slots before the forward.
 MAX_GROW_SETS_PER_STEP = 8
+# Every this many steps the books are checked block by block over the whole balloon (the sets a step
+# changed are checked at every step): the full pass costs O(balloon blocks) of Python per step.
+AUDIT_EVERY_STEPS = 16
 
 
 class ElasticRefused(Exception):
@@ -265,6 +268,9 @@ class Balloon:
         self.block_size = block_size_tokens
         self.max_batched_tokens = max_batched_tokens
         self.state = [SetState.MAPPED] + [SetState.HELD] * (geometry.num_sets - 1)
+        self._num_in = {SetState.MAPPED: 1, SetState.HELD: geometry.num_sets - 1, SetState.MAPPING: 0}
+        self._touched: set[int] = set()   # sets whose state changed since the last check
+        self._steps = 0
         self.counters = BalloonCounters()
         self.requests: dict[str, Request] = {}
         # Algorithm 1's running batch, estimated at the last plan for the next step.
@@ -287,14 +293,20 @@ class Balloon:
     def _sets(self, *states: SetState) -> list[int]:
         return [s for s, state in enumerate(self.state) if state in states]
 
+    def _move(self, set_id: int, state: SetState) -> None:
+        self._num_in[self.state[set_id]] -= 1
+        self._num_in[state] += 1
+        self.state[set_id] = state
+        self._touched.add(set_id)
+
     @property
     def mapped_sets(self) -> int:
         """Sets mapped, or being mapped this step (they count against the budget from now)."""
-        return sum(1 for state in self.state if state is not SetState.HELD)
+        return self._num_in[SetState.MAPPED] + self._num_in[SetState.MAPPING]
 
     @property
     def balloon_blocks(self) -> int:
-        return sum(1 for state in self.state if state is not SetState.MAPPED) * self.geometry.blocks_per_set
+        return (self._num_in[SetState.HELD] + self._num_in[SetState.MAPPING]) * self.geometry.blocks_per_set
 
     @property
     def free_blocks(self) -> int:
@@ -390,7 +402,7 @@ class Balloon:
             if short > 0:
                 grow = min(-(-short // geometry.blocks_per_set), target - self.mapped_sets, MAX_GROW_SETS_PER_STEP)
                 for set_id in self._sets(SetState.HELD)[:grow]:
-                    self.state[set_id] = SetState.MAPPING
+                    self._move(set_id, SetState.MAPPING)
                     orders.maps.append(set_id)
         if self.mapped_sets * geometry.set_bytes + act > limit:
             self.counters.violations += 1
@@ -399,7 +411,8 @@ class Balloon:
         self._short_blocks = 0
         if orders.maps or orders.unmaps:
             self._orders_sent += 1
-        self._check_books()
+        self._check_books(full=self._steps % AUDIT_EVERY_STEPS == 0)
+        self._steps += 1
         return orders
 
     def _deflate(self, num_sets: int, *, keep_free_blocks: int, orders: Orders, avoid: set[int] | None = None) -> int:
@@ -416,7 +429,7 @@ class Balloon:
             if not all(internals.is_free(block) for block in members) or (avoid and any(b.block_id in avoid for b in members)):
                 continue
             internals.take_free_blocks(self.pool, members)
-            self.state[set_id] = SetState.HELD
+            self._move(set_id, SetState.HELD)
             orders.unmaps.append(set_id)
             self.counters.shrinks += 1
             taken += 1
@@ -430,12 +443,12 @@ class Balloon:
         blocks = self.pool.blocks
         for set_id in mapped:
             if self.state[set_id] is SetState.MAPPING:
-                self.state[set_id] = SetState.MAPPED
+                self._move(set_id, SetState.MAPPED)
                 internals.return_blocks(self.pool, [blocks[b] for b in self.geometry.blocks(set_id)])
                 self.counters.grows += 1
         for set_id in failed:
             if self.state[set_id] is SetState.MAPPING:
-                self.state[set_id] = SetState.HELD
+                self._move(set_id, SetState.HELD)
                 self.counters.map_failures += 1
         self._reports += 1
         if worker_slots is not None:
@@ -447,13 +460,15 @@ class Balloon:
     @property
     def waiting_for_worker(self) -> bool:
         """A map ordered and not confirmed yet: vLLM must step again for the answer."""
-        return any(state is SetState.MAPPING for state in self.state)
+        return self._num_in[SetState.MAPPING] > 0
 
-    def _check_books(self) -> None:
+    def _check_books(self, *, full: bool = False) -> None:
         blocks = self.pool.blocks
         ok = True
-        for set_id, state in enumerate(self.state):
-            if state is SetState.MAPPED:
+        sets = range(len(self.state)) if full else sorted(self._touched)
+        self._touched.clear()
+        for set_id in sets:
+            if self.state[set_id] is SetState.MAPPED:
                 continue
             ok = ok and all(blocks[b].ref_cnt == 0 and blocks[b].prev_free_block is None for b in self.geometry.blocks(set_id))
         ok = ok and self.used_blocks >= 0
