@@ -145,6 +145,28 @@ def test_algorithm_1_holds_a_request_that_does_not_fit_and_every_later_one_that_
     assert b.admit(request(16), 0)  # a new step: one set of activations and one block fit
 
 
+def test_admission_wants_blocks_for_the_whole_prompt_as_vllm_does_and_the_balloon_grows_for_them() -> None:
+    b = balloon(budget_sets=4)
+    # vLLM admits a request only with blocks for its whole input free (scheduler_reserve_full_isl):
+    # 100 tokens are 7 blocks though its first chunk is 64 tokens; 3 are free.
+    assert b.admit(request(100), 0)
+    orders = b.plan(step())
+    assert orders.maps == [1, 2]  # its 4 missing blocks and a set of margin: two sets
+    b.confirmed(orders.maps, {}, None, 0.0, 0.0)
+    assert b.free_blocks == 11
+
+
+def test_a_steps_activations_are_charged_on_at_most_vllms_token_budget() -> None:
+    b = balloon(budget_sets=4, per_token=SET // 64)  # vLLM's whole budget of 64 tokens takes one set
+    b.plan(step({"p": 64}))  # a running prefill with 64 more tokens to go: the next step is full
+    b.requests["p"] = request(1000, computed=64)
+    b.plan(step({"p": 64}))
+    # Another prompt adds no tokens to a full step: vLLM caps the step at 64 (it would not schedule it
+    # this step), so the charge stays one set and the request is not held for the other's chunk.
+    assert b.admit(request(64), 0)
+    assert b.counters.held_prefills == 0
+
+
 def test_a_request_is_not_held_for_ever_when_nothing_runs() -> None:
     b = balloon(budget_sets=4, per_token=SET // 8)  # 64 tokens: 8 sets of activations, over the budget
     assert b.admit(request(64), 0)

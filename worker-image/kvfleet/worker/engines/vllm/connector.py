@@ -781,8 +781,10 @@ class KvfleetConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if self._elastic is not None and self._geometry is not None:
             block_size = int(self._vllm_config.cache_config.block_size)
+            scheduler_config = self._vllm_config.scheduler_config
             self._scheduler.balloon = Balloon(gpu_block_pool, self._geometry, self._elastic, block_size,
-                                              int(self._vllm_config.scheduler_config.max_num_batched_tokens))
+                                              int(scheduler_config.max_num_batched_tokens),
+                                              bool(getattr(scheduler_config, "scheduler_reserve_full_isl", False)))
             settings = self._elastic
             if settings.cpu_buffer_bytes > 0:
                 self._scheduler.buffer = CpuBuffer(settings.cpu_buffer_bytes, self._geometry.block_bytes, block_size,

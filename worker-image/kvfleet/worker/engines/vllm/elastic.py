@@ -258,7 +258,7 @@ class Balloon:
     """The scheduler side's pool (module docstring): which sets are mapped, and Algorithm 1's seams."""
 
     def __init__(self, pool: BlockPool, geometry: SetGeometry, settings: ElasticSettings, block_size_tokens: int,
-                 max_batched_tokens: int) -> None:
+                 max_batched_tokens: int, reserve_full_sequence: bool = True) -> None:
         if pool.num_gpu_blocks != geometry.num_blocks:
             raise ElasticRefused(f"vLLM's block pool has {pool.num_gpu_blocks} blocks, its cache {geometry.num_blocks}")
         self.pool = pool
@@ -267,15 +267,20 @@ class Balloon:
         self.activations = settings.activations
         self.block_size = block_size_tokens
         self.max_batched_tokens = max_batched_tokens
+        # vLLM 0.32 admits a request only when blocks for its whole input are free
+        # (SchedulerConfig.scheduler_reserve_full_isl, on by default), not only its first chunk's.
+        self.reserve_full_sequence = reserve_full_sequence
         self.state = [SetState.MAPPED] + [SetState.HELD] * (geometry.num_sets - 1)
         self._num_in = {SetState.MAPPED: 1, SetState.HELD: geometry.num_sets - 1, SetState.MAPPING: 0}
         self._touched: set[int] = set()   # sets whose state changed since the last check
         self._steps = 0
         self.counters = BalloonCounters()
         self.requests: dict[str, Request] = {}
-        # Algorithm 1's running batch, estimated at the last plan for the next step.
-        self._act_floor_bytes = 0
-        self._act_admitted_bytes = 0      # admitted since the last plan (this schedule)
+        # Algorithm 1's running batch, estimated at the last plan for the next step (tokens, sequences),
+        # and what joined it since (this schedule). A step's activations are charged on its tokens,
+        # which vLLM caps at max_num_batched_tokens whatever joins.
+        self._floor = (0, 0)
+        self._admitted = (0, 0)
         self._holding = False             # a request was held this schedule: later ones wait too (FCFS)
         self._short_blocks = 0            # blocks admitted requests may have lacked (vLLM kept them waiting)
         self._recent_act: deque[int] = deque(maxlen=CAPACITY_WINDOW_STEPS)
@@ -325,7 +330,7 @@ class Balloon:
     def capacity_bytes(self) -> int:
         """What KV can count on: the budget less θ and the largest activation of the recent steps,
         in whole blocks (what the worker reports and MELL plans with)."""
-        recent = max(self._recent_act, default=self._act_floor_bytes)
+        recent = max(self._recent_act, default=self._step_act(self._floor))
         room = self.settings.budget_bytes - self.settings.threshold_bytes - recent
         block = self.geometry.block_bytes
         return max(block, min(room, (self.geometry.num_blocks - 1) * block) // block * block)
@@ -339,6 +344,11 @@ class Balloon:
                 "num_blocks": self.geometry.num_blocks, "worker_slots": self.worker_slots,
                 "slots_per_set": self.geometry.num_layers, **asdict(self.counters)}
 
+    def _step_act(self, *parts: tuple[int, int]) -> int:
+        """The activations of a step made of these (tokens, sequences), its tokens capped as vLLM caps them."""
+        tokens = min(sum(p[0] for p in parts), self.max_batched_tokens)
+        return self.activations.charge(tokens, sum(p[1] for p in parts))
+
     # -- Algorithm 1's admission (get_num_new_matched_tokens) -----------------------------------
 
     def admit(self, request: Request, num_computed_tokens: int, external_tokens: int = 0) -> bool:
@@ -351,8 +361,9 @@ class Balloon:
         bs, geometry = self.block_size, self.geometry
         known = num_computed_tokens + external_tokens
         chunk = max(1, min(request.num_tokens - known, self.max_batched_tokens))
-        new_blocks = -(-(known + chunk) // bs) - num_computed_tokens // bs
-        act = self._act_floor_bytes + self._act_admitted_bytes + self.activations.charge(chunk, 1)
+        admitted_tokens = request.num_tokens if self.reserve_full_sequence else known + chunk
+        new_blocks = -(-admitted_tokens // bs) - num_computed_tokens // bs
+        act = self._step_act(self._floor, self._admitted, (chunk, 1))
         limit = self.settings.budget_bytes - self.settings.threshold_bytes
         fits = (self.used_blocks + new_blocks) * geometry.block_bytes + act <= limit
         if fits:
@@ -360,7 +371,7 @@ class Balloon:
             if excess > 0:
                 self._deflate(-(-excess // geometry.set_bytes), keep_free_blocks=new_blocks, orders=self._pending)
                 fits = self.mapped_sets * geometry.set_bytes + act <= limit
-        if not fits and self.used_blocks == 0 and self._act_admitted_bytes == 0:
+        if not fits and self.used_blocks == 0 and self._admitted == (0, 0):
             # Nothing runs and nothing joined: holding it would hold it for ever (the engine checked at
             # start that the budget takes one prefill step), so it runs, and the step counts a violation.
             fits = True
@@ -368,7 +379,7 @@ class Balloon:
             self._holding = True
             self.counters.held_prefills += 1
             return False
-        self._act_admitted_bytes += self.activations.charge(chunk, 1)
+        self._admitted = (self._admitted[0] + chunk, self._admitted[1] + 1)
         if self.free_blocks < new_blocks:
             self._short_blocks += new_blocks - self.free_blocks
         return True
@@ -389,8 +400,8 @@ class Balloon:
             request = self.requests.get(rid)
             left = 1 if request is None else request.num_tokens - (request.num_computed_tokens + num)
             next_tokens += max(1, left)
-        self._act_floor_bytes = self.activations.charge(min(next_tokens, self.max_batched_tokens), len(scheduled))
-        target = max(1, (limit - max(act, self._act_floor_bytes)) // geometry.set_bytes)
+        self._floor = (next_tokens, len(scheduled))
+        target = max(1, (limit - max(act, self._step_act(self._floor))) // geometry.set_bytes)
         zeroed = set(scheduler_output.new_block_ids_to_zero or ())
         if self.mapped_sets > target:
             self._deflate(self.mapped_sets - target, keep_free_blocks=0, orders=orders, avoid=zeroed)
@@ -406,7 +417,7 @@ class Balloon:
                     orders.maps.append(set_id)
         if self.mapped_sets * geometry.set_bytes + act > limit:
             self.counters.violations += 1
-        self._act_admitted_bytes = 0
+        self._admitted = (0, 0)
         self._holding = False
         self._short_blocks = 0
         if orders.maps or orders.unmaps:

@@ -72,7 +72,9 @@ class Pipe:
                     tensor = torch.empty([int(d) for d in header["shape"]], dtype=getattr(torch, str(header["dtype"])))
                     self._conn.recv_bytes_into(_bytes_of(tensor))
                 self._on_message(header, tensor)
-        except (EOFError, OSError):
+        except (EOFError, OSError, TypeError):
+            # TypeError: the writer closed the connection (`_finish`) while this thread was blocked in
+            # recv, and multiprocessing then reads from the handle it set to None. Closed either way.
             pass
         finally:
             self._finish()
