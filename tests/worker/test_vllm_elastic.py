@@ -151,9 +151,26 @@ def test_admission_wants_blocks_for_the_whole_prompt_as_vllm_does_and_the_balloo
     # 100 tokens are 7 blocks though its first chunk is 64 tokens; 3 are free.
     assert b.admit(request(100), 0)
     orders = b.plan(step())
-    assert orders.maps == [1, 2]  # its 4 missing blocks and a set of margin: two sets
+    assert orders.maps == [1, 2]  # its 7 blocks and a set of margin beside 3 free: two sets
     b.confirmed(orders.maps, {}, None, 0.0, 0.0)
     assert b.free_blocks == 11
+
+
+def test_a_warm_pool_short_of_a_prompt_by_one_block_grows_for_it() -> None:
+    geometry = SetGeometry(num_layers=2, num_blocks=64, page_bytes=4096, blocks_per_set=4)
+    settings = ElasticSettings(budget_bytes=16 * geometry.set_bytes, chunk_bytes=geometry.chunk_bytes, threshold_bytes=0,
+                               per_token_activation_bytes=0, per_sequence_activation_bytes=0)
+    b = Balloon(BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BLOCK_TOKENS), geometry, settings,
+                BLOCK_TOKENS, max_batched_tokens=64)
+    assert b.admit(request(12 * BLOCK_TOKENS), 0)
+    orders = b.plan(step())
+    assert orders.maps == [1, 2, 3, 4]  # 12 blocks and a set of margin beside 3 free
+    b.confirmed(orders.maps, {}, None, 0.0, 0.0)
+    assert b.free_blocks == 19
+    # A prompt of 20 blocks beside 19 free: short by one. What must be free is its whole prompt and the
+    # margin (counted net of the free blocks twice, the pool never grew for it: vLLM waited for ever).
+    assert b.admit(request(20 * BLOCK_TOKENS), 0)
+    assert b.plan(step()).maps == [5, 6]
 
 
 def test_a_steps_activations_are_charged_on_at_most_vllms_token_budget() -> None:

@@ -282,7 +282,7 @@ class Balloon:
         self._floor = (0, 0)
         self._admitted = (0, 0)
         self._holding = False             # a request was held this schedule: later ones wait too (FCFS)
-        self._short_blocks = 0            # blocks admitted requests may have lacked (vLLM kept them waiting)
+        self._waiting_blocks = 0          # blocks an admitted request needs free (vLLM keeps it waiting till then)
         self._recent_act: deque[int] = deque(maxlen=CAPACITY_WINDOW_STEPS)
         self.last_act_bytes = 0
         self.worker_slots: int | None = None   # the worker's mapped slots, as it last reported
@@ -381,7 +381,8 @@ class Balloon:
             return False
         self._admitted = (self._admitted[0] + chunk, self._admitted[1] + 1)
         if self.free_blocks < new_blocks:
-            self._short_blocks += new_blocks - self.free_blocks
+            # vLLM will keep it waiting (and every later one: it stops at the first it cannot allocate).
+            self._waiting_blocks = max(self._waiting_blocks, new_blocks)
         return True
 
     # -- after each schedule (build_connector_meta) ----------------------------------------------
@@ -406,9 +407,10 @@ class Balloon:
         if self.mapped_sets > target:
             self._deflate(self.mapped_sets - target, keep_free_blocks=0, orders=orders, avoid=zeroed)
         elif self.mapped_sets < target:
-            # Inflation when vLLM is short of free blocks: the running batch's next blocks, what admitted
-            # requests lacked, and a set of margin, within what the activations leave.
-            want_blocks = len(scheduled) + self._short_blocks + geometry.blocks_per_set
+            # Inflation when vLLM is short of free blocks: the running batch's next blocks, what the
+            # admitted request vLLM could not allocate needs, and a set of margin, within what the
+            # activations leave.
+            want_blocks = len(scheduled) + self._waiting_blocks + geometry.blocks_per_set
             short = want_blocks - self.free_blocks
             if short > 0:
                 grow = min(-(-short // geometry.blocks_per_set), target - self.mapped_sets, MAX_GROW_SETS_PER_STEP)
@@ -419,7 +421,7 @@ class Balloon:
             self.counters.violations += 1
         self._admitted = (0, 0)
         self._holding = False
-        self._short_blocks = 0
+        self._waiting_blocks = 0
         if orders.maps or orders.unmaps:
             self._orders_sent += 1
         self._check_books(full=self._steps % AUDIT_EVERY_STEPS == 0)
