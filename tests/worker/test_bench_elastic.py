@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+from worker_testing import vllm_available
 
 from bench_testing import ROOT, run_bench
 
@@ -35,6 +38,44 @@ def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
     # Every line of JSON before the last is a partial summary (a run stopped at a time limit keeps them).
     partial = [json.loads(line) for line in lines if line.startswith("{")]
     assert len(partial) > 3 and all(p["complete"] is False for p in partial[:-1])
+    # The vLLM rows: static and elastic vLLM on one budget, or the reason they were left out.
+    if vllm_available():
+        check_vllm_rows(summary["vllm"], lines)
+    else:
+        assert summary["vllm"]["skipped"].startswith("vllm is not importable")
+        assert any(line.startswith("SKIP vLLM rows: vllm is not importable") for line in lines)
+        if os.environ.get("KVFLEET_REQUIRE_VLLM") == "1":
+            pytest.fail("KVFLEET_REQUIRE_VLLM=1 but vllm is not installed: the bench left its vLLM rows out")
+
+
+def check_vllm_rows(vllm: dict[str, Any], lines: list[str]) -> None:
+    """The quick run's vLLM figures have their shape (its toy context is 512 tokens; no longest context)."""
+    assert "skipped" not in vllm
+    assert vllm["contexts"] == [512]
+    assert 0 < vllm["reserve_bytes"] < vllm["budget_bytes"]
+    assert vllm["bound"] == pytest.approx(vllm["budget_bytes"] / (vllm["budget_bytes"] - vllm["reserve_bytes"]))
+    # Both workloads' batches (vLLM's running gauge), their ratio and preemptions, at the context.
+    assert set(vllm["batch"]) == set(vllm["batch_ratio"]) == set(vllm["preemptions"]) == {"512"}
+    for workload in ("offline", "growth", "offline_warm"):
+        batch = vllm["batch"]["512"][workload]
+        assert batch["static"] >= 1 and batch["elastic"] >= 1, (workload, batch)
+        assert vllm["batch_ratio"]["512"][workload] == pytest.approx(batch["elastic"] / batch["static"])
+        assert set(vllm["preemptions"]["512"][workload]) == {"static", "elastic"}
+    sessions = vllm["sessions"]["512"]
+    assert all(sessions[name][w]["stalled"] is None for name in ("static", "elastic")
+               for w in ("offline", "growth", "online", "offline_warm"))
+    # Goodput, low-load TPOT, and the balloon's grows and shrinks (a set: one chunk in each of 2 layers).
+    assert vllm["goodput_ratio"] is not None and vllm["goodput_ratio"] > 0
+    assert set(vllm["low_load_tpot_ms"]) == {"static", "elastic"} and vllm["low_load_tpot_ratio"] > 0
+    assert vllm["slo"]["ttft_short_s"] > 0 and vllm["slo"]["tpot_s"] > 0
+    assert vllm["maps"]["grows"] >= 1 and vllm["maps"]["chunks_per_set"] == 2 and vllm["grow_us"] > 0
+    assert vllm["maps"]["chunk_maps"] == 2 * vllm["maps"]["grows"]
+    # The elastic engine's books stayed right, and the bench said so.
+    assert vllm["books"]["books_errors"] == 0 and vllm["books"]["violations"] >= 0
+    assert any(line.startswith("PASS vLLM elastic books") for line in lines)
+    assert {"vLLM goodput >= 1.3x static", "vLLM low-load TPOT <= 1.05x static",
+            "vLLM elastic books right (books_errors == 0)"} <= set(vllm["targets"])
+    assert all(set(t) == {"met", "value"} for t in vllm["targets"].values())
 
 
 def test_the_gpu_preset_says_it_is_skipped_without_a_gpu(tmp_path: Path) -> None:
