@@ -7,8 +7,12 @@
 | pipe.py | the authenticated local socket between the agent's process and the connector |
 | migration.py | the agent's half of a KV move (the `KVMigratable` capability), spoken through the pipe |
 | penalties.py | the logits processor vLLM loads to count a resumed request's earlier output in its penalties |
+| elastic.py | elastic memory through the connector: the KV cache over an eTensor, the balloon, the CPU buffer |
+| internals.py | every private vLLM name kvfleet uses, and the start-up check that they are still there |
+| options.py | `VLLMOptions`, the engine's own settings (no vllm import) |
 
-Importing this package imports no vllm: only engine.py, connector.py and penalties.py do, and only a
+Importing this package imports no vllm: only engine.py, connector.py, elastic.py, internals.py and
+penalties.py do (structured.py too), and only a
 worker that runs this engine (or vLLM's EngineCore, loading the connector and the processor by module
 path) imports them.
 """
