@@ -11,8 +11,7 @@
 | internals.py | every private vLLM name kvfleet uses, and the start-up check that they are still there |
 | options.py | `VLLMOptions`, the engine's own settings (no vllm import) |
 
-Importing this package imports no vllm: only engine.py, connector.py, elastic.py, internals.py and
-penalties.py do (structured.py too), and only a
-worker that runs this engine (or vLLM's EngineCore, loading the connector and the processor by module
-path) imports them.
+Importing this package imports no vllm: engine.py, connector.py, penalties.py and structured.py import
+it (internals.py when its functions run), and only a worker that runs this engine (or vLLM's EngineCore,
+loading the connector and the processors by module path) imports them.
 """
