@@ -224,6 +224,11 @@ class _Geometry:
     # The most log-probabilities per token vLLM returns (its model config's max_logprobs, 20 by default).
     max_logprobs: int
 
+    @property
+    def block_bytes(self) -> int:
+        """One block of vLLM's cache, every layer's K and V."""
+        return self.block_size_tokens * self.kv_bytes_per_token
+
 
 def logits_processors(use_v2_model_runner: bool) -> list[str]:
     """kvfleet's logits processors, by the names vLLM loads them by, for the model runner it uses: the
@@ -331,7 +336,7 @@ class VLLMEngine:
         if not num_blocks:
             raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
         usable_blocks = num_blocks - NULL_BLOCKS
-        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        block_bytes = geometry.block_bytes
         if self._elastic is not None:
             # What KV can hold when activations are at rest (a full batch of decodes); the moving figure
             # comes through `memory_state`, as the builtin engine's.
@@ -343,7 +348,7 @@ class VLLMEngine:
             max_model_len=geometry.max_model_len,
             block_size_tokens=geometry.block_size_tokens,
             kv_bytes_per_token=geometry.kv_bytes_per_token,
-            kv_capacity_bytes=usable_blocks * geometry.block_size_tokens * geometry.kv_bytes_per_token,
+            kv_capacity_bytes=usable_blocks * block_bytes,
             eos_token_ids=geometry.eos_token_ids,
         )
         logger.info(
@@ -373,7 +378,7 @@ class VLLMEngine:
         )
         processors = logits_processors(bool(vllm_config.use_v2_model_runner))
         geometry = _geometry(vllm_config)
-        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        block_bytes = geometry.block_bytes
         # On the CPU, vLLM's platform sets kv_cache_memory_bytes from VLLM_CPU_KVCACHE_SPACE when set.
         env_bytes = vllm_config.cache_config.kv_cache_memory_bytes if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None
         ask_bytes: int | None = None  # kv_cache_memory_bytes to give vLLM
@@ -443,7 +448,7 @@ class VLLMEngine:
         model_config = vllm_config.model_config
         activations = ActivationModel.of_hf_config(model_config.hf_text_config, model_config.dtype.itemsize)
         self.static_reserve_bytes = activations.charge(batched_tokens, self.config.max_num_seqs)
-        block_bytes = geometry.block_size_tokens * geometry.kv_bytes_per_token
+        block_bytes = geometry.block_bytes
         if not memory.elastic:
             kv_bytes = (memory.budget_bytes - self.static_reserve_bytes) // block_bytes * block_bytes
             if kv_bytes < 2 * block_bytes:
@@ -464,11 +469,9 @@ class VLLMEngine:
         if memory.budget_bytes - step_bytes < 2 * set_bytes:
             # Algorithm 1 admits a prefill only with room for its step's activations beside its KV.
             raise EngineError(f"a budget of {memory.budget_bytes} bytes leaves less than two sets of KV ({set_bytes} bytes "
-                              f"each) beside one prefill step's activations ({step_bytes} bytes at "
-                              f"{batched_tokens} tokens): raise the budget")
-        if num_sets < 2:
-            raise EngineError(f"a budget of {memory.budget_bytes} bytes holds fewer than two sets of {set_bytes} "
-                              f"(chunks of {chunk_bytes} bytes in each of {layers} layers): raise it or lower the chunk")
+                              f"each: chunks of {chunk_bytes} bytes in each of {layers} layers) beside one prefill "
+                              f"step's activations ({step_bytes} bytes at {batched_tokens} tokens): raise the budget "
+                              "or lower the chunk")
         self._elastic = ElasticSettings(budget_bytes=memory.budget_bytes, chunk_bytes=chunk_bytes, threshold_bytes=0,
                                         per_token_activation_bytes=activations.per_token_bytes,
                                         per_sequence_activation_bytes=activations.per_sequence_bytes,
