@@ -212,6 +212,16 @@ def test_workers_get_distattention_and_their_lend_cap_only_when_enabled() -> Non
     assert not {"KVFLEET_ATTENTION", "KVFLEET_DISTKV", "KVFLEET_LEND_CAP_BYTES"} & set(env_of(spec()))
 
 
+@pytest.mark.parametrize("engine", ["vllm", "builtin"])
+def test_spec_attention_asks_workers_for_distattention_without_distkv(engine: str) -> None:
+    env = env_of(spec(engine=engine, attention="distattention"))
+    assert env["KVFLEET_ATTENTION"] == "distattention"
+    assert not {"KVFLEET_DISTKV", "KVFLEET_LEND_CAP_BYTES"} & set(env)
+    assert "KVFLEET_ATTENTION" not in env_of(spec(engine=engine, attention="default"))
+    with pytest.raises(ValidationError, match="attention"):
+        spec(attention="flash")
+
+
 def test_the_workers_role_reads_their_own_pool_by_name() -> None:
     role = next(o for o in resources.worker_rbac(POOL) if o["kind"] == "Role")
     assert {"apiGroups": ["kvfleet.dev"], "resources": ["llmpools"], "resourceNames": ["p"], "verbs": ["get"]} in role["rules"]

@@ -30,14 +30,25 @@ def model_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize(("flags", "named"), [(["--attention", "distattention"], "--attention distattention"),
-                                              (["--lend-cap-bytes", "4096"], "--lend-cap-bytes"),
+@pytest.mark.parametrize(("flags", "named"), [(["--lend-cap-bytes", "4096"], "--lend-cap-bytes"),
                                               (["--attention", "distattention", "--distkv"], "--distkv")])
 def test_the_worker_refuses_builtin_flags_with_the_vllm_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                flags: list[str], named: str) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), *flags])
     assert named in capsys.readouterr().err
+
+
+def test_the_worker_runs_vllm_with_distattention_when_asked(tmp_path: Path) -> None:
+    base = ["--engine", "vllm", "--model-path", str(model_dir(tmp_path))]
+    assert vllm_options(parse_args(base)).attention == "vllm"
+    assert vllm_options(parse_args([*base, "--attention", "sdpa"])).attention == "vllm"
+    assert vllm_options(parse_args([*base, "--attention", "distattention"])).attention == "distattention"
+
+
+def test_vllm_options_refuse_an_unknown_attention() -> None:
+    with pytest.raises(ValueError, match="attention must be one of vllm, distattention"):
+        VLLMOptions(attention="flash")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("flags", [["--cpu-buffer-bytes", "4096"], ["--ttft-slo-ms", "500"], ["--tpot-slo-ms", "50"]])

@@ -490,6 +490,12 @@ class LLMPoolSpec(_Model):
 
     model: ModelSpec
     engine: Literal["vllm", "builtin"] = Field(default="vllm", description="The engine the workers run.")
+    attention: Literal["default", "distattention"] = Field(
+        default="default",
+        description="How workers attend: the engine's own attention (builtin: torch SDPA; vllm: its backend for the "
+                    "platform), or kvfleet's DistAttention kernels (partials merged by ScaleReduce, which KV held "
+                    "elsewhere needs; distkv.enabled implies it).",
+    )
     gpus_per_worker: int = Field(default=1, ge=1, le=16, description="nvidia.com/gpu requested by each worker pod.")
     capacity: CapacitySpec = Field(default_factory=CapacitySpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
@@ -548,6 +554,10 @@ class LLMPoolSpec(_Model):
         bandwidth = quantity_bytes(slo.gpu_memory_bandwidth) * self.gpus_per_worker * slo.bandwidth_efficiency
         return tpot_load_cap(slo.tpot_milliseconds / 1000.0, quantity_bytes(self.capacity.model_weights), bandwidth,
                              slo.per_sequence_overhead_microseconds / 1e6)
+
+    def distattention(self) -> bool:
+        """Whether workers attend through DistAttention: asked, or needed by DistKV."""
+        return self.attention == "distattention" or self.distkv.enabled
 
     def lend_cap_bytes(self) -> int:
         """The most KV one worker lends under DistKV: lendCapFraction of its KV capacity (0 when off)."""

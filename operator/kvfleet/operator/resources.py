@@ -235,11 +235,12 @@ def _worker_env(name: str, spec: LLMPoolSpec, role: Role | None) -> list[dict[st
         env += [{"name": "KVFLEET_ROLE", "value": role},
                 {"name": "KVFLEET_PD_CACHING", "value": disaggregation.caching},
                 {"name": "KVFLEET_PD_LAYOUT", "value": disaggregation.layout}]
+    if spec.distattention():
+        env.append({"name": "KVFLEET_ATTENTION", "value": "distattention"})
     if spec.distkv.enabled:
-        # DistKV (docs/operator.md): attention over KV spread across workers, borrowing on, and the
-        # §4.3 cap on what this worker lends. Borrowers read their creditors from the pool's status.
-        env += [{"name": "KVFLEET_ATTENTION", "value": "distattention"},
-                {"name": "KVFLEET_DISTKV", "value": "1"},
+        # DistKV (docs/operator.md): attention over KV spread across workers (above), borrowing on, and
+        # the §4.3 cap on what this worker lends. Borrowers read their creditors from the pool's status.
+        env += [{"name": "KVFLEET_DISTKV", "value": "1"},
                 {"name": "KVFLEET_LEND_CAP_BYTES", "value": str(spec.lend_cap_bytes())}]
     return env + [{"name": var.name, "value": var.value} for var in spec.worker_template.env]
 

@@ -68,7 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=env("KVFLEET_PREFIX_CACHING", "0") == "1",
                         help="keep finished requests' KV by prompt prefix (context caching; vLLM: its own prefix caching)")
     parser.add_argument("--attention", default=env("KVFLEET_ATTENTION", "sdpa"), choices=("sdpa", "distattention"),
-                        help="builtin engine: torch SDPA, or DistAttention partials merged by ScaleReduce (kvfleet.kernels)")
+                        help="DistAttention partials merged by ScaleReduce (kvfleet.kernels), or the engine's own: torch "
+                             "SDPA in the builtin engine, vLLM's backend for the platform with --engine vllm")
     parser.add_argument("--memory-budget-bytes", type=int, default=_env_int("KVFLEET_MEMORY_BUDGET_BYTES"),
                         help="one pool for KV cache and activations (docs/elastic-memory.md); "
                              "static split unless --elastic-memory")
@@ -120,12 +121,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.engine == "vllm":
         # Refused rather than ignored, so a pool never believes it runs what it does not.
         builtin_only = [flag for flag, value in (
-            ("--attention distattention", args.attention != "sdpa"), ("--lend-cap-bytes", args.lend_cap_bytes),
-            ("--distkv", args.distkv)) if value]
+            ("--lend-cap-bytes", args.lend_cap_bytes), ("--distkv", args.distkv)) if value]
         if builtin_only:
-            # vLLM's attention is its own backends', over its own cache (load_engine says more).
-            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM's "
-                         "attention takes no remote KV")
+            # vLLM workers attend through DistAttention (--attention distattention) but neither lend nor
+            # borrow KV yet.
+            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM "
+                         "workers do not lend or borrow KV yet")
         buffer = [flag for flag, value in (("--cpu-buffer-bytes", args.cpu_buffer_bytes), ("--ttft-slo-ms", args.ttft_slo_ms),
                                            ("--tpot-slo-ms", args.tpot_slo_ms)) if value]
         if buffer and not args.elastic_memory:
@@ -166,7 +167,7 @@ def vllm_options(args: argparse.Namespace) -> VLLMOptions:
     """The vLLM engine's own settings, from its flags (parse_args has refused those it does not run)."""
     from kvfleet.worker.engines.vllm.options import VLLMOptions
 
-    return VLLMOptions(memory=memory_options(args))
+    return VLLMOptions(memory=memory_options(args), attention="distattention" if args.attention == "distattention" else "vllm")
 
 
 def parse_peers(text: str) -> list[tuple[str, str]]:

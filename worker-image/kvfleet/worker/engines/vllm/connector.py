@@ -76,6 +76,7 @@ from kvfleet.worker.engines.vllm.elastic import (
     WorkerPool,
 )
 from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
+from kvfleet.worker.engines.vllm.plugin import BACKEND_PATH
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -98,6 +99,9 @@ EXTRA_AUTHKEY = "kvfleet_authkey"
 # A floor on a step's wall time in seconds (EngineConfig.min_step_s: tests and the demo emulate a slower
 # accelerator with it); vLLM has no such setting, and the connector is called once a step.
 EXTRA_MIN_STEP_S = "kvfleet_min_step_s"
+# The attention the engine asked for (VLLMOptions.attention): the worker side checks vLLM built it.
+EXTRA_ATTENTION = "kvfleet_attention"
+
 # The request's kv_transfer_params key: {"kvfleet": {"id": the agent's request id, "load": bool}}.
 # vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
 # travels here.
@@ -193,6 +197,35 @@ class KVLayout:
                 raise RuntimeError(f"vLLM's CPU kernel ({isa}) does not copy each element of a block once")
             position[kind * per_kind:(kind + 1) * per_kind] = at
         return KVLayout(position, block_size_tokens, kv_heads, head_dim)
+
+
+class PlainKVLayout:
+    """The layout kvfleet's attention backend keeps (attention.py): vLLM's NHD, a layer [blocks, block_size,
+    kv_heads, 2 x head_dim] with a token's K then V in one row. Reading and writing blocks are strided
+    copies; nothing to calibrate."""
+
+    def __init__(self, block_size_tokens: int, kv_heads: int, head_dim: int) -> None:
+        self.shape = (block_size_tokens, kv_heads, 2, head_dim)
+
+    @staticmethod
+    def _rows(layer: torch.Tensor) -> torch.Tensor:
+        from kvfleet.worker.engines.vllm.attention import kv_views
+
+        return kv_views(layer)[0]
+
+    def read(self, layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of one layer -> [2, blocks, block_size, kv_heads, head_dim] (a new tensor)."""
+        rows = self._rows(layer).index_select(0, torch.tensor(block_ids, dtype=torch.long))
+        return rows.view(len(block_ids), *self.shape).permute(3, 0, 1, 2, 4).contiguous()
+
+    def write(self, layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
+        """kv [2, blocks, block_size, kv_heads, head_dim] into the layer's blocks."""
+        block_size, kv_heads, _, head_dim = self.shape
+        expected = (2, len(block_ids), block_size, kv_heads, head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} for blocks of shape {expected}")
+        rows = kv.to(dtype=layer.dtype).permute(1, 2, 3, 0, 4).reshape(len(block_ids), block_size, kv_heads, 2 * head_dim)
+        self._rows(layer).index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows)
 
 
 # -- what the scheduler side tells the worker side each step, and back -----------------------------
@@ -592,7 +625,7 @@ class _WorkerSide:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.layers: list[torch.Tensor] = []
-        self.layout: KVLayout | None = None
+        self.layout: KVLayout | PlainKVLayout | None = None
         self.out = KvfleetWorkerMetadata()
         self.freed: set[str] = set()
         self.failed_blocks: set[int] = set()
@@ -600,10 +633,14 @@ class _WorkerSide:
         # Elastic memory's worker side (vllm/elastic.py): the KV cache over kvfleet's memory.
         self.pool: WorkerPool | None = None
 
-    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str, backends: set[str]) -> None:
+        """`backends`: the attention backends' names of the cache's layers (internals.attention_backends)."""
         self.layers = list(kv_caches.values())
         if self.pool is not None:
             self.pool.check_backing(self.layers)
+        if backends == {BACKEND_PATH}:
+            self.layout = PlainKVLayout(self.block_size, self.kv_heads, self.head_dim)
+            return
         try:
             self.layout = KVLayout.calibrate(self.layers[0], self.block_size, self.kv_heads, self.head_dim, kv_cache_dtype)
         except Exception as err:   # any failure means: no KV moves (the agent moves tokens and says why)
@@ -729,7 +766,14 @@ class KvfleetConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype))
+        backends = internals.attention_backends(self._vllm_config, kv_caches)
+        asked = self._kv_transfer_config.kv_connector_extra_config.get(EXTRA_ATTENTION)
+        if asked == "distattention" and backends != {BACKEND_PATH}:
+            # The plugin did not register in this process (plugin.py): refuse to run what was not asked.
+            raise RuntimeError(f"DistAttention was asked, but vLLM built its layers with {sorted(backends)}: is the "
+                               "kvfleet package installed with its vllm.general_plugins entry point, and VLLM_PLUGINS "
+                               "unset or naming kvfleet?")
+        self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), backends)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the step writes any block (vLLM's model runner): parks copy preempted requests'

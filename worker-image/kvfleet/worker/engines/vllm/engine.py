@@ -112,6 +112,7 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -132,9 +133,10 @@ from kvfleet.worker.engines.base import (
 )
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, MigrationError, PrefixCacheStats
 from kvfleet.worker.engines.grammar import Grammars
-from kvfleet.worker.engines.vllm import internals, penalties, structured
+from kvfleet.worker.engines.vllm import internals, penalties, plugin, structured
 from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
+    EXTRA_ATTENTION,
     EXTRA_AUTHKEY,
     EXTRA_MIN_STEP_S,
     EXTRA_SOCKET,
@@ -365,6 +367,9 @@ class VLLMEngine:
         if device_type != current_platform.device_type:
             # vLLM picks its device from the build that is installed, not from an argument.
             raise EngineError(f"the installed vLLM runs on {current_platform.device_type!r}, not {self.config.device!r}")
+        if self.options.attention == "distattention" and not plugin.entry_point_installed():
+            raise EngineError("DistAttention with vLLM needs kvfleet's vllm.general_plugins entry point, which this "
+                              "environment lacks: reinstall the kvfleet package (pip install -e . from a checkout)")
         applied = apply_env_defaults(self.config)
         if applied:
             logger.info("vLLM environment defaults set: %s", applied)
@@ -430,8 +435,11 @@ class VLLMEngine:
                               f"{'on' if vllm_config.cache_config.enable_prefix_caching else 'off'} for this model here")
         # A custom stat logger turns vLLM's stats on without its default ones (the periodic log
         # lines); being its Prometheus logger, vLLM adds no second one (StatLoggerManager).
-        llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
-                                        enable_log_requests=False)
+        # The EngineCore process it spawns builds the model: plugin.py registers kvfleet's attention there
+        # when asked, and the connector checks what was built (EXTRA_ATTENTION).
+        with plugin.asked(self.options.attention):
+            llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
+                                            enable_log_requests=False)
         self.prometheus_metrics.take_registered()
         return llm, geometry
 
@@ -488,7 +496,7 @@ class VLLMEngine:
         if max_num_batched_tokens is not None:
             optional["max_num_batched_tokens"] = max_num_batched_tokens
         extra: dict[str, Any] = {EXTRA_SOCKET: self._socket_path(), EXTRA_AUTHKEY: self._authkey.hex(),
-                                 EXTRA_MIN_STEP_S: config.min_step_s}
+                                 EXTRA_MIN_STEP_S: config.min_step_s, EXTRA_ATTENTION: self.options.attention}
         if self._elastic is not None:
             extra[EXTRA_ELASTIC] = self._elastic.to_extra()
         return AsyncEngineArgs(
@@ -512,6 +520,9 @@ class VLLMEngine:
             # torch.compile on the CPU spends minutes in the C++ compiler for no gain at this size.
             enforce_eager=config.device == "cpu",
             disable_log_stats=True,
+            # vLLM's CUSTOM backend is kvfleet's where the engine asks for DistAttention (plugin.py); the
+            # selection also keys vLLM's cache of resolved backends apart from its own attention's.
+            attention_backend=AttentionBackendEnum.CUSTOM if self.options.attention == "distattention" else None,
             # kvfleet's connector, loaded by module path (no patch to vLLM); a KV load that fails is
             # recomputed, not an error (vllm/connector.py).
             kv_transfer_config=KVTransferConfig(

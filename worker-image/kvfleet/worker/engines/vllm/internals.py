@@ -126,3 +126,14 @@ def cpu_attention_isa(dtype: Any, block_size_tokens: int, head_dim: int, kv_cach
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return _get_attn_isa(dtype, block_size_tokens, head_dim, kv_cache_dtype)
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]:
+    """The class paths of the attention backends vLLM built these layers with: each layer module in the
+    config's static forward context (where vLLM's own connectors find them) has `attn_backend`."""
+    context = vllm_config.compilation_config.static_forward_context
+    found = set()
+    for name in layer_names:
+        backend = getattr(context.get(name), "attn_backend", None)
+        found.add("unknown" if backend is None else f"{backend.__module__}.{backend.__qualname__}")
+    return found

@@ -1,0 +1,55 @@
+"""Registers kvfleet's attention backend (attention.py) in every vLLM process that is asked for it.
+
+vLLM builds the model in its EngineCore process (and its worker processes), not where the engine was
+created, and resolves a layer's attention backend there through its registry
+(`vllm.v1.attention.backends.registry`). The one hook that runs in each of those processes before
+the model is built is a `vllm.general_plugins` entry point (pyproject.toml names `register`). It
+acts only when KVFLEET_VLLM_ATTENTION=distattention, which engine.py sets around the start of an
+engine that asked for DistAttention (and a user may set for `vllm serve`), so every other vLLM
+process in the environment keeps vLLM's own attention.
+
+On CUDA the backend is vLLM's CUSTOM one, which the engine selects (`attention_config.backend`). The
+CPU platform resolves CPU_ATTN whatever is selected, so there the backend is registered under that
+name as well: in a process asked for DistAttention, CPU_ATTN is kvfleet's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+ENV = "KVFLEET_VLLM_ATTENTION"
+DISTATTENTION = "distattention"
+BACKEND_PATH = "kvfleet.worker.engines.vllm.attention.KvfleetAttentionBackend"
+
+
+def register() -> None:
+    """The entry point: called by vLLM in each of its processes (more than once is harmless)."""
+    if os.environ.get(ENV) == DISTATTENTION:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        for member in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.CPU_ATTN):
+            register_backend(member, BACKEND_PATH)
+
+
+def entry_point_installed() -> bool:
+    """Whether vLLM will find `register` (an install without this project's entry points would not)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == f"{__name__}:register" for ep in entry_points(group="vllm.general_plugins"))
+
+
+@contextmanager
+def asked(attention: str) -> Iterator[None]:
+    """KVFLEET_VLLM_ATTENTION for the processes an engine start spawns: set to `attention` while the
+    block runs, then back to what it was."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = attention
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
