@@ -116,11 +116,20 @@ async def idle(*engines: Engine) -> None:
     raise AssertionError([e.kv_usage() for e in engines])
 
 
-@pytest.mark.parametrize("direction", ["vllm-to-vllm", "vllm-to-builtin", "builtin-to-vllm"])
+@pytest.fixture(scope="module")
+def distattention(tiny_model_dir: Path, engine_loop: EngineLoop, started_engines: dict[str, StartedEngine]) -> StartedEngine:
+    """vLLM attending through kvfleet's backend, whose blocks are plain NHD (connector.py PlainKVLayout)."""
+    return start_engine("vllm-distattention", tiny_model_dir, started_engines, engine_loop)
+
+
+@pytest.mark.parametrize("direction", ["vllm-to-vllm", "vllm-to-builtin", "builtin-to-vllm", "distattention-to-vllm",
+                                       "vllm-to-distattention", "distattention-to-builtin", "builtin-to-distattention"])
 def test_a_kv_move_keeps_the_greedy_output(vllm: StartedEngine, second_vllm: VLLMEngine, builtin_engine: StartedEngine,
-                                           reference: list[int], direction: str) -> None:
-    source, target = {"vllm-to-vllm": (vllm.engine, second_vllm), "vllm-to-builtin": (vllm.engine, builtin_engine.engine),
-                      "builtin-to-vllm": (builtin_engine.engine, vllm.engine)}[direction]
+                                           distattention: StartedEngine, reference: list[int], direction: str) -> None:
+    """Between vLLM's CPU layout (calibrated), kvfleet's vLLM backend's plain one and the builtin engine's."""
+    engines = {"vllm": vllm.engine, "builtin": builtin_engine.engine, "distattention": distattention.engine}
+    source_name, _, target_name = direction.partition("-to-")
+    source, target = engines[source_name], second_vllm if direction == "vllm-to-vllm" else engines[target_name]
     assert vllm.loop.run(tokens_of(builtin_engine.engine.generate("kvm-ref-b", PROMPT, greedy(MAX_TOKENS)))) == reference
     seen, staged = vllm.loop.run(move(source, target, f"kvm-{direction}", after_tokens=6))
     assert seen == reference

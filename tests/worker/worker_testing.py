@@ -81,7 +81,9 @@ def start_engine(name: str, model_dir: Path, engines: dict[str, StartedEngine], 
         elif name == "vllm-elastic":  # and vLLM with elastic memory (engines/vllm/elastic.py)
             config = replace(config, kv_capacity_bytes=None)
             options = VLLMOptions(memory=MemoryOptions(budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic=True))
-        engine = load_engine(name.removesuffix("-elastic"), config, options)
+        elif name == "vllm-distattention":  # and vLLM attending through kvfleet's backend (vllm/attention.py)
+            options = VLLMOptions(attention="distattention")
+        engine = load_engine(name.split("-")[0], config, options)
         info = loop.run(engine.start(), timeout_s=300)
         engines[name] = StartedEngine(name, engine, info, loop)
     return engines[name]

@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,6 +107,15 @@ EXTRA_ATTENTION = "kvfleet_attention"
 # vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
 # travels here.
 PARAMS_KEY = "kvfleet"
+
+
+# Beside the pipe's socket, in the engine's private folder: why the connector stopped vLLM's start. vLLM
+# tells the process that started it only that its EngineCore failed; the engine reads this for the reason.
+REFUSAL_FILE = "refusal"
+
+
+def refusal_path(socket_path: str) -> Path:
+    return Path(socket_path).parent / REFUSAL_FILE
 
 
 def kv_params(request_id: str, load: bool = False) -> dict[str, Any]:
@@ -770,9 +780,11 @@ class KvfleetConnector(KVConnectorBase_V1):
         asked = self._kv_transfer_config.kv_connector_extra_config.get(EXTRA_ATTENTION)
         if asked == "distattention" and backends != {BACKEND_PATH}:
             # The plugin did not register in this process (plugin.py): refuse to run what was not asked.
-            raise RuntimeError(f"DistAttention was asked, but vLLM built its layers with {sorted(backends)}: is the "
-                               "kvfleet package installed with its vllm.general_plugins entry point, and VLLM_PLUGINS "
-                               "unset or naming kvfleet?")
+            reason = (f"DistAttention was asked, but vLLM built its layers with {sorted(backends)}: is the kvfleet "
+                      "package installed with its vllm.general_plugins entry point, and VLLM_PLUGINS unset or naming "
+                      "kvfleet_attention?")
+            refusal_path(self._kv_transfer_config.kv_connector_extra_config[EXTRA_SOCKET]).write_text(reason)
+            raise RuntimeError(reason)
         self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), backends)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -141,6 +141,7 @@ from kvfleet.worker.engines.vllm.connector import (
     EXTRA_MIN_STEP_S,
     EXTRA_SOCKET,
     kv_params,
+    refusal_path,
 )
 from kvfleet.worker.engines.vllm.elastic import EXTRA_ELASTIC, ActivationModel, ElasticSettings, set_chunk_bytes
 from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
@@ -437,9 +438,17 @@ class VLLMEngine:
         # lines); being its Prometheus logger, vLLM adds no second one (StatLoggerManager).
         # The EngineCore process it spawns builds the model: plugin.py registers kvfleet's attention there
         # when asked, and the connector checks what was built (EXTRA_ATTENTION).
-        with plugin.asked(self.options.attention):
-            llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
-                                            enable_log_requests=False)
+        try:
+            with plugin.asked(self.options.attention):
+                llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
+                                                enable_log_requests=False)
+        except Exception as err:
+            # vLLM says only that its EngineCore failed; where the connector refused, it left the reason.
+            transfer = vllm_config.kv_transfer_config
+            refusal = refusal_path(transfer.kv_connector_extra_config[EXTRA_SOCKET]) if transfer is not None else None
+            if refusal is not None and refusal.exists():
+                raise EngineError(refusal.read_text()) from err
+            raise
         self.prometheus_metrics.take_registered()
         return llm, geometry
 
