@@ -23,12 +23,12 @@ pytestmark = pytest.mark.skipif(cpu_native.status() != "native", reason=f"the C 
 
 
 def _paged(lens: list[int], q_heads: int, kv_heads: int, dtype: torch.dtype, block_size: int,
-           seed: int) -> tuple[torch.Tensor, ...]:
+           seed: int, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    keys = [torch.randn(n, kv_heads, HEAD_DIM, generator=g).to(dtype) for n in lens]
-    values = [torch.randn(n, kv_heads, HEAD_DIM, generator=g).to(dtype) for n in lens]
+    keys = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
+    values = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
     k_cache, v_cache, table, seq_lens = make_paged(keys, values, block_size=block_size, num_spare_blocks=3, generator=g)
-    q = torch.randn(len(lens), q_heads, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=g).to(dtype)
     return q, k_cache, v_cache, table, seq_lens
 
 
@@ -50,6 +50,19 @@ def test_decode_matches_reference(dtype: torch.dtype, q_heads: int, kv_heads: in
     assert_close(out, ref_out, dtype)
     assert_close(lse, ref_lse, dtype)
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(8, 8), (32, 4), (128, 8)])
+def test_the_head_dims_compiled_apart_match_reference(head_dim: int, q_heads: int, kv_heads: int) -> None:
+    """head_dim 64 and 128 run loops compiled for them; a batch of one splits its KV heads over items,
+    and a large group (128 query heads) takes fewer KV heads per item."""
+    for lens in ([300, 0, 129], [700]):
+        q, k_cache, v_cache, table, seq_lens = _paged(lens, q_heads, kv_heads, torch.float32, 16, head_dim, head_dim)
+        out, lse = _native(q, k_cache, v_cache, table, seq_lens)
+        ref_out, ref_lse = micro_attention_decode_reference(q, k_cache, v_cache, table, seq_lens)
+        assert_close(out, ref_out, torch.float32)
+        assert_close(lse, ref_lse, torch.float32)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

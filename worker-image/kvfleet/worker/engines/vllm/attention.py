@@ -77,6 +77,9 @@ class KvfleetAttentionMetadata(AttentionMetadata):
     which prefill, with their block tables and lengths as the kernels take them."""
 
     num_actual_tokens: int
+    # The decodes are the first rows (vLLM reorders the batch so: reorder_batch_threshold), so their
+    # queries and outputs are slices, not copies.
+    decodes_first: bool
     decode_rows: torch.Tensor         # long: query rows of the sequences with one new token
     decode_table: torch.Tensor        # int32 [decodes, blocks]
     decode_lens: torch.Tensor         # int32 [decodes]: tokens in the cache, the new one included
@@ -109,9 +112,11 @@ class KvfleetMetadataBuilder(AttentionMetadataBuilder[KvfleetAttentionMetadata])
             if len(prefills) else torch.zeros(0, dtype=torch.long)
         prefill_starts = torch.zeros(len(prefills) + 1, dtype=torch.int32)
         torch.cumsum(prefill_q, 0, out=prefill_starts[1:])
+        decode_starts = starts[decodes]
         return KvfleetAttentionMetadata(
             num_actual_tokens=meta.num_actual_tokens,
-            decode_rows=starts[decodes].to(device), decode_table=table[decodes.to(device)].to(torch.int32),
+            decodes_first=bool(torch.equal(decode_starts, torch.arange(len(decodes)))),
+            decode_rows=decode_starts.to(device), decode_table=table[decodes.to(device)].to(torch.int32),
             decode_lens=seq_lens[decodes].to(device),
             prefill_rows=prefill_rows.to(device), prefill_table=table[prefills.to(device)].to(torch.int32),
             prefill_lens=seq_lens[prefills].to(device), prefill_starts=prefill_starts.to(device),
@@ -152,13 +157,15 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
         """The step's new K and V into their slots (slot = block x block_size + offset; -1 pads)."""
         rows, _, _ = kv_views(kv_cache)
         flat = rows.reshape(-1, *rows.shape[2:])   # a view: the layer is contiguous in NHD order
+        head_dim = flat.shape[-1] // 2
         count = min(len(slot_mapping), key.shape[0])
         slots = slot_mapping[:count].long()
-        kv = torch.cat((key[:count], value[:count]), dim=-1).to(flat.dtype)
+        key, value = key[:count], value[:count]
         if count and bool((slots < 0).any()):
             keep = slots >= 0
-            slots, kv = slots[keep], kv[keep]
-        flat.index_copy_(0, slots, kv)
+            slots, key, value = slots[keep], key[keep], value[keep]
+        flat[..., :head_dim].index_copy_(0, slots, key.to(flat.dtype))
+        flat[..., head_dim:].index_copy_(0, slots, value.to(flat.dtype))
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KvfleetAttentionMetadata | None, output: torch.Tensor,
@@ -172,7 +179,17 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
             return output
         plan = attn_metadata
         _, k_cache, v_cache = kv_views(kv_cache)
-        if len(plan.decode_rows):
+        decodes = len(plan.decode_rows)
+        if decodes and plan.decodes_first:
+            # fp32 outputs are written in place; others through the kernels' fp32 partial.
+            in_place = output.dtype == torch.float32 and output.is_contiguous()
+            # query is a view of the fused QKV projection; the kernels' contract asks a contiguous q.
+            out, _ = dispatch.micro_attention_decode(query[:decodes].contiguous(), k_cache, v_cache, plan.decode_table,
+                                                     plan.decode_lens, scale=self.scale,
+                                                     out=output[:decodes] if in_place else None)
+            if not in_place:
+                output[:decodes] = out
+        elif decodes:
             out, _ = dispatch.micro_attention_decode(query.index_select(0, plan.decode_rows), k_cache, v_cache,
                                                      plan.decode_table, plan.decode_lens, scale=self.scale)
             output.index_copy_(0, plan.decode_rows, out.to(output.dtype))
