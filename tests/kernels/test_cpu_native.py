@@ -6,8 +6,10 @@ and `dispatch`'s choice between it and the torch backend."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +127,36 @@ def test_the_torch_backend_can_be_chosen_outright() -> None:
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVFLEET_CPU_DECODE": "torch"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_machine_without_a_compiler_loads_a_prebuilt_portable_build(tmp_path: Path) -> None:
+    """The worker image's build stage prebuilds; its final stage has no compiler. Here the compiler
+    fails, the cache is empty, and the prebuilt folder holds this source's portable builds."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    built = cpu_native.prebuild(compiler, tmp_path / "prebuilt")
+    assert built and all(p.exists() for p in built)
+    code = """
+import torch, sys
+sys.path.insert(0, sys.argv[1])
+from kernel_testing import make_paged
+from kvfleet.kernels import cpu_native
+from kvfleet.kernels._checks import micro_attention_decode_inputs
+from kvfleet.kernels.micro_attention_decode_reference import micro_attention_decode_reference
+assert cpu_native.status() == "native", cpu_native.status()
+g = torch.Generator().manual_seed(4)
+keys = [torch.randn(n, 2, 64, generator=g) for n in (70, 3)]
+values = [torch.randn(n, 2, 64, generator=g) for n in (70, 3)]
+k, v, table, lens = make_paged(keys, values, block_size=16, num_spare_blocks=1, generator=g)
+q = torch.randn(2, 4, 64, generator=g)
+out, lse = cpu_native.decode(micro_attention_decode_inputs("torch", q, k, v, table, lens))
+ref, _ = micro_attention_decode_reference(q, k, v, table, lens)
+assert (out.double() - ref).abs().max() < 1e-4
+print(cpu_native._prebuilt().name)
+"""
+    env = {**os.environ, "CC": "/bin/false", "KVFLEET_KERNEL_CACHE": str(tmp_path / "cache"),
+           "KVFLEET_KERNEL_PREBUILT": str(tmp_path / "prebuilt")}
+    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() in {p.name for p in built}
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir()), "nothing was built"

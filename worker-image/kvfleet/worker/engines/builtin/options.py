@@ -22,9 +22,11 @@ class BuiltinOptions:
     """How the builtin engine attends, and which memory techniques it runs."""
 
     # "sdpa" (torch's fused attention over the local cache) or "distattention" (micro-attention partials
-    # merged by ScaleReduce through kvfleet.kernels, Triton on a GPU, torch on the CPU; the path that can
-    # take KV held elsewhere, Infinite-LLM §4.2). Greedy outputs are the same; sdpa is the default
-    # because on the CPU its decode steps are faster at small batches (bench/attention.py).
+    # merged by ScaleReduce through kvfleet.kernels: Triton on a GPU; on the CPU the C decode kernel and
+    # the torch backend's prefill; the path that can take KV held elsewhere, Infinite-LLM §4.2). Greedy
+    # outputs are the same. sdpa stays the default for now: since the C decode kernel, DistAttention's
+    # decode step measures 0.4-0.9x SDPA's on the CPU (bench/attention.py), but it needs a C compiler
+    # at first use and has not yet run the e2e suites as the default.
     attention: Attention = "sdpa"
     # Elastic memory (eLLM, docs/elastic-memory.md): a pool of physical chunks for KV cache and
     # activations instead of a KV cache of `EngineConfig.kv_capacity_bytes`; None: no pool.

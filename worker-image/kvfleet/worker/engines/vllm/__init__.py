@@ -9,9 +9,12 @@
 | penalties.py | the logits processor vLLM loads to count a resumed request's earlier output in its penalties |
 | elastic.py | elastic memory through the connector: the KV cache over an eTensor, the balloon, the CPU buffer |
 | internals.py | every private vLLM name kvfleet uses, and the start-up check that they are still there |
+| attention.py | kvfleet's DistAttention backend inside vLLM: (out, lse) partials over vLLM's NHD layout |
+| plugin.py | registers attention.py in vLLM's processes (a vllm.general_plugins entry point) when asked |
 | options.py | `VLLMOptions`, the engine's own settings (no vllm import) |
 
-Importing this package imports no vllm: engine.py, connector.py, penalties.py and structured.py import
-it (internals.py when its functions run), and only a worker that runs this engine (or vLLM's EngineCore,
-loading the connector and the processors by module path) imports them.
+Importing this package imports no vllm: engine.py, connector.py, attention.py, penalties.py and
+structured.py import it (internals.py and plugin.py when their functions run), and only a worker that
+runs this engine (or vLLM's EngineCore, loading the connector, the processors and the attention
+backend by module path) imports them.
 """
