@@ -68,6 +68,24 @@ def test_greedy_tokens_equal_vllms_own_attention(vllm: StartedEngine, distattent
     assert all(len(tokens) == 48 for tokens in ours)
 
 
+def test_with_elastic_memory_too(vllm: StartedEngine, tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    """Elastic memory's cache (an eTensor view, mapped a set at a time) under kvfleet's backend: the
+    sets are whole blocks of NHD layers as they are of vLLM's own layout."""
+    from kvfleet.worker.elastic.options import MemoryOptions
+
+    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=TEST_MAX_MODEL_LEN, max_num_seqs=16,
+                                     dtype="float32"),
+                        VLLMOptions(memory=MemoryOptions(budget_bytes=4 * TEST_KV_CAPACITY_BYTES, elastic=True),
+                                    attention="distattention"))
+    info = engine_loop.run(engine.start(), timeout_s=300)
+    try:
+        ours = engine_loop.run(batch(StartedEngine("vllm-elastic-distattention", engine, info, engine_loop), "ed", 24))
+        assert engine.balloon.get("violations", 0) == 0, engine.balloon
+    finally:
+        engine_loop.run(engine.stop())
+    assert ours == vllm.loop.run(batch(vllm, "own-ed", 24))
+
+
 def test_the_engine_selects_vllms_custom_backend(distattention: StartedEngine, vllm: StartedEngine) -> None:
     def backend(started: StartedEngine) -> object:
         assert isinstance(started.engine, VLLMEngine) and started.engine._llm is not None
@@ -152,3 +170,26 @@ def test_the_plugin_registers_only_when_asked(monkeypatch: pytest.MonkeyPatch) -
 
                 register_backend(m, path)
     assert plugin.entry_point_installed()
+
+
+def test_this_vllm_has_what_the_backend_relies_on() -> None:
+    from kvfleet.worker.engines.vllm import internals
+
+    assert internals.attention_problems() == []
+
+
+def test_a_vllm_whose_attention_interface_differs_is_refused_at_start(tiny_model_dir: Path, engine_loop: EngineLoop,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvfleet.worker.engines.vllm import internals
+
+    fields = dict(CommonAttentionMetadata.__dataclass_fields__)
+    del fields["block_table_tensor"]
+    monkeypatch.setattr(CommonAttentionMetadata, "__dataclass_fields__", fields)
+    assert internals.attention_problems() == ["CommonAttentionMetadata has no block_table_tensor"]
+    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=TEST_KV_CAPACITY_BYTES,
+                                     max_model_len=TEST_MAX_MODEL_LEN), VLLMOptions(attention="distattention"))
+    with pytest.raises(EngineError, match="cannot run on this vLLM.*block_table_tensor"):
+        engine_loop.run(engine.start(), timeout_s=60)
+    engine_loop.run(engine.stop())

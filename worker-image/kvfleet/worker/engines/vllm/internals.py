@@ -12,6 +12,9 @@ fail, so `problems()` checks each name and signature used here, a worker refuses
 start with what it found (engine.py), and tests/worker/test_vllm_elastic.py fails on such a vLLM.
 KV migration's layout calibration (connector.py `KVLayout.calibrate`) asks one more private name, which
 CPU kernel vLLM picks (`cpu_attention_isa`); a vLLM without it refuses KV moves (they go by tokens).
+kvfleet's attention backend (attention.py) implements vLLM's attention-backend interface, whose shape
+is vLLM's to change between releases: `attention_problems()` checks what it relies on, and a worker
+asked for DistAttention on a vLLM that differs refuses to start with what it found (engine.py).
 Nothing else in the project reads these names.
 """
 
@@ -55,20 +58,7 @@ def _resolve(name: str) -> Any:
 
 def problems() -> list[str]:
     """What this vLLM lacks of what elastic memory uses; empty when every name and signature is there."""
-    found: list[str] = []
-    for name, params in _SIGNATURES.items():
-        try:
-            target = _resolve(name)
-        except (ImportError, AttributeError) as err:
-            found.append(f"{name} is gone ({err})")
-            continue
-        try:
-            have = tuple(inspect.signature(target).parameters)
-        except (TypeError, ValueError):
-            found.append(f"{name} has no signature to check")
-            continue
-        if have[:len(params)] != params:
-            found.append(f"{name}{inspect.signature(target)} no longer starts with ({', '.join(params)})")
+    found = _signature_problems(_SIGNATURES)
     try:
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.kv_cache_interface import KVCacheTensor
@@ -81,6 +71,56 @@ def problems() -> list[str]:
                   if f not in fields]
     except Exception as err:  # a BlockPool that cannot be made as 0.32 makes it is a problem too
         found.append(f"vLLM's BlockPool could not be inspected: {err}")
+    return found
+
+
+# What kvfleet's attention backend (attention.py, plugin.py) relies on: name -> leading parameters.
+_ATTENTION_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.attention.backends.registry:register_backend": ("backend", "class_path"),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.__init__": ("self", "kv_cache_spec", "layer_names",
+                                                                    "vllm_config", "device"),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.build": ("self", "common_prefix_len", "common_attn_metadata"),
+    "vllm.v1.attention.backend:AttentionImpl.forward": ("self", "layer", "query", "key", "value", "kv_cache",
+                                                        "attn_metadata", "output"),
+    "vllm.model_executor.layers.attention.attention:unified_kv_cache_update": ("key", "value", "layer_name"),
+}
+_COMMON_METADATA_FIELDS = ("query_start_loc_cpu", "seq_lens", "block_table_tensor", "num_reqs", "num_actual_tokens")
+
+
+def _signature_problems(signatures: dict[str, tuple[str, ...]]) -> list[str]:
+    found: list[str] = []
+    for name, params in signatures.items():
+        try:
+            target = _resolve(name)
+        except (ImportError, AttributeError) as err:
+            found.append(f"{name} is gone ({err})")
+            continue
+        try:
+            have = tuple(inspect.signature(target).parameters)
+        except (TypeError, ValueError):
+            found.append(f"{name} has no signature to check")
+            continue
+        if have[:len(params)] != params:
+            found.append(f"{name}{inspect.signature(target)} no longer starts with ({', '.join(params)})")
+    return found
+
+
+def attention_problems() -> list[str]:
+    """What this vLLM lacks of what kvfleet's attention backend uses; empty when all is there."""
+    found = _signature_problems(_ATTENTION_SIGNATURES)
+    try:
+        from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        found += [f"AttentionBackendEnum has no {m}" for m in ("CUSTOM", "CPU_ATTN") if m not in AttentionBackendEnum.__members__]
+        found += ["KVCacheLayout has no LBNHC"] * ("LBNHC" not in KVCacheLayout.__members__)
+        found += ["AttentionBackend has no forward_includes_kv_cache_update"] * (
+            not hasattr(AttentionBackend, "forward_includes_kv_cache_update"))
+        fields = set(getattr(CommonAttentionMetadata, "__dataclass_fields__", {}))
+        found += [f"CommonAttentionMetadata has no {f}" for f in _COMMON_METADATA_FIELDS if f not in fields]
+    except ImportError as err:
+        found.append(f"vLLM's attention-backend interface could not be imported: {err}")
     return found
 
 
