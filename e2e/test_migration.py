@@ -15,7 +15,6 @@ the same engine.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, seeded_prompt, stream_completion
+from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, stream_all
 
 # 4 MiB = 128 blocks of 16 tokens x 2 KiB: C/8 = 256 tokens, C/4 = 512, C/3 = 683, C/2 = 1,024.
 KV_CAPACITY = "4Mi"
@@ -75,23 +74,7 @@ def test_operator_planned_migrations_keep_every_client_stream_whole(cluster: Clu
         return sorted(ready, key=lambda p: p["metadata"]["name"]) if len(ready) >= 2 else None
 
     first = wait_for(ready_workers, "two Ready workers", timeout_s=180, interval_s=0.5)[0]
-    results: dict[str, tuple[str, int, str | None]] = {}
-    errors: list[BaseException] = []
-
-    def client(i: int, rid: str, length: int, max_tokens: int) -> None:
-        try:
-            body = {"model": "tiny", "prompt": seeded_prompt(length, i), "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True}
-            results[rid] = stream_completion(first["status"]["podIP"], rid, body, direct=True)
-        except BaseException as err:  # reported on the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=client, args=(i, *r)) for i, r in enumerate(REQUESTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    assert not errors, errors
+    results = stream_all(first["status"]["podIP"], REQUESTS, direct=True)
     for rid, _, max_tokens in REQUESTS:
         text, tokens, finish = results[rid]
         assert tokens == max_tokens and finish == "length", (rid, tokens, finish)

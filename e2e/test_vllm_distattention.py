@@ -11,7 +11,6 @@ engine with vLLM's own attention.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
-from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, seeded_prompt, stream_completion
+from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, stream_all
 
 MIB = 2**20
 # (request id, prompt tokens, output tokens): prompts across several of vLLM's 128-token blocks.
@@ -64,23 +63,7 @@ def test_a_vllm_pool_with_distattention_serves_vllms_greedy_output(
     worker = wait_for(ready_worker, "a Ready vLLM worker with DistAttention", timeout_s=240, interval_s=0.5)
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
     assert env["KVFLEET_ATTENTION"] == "distattention" and "KVFLEET_DISTKV" not in env
-    results: dict[str, tuple[str, int, str | None]] = {}
-    errors: list[BaseException] = []
-
-    def client(i: int, rid: str, length: int, max_tokens: int) -> None:
-        try:
-            body = {"model": "tiny", "prompt": seeded_prompt(length, i), "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True}
-            results[rid] = stream_completion(worker["status"]["podIP"], rid, body, direct=True)
-        except BaseException as err:  # reported on the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=client, args=(i, *r)) for i, r in enumerate(REQUESTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(240)
-    assert not errors, errors
+    results = stream_all(worker["status"]["podIP"], REQUESTS, direct=True)
     for rid, _, max_tokens in REQUESTS:
         text, tokens, finish = results[rid]
         assert tokens == max_tokens and finish == "length", (rid, tokens, finish)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,3 +83,28 @@ def stream_completion(ip: str, request_id: str, body: dict[str, Any], *, direct:
             raise AssertionError(f"a direct client saw {line}")
     assert done, f"the stream of {request_id} ended without [DONE] after {len(text)} chunks"
     return "".join(text), tokens, finish
+
+
+def stream_all(ip: str, requests: Sequence[tuple[str, int, int]], *, direct: bool = False,
+               timeout_s: float = 240) -> dict[str, tuple[str, int, str | None]]:
+    """Every (request id, prompt tokens, output tokens) streamed greedily at once from `ip`:8000, the i-th
+    prompt seeded with i (as `greedy_outputs`): request id -> `stream_completion`'s answer. A client's
+    error is raised here."""
+    results: dict[str, tuple[str, int, str | None]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int, rid: str, length: int, max_tokens: int) -> None:
+        try:
+            body = {"model": "tiny", "prompt": seeded_prompt(length, i), "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            results[rid] = stream_completion(ip, rid, body, direct=direct)
+        except BaseException as err:  # reported on the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i, *r)) for i, r in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not errors, errors
+    return results
