@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, Sequenced, run, tokens_of  # noqa: E402
+from worker_testing import ELASTIC_MAX_TOKENS, ELASTIC_PROMPTS, Sequenced, activation_slack, run, tokens_of  # noqa: E402
 
 from kvfleet.worker.elastic.options import MemoryOptions  # noqa: E402
 from kvfleet.worker.engines.base import (  # noqa: E402
@@ -259,7 +259,8 @@ def test_a_parked_request_migrates_by_kv_and_gives_the_unmigrated_output(tiny_mo
 def test_activation_charge_bounds_what_torch_allocates(tiny_model_dir: Path, new_tokens: int, context_tokens: int,
                                                        batch: int) -> None:
     """The charge (builtin.model.activation_bytes) is never below the forward's measured peak and at
-    most 1.6x it (plus the fixed base): what a step holds of the pool is what it really needs."""
+    most 1.6x it (plus the fixed base; worker_testing.activation_slack): what a step holds of the pool
+    is what it really needs."""
     from torch.profiler import ProfilerActivity, profile
 
     arch = read_architecture(tiny_model_dir)
@@ -277,4 +278,4 @@ def test_activation_charge_bounds_what_torch_allocates(tiny_model_dir: Path, new
         peak = max(peak, live)
     fixed = ACTIVATION_BASE_BYTES + model.decode_workspace_bytes
     charged = fixed + batch * activation_bytes(arch, torch.float32, new_tokens, context_tokens, 16)
-    assert peak <= charged <= 1.6 * peak + fixed
+    assert peak <= charged <= activation_slack(new_tokens, model.attention) * peak + fixed

@@ -165,3 +165,14 @@ class SharedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+def activation_slack(new_tokens: int, attention: str) -> float:
+    """How far above a forward's measured peak (besides the fixed part) the activation charge may be:
+    1.6x, but 2x for a DistAttention decode on the CPU, whose C kernel (kvfleet.kernels.cpu_native)
+    allocates nothing per token, so the workspace in the fixed part goes unused and a decode's charge
+    is the rest of the layer's, about 1.8x what it allocates."""
+    from kvfleet.kernels import cpu_native
+
+    native_decode = attention == "distattention" and new_tokens == 1 and cpu_native.status() == "native"
+    return 2.0 if native_decode else 1.6
