@@ -94,6 +94,7 @@ class KvfleetMetadataBuilder(AttentionMetadataBuilder[KvfleetAttentionMetadata])
     # Decodes first (vLLM reorders the batch): their rows are then a prefix; the plan does not rely on it.
     reorder_batch_threshold: int | None = 1
 
+    # vLLM declares the base class's __init__ abstract: every builder spells it out.
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
