@@ -193,3 +193,8 @@ def test_a_vllm_whose_attention_interface_differs_is_refused_at_start(tiny_model
     with pytest.raises(EngineError, match="cannot run on this vLLM.*block_table_tensor"):
         engine_loop.run(engine.start(), timeout_s=60)
     engine_loop.run(engine.stop())
+
+
+def test_distattention_inside_vllm_is_refused_on_a_gpu_until_its_kernels_read_vllms_layout() -> None:
+    with pytest.raises(EngineError, match="runs on the CPU only for now"):
+        VLLMEngine(EngineConfig(model_path=Path("/nonexistent"), device="cuda"), VLLMOptions(attention="distattention"))

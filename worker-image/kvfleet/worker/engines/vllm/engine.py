@@ -296,6 +296,11 @@ class VLLMEngine:
                               "split recomputes what vLLM preempts")
         if memory is not None and config.kv_capacity_bytes is not None:
             raise EngineError("a memory budget sizes the KV cache itself: give kv_capacity_bytes or a budget, not both")
+        if options.attention == "distattention" and not config.device.startswith("cpu"):
+            # The Triton kernels take contiguous K and V caches; vLLM's NHD layout keeps a token's K and V
+            # in one row, which only the CPU's kernels read. Refused rather than failing at the first step.
+            raise EngineError("kvfleet's DistAttention backend inside vLLM runs on the CPU only for now (its GPU "
+                              "kernels need K and V apart); use vLLM's own attention on a GPU")
         # Elastic memory's settings as the connector gets them, and its pool as it last reported it
         # (vllm/elastic.py; `memory_state`).
         self._elastic: ElasticSettings | None = None
