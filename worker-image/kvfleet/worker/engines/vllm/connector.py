@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfleet.worker.engines.vllm import internals
+from kvfleet.worker.engines.vllm.attention import kv_views
 from kvfleet.worker.engines.vllm.elastic import (
     EXTRA_ELASTIC,
     Balloon,
@@ -217,15 +218,9 @@ class PlainKVLayout:
     def __init__(self, block_size_tokens: int, kv_heads: int, head_dim: int) -> None:
         self.shape = (block_size_tokens, kv_heads, 2, head_dim)
 
-    @staticmethod
-    def _rows(layer: torch.Tensor) -> torch.Tensor:
-        from kvfleet.worker.engines.vllm.attention import kv_views
-
-        return kv_views(layer)[0]
-
     def read(self, layer: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         """Blocks of one layer -> [2, blocks, block_size, kv_heads, head_dim] (a new tensor)."""
-        rows = self._rows(layer).index_select(0, torch.tensor(block_ids, dtype=torch.long))
+        rows = kv_views(layer)[0].index_select(0, torch.tensor(block_ids, dtype=torch.long))
         return rows.view(len(block_ids), *self.shape).permute(3, 0, 1, 2, 4).contiguous()
 
     def write(self, layer: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -235,7 +230,7 @@ class PlainKVLayout:
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV of shape {tuple(kv.shape)} for blocks of shape {expected}")
         rows = kv.to(dtype=layer.dtype).permute(1, 2, 3, 0, 4).reshape(len(block_ids), block_size, kv_heads, 2 * head_dim)
-        self._rows(layer).index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows)
+        kv_views(layer)[0].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows)
 
 
 # -- what the scheduler side tells the worker side each step, and back -----------------------------
@@ -643,12 +638,12 @@ class _WorkerSide:
         # Elastic memory's worker side (vllm/elastic.py): the KV cache over kvfleet's memory.
         self.pool: WorkerPool | None = None
 
-    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str, backends: set[str]) -> None:
-        """`backends`: the attention backends' names of the cache's layers (internals.attention_backends)."""
+    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str, plain: bool) -> None:
+        """`plain`: every layer is kvfleet's attention backend's (PlainKVLayout), else vLLM's own."""
         self.layers = list(kv_caches.values())
         if self.pool is not None:
             self.pool.check_backing(self.layers)
-        if backends == {BACKEND_PATH}:
+        if plain:
             self.layout = PlainKVLayout(self.block_size, self.kv_heads, self.head_dim)
             return
         try:
@@ -777,15 +772,16 @@ class KvfleetConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         backends = internals.attention_backends(self._vllm_config, kv_caches)
+        plain = backends == {BACKEND_PATH}
         asked = self._kv_transfer_config.kv_connector_extra_config.get(EXTRA_ATTENTION)
-        if asked == "distattention" and backends != {BACKEND_PATH}:
+        if asked == "distattention" and not plain:
             # The plugin did not register in this process (plugin.py): refuse to run what was not asked.
             reason = (f"DistAttention was asked, but vLLM built its layers with {sorted(backends)}: is the kvfleet "
                       "package installed with its vllm.general_plugins entry point, and VLLM_PLUGINS unset or naming "
                       "kvfleet_attention?")
             refusal_path(self._kv_transfer_config.kv_connector_extra_config[EXTRA_SOCKET]).write_text(reason)
             raise RuntimeError(reason)
-        self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), backends)
+        self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), plain)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the step writes any block (vLLM's model runner): parks copy preempted requests'

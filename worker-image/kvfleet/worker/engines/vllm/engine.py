@@ -373,12 +373,13 @@ class VLLMEngine:
         if device_type != current_platform.device_type:
             # vLLM picks its device from the build that is installed, not from an argument.
             raise EngineError(f"the installed vLLM runs on {current_platform.device_type!r}, not {self.config.device!r}")
-        if self.options.attention == "distattention" and (found := internals.attention_problems()):
-            raise EngineError("kvfleet's DistAttention backend cannot run on this vLLM (engines/vllm/internals.py): "
-                              + "; ".join(found))
-        if self.options.attention == "distattention" and not plugin.entry_point_installed():
-            raise EngineError("DistAttention with vLLM needs kvfleet's vllm.general_plugins entry point, which this "
-                              "environment lacks: reinstall the kvfleet package (pip install -e . from a checkout)")
+        if self.options.attention == "distattention":
+            if found := internals.attention_problems():
+                raise EngineError("kvfleet's DistAttention backend cannot run on this vLLM (engines/vllm/internals.py): "
+                                  + "; ".join(found))
+            if not plugin.entry_point_installed():
+                raise EngineError("DistAttention with vLLM needs kvfleet's vllm.general_plugins entry point, which this "
+                                  "environment lacks: reinstall the kvfleet package (pip install -e . from a checkout)")
         applied = apply_env_defaults(self.config)
         if applied:
             logger.info("vLLM environment defaults set: %s", applied)
