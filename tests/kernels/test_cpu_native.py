@@ -1,7 +1,7 @@
 """The CPU's C decode kernel (kvfleet.kernels.cpu_native) against the fp64 reference, on the shapes that
 break paged attention: random block tables, GQA, every dtype, empty sequences, tokens past a table's
-row, K and V interleaved in one row (vLLM's NHD layout) and block-major views, one thread and many;
-and `dispatch`'s choice between it and the torch backend."""
+row (test_torch_backend.py, through dispatch), K and V interleaved in one row (vLLM's NHD layout) and
+block-major views, one thread and many; and `dispatch`'s choice between it and the torch backend."""
 
 from __future__ import annotations
 
@@ -95,17 +95,6 @@ def test_reads_k_and_v_interleaved_in_one_row() -> None:
     both = torch.stack((k_cache, v_cache), dim=1)
     out, lse = _native(q, both[:, 0], both[:, 1], table, seq_lens)
     assert_close(out, ref_out, torch.bfloat16)
-
-
-def test_ignores_tokens_past_the_table_and_writes_out_in_place() -> None:
-    q, k_cache, v_cache, table, seq_lens = _paged([20, 9], 4, 2, torch.float32, 8, 1)
-    too_long = torch.tensor([20 + 100, 9], dtype=torch.int32)  # more than the table's 3 blocks
-    out, out_lse = torch.empty(2, 4, HEAD_DIM), torch.empty(2, 4)
-    result = dispatch.micro_attention_decode(q, k_cache, v_cache, table, too_long, out=out, out_lse=out_lse)
-    assert result[0] is out and result[1] is out_lse
-    ref_out, ref_lse = micro_attention_decode_reference(q, k_cache, v_cache, table, torch.tensor([24, 9], dtype=torch.int32))
-    assert_close(out, ref_out, torch.float32)
-    assert_close(out_lse, ref_lse, torch.float32)
 
 
 def test_what_it_does_not_take_goes_to_the_torch_backend() -> None:

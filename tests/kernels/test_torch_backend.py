@@ -1,7 +1,8 @@
 """The torch backend (kvfleet.kernels.torch_backend, what the engine runs on the CPU) against the same
 fp64 references as the Triton kernels, on the kernel tests' shapes: paged caches with random block
 tables, GQA, a head_dim that is not a power of two, empty sequences, tokens past a table's row,
-strided caches, and the merge's edge cases. The dispatch sends CPU tensors here, never to Triton."""
+strided caches, and the merge's edge cases. The dispatch sends CPU tensors here, never to Triton, but
+for decodes the C kernel takes where it is built (test_cpu_native.py)."""
 
 from __future__ import annotations
 
@@ -44,14 +45,16 @@ def test_decode_matches_reference(dtype: torch.dtype, q_heads: int, kv_heads: in
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
 
 
-def test_decode_through_dispatch_writes_out_and_ignores_tokens_past_the_table() -> None:
+@pytest.mark.parametrize("decode", [torch_backend.micro_attention_decode, dispatch.micro_attention_decode],
+                         ids=["torch_backend", "dispatch"])   # dispatch: the C kernel where it is built
+def test_decode_writes_out_and_ignores_tokens_past_the_table(decode: Callable[..., Any]) -> None:
     g = torch.Generator().manual_seed(1)
     keys, values = _seqs([20, 9], 2, torch.float32, g)
     k_cache, v_cache, table, seq_lens = make_paged(keys, values, block_size=8, num_spare_blocks=2, generator=g)
     q = torch.randn(2, 4, HEAD_DIM, generator=g)
     too_long = torch.tensor([20 + 100, 9], dtype=torch.int32)  # more than the table's 3 blocks
     out, out_lse = torch.empty(2, 4, HEAD_DIM), torch.empty(2, 4)
-    result = dispatch.micro_attention_decode(q, k_cache, v_cache, table, too_long, out=out, out_lse=out_lse)
+    result = decode(q, k_cache, v_cache, table, too_long, out=out, out_lse=out_lse)
     assert result[0] is out and result[1] is out_lse
     ref_out, ref_lse = micro_attention_decode_reference(q, k_cache, v_cache, table, torch.tensor([24, 9], dtype=torch.int32))
     assert_close(out, ref_out, torch.float32)
