@@ -94,8 +94,11 @@ def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str
         pod, "/v1/completions", {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 1500, "temperature": 0,
                                  "ignore_eos": True}, **{"X-Request-Id": "long-1"})))
     long_request.start()
-    during = wait_for(lambda: (r := report(cluster, namespace, name)) and any(q.id == "long-1" for q in r.requests) and r,
-                      "long-1 in the report", timeout_s=60, interval_s=0.1)
+    # A request can be listed queued (its KV reserved, none written yet) before its first step, so wait for
+    # a report that shows it running.
+    during = wait_for(lambda: (r := report(cluster, namespace, name))
+                      and any(q.id == "long-1" and not q.queued for q in r.requests) and r,
+                      "long-1 running in the report", timeout_s=60, interval_s=0.1)
     entry = next(q for q in during.requests if q.id == "long-1")
     assert entry.kv_bytes > 0 and entry.tokens > 0 and during.used_bytes >= entry.kv_bytes
     assert during.sequence > first.sequence
