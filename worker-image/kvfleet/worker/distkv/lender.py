@@ -41,7 +41,7 @@ async def serve_lease(lending: KVLending | None, channel: Channel, first: Frame,
     except TransportError as err:
         log.info("lease %s: the borrower went away: %s", lease_id, err)
     finally:
-        freed = lending.free(lease_id)
+        freed = await lending.free(lease_id)
         if freed:
             log.info("lease %s ended: %d blocks back", lease_id, freed)
 
@@ -57,11 +57,11 @@ async def _one(lending: KVLending, channel: Channel, frame: Frame, lease_id: str
         if not isinstance(blocks, int):
             raise LendingRefused("lend needs a number of blocks")
         try:
-            lending.lend(lease_id, blocks)
+            await lending.lend(lease_id, blocks)
         except LendingError as err:
             # Refused, not failed: the borrower takes what room there is, or asks another creditor,
             # and may come back to grow what it already holds here later.
-            await _refuse(channel, str(err), lending.room_blocks())
+            await _refuse(channel, str(err), err.room_blocks)
         else:
             await channel.send({"ok": True, "block_size_tokens": block_size_tokens, "lent": lending.lent_blocks(),
                                 "cap": lending.cap_blocks})
@@ -75,7 +75,7 @@ async def _one(lending: KVLending, channel: Channel, frame: Frame, lease_id: str
         await channel.send({"ok": True, "shape": list(out.shape)},
                            as_bytes(torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])))
     else:  # lend-free
-        await channel.send({"ok": True, "freed": lending.free(lease_id)})
+        await channel.send({"ok": True, "freed": await lending.free(lease_id)})
         return None
     return await channel.recv(IDLE_TIMEOUT_S)
 

@@ -293,14 +293,11 @@ class KVLending(Protocol):
         """Blocks lent out now, over every lease."""
         ...
 
-    def room_blocks(self) -> int:
-        """Blocks a lend could take now: the room under the cap, or the free blocks if fewer."""
-        ...
-
-    def lend(self, lease_id: str, num_blocks: int) -> None:
+    async def lend(self, lease_id: str, num_blocks: int) -> None:
         """Grow lease `lease_id` (made on first use) by `num_blocks` blocks, first come first served; raises
-        LendingError when the cap or the free blocks do not allow it (§4.3: a remote allocation that
-        cannot be met is answered false, never queued)."""
+        LendingError when the cap or the free blocks do not allow it, with the blocks it could lend
+        instead as `room_blocks` (§4.3: a remote allocation that cannot be met is answered false, never
+        queued). Async: an engine's block pool may live in another process (vLLM's EngineCore)."""
         ...
 
     async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
@@ -312,7 +309,7 @@ class KVLending(Protocol):
         (out [rows, q_heads, head_dim], lse [rows, q_heads]), in float32."""
         ...
 
-    def free(self, lease_id: str) -> int:
+    async def free(self, lease_id: str) -> int:
         """Give the lease's blocks back to this engine; the number freed (0 for an unknown lease)."""
         ...
 

@@ -172,13 +172,15 @@ class BuiltinKVBorrowing:
 
     def borrowed_bytes(self) -> Mapping[str, int]:
         """Creditor pod -> bytes of blocks it lends this engine's requests now."""
-        block_bytes = self._sched.space.block_bytes
+        # Per token: a lender's blocks need not be this engine's size (_grow).
+        token_bytes = self._sched.space.block_bytes // self._block_size_tokens
         borrowed: dict[str, int] = {}
         for req in self._sched.requests.values():
             if isinstance(req.remote, RemoteParts):
                 for part in req.remote.parts:
                     if part.lease.blocks:
-                        borrowed[part.pod] = borrowed.get(part.pod, 0) + part.lease.blocks * block_bytes
+                        lent_bytes = part.lease.blocks * part.lease.block_size_tokens * token_bytes
+                        borrowed[part.pod] = borrowed.get(part.pod, 0) + lent_bytes
         return borrowed
 
     def wire_bytes(self) -> tuple[int, int]:
@@ -255,14 +257,15 @@ class BuiltinKVBorrowing:
             moved += granted
 
     async def _lend(self, req: Request, remote: RemoteParts, num_blocks: int) -> tuple[_Part, int]:
-        """A lease that took up to `num_blocks` more blocks, and how many: one of the request's leases if
-        its lender has room (the newest first), else a new one at the best candidate that has. A lender
-        short of `num_blocks` says how many it has, and that is taken (§4.4: the creditor answers)."""
+        """A lease with room for up to `num_blocks` more of this engine's blocks, and for how many: one
+        of the request's leases if its lender has room (the newest first), else a new one at the best
+        candidate that has. A lender short of what is asked says how many blocks it has, and that is
+        taken (§4.4: the creditor answers)."""
         open_lease, creditors = self._lenders.open_lease, self._lenders.creditors
         assert open_lease is not None and creditors is not None
         for part in reversed(remote.parts):
             try:
-                granted = await self._grow(part.lease, num_blocks)
+                granted = await self._grow(part, num_blocks)
             except LendingError:
                 continue  # refused for something else than room: its other leases may still do
             except Exception as err:
@@ -273,36 +276,49 @@ class BuiltinKVBorrowing:
             if any(p.lease.address == creditor.address for p in remote.parts):
                 continue  # asked above
             self._lease_seq += 1
-            lease = open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}")
+            part = _Part(open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}"),
+                         creditor.pod)
             try:
-                granted = await self._grow(lease, num_blocks)
+                granted = await self._grow(part, num_blocks)
             except Exception as err:  # refused, or unreachable: the next candidate
                 log.info("creditor %s refused %d blocks: %s", creditor.pod, num_blocks, err)
                 granted = 0
-            if not granted or lease.block_size_tokens != self._block_size_tokens:
+            if not granted:
                 creditors.refused(creditor.address)
-                await lease.free()
+                await part.lease.free()
                 continue
-            part = _Part(lease, creditor.pod)
             remote.parts.append(part)
             log.info("request %s borrows from %s (%d blocks)", req.request_id, creditor.pod, granted)
             return part, granted
         raise NoRoomToBorrow(f"request {req.request_id} needs {num_blocks} more KV blocks and no worker of the pool "
                              "lends them now")
 
-    @staticmethod
-    async def _grow(lease: RemoteKVLease, num_blocks: int) -> int:
-        """Grow a lease by `num_blocks`, or by the room its lender says it has; the blocks granted (0:
-        none). Errors other than a refusal for room propagate."""
-        try:
-            await lease.lend(num_blocks)
-            return num_blocks
-        except LendingError as err:
-            room_blocks = err.room_blocks
-        if not 0 < room_blocks < num_blocks:
-            return 0
-        try:
-            await lease.lend(room_blocks)
-        except LendingError:
-            return 0  # taken by another borrower meanwhile
-        return room_blocks
+    async def _grow(self, part: _Part, num_blocks: int) -> int:
+        """Room in `part` for up to `num_blocks` of this engine's blocks: what its lease has left, grown
+        by what is missing or by the room its lender says it has; the blocks it takes now (0: none).
+
+        Counted in tokens, so a lender's blocks need not be this engine's size (a vLLM lender's are 128
+        tokens on the CPU, the builtin engine's 16): a new lease first takes one block, which says the
+        lender's size, and a lease's unused room is filled by the next spill. Errors other than a
+        refusal for room propagate."""
+        lease, bs = part.lease, self._block_size_tokens
+
+        def fits() -> int:
+            return min(num_blocks, (lease.blocks * lease.block_size_tokens - part.num_tokens) // bs)
+
+        for _ in range(2):  # a new lease: once to learn the lender's block size, once for the rest
+            if fits() >= num_blocks:
+                break
+            missing_tokens = num_blocks * bs + part.num_tokens - lease.blocks * lease.block_size_tokens
+            ask = 1 if not lease.blocks else -(-missing_tokens // lease.block_size_tokens)
+            try:
+                await lease.lend(ask)
+            except LendingError as err:
+                if not 0 < err.room_blocks < ask:
+                    break
+                try:
+                    await lease.lend(err.room_blocks)
+                except LendingError:
+                    pass  # taken by another borrower meanwhile
+                break
+        return fits()

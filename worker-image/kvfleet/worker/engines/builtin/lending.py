@@ -51,7 +51,7 @@ class BuiltinKVLending:
     def close(self) -> None:
         """The engine stops: every lease is gone with its memory."""
         for lease_id in list(self._leases):
-            self.free(lease_id)
+            self._free(lease_id)
         self._cache = self._executor = None
 
     @property
@@ -62,17 +62,19 @@ class BuiltinKVLending:
         return sum(len(blocks) for blocks in self._leases.values())
 
     def room_blocks(self) -> int:
+        """Blocks a lend could take now: the room under the cap, or the free blocks if fewer."""
         return max(0, min(self._cap_blocks - self.lent_blocks(), len(self._sched.space.free))) if self._cache else 0
 
-    def lend(self, lease_id: str, num_blocks: int) -> None:
+    async def lend(self, lease_id: str, num_blocks: int) -> None:
         if self._cache is None:
             raise LendingError("the engine is not running")
         if num_blocks < 1:
             raise LendingError(f"a lease grows by at least one block, not {num_blocks}")
         if self.lent_blocks() + num_blocks > self._cap_blocks:
-            raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}")
+            raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}",
+                               self.room_blocks())
         if len(self._sched.space.free) < num_blocks:
-            raise LendingError(f"{num_blocks} blocks asked, {len(self._sched.space.free)} free")
+            raise LendingError(f"{num_blocks} blocks asked, {len(self._sched.space.free)} free", self.room_blocks())
         self._leases.setdefault(lease_id, []).extend(self._sched.space.allocate(num_blocks))
 
     def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
@@ -124,7 +126,10 @@ class BuiltinKVLending:
 
         return await asyncio.get_running_loop().run_in_executor(executor, compute)
 
-    def free(self, lease_id: str) -> int:
+    async def free(self, lease_id: str) -> int:
+        return self._free(lease_id)
+
+    def _free(self, lease_id: str) -> int:
         blocks = self._leases.pop(lease_id, None)
         if not blocks:
             return 0
