@@ -11,7 +11,10 @@ this machine, all engines in one process talking over loopback TCP with the pool
    same DistAttention path, the fair baseline; also against SDPA) and on a worker of capacity C that
    borrows about half of it from one lender. The three run in alternating rounds (median kept), so
    load from elsewhere on the machine slows all alike; prefill is excluded (first to last streamed
-   token). Target: borrowed / local <= 1.5.
+   token). Target: borrowed / local <= 1.5. Where vLLM is installed, a fourth row borrows the same
+   half from a vLLM worker (kvfleet's DistAttention backend, blocks of 128 tokens: a vLLM lender
+   answers from its EngineCore through a socket of its own, engines/vllm/lending.py), against the
+   same target.
 3. Bytes on the wire per decode step (the borrower's `wire_bytes()` deltas: queries out, partial
    outputs and log-sum-exps back, and the newest blocks spilled to the lender as the request grows)
    against the bytes that fetching the remote KV every step would move (§4.6, Fig. 12's argument).
@@ -36,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
@@ -50,7 +54,7 @@ from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
 from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors  # noqa: E402
 from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
-from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
+from kvfleet.worker.engines.base import Engine, EngineConfig, EngineError, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
@@ -139,21 +143,49 @@ async def started(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[
         await engine.stop()
 
 
+# A lending engine and the loopback port its leases are served on.
+Lender = tuple[Engine, Listener]
+
+
 @asynccontextmanager
-async def lender(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[tuple[BuiltinEngine, Listener]]:
-    """A started engine lending its blocks to leases served on a loopback port (as a worker's migration port does)."""
-    async with started(config) as engine:
-        async def handle(channel: Channel) -> None:
-            await serve_lease(engine.capabilities.lending, channel, await channel.recv(5), BLOCK_SIZE_TOKENS)
+async def serving_leases(engine: Engine) -> AsyncIterator[Lender]:
+    """Leases of a started engine's blocks served on a loopback port (as a worker's migration port does)."""
+    async def handle(channel: Channel) -> None:
+        await serve_lease(engine.capabilities.lending, channel, await channel.recv(5), engine.info.block_size_tokens)
 
-        listener = await TRANSPORT.listen("127.0.0.1", 0, handle)
-        try:
-            yield engine, listener
-        finally:
-            await listener.close()
+    listener = await TRANSPORT.listen("127.0.0.1", 0, handle)
+    try:
+        yield engine, listener
+    finally:
+        await listener.close()
 
 
-def lent_blocks(lenders: Sequence[tuple[BuiltinEngine, Listener]]) -> int:
+@asynccontextmanager
+async def lender(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[Lender]:
+    """A started builtin engine lending its blocks."""
+    async with started(config) as engine, serving_leases(engine) as served:
+        yield served
+
+
+@asynccontextmanager
+async def vllm_lender(model_dir: Path, dtype: str, capacity_tokens: int, kv_bytes_per_token: int) -> AsyncIterator[Lender]:
+    """A started vLLM engine (kvfleet's DistAttention backend) lending all of at least `capacity_tokens` of KV."""
+    from kvfleet.worker.engines.vllm.engine import VLLMEngine
+    from kvfleet.worker.engines.vllm.options import VLLMOptions
+
+    block_tokens = 128  # vLLM's CPU block; the engine reports its own below
+    capacity_bytes = -(-capacity_tokens // block_tokens) * block_tokens * kv_bytes_per_token
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_bytes, max_num_seqs=4, dtype=dtype),
+                        VLLMOptions(attention="distattention", distkv=DistKVOptions(lend_cap_bytes=capacity_bytes)))
+    await engine.start()
+    try:
+        async with serving_leases(engine) as served:
+            yield served
+    finally:
+        await engine.stop()
+
+
+def lent_blocks(lenders: Sequence[Lender]) -> int:
     total = 0
     for engine, _ in lenders:
         lending = engine.capabilities.lending
@@ -162,7 +194,7 @@ def lent_blocks(lenders: Sequence[tuple[BuiltinEngine, Listener]]) -> int:
     return total
 
 
-async def settle(lenders: Sequence[tuple[BuiltinEngine, Listener]], timeout_s: float = 10.0) -> None:
+async def settle(lenders: Sequence[Lender], timeout_s: float = 10.0) -> None:
     """Until every lease of the last request is back (freed as it ends, asynchronously): the next trial
     must find the lenders empty."""
     deadline = time.monotonic() + timeout_s
@@ -172,7 +204,7 @@ async def settle(lenders: Sequence[tuple[BuiltinEngine, Listener]], timeout_s: f
         raise RuntimeError(f"{lent_blocks(lenders)} blocks still lent {timeout_s:.0f} s after the request ended")
 
 
-def attach(borrower: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]], lend_bytes: int) -> None:
+def attach(borrower: BuiltinEngine, lenders: Sequence[Lender], lend_bytes: int) -> None:
     """Fresh creditors for each request, so a refusal in one trial does not hide a lender from the next."""
     borrowing = borrower.capabilities.borrowing
     assert borrowing is not None
@@ -210,7 +242,7 @@ async def serve(engine: BuiltinEngine, request_id: str, prompt: list[int], max_t
     return Served(tokens, per_token_s, wires[0], wires[-1], borrowed)
 
 
-async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]],
+async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[Lender],
                       lend_bytes: int, context_tokens: int, output_tokens: int, timeout_s: float, seq: int) -> Trial:
     prompt = prompt_of(context_tokens - output_tokens)
     attach(borrower, lenders, lend_bytes)
@@ -228,7 +260,7 @@ async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders
     return Trial(context_tokens, True, "served, output equal")
 
 
-async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[tuple[BuiltinEngine, Listener]],
+async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[Lender],
                           capacity_tokens: int, kv_bytes_per_token: int, output_tokens: int,
                           timeout_s: float) -> tuple[int, list[Trial]]:
     """The longest context (prompt + output, in whole blocks) N = len(lenders) + 1 workers serve, by
@@ -257,24 +289,28 @@ async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, len
     return low * BLOCK_SIZE_TOKENS, trials
 
 
-async def decode_rounds(engines: dict[str, BuiltinEngine], lenders: Sequence[tuple[BuiltinEngine, Listener]],
-                        lend_bytes: int, prompt: list[int], decode_tokens: int, rounds: int,
+async def decode_rounds(engines: dict[str, BuiltinEngine], lenders_of: dict[str, tuple[Sequence[Lender], int]],
+                        prompt: list[int], decode_tokens: int, rounds: int,
                         timeout_s: float) -> tuple[dict[str, list[Served]], list[int]]:
-    """Each engine decodes the prompt once per round, in turn; also the big worker's greedy output."""
+    """Each engine decodes the prompt once per round, in turn; also the big worker's greedy output. A row
+    in `lenders_of` borrows from its lenders (each with the bytes it says it lends)."""
     served: dict[str, list[Served]] = {name: [] for name in engines}
     want: list[int] = []
-    for name, engine in engines.items():  # warm-up: first-call allocations, connections
-        if name == "borrowed":
+
+    async def one(name: str, engine: BuiltinEngine, request_id: str, max_tokens: int) -> Served:
+        lenders, lend_bytes = lenders_of.get(name, ((), 0))
+        if lenders:
             attach(engine, lenders, lend_bytes)
-        warm = await serve(engine, f"warm-{name}", prompt, 4, timeout_s)
-        want = want or warm.tokens
+        result = await serve(engine, request_id, prompt, max_tokens, timeout_s)
         await settle(lenders)
+        return result
+
+    for name, engine in engines.items():  # warm-up: first-call allocations, connections
+        warm = await one(name, engine, f"warm-{name}", 4)
+        want = want or warm.tokens
     for r in range(rounds):
         for name, engine in engines.items():
-            if name == "borrowed":
-                attach(engine, lenders, lend_bytes)
-            served[name].append(await serve(engine, f"{name}-{r}", prompt, decode_tokens, timeout_s))
-            await settle(lenders)
+            served[name].append(await one(name, engine, f"{name}-{r}", decode_tokens))
     return served, want
 
 
@@ -312,13 +348,20 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
                   + (f"; {first_refused.context_tokens} tokens: {first_refused.why[:160]}" if first_refused else ""),
                   flush=True)
 
-        # 2 and 3. Decode steps, all local against half borrowed from one lender (its own, room for 2C).
-        async with lender(cfg(2 * capacity, "distattention", lend_cap_bytes=2 * lend_all)) as half_lender:
-            engines = {"local_sdpa": big_sdpa, "local_distattention": big_dist, "borrowed": borrower}
-            served, want = await decode_rounds(engines, [half_lender], 2 * lend_all, prompt_of(prompt_tokens),
-                                               args.decode_tokens, args.rounds, args.timeout_s)
+        # 2 and 3. Decode steps, all local against half borrowed from one lender (its own, room for 2C),
+        # builtin and, where vLLM is installed, vLLM.
+        half_lender = await stack.enter_async_context(lender(cfg(2 * capacity, "distattention", lend_cap_bytes=2 * lend_all)))
+        engines = {"local_sdpa": big_sdpa, "local_distattention": big_dist, "borrowed": borrower}
+        lenders_of: dict[str, tuple[Sequence[Lender], int]] = {"borrowed": ([half_lender], 2 * lend_all)}
+        if args.vllm:
+            half_vllm = await stack.enter_async_context(vllm_lender(model_dir, args.dtype, 2 * capacity, kv_bytes_per_token))
+            engines["borrowed_vllm_lender"] = borrower
+            lenders_of["borrowed_vllm_lender"] = ([half_vllm], 2 * lend_all)
+        served, want = await decode_rounds(engines, lenders_of, prompt_of(prompt_tokens), args.decode_tokens,
+                                           args.rounds, args.timeout_s)
     step_ms = {name: 1000 * statistics.median(s.decode_s_per_token for s in runs) for name, runs in served.items()}
     borrowed_over_local = step_ms["borrowed"] / step_ms["local_distattention"]
+    vllm_lender_over_local = step_ms["borrowed_vllm_lender"] / step_ms["local_distattention"] if args.vllm else None
     borrowed_over_sdpa = step_ms["borrowed"] / step_ms["local_sdpa"]
     outputs_equal = all(s.tokens[:len(want)] == want for runs in served.values() for s in runs) and all(
         s.tokens == served["local_sdpa"][0].tokens for runs in served.values() for s in runs)
@@ -333,8 +376,9 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
     wire_all_ratio = (sent_per_step + received_per_step) / remote_kv_bytes if remote_kv_bytes else float("nan")
     print(f"decode of a {prompt_tokens}-token prompt, {args.decode_tokens} tokens, median of {args.rounds} rounds: "
           f"all local sdpa {step_ms['local_sdpa']:.2f} ms/token, all local distattention "
-          f"{step_ms['local_distattention']:.2f} ms/token, {100 * borrowed_share:.0f}% borrowed {step_ms['borrowed']:.2f} ms/token; "
-          f"greedy outputs {'equal' if outputs_equal else 'DIFFER'}", flush=True)
+          f"{step_ms['local_distattention']:.2f} ms/token, {100 * borrowed_share:.0f}% borrowed {step_ms['borrowed']:.2f} ms/token"
+          + (f", the same from a vLLM lender {step_ms['borrowed_vllm_lender']:.2f} ms/token" if args.vllm else "")
+          + f"; greedy outputs {'equal' if outputs_equal else 'DIFFER'}", flush=True)
     print(f"wire per decode step: {sent_per_step - written_per_step:.0f} bytes of queries out, {received_per_step:.0f} "
           f"back (partial outputs, lse), and {written_per_step:.0f} of the request's newest KV moving into the lease "
           f"(the whole traffic is {wire_all_ratio:.4f} x the remote KV); fetching the {remote_tokens:.0f} remote tokens' KV "
@@ -342,21 +386,26 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
     context_met = all(context_ratio[str(n)] >= CONTEXT_TARGET for n in WORKER_COUNTS) if not args.skip_context else None
     step_target = GPU_STEP_TARGET if args.gpu else STEP_TARGET
     step_met = borrowed_over_local <= step_target
+    vllm_step_met = None if vllm_lender_over_local is None else vllm_lender_over_local <= step_target
     wire_met = wire_ratio < WIRE_TARGET
     for name, met, value in (
             (f"longest context >= {CONTEXT_TARGET} x N x C for N = 1, 2, 4", context_met,
              ", ".join(f"N={n}: {context_ratio[str(n)]:.2f}" for n in WORKER_COUNTS) if context_ratio else "not measured"),
             (f"borrowed decode step <= {step_target} x all local (distattention)", step_met, f"{borrowed_over_local:.2f}x"
              f" (vs sdpa {borrowed_over_sdpa:.2f}x)"),
+            (f"borrowed from a vLLM lender, decode step <= {step_target} x all local (distattention)", vllm_step_met,
+             "not measured (no vLLM)" if vllm_lender_over_local is None else f"{vllm_lender_over_local:.2f}x"),
             (f"query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_met, f"{wire_ratio:.4f}")):
         print(f"{'SKIP' if met is None else 'PASS' if met else 'MISS'} {name}: {value}")
     return {
         "max_context_tokens": max_context, "max_context_over_n_capacity": context_ratio,
         "borrowed_over_local_step": borrowed_over_local, "borrowed_over_local_sdpa_step": borrowed_over_sdpa,
+        "vllm_lender_over_local_step": vllm_lender_over_local,
         "wire_bytes_query_over_kv": wire_ratio, "device": device, "capacity_tokens": capacity,
         "block_size_tokens": BLOCK_SIZE_TOKENS, "kv_bytes_per_token": kv_bytes_per_token,
         "step_target": step_target,
-        "targets_met": {"max_context": context_met, "borrowed_over_local_step": step_met, "wire_bytes_query_over_kv": wire_met},
+        "targets_met": {"max_context": context_met, "borrowed_over_local_step": step_met,
+                        "vllm_lender_over_local_step": vllm_step_met, "wire_bytes_query_over_kv": wire_met},
         "decode_ms_per_token": step_ms, "decode_prompt_tokens": prompt_tokens, "decode_tokens": args.decode_tokens,
         "rounds": args.rounds, "borrowed_share": borrowed_share, "outputs_equal": outputs_equal,
         "wire_bytes_all_over_kv": wire_all_ratio,
@@ -380,7 +429,10 @@ def main() -> int:
     parser.add_argument("--skip-context", action="store_true", help="leave out the longest-context search")
     parser.add_argument("--gpu", action="store_true",
                         help="the GPU run: llama-1b in bfloat16, C = 4096 tokens, the decode steps only (about a minute)")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave out the row borrowing from a vLLM lender")
     args = parser.parse_args()
+    # vLLM's CUDA build is not installed on the GPU machines (docs/gpu.md): the vLLM row is a CPU row.
+    args.vllm = not args.skip_vllm and not args.gpu and find_spec("vllm") is not None
     if args.gpu:
         args.shape, args.dtype, args.skip_context = "llama-1b", "bfloat16", True
         args.capacity_tokens = args.capacity_tokens or 4096

@@ -193,6 +193,8 @@ MALFORMED_POOLS = [
      "spec.disaggregation.enabled: Invalid value"),
     ("disaggregated-with-distkv-says-why", _disaggregated(distkv={"enabled": True}),
      "a request whose KV spans workers cannot be handed over"),
+    ("distkv-on-the-default-engine", _pool_with("spec.distkv", {"enabled": True}),
+     "distkv.enabled needs engine: builtin for now"),
     ("disaggregated-on-vllm", _disaggregated(engine="vllm"), "spec.disaggregation.caching: Invalid value"),
     ("disaggregated-on-the-default-engine", _disaggregated(engine=None), "a vllm pool serves only caching: none"),
     ("disaggregated-zero-decode-workers", _disaggregated(workers={"max": 0}), "spec.workers.max"),

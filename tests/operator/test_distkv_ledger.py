@@ -184,7 +184,7 @@ def test_a_lending_worker_is_not_released_nor_deleted() -> None:
 
 
 def spec(**overrides: Any) -> LLMPoolSpec:
-    body: dict[str, Any] = {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}}
+    body: dict[str, Any] = {"model": {"name": "m", "path": "/m"}, "engine": "builtin", "capacity": {"kvCapacityPerWorker": "1Gi"}}
     body.update(overrides)
     return LLMPoolSpec.model_validate(body)
 
@@ -200,6 +200,11 @@ def test_the_spec_validates_distkv() -> None:
         with pytest.raises(ValidationError) as err:
             spec(distkv=bad)
         assert f"distkv.{field}" in str(err.value)
+    # vLLM workers lend but do not borrow yet: a vLLM pool (the default engine) is refused, saying so.
+    for engine in ("vllm", None):
+        with pytest.raises(ValidationError, match="distkv.enabled needs engine: builtin for now"):
+            spec(engine=engine, distkv={"enabled": True}) if engine else LLMPoolSpec.model_validate(
+                {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}, "distkv": {"enabled": True}})
 
 
 def env_of(s: LLMPoolSpec) -> dict[str, str]:
@@ -235,7 +240,7 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
     from kvfleet.operator import reconcile
 
     body = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": dict(POOL["metadata"]),
-            "spec": {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"},
+            "spec": {"model": {"name": "m", "path": "/m"}, "engine": "builtin", "capacity": {"kvCapacityPerWorker": "1Gi"},
                      "workers": {"min": 2, "max": 4}, "distkv": {"enabled": True}}}
     api = MemoryKube(body)
     states = reconcile.PoolStates()

@@ -87,7 +87,7 @@ def test_a_disaggregated_spec_is_refused_naming_the_field(overrides: dict[str, A
     "overrides",
     [
         {"disaggregation": {"enabled": True, "caching": "none"}, "prefixCaching": {"enabled": False}},  # PD-Basic
-        {"disaggregation": {"enabled": False}, "engine": "vllm", "distkv": {"enabled": True}},  # rules only bind when on
+        {"disaggregation": {"enabled": False}, "engine": "builtin", "distkv": {"enabled": True}},  # rules only bind when on
         {"disaggregation": {"enabled": True, "prefillWorkers": {"min": 0, "max": 1}}},
     ],
 )

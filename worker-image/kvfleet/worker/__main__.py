@@ -85,7 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tpot-slo-ms", type=float, default=_env_float("KVFLEET_TPOT_SLO_MS"),
                         help="a TPOT objective that scales the CPU buffer (elastic memory, eLLM Algorithm 2)")
     parser.add_argument("--lend-cap-bytes", type=int, default=_env_int("KVFLEET_LEND_CAP_BYTES") or 0,
-                        help="builtin engine: lend up to this much free KV to other workers' requests (DistKV, docs/distkv.md)")
+                        help="lend up to this much free KV to other workers' requests (DistKV, docs/distkv.md; vLLM: with "
+                             "--attention distattention)")
     parser.add_argument("--distkv", action=argparse.BooleanOptionalAction, default=env("KVFLEET_DISTKV", "0") == "1",
                         help="builtin engine: borrow KV blocks from other workers for a request larger than this "
                              "worker's cache (needs --attention distattention); creditors from the LLMPool's status")
@@ -120,13 +121,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--distkv-peers: {err}")
     if args.engine == "vllm":
         # Refused rather than ignored, so a pool never believes it runs what it does not.
-        builtin_only = [flag for flag, value in (
-            ("--lend-cap-bytes", args.lend_cap_bytes), ("--distkv", args.distkv)) if value]
-        if builtin_only:
-            # vLLM workers attend through DistAttention (--attention distattention) but neither lend nor
-            # borrow KV yet.
-            parser.error(f"{', '.join(builtin_only)}: the builtin engine's settings (--engine builtin); vLLM "
-                         "workers do not lend or borrow KV yet")
+        if args.distkv:
+            # vLLM workers attend through DistAttention and lend KV (--lend-cap-bytes) but do not borrow yet.
+            parser.error("--distkv: vLLM workers lend KV (--lend-cap-bytes) but do not borrow it yet; borrowing "
+                         "runs on the builtin engine (--engine builtin)")
+        if args.lend_cap_bytes and args.attention != "distattention":
+            parser.error("--lend-cap-bytes needs --attention distattention with vLLM: a borrower's queries are "
+                         "answered with kvfleet's kernels over the lent blocks")
+        if args.lend_cap_bytes and args.elastic_memory:
+            parser.error("--lend-cap-bytes and --elastic-memory: DistKV lending needs a static KV cache")
         buffer = [flag for flag, value in (("--cpu-buffer-bytes", args.cpu_buffer_bytes), ("--ttft-slo-ms", args.ttft_slo_ms),
                                            ("--tpot-slo-ms", args.tpot_slo_ms)) if value]
         if buffer and not args.elastic_memory:
@@ -165,9 +168,11 @@ def builtin_options(args: argparse.Namespace) -> BuiltinOptions:
 
 def vllm_options(args: argparse.Namespace) -> VLLMOptions:
     """The vLLM engine's own settings, from its flags (parse_args has refused those it does not run)."""
+    from kvfleet.worker.distkv.options import DistKVOptions
     from kvfleet.worker.engines.vllm.options import VLLMOptions
 
-    return VLLMOptions(memory=memory_options(args), attention="distattention" if args.attention == "distattention" else "vllm")
+    return VLLMOptions(memory=memory_options(args), attention="distattention" if args.attention == "distattention" else "vllm",
+                       distkv=DistKVOptions(lend_cap_bytes=args.lend_cap_bytes))
 
 
 def parse_peers(text: str) -> list[tuple[str, str]]:

@@ -77,6 +77,7 @@ from kvfleet.worker.engines.vllm.elastic import (
     SetGeometry,
     WorkerPool,
 )
+from kvfleet.worker.engines.vllm.lending import LeaseServer, lease_socket_path
 from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
 from kvfleet.worker.engines.vllm.plugin import BACKEND_PATH
 
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -103,6 +105,8 @@ EXTRA_AUTHKEY = "kvfleet_authkey"
 EXTRA_MIN_STEP_S = "kvfleet_min_step_s"
 # The attention the engine asked for (VLLMOptions.attention): the worker side checks vLLM built it.
 EXTRA_ATTENTION = "kvfleet_attention"
+# DistKV lending (vllm/lending.py): the worker side serves lent blocks on a socket beside the pipe.
+EXTRA_LEND = "kvfleet_lend"
 
 # The request's kv_transfer_params key: {"kvfleet": {"id": the agent's request id, "load": bool}}.
 # vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
@@ -354,6 +358,9 @@ class _SchedulerSide:
         self.buffer: CpuBuffer | None = None
         self.unparks: list[_Unpark] = []
         self._memory_sent: dict[str, Any] = {}
+        # DistKV lending (vllm/lending.py): vLLM's block pool once bound, and the blocks of each lease.
+        self.block_pool: BlockPool | None = None
+        self.lent: dict[str, list[KVCacheBlock]] = {}
         self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
 
@@ -508,7 +515,7 @@ class _SchedulerSide:
         return meta
 
     def _carry_out(self, msg: dict[str, Any], meta: KvfleetMetadata, block_ids_of: Callable[[str], list[int]]) -> None:
-        op, seq, rid = msg["op"], int(msg["seq"]), str(msg["id"])
+        op, seq, rid = msg["op"], int(msg["seq"]), str(msg.get("id", ""))
         if op == "suspend":
             request = self.running.get(rid)
             if request is None:
@@ -529,8 +536,34 @@ class _SchedulerSide:
             self.kept.clear()
             with self.lock:
                 self.staged.clear()
+            for lease in list(self.lent):
+                self._unlend(lease)
+        elif op == "lend":
+            self._lend(seq, str(msg["lease"]), int(msg["blocks"]))
+        elif op == "lend-free":
+            self.reply(seq, ok=True, freed=self._unlend(str(msg["lease"])))
         elif op == "export":
             self._export(seq, rid, int(msg["first_block"]), msg.get("end_block"), meta, block_ids_of)
+
+    def _lend(self, seq: int, lease: str, num_blocks: int) -> None:
+        """Blocks out of vLLM's pool for a lease (vllm/lending.py); answered with their ids, or with the
+        number free when fewer are (the agent has checked the cap)."""
+        pool = self.block_pool
+        if pool is None:
+            self.reply(seq, ok=False, error="vLLM has not bound its block pool")
+            return
+        blocks = internals.lend_blocks(pool, num_blocks) if num_blocks > 0 else None
+        if blocks is None:
+            self.reply(seq, ok=True, block_ids=[], free_blocks=internals.free_block_count(pool))
+            return
+        self.lent.setdefault(lease, []).extend(blocks)
+        self.reply(seq, ok=True, block_ids=[b.block_id for b in blocks])
+
+    def _unlend(self, lease: str) -> int:
+        blocks = self.lent.pop(lease, [])
+        if blocks and self.block_pool is not None:
+            internals.unlend_blocks(self.block_pool, blocks)
+        return len(blocks)
 
     def _export(self, seq: int, rid: str, first_block: int, end_block: int | None, meta: KvfleetMetadata,
                 block_ids_of: Callable[[str], list[int]]) -> None:
@@ -637,6 +670,8 @@ class _WorkerSide:
         self.refusal = "no KV cache registered"
         # Elastic memory's worker side (vllm/elastic.py): the KV cache over kvfleet's memory.
         self.pool: WorkerPool | None = None
+        # DistKV lending's server of lent blocks (vllm/lending.py), when the engine lends.
+        self.lease_server: LeaseServer | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str, plain: bool) -> None:
         """`plain`: every layer is kvfleet's attention backend's (PlainKVLayout), else vLLM's own."""
@@ -782,6 +817,14 @@ class KvfleetConnector(KVConnectorBase_V1):
             refusal_path(self._kv_transfer_config.kv_connector_extra_config[EXTRA_SOCKET]).write_text(reason)
             raise RuntimeError(reason)
         self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), plain)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        if extra.get(EXTRA_LEND):
+            # The engine asked for lending only with kvfleet's backend (options.py), whose layout it reads.
+            if not plain:
+                raise RuntimeError(f"DistKV lending reads kvfleet's attention layout; vLLM built {sorted(backends)}")
+            self._worker.lease_server = LeaseServer(lease_socket_path(str(extra[EXTRA_SOCKET])),
+                                                    bytes.fromhex(str(extra[EXTRA_AUTHKEY])), self._worker.layers,
+                                                    self._worker.block_size)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the step writes any block (vLLM's model runner): parks copy preempted requests'
@@ -831,6 +874,7 @@ class KvfleetConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self._scheduler is not None
+        self._scheduler.block_pool = gpu_block_pool
         if self._elastic is not None and self._geometry is not None:
             block_size = int(self._vllm_config.cache_config.block_size)
             scheduler_config = self._vllm_config.scheduler_config
@@ -888,3 +932,5 @@ class KvfleetConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None and self._worker.lease_server is not None:
+            self._worker.lease_server.close()

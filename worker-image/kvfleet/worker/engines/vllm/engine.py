@@ -138,12 +138,14 @@ from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
     EXTRA_ATTENTION,
     EXTRA_AUTHKEY,
+    EXTRA_LEND,
     EXTRA_MIN_STEP_S,
     EXTRA_SOCKET,
     kv_params,
     refusal_path,
 )
 from kvfleet.worker.engines.vllm.elastic import EXTRA_ELASTIC, ActivationModel, ElasticSettings, set_chunk_bytes
+from kvfleet.worker.engines.vllm.lending import VLLMKVLending
 from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
 from kvfleet.worker.engines.vllm.options import VLLMOptions
 from kvfleet.worker.engines.vllm.penalties import carried_extra_args
@@ -320,6 +322,8 @@ class VLLMEngine:
         # KV moves through kvfleet's connector in the EngineCore (vllm/connector.py), over a socket in a
         # folder of this process's own, with a key only this process hands to the EngineCore.
         self._migration = VLLMKVMigration(self)
+        # DistKV lending (vllm/lending.py): blocks of this engine's cache lent to other workers' requests.
+        self._lending = VLLMKVLending(options.distkv.lend_cap_bytes) if options.distkv.lend_cap_bytes else None
         self._socket_dir: str | None = None
         self._authkey = secrets.token_bytes(32)
         # Structured outputs' grammars in this process, to refuse a bad spec (or an output that breaks
@@ -340,6 +344,10 @@ class VLLMEngine:
         llm, geometry = await asyncio.to_thread(self._create)
         self._llm, self._geometry = llm, geometry
         await self._migration.open(self._socket_path(), self._authkey, str(geometry.kv_dtype).removeprefix("torch."))
+        if self._lending is not None:
+            await self._lending.open(self._migration.client(), self._socket_path(), self._authkey,
+                                     geometry.block_size_tokens, geometry.block_bytes,
+                                     llm.vllm_config.model_config.get_num_layers(llm.vllm_config.parallel_config))
         num_blocks = llm.vllm_config.cache_config.num_gpu_blocks
         if not num_blocks:
             raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
@@ -377,6 +385,8 @@ class VLLMEngine:
             if found := internals.attention_problems():
                 raise EngineError("kvfleet's DistAttention backend cannot run on this vLLM (engines/vllm/internals.py): "
                                   + "; ".join(found))
+            if self._lending is not None and (found := internals.lending_problems()):
+                raise EngineError("DistKV lending cannot run on this vLLM (engines/vllm/internals.py): " + "; ".join(found))
             if not plugin.entry_point_installed():
                 raise EngineError("DistAttention with vLLM needs kvfleet's vllm.general_plugins entry point, which this "
                                   "environment lacks: reinstall the kvfleet package (pip install -e . from a checkout)")
@@ -517,6 +527,8 @@ class VLLMEngine:
                                  EXTRA_MIN_STEP_S: config.min_step_s, EXTRA_ATTENTION: self.options.attention}
         if self._elastic is not None:
             extra[EXTRA_ELASTIC] = self._elastic.to_extra()
+        if self._lending is not None:
+            extra[EXTRA_LEND] = True
         return AsyncEngineArgs(
             model=str(config.model_path),
             # The agent tokenizes and detokenizes: prompts go in as token ids and outputs come back with
@@ -564,6 +576,8 @@ class VLLMEngine:
         # Let the streams see their abort outputs before the output handler is cancelled.
         await asyncio.sleep(0)
         self._migration.close()
+        if self._lending is not None:
+            self._lending.close()
         # Blocking (it joins the processes); on the loop's thread because it closes the loop's sockets.
         llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         self._requests.clear()
@@ -581,7 +595,7 @@ class VLLMEngine:
         memory = self.options.memory
         # KV migration through kvfleet's connector (vllm/migration.py); where the connector cannot move
         # KV (an unknown layout, tensor parallelism) its kv_format says why and moves go by tokens.
-        return EngineCapabilities(migration=self._migration,
+        return EngineCapabilities(migration=self._migration, lending=self._lending,
                                   elastic_memory=self if memory is not None and memory.elastic else None,
                                   prefix_cache=self if self.config.prefix_caching else None,
                                   prometheus_metrics=self.prometheus_metrics)

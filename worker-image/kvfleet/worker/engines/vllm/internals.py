@@ -15,7 +15,9 @@ CPU kernel vLLM picks (`cpu_attention_isa`); a vLLM without it refuses KV moves 
 kvfleet's attention backend (attention.py) implements vLLM's attention-backend interface, whose shape
 is vLLM's to change between releases: `attention_problems()` checks what it relies on, and a worker
 asked for DistAttention on a vLLM that differs refuses to start with what it found (engine.py).
-Nothing else in the project reads these names.
+DistKV lending (lending.py) takes a lease's blocks out of the scheduler's `BlockPool` with its own
+allocate and free calls (`lend_blocks`, `unlend_blocks`); `lending_problems()` checks them, and a
+worker asked to lend on a vLLM that differs refuses at start. Nothing else in the project reads these names.
 """
 
 from __future__ import annotations
@@ -122,6 +124,37 @@ def attention_problems() -> list[str]:
     except ImportError as err:
         found.append(f"vLLM's attention-backend interface could not be imported: {err}")
     return found
+
+
+# What DistKV lending (lending.py) calls on the scheduler's BlockPool: name -> leading parameters.
+_LENDING_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ("self", "num_blocks"),
+    "vllm.v1.core.block_pool:BlockPool.free_blocks": ("self", "ordered_blocks"),
+    "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": ("self",),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.bind_gpu_block_pool": ("self", "gpu_block_pool"),
+}
+
+
+def lending_problems() -> list[str]:
+    """What this vLLM lacks of what DistKV lending uses; empty when all is there."""
+    return _signature_problems(_LENDING_SIGNATURES)
+
+
+def lend_blocks(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock] | None:
+    """`num_blocks` blocks out of the free queue, held (reference count 1) as a request's would be, so the
+    scheduler never hands them out; any prefix-cache hash they had is dropped. None when fewer are free."""
+    if pool.get_num_free_blocks() < num_blocks:
+        return None
+    return pool.get_new_blocks(num_blocks)
+
+
+def unlend_blocks(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """Lent blocks back to the free queue (they hold no hash: reused first)."""
+    pool.free_blocks(blocks)
+
+
+def free_block_count(pool: BlockPool) -> int:
+    return pool.get_num_free_blocks()
 
 
 # -- the balloon's operations on vLLM's BlockPool (the scheduler side) ------------------------------

@@ -150,6 +150,12 @@ class VLLMKVMigration:
         self._format = KVFormat(int(hello["layers"]), int(hello["kv_heads"]), int(hello["head_dim"]), dtype,
                                 int(hello["block_size_tokens"]), any_block_size=True)
 
+    def client(self) -> ConnectorClient:
+        """The pipe to the connector, once open (vllm/lending.py asks its blocks through it too)."""
+        if self._client is None:
+            raise RuntimeError("the connector's pipe is not open")
+        return self._client
+
     def close(self) -> None:
         self._refusal = "vLLM is stopped"
         self._format = None

@@ -5,9 +5,10 @@ Imports no vllm, so the worker's command line and load_engine can build them bef
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from kvfleet.worker.distkv.options import DistKVOptions
 from kvfleet.worker.elastic.options import MemoryOptions
 
 # vLLM's own attention backends, or kvfleet's DistAttention backend (vllm/attention.py).
@@ -27,7 +28,21 @@ class VLLMOptions:
     # "distattention": every layer attends through kvfleet.kernels as DistAttention partials, over
     # vLLM's NHD block layout (vllm/attention.py); "vllm": vLLM's own backend for the platform.
     attention: VLLMAttention = "vllm"
+    # DistKV (docs/distkv.md): lend up to `lend_cap_bytes` of vLLM's free KV blocks to requests of other
+    # workers (vllm/lending.py). Lending needs "distattention" (a borrower's queries are answered with
+    # kvfleet's kernels over vLLM's blocks) and a static cache; vLLM workers do not borrow yet.
+    distkv: DistKVOptions = field(default_factory=DistKVOptions)
 
     def __post_init__(self) -> None:
         if self.attention not in VLLM_ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(VLLM_ATTENTIONS)}, got {self.attention!r}")
+        if self.distkv.borrow:
+            raise ValueError("vLLM workers lend KV but do not borrow it yet (DistKV borrowing runs on the builtin engine)")
+        if self.distkv.lend_cap_bytes < 0:
+            raise ValueError(f"the lending cap must be at least 0 bytes, not {self.distkv.lend_cap_bytes}")
+        if self.distkv.lend_cap_bytes and self.attention != "distattention":
+            raise ValueError("lending KV needs attention 'distattention': a borrower's queries are answered with "
+                             "kvfleet's kernels over the lent blocks")
+        if self.distkv.lend_cap_bytes and self.memory is not None and self.memory.elastic:
+            raise ValueError("DistKV lending needs a static KV cache, not elastic memory (both grow and shrink vLLM's "
+                             "block pool)")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 # Asks the loop thread carries out (the rest the pipe's reader answers itself).
-LOOP_OPS = frozenset({"suspend", "export", "release"})
+LOOP_OPS = frozenset({"suspend", "export", "release", "lend", "lend-free"})
 
 
 class Pipe:

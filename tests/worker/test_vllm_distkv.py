@@ -1,0 +1,176 @@
+"""DistKV's lender side on the vLLM engine (engines/vllm/lending.py, Infinite-LLM §4.3, §4.6).
+
+A vLLM worker lends blocks of its own KV cache over the migration port, with the real transport and
+handshake: the blocks come out of vLLM's block pool (a request that needs them waits until the lease
+is freed), the borrower's KV lands in them, and shipped queries are answered with (out, lse) equal to
+attention over that KV. A builtin worker then serves a request four times its own memory on a vLLM
+lender (blocks of 128 tokens) and a builtin one (16), and its greedy output equals one big worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+from test_distkv_borrowing import BLOCK_BYTES, OPEN, TRANSPORT, config, greedy, lender, prompt_of, reference
+from worker_testing import EngineLoop, skip_without_vllm
+
+skip_without_vllm()
+
+import torch  # noqa: E402
+
+from kvfleet.kernels.micro_attention_decode_reference import attention_with_lse  # noqa: E402
+from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
+from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors  # noqa: E402
+from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
+from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
+from kvfleet.worker.distkv.wire import LendingRefused  # noqa: E402
+from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
+from kvfleet.worker.engines.base import SamplingParams  # noqa: E402
+from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
+from kvfleet.worker.engines.vllm.lending import VLLMKVLending  # noqa: E402
+from kvfleet.worker.engines.vllm.options import VLLMOptions  # noqa: E402
+from kvfleet.worker.migration.transport import Channel  # noqa: E402
+
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 64
+VLLM_BLOCK = 128                       # vLLM's CPU block: 128 tokens of 2 KiB
+VLLM_BLOCK_BYTES = VLLM_BLOCK * 2048
+USABLE_BLOCKS = 8
+
+
+@asynccontextmanager
+async def vllm_lender(model_dir: Path, cap_blocks: int) -> AsyncIterator[tuple[VLLMEngine, VLLMKVLending, int]]:
+    """A started vLLM engine of 8 blocks lending up to `cap_blocks`, served on a loopback port."""
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=USABLE_BLOCKS * VLLM_BLOCK_BYTES,
+                                     max_num_seqs=4, dtype="float32"),
+                        VLLMOptions(attention="distattention",
+                                    distkv=DistKVOptions(lend_cap_bytes=cap_blocks * VLLM_BLOCK_BYTES)))
+    await engine.start()
+    lending = engine.capabilities.lending
+    assert isinstance(lending, VLLMKVLending) and lending.cap_blocks == cap_blocks
+
+    async def handle(channel: Channel) -> None:
+        await serve_lease(lending, channel, await channel.recv(5), engine.info.block_size_tokens)
+
+    listener = await TRANSPORT.listen("127.0.0.1", 0, handle)
+    try:
+        yield engine, lending, listener.port
+    finally:
+        await listener.close()
+        await engine.stop()
+
+
+def test_a_vllm_lease_stores_kv_answers_queries_and_holds_its_blocks_out_of_vllms_pool(
+        tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    async def scenario() -> None:
+        async with vllm_lender(tiny_model_dir, cap_blocks=USABLE_BLOCKS + 2) as (engine, lending, port):
+            assert engine.info.block_size_tokens == VLLM_BLOCK
+            lease = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "req-1")
+            await lease.lend(1)
+            await lease.lend(1)  # grown: 2 blocks = 256 tokens
+            assert lending.lent_blocks() == 2 and lease.block_size_tokens == VLLM_BLOCK
+            gen = torch.Generator().manual_seed(0)
+            kv = torch.randn(LAYERS, 2, 200, KV_HEADS, HEAD_DIM, generator=gen)
+            await lease.write(0, kv[:, :, :90])
+            await lease.write(90, kv[:, :, 90:])  # in two writes, across a block boundary
+            q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=gen)
+            for layer in range(LAYERS):
+                for tokens in (1, 129, 200):
+                    out, lse = await lease.attend(layer, q, tokens)
+                    want_out, want_lse = attention_with_lse(q, kv[layer, 0, :tokens], kv[layer, 1, :tokens], HEAD_DIM**-0.5)
+                    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+            # vLLM's pool has 6 blocks left: a lend of 7 is refused with the room there is, not queued.
+            other = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "req-2")
+            with pytest.raises(LendingRefused, match="7 blocks asked, 6 free") as refused:
+                await other.lend(7)
+            assert refused.value.room_blocks == 6
+            await other.lend(6)  # vLLM's whole pool is lent now
+            # A request that needs a block waits for one: the lent blocks are out of vLLM's hands.
+            stream = asyncio.create_task(greedy(engine, prompt_of(40), 4))  # type: ignore[arg-type]
+            await asyncio.sleep(1.5)
+            assert not stream.done()
+            # A borrower that dies without freeing: its channel drops and vLLM gets the blocks back.
+            assert other._channel is not None
+            other._channel.close()
+            assert len(await asyncio.wait_for(stream, 60)) == 4
+            assert lending.lent_blocks() == 2
+            # The lease's KV was untouched by the request that ran meanwhile.
+            out, lse = await lease.attend(1, q, 200)
+            torch.testing.assert_close(out, attention_with_lse(q, kv[1, 0], kv[1, 1], HEAD_DIM**-0.5)[0], rtol=1e-5, atol=1e-5)
+            with pytest.raises(LendingRefused, match="blocks"):
+                await lease.attend(0, q, 257)  # past what the lease holds: refused, and the lease ends
+            for _ in range(100):
+                if lending.lent_blocks() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert lending.lent_blocks() == 0
+            # Every block is back: the cap (10) is above the pool (8), so the pool answers.
+            third = RemoteLease(TRANSPORT, f"127.0.0.1:{port}", "req-3")
+            await third.lend(USABLE_BLOCKS)
+            with pytest.raises(LendingRefused, match="would pass this worker's cap of 10") as capped:
+                await third.lend(3)
+            assert capped.value.room_blocks == 2
+            await third.free()
+
+    engine_loop.run(scenario(), timeout_s=600)
+
+
+def test_a_builtin_worker_borrows_from_a_vllm_and_a_builtin_lender_and_equals_one_big_worker(
+        tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    # 300 + 40 tokens of KV: 22 builtin blocks, the borrower holds 4. The vLLM lender lends one block of
+    # 128 tokens (8 of the borrower's), the builtin lender the rest in blocks of 16.
+    prompt, max_tokens = prompt_of(300), 40
+
+    async def scenario() -> None:
+        want = await reference(tiny_model_dir, prompt, max_tokens)
+        async with AsyncExitStack() as stack:
+            _, vllm_lending, vllm_port = await stack.enter_async_context(vllm_lender(tiny_model_dir, cap_blocks=1))
+            builtin_engine, builtin_listener = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
+            borrower = load_engine("builtin", *config(tiny_model_dir, 4, borrow=True))
+            assert isinstance(borrower, BuiltinEngine)
+            await borrower.start()
+            stack.push_async_callback(borrower.stop)
+            borrowing = borrower.capabilities.borrowing
+            assert borrowing is not None
+            borrowing.attach(OPEN, StaticCreditors([
+                Creditor("vllm-lender", f"127.0.0.1:{vllm_port}", VLLM_BLOCK_BYTES),
+                Creditor("builtin-lender", f"127.0.0.1:{builtin_listener.port}", 12 * BLOCK_BYTES)]))
+
+            seen: list[tuple[int, int, dict[str, int]]] = []
+            stream = asyncio.create_task(greedy(borrower, prompt, max_tokens))
+            builtin_lending = builtin_engine.capabilities.lending
+            assert builtin_lending is not None
+            while not stream.done():
+                seen.append((vllm_lending.lent_blocks(), builtin_lending.lent_blocks(), dict(borrowing.borrowed_bytes())))
+                await asyncio.sleep(0.005)
+            assert await stream == want
+            # Both lenders held part of it at once; the vLLM lease is counted in its own block size.
+            both = [s for s in seen if s[0] and s[1]]
+            assert both and max(s[1] for s in both) >= 8
+            assert any(s[2].get("vllm-lender") == VLLM_BLOCK_BYTES for s in both)
+            for _ in range(100):  # the leases are freed as the request ends
+                if vllm_lending.lent_blocks() == builtin_lending.lent_blocks() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert vllm_lending.lent_blocks() == builtin_lending.lent_blocks() == 0
+
+    engine_loop.run(scenario(), timeout_s=600)
+
+
+def test_lending_is_refused_without_distattention_or_with_elastic_memory_or_to_borrow() -> None:
+    from kvfleet.worker.elastic.options import MemoryOptions
+
+    lend = DistKVOptions(lend_cap_bytes=1 << 20)
+    with pytest.raises(ValueError, match="distattention"):
+        VLLMOptions(distkv=lend)
+    with pytest.raises(ValueError, match="static KV cache"):
+        VLLMOptions(attention="distattention", distkv=lend, memory=MemoryOptions(budget_bytes=1 << 30, elastic=True))
+    with pytest.raises(ValueError, match="do not borrow"):
+        VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True))
+    assert SamplingParams  # the module's imports are used by the scenarios above

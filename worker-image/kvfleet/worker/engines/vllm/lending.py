@@ -1,0 +1,246 @@
+"""The vLLM engine's `KVLending` capability: Infinite-LLM's lender side (rManager, §4.3) over vLLM's blocks.
+
+A request longer than its worker's memory keeps part of its KV in blocks other workers lend it, and
+ships each step's queries there for the micro-attention over them (§4.2, §4.6). A vLLM worker lends
+blocks of its own KV cache; the pieces live where vLLM keeps what they touch:
+
+- **The blocks.** A lease's blocks come out of vLLM's block pool on EngineCore's loop thread (the
+  connector's scheduler side, asks `lend` and `lend-free`: internals.lend_blocks), held as a
+  request's would be, so vLLM's scheduler counts them used and never hands them to a request of its
+  own. When the agent's pipe ends they all go back.
+- **The KV.** The lent blocks sit in vLLM's KV cache tensors, which the connector's worker side holds.
+  `LeaseServer` there stores a borrower's KV and answers its queries on a thread of its own, over a
+  second socket: off vLLM's step loop, since a borrower's every layer waits for the answer, and a lent
+  block is never one a step reads or writes, so the two need no lock. It reads the cache through
+  kvfleet's attention backend's layout (attention.py `kv_views`), so lending needs `distattention`.
+- **The leases.** This process (`VLLMKVLending`, on the agent's event loop) keeps each lease's block
+  ids, enforces the cap (first come, first served: §4.4), and names the blocks in every write and
+  query, so the EngineCore side keeps no per-lease state but the blocks it took.
+
+Lending needs a static KV cache: elastic memory also takes blocks out of vLLM's pool (options.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfleet.kernels.dispatch import micro_attention_decode
+from kvfleet.worker.engines.base import blocks_for
+from kvfleet.worker.engines.capabilities import LendingError, MigrationError
+from kvfleet.worker.engines.vllm.migration import ConnectorClient
+from kvfleet.worker.engines.vllm.pipe import Pipe, listen
+
+log = logging.getLogger(__name__)
+
+LEASE_SOCKET = "lease.sock"
+
+
+def lease_socket_path(connector_socket: str) -> str:
+    """Where the EngineCore's lease server listens: beside the connector's pipe, in the same private folder."""
+    return str(Path(connector_socket).parent / LEASE_SOCKET)
+
+
+# -- in the EngineCore (the connector's worker side) ------------------------------------------------
+
+
+class LeaseServer:
+    """Writes into and attention over lent blocks of vLLM's KV cache, for the agent (module docstring).
+
+    Asks, each answered {"seq", "ok", ...} on the pipe's reader thread:
+      {"op": "lease-write", "blocks", "start"} + kv [layers, 2, tokens, kv_heads, head_dim]
+          tokens [start, start + n) of a lease whose blocks are `blocks`, in token order;
+      {"op": "lease-attend", "layer", "blocks", "tokens"} + q [rows, q_heads, head_dim]
+          -> out [rows, q_heads, head_dim] then lse [rows, q_heads], one float32 tensor.
+    """
+
+    def __init__(self, socket_path: str, authkey: bytes, layers: list[torch.Tensor], block_size_tokens: int) -> None:
+        from kvfleet.worker.engines.vllm.attention import kv_views
+
+        self._views = [kv_views(layer) for layer in layers]
+        self._block_size = block_size_tokens
+        self._pipe: Pipe | None = None
+        self._listener: Listener = listen(socket_path, authkey)
+        threading.Thread(target=self._accept, name="kvfleet-lease-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn: Connection = self._listener.accept()
+            except OSError:
+                return  # closed
+            except Exception as err:  # a peer without the key
+                log.warning("kvfleet lease server: refused a connection: %s", err)
+                continue
+            if self._pipe is not None and not self._pipe.closed.is_set():
+                conn.close()  # one agent per engine
+                continue
+            self._pipe = Pipe(conn, self._on_message, lambda: None, "kvfleet-lease-server")
+            self._pipe.send({"op": "hello"})
+
+    def close(self) -> None:
+        self._listener.close()
+        if self._pipe is not None:
+            self._pipe.close()
+
+    def _on_message(self, msg: dict[str, Any], tensor: torch.Tensor | None) -> None:
+        assert self._pipe is not None
+        seq, op = int(msg.get("seq", 0)), msg.get("op")
+        try:
+            if tensor is None:
+                raise ValueError(f"{op!r} without its tensor")
+            blocks = torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long)
+            if op == "lease-write":
+                self.write(blocks, int(msg["start"]), tensor)
+                self._pipe.send({"seq": seq, "ok": True})
+            elif op == "lease-attend":
+                out, lse = self.attend(int(msg["layer"]), blocks, int(msg["tokens"]), tensor)
+                self._pipe.send({"seq": seq, "ok": True}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)]))
+            else:
+                raise ValueError(f"unknown ask {op!r}")
+        except Exception as err:  # the agent's ask fails with the reason; the server goes on
+            self._pipe.send({"seq": seq, "ok": False, "error": f"{type(err).__name__}: {err}"})
+
+    def write(self, blocks: torch.Tensor, start_token: int, kv: torch.Tensor) -> None:
+        if len(kv) != len(self._views):
+            raise ValueError(f"KV of {len(kv)} layers for a cache of {len(self._views)}")
+        bs = self._block_size
+        positions = torch.arange(start_token, start_token + int(kv.shape[2]))
+        slots = blocks[positions // bs] * bs + positions % bs
+        for (_, k_cache, v_cache), data in zip(self._views, kv, strict=True):
+            # [blocks, block_size, heads, dim] -> [slots, heads, dim]: views, the layer is NHD-contiguous.
+            k_cache.flatten(0, 1).index_copy_(0, slots, data[0].to(k_cache.dtype))
+            v_cache.flatten(0, 1).index_copy_(0, slots, data[1].to(v_cache.dtype))
+
+    def attend(self, layer: int, blocks: torch.Tensor, num_tokens: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer < len(self._views):
+            raise ValueError(f"no layer {layer}")
+        _, k_cache, v_cache = self._views[layer]
+        # Every query row reads the whole lease: one decode row each, over the lease's blocks as its
+        # block table (the lease holds context older than any query: no causal mask).
+        rows = q.shape[0]
+        table = blocks.to(torch.int32).expand(rows, -1).contiguous()
+        lens = torch.full((rows,), num_tokens, dtype=torch.int32)
+        return micro_attention_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, table, lens)
+
+
+# -- in the agent's process -------------------------------------------------------------------------
+
+
+class VLLMKVLending:
+    """The leases of this vLLM engine's blocks (capabilities.KVLending; module docstring)."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self._cap_bytes = cap_bytes
+        self._cap_blocks = 0
+        self._block_size = 0
+        self._num_layers = 0
+        self._leases: dict[str, list[int]] = {}   # lease id -> vLLM block ids, in token order
+        self._asked = 0                            # blocks of lends in flight, held against the cap
+        self._control: ConnectorClient | None = None
+        self._data: ConnectorClient | None = None
+
+    async def open(self, control: ConnectorClient, connector_socket: str, authkey: bytes, block_size_tokens: int,
+                   block_bytes: int, num_layers: int) -> None:
+        """Lend from the started engine: blocks through the connector's pipe, KV through the lease server's."""
+        async def nothing_to_wake() -> None:
+            return None
+
+        data = ConnectorClient(nothing_to_wake, lambda event: None)
+        await data.open(lease_socket_path(connector_socket), authkey)
+        self._control, self._data = control, data
+        self._cap_blocks = self._cap_bytes // block_bytes
+        self._block_size, self._num_layers = block_size_tokens, num_layers
+
+    def close(self) -> None:
+        """The engine stops: its EngineCore takes every lent block with it."""
+        self._leases.clear()
+        if self._data is not None:
+            self._data.close()
+        self._control = self._data = None
+
+    @property
+    def cap_blocks(self) -> int:
+        return self._cap_blocks
+
+    def lent_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._leases.values())
+
+    async def lend(self, lease_id: str, num_blocks: int) -> None:
+        control = self._control
+        if control is None:
+            raise LendingError("the engine is not running")
+        if num_blocks < 1:
+            raise LendingError(f"a lease grows by at least one block, not {num_blocks}")
+        room = self._cap_blocks - self.lent_blocks() - self._asked
+        if num_blocks > room:
+            raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}",
+                               max(0, room))
+        self._asked += num_blocks
+        try:
+            header, _ = await self._ask(control, "lend", lease=lease_id, blocks=num_blocks)
+        finally:
+            self._asked -= num_blocks
+        block_ids = header.get("block_ids")
+        if not block_ids:
+            free = int(header.get("free_blocks", 0))
+            raise LendingError(f"{num_blocks} blocks asked, {free} free", min(free, room))
+        self._leases.setdefault(lease_id, []).extend(int(b) for b in block_ids)
+
+    def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
+        blocks = self._leases.get(lease_id)
+        if blocks is None:
+            raise LendingError(f"no lease {lease_id!r} here")
+        needed = blocks_for(num_tokens, self._block_size)
+        if needed > len(blocks):
+            raise LendingError(f"{num_tokens} tokens need {needed} blocks; lease {lease_id!r} holds {len(blocks)}")
+        return blocks[:needed]
+
+    async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
+        num_tokens = int(kv.shape[2])
+        if start_token < 0 or num_tokens < 1:
+            raise LendingError(f"nothing to write at token {start_token}")
+        blocks = self._blocks(lease_id, start_token + num_tokens)
+        await self._ask(self._require_data(), "lease-write", kv, blocks=blocks, start=start_token)
+
+    async def attend(self, lease_id: str, layer: int, q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer < self._num_layers:
+            raise LendingError(f"no layer {layer}")
+        if num_tokens < 1:
+            raise LendingError("attention over no tokens")
+        blocks = self._blocks(lease_id, num_tokens)
+        _, data = await self._ask(self._require_data(), "lease-attend", q, layer=layer, blocks=blocks, tokens=num_tokens)
+        rows, heads, dim = (int(d) for d in q.shape)
+        if data is None or data.numel() != rows * heads * (dim + 1):
+            raise LendingError(f"the EngineCore answered {0 if data is None else data.numel()} floats for a "
+                               f"{rows}x{heads}x{dim} result")
+        return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+
+    async def free(self, lease_id: str) -> int:
+        blocks = self._leases.pop(lease_id, None)
+        if not blocks:
+            return 0
+        if self._control is not None:
+            try:
+                await self._ask(self._control, "lend-free", lease=lease_id)
+            except LendingError as err:  # the EngineCore is gone, and its blocks with it
+                log.info("lease %s: freeing in vLLM failed: %s", lease_id, err)
+        return len(blocks)
+
+    def _require_data(self) -> ConnectorClient:
+        if self._data is None:
+            raise LendingError("the engine is not running")
+        return self._data
+
+    @staticmethod
+    async def _ask(client: ConnectorClient, op: str, tensor: torch.Tensor | None = None,
+                   **fields: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
+        try:
+            return await client.ask(op, tensor, **fields)
+        except MigrationError as err:
+            raise LendingError(str(err)) from err
