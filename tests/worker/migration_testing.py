@@ -23,6 +23,7 @@ from kvfleet.api.reports import KVLoadReport
 from kvfleet.serving.credentials import PoolCredentials, PoolSecrets
 from kvfleet.worker.agent import Agent, AgentConfig
 from kvfleet.worker.disaggregation import PDConfig
+from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import Engine
 from kvfleet.worker.migration.transport import Channel, TCPTransport
@@ -71,7 +72,7 @@ class Worker:
 
 def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None = None,
                  kv_capacity_bytes: int = KV_CAPACITY_BYTES, engine: Engine | None = None,
-                 disaggregation: PDConfig | None = None) -> Worker:
+                 disaggregation: PDConfig | None = None, creditors: Creditors | None = None) -> Worker:
     reports: list[KVLoadReport] = []
     port = port or free_port()
 
@@ -82,7 +83,7 @@ def start_worker(name: str, model_dir: Path, loop: EngineLoop, port: int | None 
         engine = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=kv_capacity_bytes,
                                                      max_model_len=1024))
     agent = Agent(AgentConfig(model_name=MODEL, credentials=PoolCredentials.of(TOKEN), report_interval_s=0.05,
-                              migration_host="127.0.0.1", migration_port=0,
+                              migration_host="127.0.0.1", migration_port=0, creditors=creditors,
                               disaggregation=disaggregation or PDConfig()), engine, Tokenizer(model_dir), write)
 
     async def start() -> web.AppRunner:

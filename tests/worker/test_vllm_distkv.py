@@ -4,7 +4,9 @@ A vLLM worker lends blocks of its own KV cache over the migration port, with the
 handshake: the blocks come out of vLLM's block pool (a request that needs them waits until the lease
 is freed), the borrower's KV lands in them, and shipped queries are answered with (out, lse) equal to
 attention over that KV. A builtin worker then serves a request four times its own memory on a vLLM
-lender (blocks of 128 tokens) and a builtin one (16), and its greedy output equals one big worker's.
+lender (blocks of 128 tokens) and a builtin one (16), and its greedy output equals one big worker's;
+and the same through two agents, the lease served on the vLLM worker's migration port, its KV-load
+reports saying what it lends.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
+from migration_testing import start_worker
 from test_distkv_borrowing import BLOCK_BYTES, OPEN, TRANSPORT, config, greedy, lender, prompt_of, reference
 from worker_testing import EngineLoop, skip_without_vllm
 
@@ -29,7 +32,6 @@ from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
 from kvfleet.worker.distkv.wire import LendingRefused  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
-from kvfleet.worker.engines.base import SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
 from kvfleet.worker.engines.vllm.lending import VLLMKVLending  # noqa: E402
@@ -173,4 +175,36 @@ def test_lending_is_refused_without_distattention_or_with_elastic_memory_or_to_b
         VLLMOptions(attention="distattention", distkv=lend, memory=MemoryOptions(budget_bytes=1 << 30, elastic=True))
     with pytest.raises(ValueError, match="do not borrow"):
         VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True))
-    assert SamplingParams  # the module's imports are used by the scenarios above
+
+
+def test_agents_lend_through_the_vllm_workers_migration_port_and_report_it(tiny_model_dir: Path,
+                                                                           engine_loop: EngineLoop) -> None:
+    prompt, max_tokens = prompt_of(200), 30   # 230 tokens of KV: the borrower holds 64
+    want = engine_loop.run(reference(tiny_model_dir, prompt, max_tokens), timeout_s=120)
+    cap_bytes = 2 * VLLM_BLOCK_BYTES
+    vllm_worker = start_worker("vllm-lender", tiny_model_dir, engine_loop, engine=VLLMEngine(
+        EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=USABLE_BLOCKS * VLLM_BLOCK_BYTES, max_num_seqs=4,
+                     dtype="float32"),
+        VLLMOptions(attention="distattention", distkv=DistKVOptions(lend_cap_bytes=cap_bytes))))
+    borrower = start_worker("borrower", tiny_model_dir, engine_loop, engine=load_engine("builtin", *config(
+        tiny_model_dir, 4, borrow=True)), creditors=StaticCreditors([
+            Creditor("vllm-lender", f"127.0.0.1:{vllm_worker.agent.migration_port}", cap_bytes)]))
+    try:
+        status, body = borrower.call("POST", "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == max_tokens
+        assert body["choices"][0]["text"] == borrower.agent.tokenizer.decode(want)
+        # The lender's reports said what it lends while the request ran, and nothing after.
+        lending = [r for r in vllm_worker.reports if r.lent_bytes]
+        assert lending and all(r.lend_cap_bytes == cap_bytes for r in lending)
+        assert max(r.lent_bytes or 0 for r in lending) == VLLM_BLOCK_BYTES * 2
+        assert any(r.borrowed == {"vllm-lender": 2 * VLLM_BLOCK_BYTES} for r in borrower.reports)
+        for _ in range(100):
+            if vllm_worker.reports[-1].lent_bytes == 0:
+                break
+            engine_loop.run(asyncio.sleep(0.05))
+        assert vllm_worker.reports[-1].lent_bytes == 0
+    finally:
+        for worker in (borrower, vllm_worker):
+            engine_loop.run(worker.runner.cleanup(), timeout_s=120)
