@@ -21,86 +21,22 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-import torch
-
-from kvfleet.kernels.dispatch import scale_reduce_pair
 from kvfleet.worker.distkv.creditors import Creditors
+from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
 from kvfleet.worker.engines.base import EngineError
 from kvfleet.worker.engines.builtin.model import PagedKVCache
 from kvfleet.worker.engines.builtin.scheduler import Request, RequestState, Scheduler
-from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, RemoteKVLease
+from kvfleet.worker.engines.capabilities import LeaseOpener
 
-# A remote micro-attention waits behind the lender's own step: past this the lender counts as lost
-# (distkv/wire.py's reply timeout, and a margin).
-ATTEND_TIMEOUT_S = 35.0
+__all__ = ["BuiltinKVBorrowing", "Lenders", "NoRoomToBorrow", "RemotePartLost", "RemoteParts"]
+
 # A request whose remote KV is lost this many times is failed instead of prefilled once more: lenders
 # that keep dying (or a bug) must not turn one request into an endless re-prefill.
 MAX_LOSSES = 3
 
 log = logging.getLogger(__name__)
-
-
-class RemotePartLost(EngineError):
-    """A spanning request's remote KV cannot be reached (its lender died or left)."""
-
-    def __init__(self, request_id: str, reason: str) -> None:
-        super().__init__(f"request {request_id}: its KV lent by another worker is lost: {reason}")
-        self.request_id = request_id
-
-
-class NoRoomToBorrow(EngineError):
-    """No creditor lends what a spanning request needs next."""
-
-
-@dataclass
-class _Part:
-    """One lease of a request, in token order: its tokens are the request's next `num_tokens`."""
-
-    lease: RemoteKVLease
-    pod: str
-    num_tokens: int = 0
-
-
-class RemoteParts:
-    """One spanning request's KV held by lenders: `KVParts` for the forward (scheduler.RemoteKV)."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.parts: list[_Part] = []
-        self._loop = loop
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.parts)
-
-    def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """On the engine's tensor thread: the query goes to every lease at once (the event loop sends it
-        while the forward computes the local parts), and the answers are merged (§4.2's ScaleReduce)."""
-        device = q.device
-        future = asyncio.run_coroutine_threadsafe(self._attend(layer_index, q.detach().cpu()), self._loop)
-
-        def collect() -> tuple[torch.Tensor, torch.Tensor]:
-            try:
-                out, lse = future.result(ATTEND_TIMEOUT_S)
-            except Exception as err:  # any failure of a lease: its KV is out of reach
-                future.cancel()
-                raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
-            return out.to(device), lse.to(device)
-
-        return collect
-
-    async def _attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))
-        out, lse = results[0]
-        for o, s in results[1:]:
-            out, lse = scale_reduce_pair(out, lse, o, s)
-        return out, lse
-
-    async def close(self) -> None:
-        await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
 
 
 class Lenders:
@@ -145,12 +81,10 @@ class BuiltinKVBorrowing:
         self._sched = sched
         self._lenders = lenders
         self._block_size_tokens = block_size_tokens
-        # Lease ids are unique per lender across all its borrowers: this engine's random id first.
-        self._engine_id = uuid.uuid4().hex[:12]
+        self._finder = LeaseFinder(uuid.uuid4().hex[:12], block_size_tokens)
         self._cache: PagedKVCache | None = None
         self._executor: concurrent.futures.Executor | None = None
         self._losses: dict[str, int] = {}  # request id -> times its remote KV was lost
-        self._lease_seq = 0
 
     # -- wiring --------------------------------------------------------------------------------------
 
@@ -240,7 +174,8 @@ class BuiltinKVBorrowing:
             remote = req.remote = RemoteParts(req.request_id, asyncio.get_running_loop())
         moved = 0
         while moved < num_blocks:
-            part, granted = await self._lend(req, remote, num_blocks - moved)
+            part, granted = await self._finder.room(remote, num_blocks - moved, self._lenders.open_lease,
+                                                    self._lenders.creditors)
             blocks = req.blocks[:granted]
             data = await asyncio.get_running_loop().run_in_executor(executor, cache.read_blocks, blocks)
             # [layers, 2, blocks, block, kv_heads, dim] -> [layers, 2, tokens, kv_heads, dim]
@@ -255,70 +190,3 @@ class BuiltinKVBorrowing:
             self._sched.space.release(blocks)
             del req.blocks[:granted]
             moved += granted
-
-    async def _lend(self, req: Request, remote: RemoteParts, num_blocks: int) -> tuple[_Part, int]:
-        """A lease with room for up to `num_blocks` more of this engine's blocks, and for how many: one
-        of the request's leases if its lender has room (the newest first), else a new one at the best
-        candidate that has. A lender short of what is asked says how many blocks it has, and that is
-        taken (§4.4: the creditor answers)."""
-        open_lease, creditors = self._lenders.open_lease, self._lenders.creditors
-        assert open_lease is not None and creditors is not None
-        for part in reversed(remote.parts):
-            try:
-                granted = await self._grow(part, num_blocks)
-            except LendingError:
-                continue  # refused for something else than room: its other leases may still do
-            except Exception as err:
-                raise RemotePartLost(req.request_id, str(err) or type(err).__name__) from err
-            if granted:
-                return part, granted
-        for creditor in creditors.candidates():
-            if any(p.lease.address == creditor.address for p in remote.parts):
-                continue  # asked above
-            self._lease_seq += 1
-            part = _Part(open_lease(creditor.address, f"{self._engine_id}/{req.request_id}/{self._lease_seq}"),
-                         creditor.pod)
-            try:
-                granted = await self._grow(part, num_blocks)
-            except Exception as err:  # refused, or unreachable: the next candidate
-                log.info("creditor %s refused %d blocks: %s", creditor.pod, num_blocks, err)
-                granted = 0
-            if not granted:
-                creditors.refused(creditor.address)
-                await part.lease.free()
-                continue
-            remote.parts.append(part)
-            log.info("request %s borrows from %s (%d blocks)", req.request_id, creditor.pod, granted)
-            return part, granted
-        raise NoRoomToBorrow(f"request {req.request_id} needs {num_blocks} more KV blocks and no worker of the pool "
-                             "lends them now")
-
-    async def _grow(self, part: _Part, num_blocks: int) -> int:
-        """Room in `part` for up to `num_blocks` of this engine's blocks: what its lease has left, grown
-        by what is missing or by the room its lender says it has; the blocks it takes now (0: none).
-
-        Counted in tokens, so a lender's blocks need not be this engine's size (a vLLM lender's are 128
-        tokens on the CPU, the builtin engine's 16): a new lease first takes one block, which says the
-        lender's size, and a lease's unused room is filled by the next spill. Errors other than a
-        refusal for room propagate."""
-        lease, bs = part.lease, self._block_size_tokens
-
-        def fits() -> int:
-            return min(num_blocks, (lease.blocks * lease.block_size_tokens - part.num_tokens) // bs)
-
-        for _ in range(2):  # a new lease: once to learn the lender's block size, once for the rest
-            if fits() >= num_blocks:
-                break
-            missing_tokens = num_blocks * bs + part.num_tokens - lease.blocks * lease.block_size_tokens
-            ask = 1 if not lease.blocks else -(-missing_tokens // lease.block_size_tokens)
-            try:
-                await lease.lend(ask)
-            except LendingError as err:
-                if not 0 < err.room_blocks < ask:
-                    break
-                try:
-                    await lease.lend(err.room_blocks)
-                except LendingError:
-                    pass  # taken by another borrower meanwhile
-                break
-        return fits()

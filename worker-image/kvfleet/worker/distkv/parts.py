@@ -1,0 +1,167 @@
+"""A borrowing request's KV held by lenders, and finding room for more of it (Infinite-LLM §4.3, §4.4, §4.6).
+
+Whichever engine borrows (the builtin engine on its event loop, vLLM's EngineCore on a loop thread of
+its own) keeps a spanning request's remote KV as `RemoteParts`: one `Part` per lease, each holding
+some of the request's oldest tokens. Attention over a set of keys does not depend on where they live
+or in which order (positions are already in the keys), so the parts are attended independently and
+merged with ScaleReduce (§4.2), and any part may grow. `LeaseFinder` finds room for a number of the
+engine's blocks: the request's own leases first (the newest first), then a new lease at the best
+creditor that has room (§4.4: the creditor answers; one short of what is asked says how many it has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.kernels.dispatch import scale_reduce_pair
+from kvfleet.worker.distkv.creditors import Creditors
+from kvfleet.worker.engines.base import EngineError
+from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, RemoteKVLease
+
+# A remote micro-attention waits behind the lender's own step: past this the lender counts as lost
+# (distkv/wire.py's reply timeout, and a margin).
+ATTEND_TIMEOUT_S = 35.0
+
+log = logging.getLogger(__name__)
+
+
+class RemotePartLost(EngineError):
+    """A spanning request's remote KV cannot be reached (its lender died or left)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}: its KV lent by another worker is lost: {reason}")
+        self.request_id = request_id
+
+
+class NoRoomToBorrow(EngineError):
+    """No creditor lends what a spanning request needs next."""
+
+
+@dataclass
+class Part:
+    """One lease of a request: it holds `num_tokens` of the request's tokens."""
+
+    lease: RemoteKVLease
+    pod: str
+    num_tokens: int = 0
+
+
+class RemoteParts:
+    """One spanning request's KV held by lenders."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.parts: list[Part] = []
+        self._loop = loop
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts)
+
+    def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """From a thread other than the loop's: the query goes to every lease at once (the loop sends it
+        while the caller computes the local part), and `collect()` merges the answers (§4.2's ScaleReduce)."""
+        device = q.device
+        future = asyncio.run_coroutine_threadsafe(self._attend(layer_index, q.detach().cpu()), self._loop)
+
+        def collect() -> tuple[torch.Tensor, torch.Tensor]:
+            try:
+                out, lse = future.result(ATTEND_TIMEOUT_S)
+            except Exception as err:  # any failure of a lease: its KV is out of reach
+                future.cancel()
+                raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+            return out.to(device), lse.to(device)
+
+        return collect
+
+    async def _attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))
+        out, lse = results[0]
+        for o, s in results[1:]:
+            out, lse = scale_reduce_pair(out, lse, o, s)
+        return out, lse
+
+    def wire_bytes(self) -> tuple[int, int]:
+        return sum(p.lease.bytes_sent for p in self.parts), sum(p.lease.bytes_received for p in self.parts)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
+
+
+class LeaseFinder:
+    """Room in leases for a spanning request's blocks (module docstring). Lease ids are unique per
+    lender across all its borrowers: the engine's random id first, then the request's, then a count."""
+
+    def __init__(self, engine_id: str, block_size_tokens: int) -> None:
+        self._engine_id = engine_id
+        self._block_size_tokens = block_size_tokens
+        self._lease_seq = 0
+
+    async def room(self, remote: RemoteParts, num_blocks: int, open_lease: LeaseOpener,
+                   creditors: Creditors) -> tuple[Part, int]:
+        """A lease with room for up to `num_blocks` more of the engine's blocks, and for how many.
+        Raises RemotePartLost when one of the request's lenders fails, NoRoomToBorrow when no creditor lends."""
+        for part in reversed(remote.parts):
+            try:
+                granted = await self.grow(part, num_blocks)
+            except LendingError:
+                continue  # refused for something else than room: its other leases may still do
+            except Exception as err:
+                raise RemotePartLost(remote.request_id, str(err) or type(err).__name__) from err
+            if granted:
+                return part, granted
+        for creditor in creditors.candidates():
+            if any(p.lease.address == creditor.address for p in remote.parts):
+                continue  # asked above
+            self._lease_seq += 1
+            part = Part(open_lease(creditor.address, f"{self._engine_id}/{remote.request_id}/{self._lease_seq}"),
+                        creditor.pod)
+            try:
+                granted = await self.grow(part, num_blocks)
+            except Exception as err:  # refused, or unreachable: the next candidate
+                log.info("creditor %s refused %d blocks: %s", creditor.pod, num_blocks, err)
+                granted = 0
+            if not granted:
+                creditors.refused(creditor.address)
+                await part.lease.free()
+                continue
+            remote.parts.append(part)
+            log.info("request %s borrows from %s (%d blocks)", remote.request_id, creditor.pod, granted)
+            return part, granted
+        raise NoRoomToBorrow(f"request {remote.request_id} needs {num_blocks} more KV blocks and no worker of the pool "
+                             "lends them now")
+
+    async def grow(self, part: Part, num_blocks: int) -> int:
+        """Room in `part` for up to `num_blocks` of the engine's blocks: what its lease has left, grown
+        by what is missing or by the room its lender says it has; the blocks it takes now (0: none).
+
+        Counted in tokens, so a lender's blocks need not be the engine's size (a vLLM lender's are 128
+        tokens on the CPU, the builtin engine's 16): a new lease first takes one block, which says the
+        lender's size, and a lease's unused room is filled by the next spill. Errors other than a
+        refusal for room propagate."""
+        lease, bs = part.lease, self._block_size_tokens
+
+        def fits() -> int:
+            return min(num_blocks, (lease.blocks * lease.block_size_tokens - part.num_tokens) // bs)
+
+        for _ in range(2):  # a new lease: once to learn the lender's block size, once for the rest
+            if fits() >= num_blocks:
+                break
+            missing_tokens = num_blocks * bs + part.num_tokens - lease.blocks * lease.block_size_tokens
+            ask = 1 if not lease.blocks else -(-missing_tokens // lease.block_size_tokens)
+            try:
+                await lease.lend(ask)
+            except LendingError as err:
+                if not 0 < err.room_blocks < ask:
+                    break
+                try:
+                    await lease.lend(err.room_blocks)
+                except LendingError:
+                    pass  # taken by another borrower meanwhile
+                break
+        return fits()
