@@ -165,16 +165,14 @@ def test_a_builtin_worker_borrows_from_a_vllm_and_a_builtin_lender_and_equals_on
     engine_loop.run(scenario(), timeout_s=600)
 
 
-def test_lending_is_refused_without_distattention_or_with_elastic_memory_or_to_borrow() -> None:
+@pytest.mark.parametrize("distkv", [DistKVOptions(lend_cap_bytes=1 << 20), DistKVOptions(borrow=True)])
+def test_lending_and_borrowing_are_refused_without_distattention_or_with_elastic_memory(distkv: DistKVOptions) -> None:
     from kvfleet.worker.elastic.options import MemoryOptions
 
-    lend = DistKVOptions(lend_cap_bytes=1 << 20)
     with pytest.raises(ValueError, match="distattention"):
-        VLLMOptions(distkv=lend)
+        VLLMOptions(distkv=distkv)
     with pytest.raises(ValueError, match="static KV cache"):
-        VLLMOptions(attention="distattention", distkv=lend, memory=MemoryOptions(budget_bytes=1 << 30, elastic=True))
-    with pytest.raises(ValueError, match="do not borrow"):
-        VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True))
+        VLLMOptions(attention="distattention", distkv=distkv, memory=MemoryOptions(budget_bytes=1 << 30, elastic=True))
 
 
 def test_agents_lend_through_the_vllm_workers_migration_port_and_report_it(tiny_model_dir: Path,
@@ -208,3 +206,47 @@ def test_agents_lend_through_the_vllm_workers_migration_port_and_report_it(tiny_
     finally:
         for worker in (borrower, vllm_worker):
             engine_loop.run(worker.runner.cleanup(), timeout_s=120)
+
+
+def test_a_vllm_worker_borrows_for_a_request_longer_than_its_cache_and_equals_one_big_worker(
+        tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    # 1,100 + 30 tokens of KV; the vLLM worker holds 4 blocks of 128 (512 tokens), two builtin lenders
+    # hold the rest in blocks of 16.
+    prompt, max_tokens = prompt_of(1100), 30
+
+    async def scenario() -> None:
+        big = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=96 * BLOCK_BYTES,
+                                                  dtype="float32"))
+        await big.start()
+        try:
+            want = await greedy(big, prompt, max_tokens)  # type: ignore[arg-type]
+        finally:
+            await big.stop()
+        async with AsyncExitStack() as stack:
+            lenders = [await stack.enter_async_context(lender(tiny_model_dir, 40, 36)) for _ in range(2)]
+            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
+                                             max_num_seqs=4, dtype="float32"),
+                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+            await engine.start()
+            stack.push_async_callback(engine.stop)
+            borrowing = engine.capabilities.borrowing
+            assert borrowing is not None
+            borrowing.attach(OPEN, StaticCreditors([
+                Creditor(f"lender-{i}", f"127.0.0.1:{listener.port}", 36 * BLOCK_BYTES)
+                for i, (_, listener) in enumerate(lenders)]))
+            seen: list[dict[str, int]] = []
+            stream = asyncio.create_task(greedy(engine, prompt, max_tokens))  # type: ignore[arg-type]
+            while not stream.done():
+                seen.append(dict(borrowing.borrowed_bytes()))
+                await asyncio.sleep(0.01)
+            assert await stream == want
+            assert any(sum(s.values()) >= 512 * 2048 for s in seen)  # more than its whole cache was remote
+            for _ in range(100):  # the leases are freed as the request ends
+                if all(engine.capabilities.lending is None and e.capabilities.lending.lent_blocks() == 0  # type: ignore[union-attr]
+                       for e, _ in lenders):
+                    break
+                await asyncio.sleep(0.02)
+            assert all(e.capabilities.lending.lent_blocks() == 0 for e, _ in lenders)  # type: ignore[union-attr]
+            assert borrowing.borrowed_bytes() == {}
+
+    engine_loop.run(scenario(), timeout_s=600)

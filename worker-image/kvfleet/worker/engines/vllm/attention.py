@@ -22,7 +22,8 @@ the model is built, with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -88,6 +89,67 @@ class KvfleetAttentionMetadata(AttentionMetadata):
     prefill_lens: torch.Tensor        # int32 [prefills]
     prefill_starts: torch.Tensor      # int32 [prefills + 1]: each one's rows within prefill_rows
     prefill_max_q_len: int
+    block_size: int = 0
+    # What DistKV borrowing makes of this step's tables (`local`), worked out by the first layer.
+    local_plan: list[LocalPlan] = field(default_factory=list, compare=False)
+
+    def local(self) -> LocalPlan:
+        """The tables and lengths as the local attention takes them: a sequence whose oldest blocks moved
+        to other workers (DistKV borrowing, borrowing.py) attends here over its blocks past them, and its
+        remote part is merged after. vLLM's model runner keeps the moved blocks' old ids at the head of
+        the sequence's table (as it does for what leaves a sliding window), so which sequences span comes
+        from the EngineCore's borrowing, which the connector set for this step before the forward."""
+        if self.local_plan:
+            return self.local_plan[0]
+        from kvfleet.worker.engines.vllm import borrowing
+
+        core = borrowing.CORE
+        plan = LocalPlan(self.decode_table, self.decode_lens, self.prefill_table, self.prefill_lens, ())
+        if core is not None and core.spans:
+            plan = _shifted(plan, core.spans, self.block_size)
+        self.local_plan.append(plan)
+        return plan
+
+
+@dataclass(frozen=True)
+class SpanRows:
+    """A sequence of the step whose oldest KV is remote."""
+
+    request_id: str                   # the agent's id (CoreBorrowing.attend)
+    decode: bool
+    index: int                        # among the decodes, or among the prefills
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    decode_table: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_table: torch.Tensor
+    prefill_lens: torch.Tensor
+    spans: tuple[SpanRows, ...]
+
+
+def _shifted(plan: LocalPlan, spans: Sequence[tuple[str, int, Sequence[int]]], block_size: int) -> LocalPlan:
+    """`plan` with each spanning sequence's table row and length past its remote blocks: a row is the
+    sequence's when its blocks from `remote_blocks` on are the sequence's local blocks."""
+    tables = {True: plan.decode_table.clone(), False: plan.prefill_table.clone()}
+    lens = {True: plan.decode_lens.clone(), False: plan.prefill_lens.clone()}
+    found: list[SpanRows] = []
+    for request_id, remote_blocks, local_blocks in spans:
+        local = torch.tensor(list(local_blocks), dtype=tables[True].dtype)
+        end = remote_blocks + len(local)
+        for decode in (True, False):
+            table = tables[decode]
+            if table.shape[1] < end:
+                continue
+            match = (table[:, remote_blocks:end] == local.to(table.device)).all(dim=1).nonzero().flatten()
+            if len(match):
+                i = int(match[0])
+                table[i] = torch.cat([table[i, remote_blocks:], table.new_zeros(remote_blocks)])
+                lens[decode][i] -= remote_blocks * block_size
+                found.append(SpanRows(request_id, decode, i))
+                break
+    return LocalPlan(tables[True], lens[True], tables[False], lens[False], tuple(found))
 
 
 class KvfleetMetadataBuilder(AttentionMetadataBuilder[KvfleetAttentionMetadata]):
@@ -97,6 +159,7 @@ class KvfleetMetadataBuilder(AttentionMetadataBuilder[KvfleetAttentionMetadata])
     # vLLM declares the base class's __init__ abstract: every builder spells it out.
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = int(kv_cache_spec.block_size)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvfleetAttentionMetadata:
@@ -121,7 +184,7 @@ class KvfleetMetadataBuilder(AttentionMetadataBuilder[KvfleetAttentionMetadata])
             decode_lens=seq_lens[decodes].to(device),
             prefill_rows=prefill_rows.to(device), prefill_table=table[prefills.to(device)].to(torch.int32),
             prefill_lens=seq_lens[prefills].to(device), prefill_starts=prefill_starts.to(device),
-            prefill_max_q_len=int(prefill_q.max()) if len(prefills) else 0)
+            prefill_max_q_len=int(prefill_q.max()) if len(prefills) else 0, block_size=self.block_size)
 
 
 def kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,6 +215,7 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        self._layer_index: int | None = None   # from the layer's name, at the first remote merge
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -179,24 +243,55 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
         if attn_metadata is None:   # vLLM's warm-up and profiling runs
             return output
         plan = attn_metadata
+        local = plan.local()
         _, k_cache, v_cache = kv_views(kv_cache)
         decodes = len(plan.decode_rows)
+        decode_lse = prefill_lse = None
         if decodes and plan.decodes_first:
             # fp32 outputs are written in place; others through the kernels' fp32 partial.
             in_place = output.dtype == torch.float32 and output.is_contiguous()
             # query is a view of the fused QKV projection; the kernels' contract asks a contiguous q.
-            out, _ = dispatch.micro_attention_decode(query[:decodes].contiguous(), k_cache, v_cache, plan.decode_table,
-                                                     plan.decode_lens, scale=self.scale,
-                                                     out=output[:decodes] if in_place else None)
+            out, decode_lse = dispatch.micro_attention_decode(query[:decodes].contiguous(), k_cache, v_cache,
+                                                              local.decode_table, local.decode_lens, scale=self.scale,
+                                                              out=output[:decodes] if in_place else None)
             if not in_place:
                 output[:decodes] = out
         elif decodes:
-            out, _ = dispatch.micro_attention_decode(query.index_select(0, plan.decode_rows), k_cache, v_cache,
-                                                     plan.decode_table, plan.decode_lens, scale=self.scale)
+            out, decode_lse = dispatch.micro_attention_decode(query.index_select(0, plan.decode_rows), k_cache, v_cache,
+                                                              local.decode_table, local.decode_lens, scale=self.scale)
             output.index_copy_(0, plan.decode_rows, out.to(output.dtype))
         if len(plan.prefill_rows):
-            out, _ = dispatch.micro_attention_prefill(
-                query.index_select(0, plan.prefill_rows), k_cache, v_cache, plan.prefill_table, plan.prefill_lens,
+            out, prefill_lse = dispatch.micro_attention_prefill(
+                query.index_select(0, plan.prefill_rows), k_cache, v_cache, local.prefill_table, local.prefill_lens,
                 plan.prefill_starts, max_q_len=plan.prefill_max_q_len, scale=self.scale)
             output.index_copy_(0, plan.prefill_rows, out.to(output.dtype))
+        for span in local.spans:
+            if span.decode:
+                first, count, lse_all = span.index, 1, decode_lse
+                rows = plan.decode_rows[first:first + 1]
+            else:
+                first = int(plan.prefill_starts[span.index])
+                count, lse_all = int(plan.prefill_starts[span.index + 1]) - first, prefill_lse
+                rows = plan.prefill_rows[first:first + count]
+            assert lse_all is not None
+            self._merge_remote(layer, span.request_id, query.index_select(0, rows), output, rows,
+                               lse_all[first:first + count])
         return output
+
+    def _merge_remote(self, layer: AttentionLayer, request_id: str, q: torch.Tensor, output: torch.Tensor,
+                      rows: torch.Tensor, local_lse: torch.Tensor) -> None:
+        """A borrowing sequence's local partial (already in `output`) merged with its remote part, which
+        the agent's leases compute where the KV lives (borrowing.py; §4.2 ScaleReduce)."""
+        from kvfleet.worker.engines.vllm import borrowing
+
+        core = borrowing.CORE
+        assert core is not None, "a span is found through the EngineCore's borrowing"
+        if self._layer_index is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layer_index = extract_layer_index(str(getattr(layer, "layer_name", "")))
+        remote_out, remote_lse = core.attend(request_id, self._layer_index, q)
+        local_out = output.index_select(0, rows).float()
+        merged, _ = dispatch.scale_reduce_pair(local_out, local_lse.float().contiguous(), remote_out.to(local_out.device),
+                                               remote_lse.to(local_out.device))
+        output.index_copy_(0, rows, merged.to(output.dtype))

@@ -63,8 +63,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvfleet.worker.engines.vllm import internals
+from kvfleet.worker.engines.vllm import borrowing, internals
 from kvfleet.worker.engines.vllm.attention import kv_views
+from kvfleet.worker.engines.vllm.borrowing import CoreBorrowing, SpanPlanner, SpillOrder
+from kvfleet.worker.engines.vllm.corepipe import CorePipe, core_socket_path
 from kvfleet.worker.engines.vllm.elastic import (
     EXTRA_ELASTIC,
     Balloon,
@@ -77,7 +79,7 @@ from kvfleet.worker.engines.vllm.elastic import (
     SetGeometry,
     WorkerPool,
 )
-from kvfleet.worker.engines.vllm.lending import LeaseServer, lease_socket_path
+from kvfleet.worker.engines.vllm.lending import LentBlocks
 from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
 from kvfleet.worker.engines.vllm.plugin import BACKEND_PATH
 
@@ -105,8 +107,10 @@ EXTRA_AUTHKEY = "kvfleet_authkey"
 EXTRA_MIN_STEP_S = "kvfleet_min_step_s"
 # The attention the engine asked for (VLLMOptions.attention): the worker side checks vLLM built it.
 EXTRA_ATTENTION = "kvfleet_attention"
-# DistKV lending (vllm/lending.py): the worker side serves lent blocks on a socket beside the pipe.
+# DistKV (vllm/lending.py, vllm/borrowing.py): the worker side serves lent blocks and moves a spanning
+# request's KV over a second pipe beside the first (vllm/corepipe.py).
 EXTRA_LEND = "kvfleet_lend"
+EXTRA_BORROW = "kvfleet_borrow"
 
 # The request's kv_transfer_params key: {"kvfleet": {"id": the agent's request id, "load": bool}}.
 # vLLM adds a suffix of its own to the id it gives a request inside the EngineCore, so the agent's id
@@ -274,6 +278,11 @@ class KvfleetMetadata(KVConnectorMetadata):
     # The CPU buffer (vllm/elastic.py CpuBuffer): preempted requests to copy out, parked ones to copy in.
     parks: list[Park] = field(default_factory=list)
     unparks: list[_Unpark] = field(default_factory=list)
+    # DistKV borrowing (vllm/borrowing.py): blocks to move to leases during the step, where spanning
+    # requests' local blocks start (the agent's id, blocks moved, local block ids), leases to give back.
+    spills: list[SpillOrder] = field(default_factory=list)
+    spans: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -285,6 +294,9 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
     balloon: MapReport | None = None
     mapped_slots: int | None = None
     parked: dict[str, Parked] = field(default_factory=dict)
+    # DistKV borrowing: blocks moved to leases (vLLM's request id -> count), or why not.
+    moved: dict[str, int] = field(default_factory=dict)
+    move_failed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # One worker per engine (tensor parallelism refuses moves and elastic memory): nothing to merge.
@@ -292,7 +304,8 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
         return KvfleetWorkerMetadata({**self.saved, **other.saved}, {**self.errors, **other.errors},
                                      {**self.failed_loads, **other.failed_loads}, other.balloon or self.balloon,
                                      other.mapped_slots if other.mapped_slots is not None else self.mapped_slots,
-                                     {**self.parked, **other.parked})
+                                     {**self.parked, **other.parked}, {**self.moved, **other.moved},
+                                     {**self.move_failed, **other.move_failed})
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
@@ -361,6 +374,10 @@ class _SchedulerSide:
         # DistKV lending (vllm/lending.py): vLLM's block pool once bound, and the blocks of each lease.
         self.block_pool: BlockPool | None = None
         self.lent: dict[str, list[KVCacheBlock]] = {}
+        # DistKV borrowing's scheduler side (vllm/borrowing.py), once vLLM binds its block pool.
+        self.planner: SpanPlanner | None = None
+        self.kv_cache_manager: Any = None
+        self.releases: list[str] = []
         self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
 
@@ -430,12 +447,14 @@ class _SchedulerSide:
 
     def has_work(self) -> bool:
         return (not self.inbox.empty() or bool(self.loads or self.frees or self.saves or self.unparks)
-                or (self.balloon is not None and self.balloon.waiting_for_worker))
+                or bool(self.releases) or (self.balloon is not None and self.balloon.waiting_for_worker))
 
     def admitted(self, request: Request) -> None:
         rid = _agent_id(request)
         if rid is not None:
             self.running[rid] = request
+        if self.planner is not None:
+            self.planner.admitted(request, rid)
 
     def _loadable(self, request: Request) -> int:
         """Tokens a resumed request can load: staged here for it, else its own kept blocks; vLLM computes
@@ -498,6 +517,11 @@ class _SchedulerSide:
             self.last_step_s = time.monotonic()
         meta = KvfleetMetadata(loads=self.loads, frees=self.frees)
         self.loads, self.frees = [], []
+        if self.planner is not None and self.block_pool is not None:
+            plan = self.planner.plan(scheduler_output.num_scheduled_tokens, block_ids_of,
+                                     internals.free_block_count(self.block_pool))
+            meta.spills, meta.spans = plan.spills, plan.spans
+            meta.releases, self.releases = [*self.releases, *plan.releases], []
         if self.balloon is not None:
             orders = self.balloon.plan(scheduler_output)
             meta.balloon_maps, meta.balloon_unmaps = orders.maps, orders.unmaps
@@ -603,6 +627,8 @@ class _SchedulerSide:
             self.buffer.unreported()
         if not isinstance(meta, KvfleetWorkerMetadata):
             return
+        if self.planner is not None and (meta.moved or meta.move_failed):
+            self.planner.confirmed(meta.moved, meta.move_failed, self.kv_cache_manager)
         if self.balloon is not None and (meta.balloon is not None or meta.mapped_slots is not None):
             report = meta.balloon or MapReport()
             self.balloon.confirmed(report.mapped, report.failed, meta.mapped_slots, report.map_s, report.unmap_s)
@@ -618,6 +644,8 @@ class _SchedulerSide:
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """request_finished: True keeps the blocks (a suspended request)."""
+        if self.planner is not None and (leased := self.planner.finished(request)) is not None:
+            self.releases.append(leased)
         rid = _agent_id(request)
         if rid is None:
             return False
@@ -670,8 +698,10 @@ class _WorkerSide:
         self.refusal = "no KV cache registered"
         # Elastic memory's worker side (vllm/elastic.py): the KV cache over kvfleet's memory.
         self.pool: WorkerPool | None = None
-        # DistKV lending's server of lent blocks (vllm/lending.py), when the engine lends.
-        self.lease_server: LeaseServer | None = None
+        # DistKV (vllm/corepipe.py): the second pipe, lent blocks and the borrowing side, as configured.
+        self.core_pipe: CorePipe | None = None
+        self.lent_blocks: LentBlocks | None = None
+        self.borrowing: CoreBorrowing | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_dtype: str, plain: bool) -> None:
         """`plain`: every layer is kvfleet's attention backend's (PlainKVLayout), else vLLM's own."""
@@ -745,6 +775,22 @@ class _WorkerSide:
                                                      for layer in self.layers])
         self.freed.update(meta.frees)
 
+    def distkv(self, meta: KvfleetMetadata) -> None:
+        """Borrowing's share of a step, before its forward: leases to give back, blocks to move (computed
+        in earlier steps, so their KV is written), and where each spanning request's local blocks start."""
+        core = self.borrowing
+        if core is None:
+            return
+        for agent_id in meta.releases:
+            core.release(agent_id)
+        for order in meta.spills:
+            try:
+                core.spill(order.agent_id, order.block_ids, order.first_token)
+                self.out.moved[order.request] = len(order.block_ids)
+            except Exception as err:  # reported: the blocks stay local (borrowing.py SpanPlanner.confirmed)
+                self.out.move_failed[order.request] = str(err)
+        core.spans = list(meta.spans)
+
     def take_freed(self) -> set[str]:
         freed, self.freed = self.freed, set()
         return freed
@@ -752,7 +798,7 @@ class _WorkerSide:
     def take_output(self) -> KvfleetWorkerMetadata | None:
         out, self.out = self.out, KvfleetWorkerMetadata()
         return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None
-                       or out.parked) else None
+                       or out.parked or out.moved or out.move_failed) else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -818,13 +864,16 @@ class KvfleetConnector(KVConnectorBase_V1):
             raise RuntimeError(reason)
         self._worker.register(kv_caches, str(self._vllm_config.cache_config.cache_dtype), plain)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        if extra.get(EXTRA_LEND):
-            # The engine asked for lending only with kvfleet's backend (options.py), whose layout it reads.
-            if not plain:
-                raise RuntimeError(f"DistKV lending reads kvfleet's attention layout; vLLM built {sorted(backends)}")
-            self._worker.lease_server = LeaseServer(lease_socket_path(str(extra[EXTRA_SOCKET])),
-                                                    bytes.fromhex(str(extra[EXTRA_AUTHKEY])), self._worker.layers,
-                                                    self._worker.block_size)
+        if extra.get(EXTRA_LEND) or extra.get(EXTRA_BORROW):
+            # The engine asks for DistKV only with kvfleet's backend (options.py), whose layout it reads.
+            worker, layout = self._worker, self._worker.layout
+            if not plain or not isinstance(layout, PlainKVLayout):
+                raise RuntimeError(f"DistKV reads kvfleet's attention layout; vLLM built {sorted(backends)}")
+            worker.core_pipe = CorePipe(core_socket_path(str(extra[EXTRA_SOCKET])), bytes.fromhex(str(extra[EXTRA_AUTHKEY])))
+            if extra.get(EXTRA_LEND):
+                worker.lent_blocks = LentBlocks(worker.core_pipe, worker.layers, worker.block_size)
+            if extra.get(EXTRA_BORROW):
+                worker.borrowing = borrowing.CORE = CoreBorrowing(worker.core_pipe, layout, worker.layers)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the step writes any block (vLLM's model runner): parks copy preempted requests'
@@ -844,6 +893,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._worker.apply_balloon(meta)
         self._worker.unpark(meta)
         self._worker.load(meta)
+        self._worker.distkv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv before the forward
@@ -875,6 +925,10 @@ class KvfleetConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self._scheduler is not None
         self._scheduler.block_pool = gpu_block_pool
+        if self._kv_transfer_config.kv_connector_extra_config.get(EXTRA_BORROW):
+            self._scheduler.planner = SpanPlanner(int(self._vllm_config.cache_config.block_size),
+                                                  int(gpu_block_pool.num_gpu_blocks) - 1,
+                                                  int(self._vllm_config.scheduler_config.max_num_batched_tokens))
         if self._elastic is not None and self._geometry is not None:
             block_size = int(self._vllm_config.cache_config.block_size)
             scheduler_config = self._vllm_config.scheduler_config
@@ -912,6 +966,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         manager = self._kv_cache_manager
         assert manager is not None, "vLLM binds its cache manager before scheduling"
+        self._scheduler.kv_cache_manager = manager
         return self._scheduler.build(scheduler_output, lambda request_id: list(manager.get_block_ids(request_id)[0]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -932,5 +987,5 @@ class KvfleetConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
-        if self._worker is not None and self._worker.lease_server is not None:
-            self._worker.lease_server.close()
+        if self._worker is not None and self._worker.core_pipe is not None:
+            self._worker.core_pipe.close()

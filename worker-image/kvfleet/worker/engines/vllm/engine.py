@@ -134,19 +134,22 @@ from kvfleet.worker.engines.base import (
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, MigrationError, PrefixCacheStats
 from kvfleet.worker.engines.grammar import Grammars
 from kvfleet.worker.engines.vllm import internals, penalties, plugin, structured
+from kvfleet.worker.engines.vllm.borrowing import VLLMKVBorrowing
 from kvfleet.worker.engines.vllm.connector import (
     CONNECTOR_NAME,
     EXTRA_ATTENTION,
     EXTRA_AUTHKEY,
+    EXTRA_BORROW,
     EXTRA_LEND,
     EXTRA_MIN_STEP_S,
     EXTRA_SOCKET,
     kv_params,
     refusal_path,
 )
+from kvfleet.worker.engines.vllm.corepipe import core_socket_path
 from kvfleet.worker.engines.vllm.elastic import EXTRA_ELASTIC, ActivationModel, ElasticSettings, set_chunk_bytes
 from kvfleet.worker.engines.vllm.lending import VLLMKVLending
-from kvfleet.worker.engines.vllm.migration import VLLMKVMigration
+from kvfleet.worker.engines.vllm.migration import ConnectorClient, VLLMKVMigration
 from kvfleet.worker.engines.vllm.options import VLLMOptions
 from kvfleet.worker.engines.vllm.penalties import carried_extra_args
 from kvfleet.worker.engines.vllm.pipe import new_socket_path
@@ -324,6 +327,13 @@ class VLLMEngine:
         self._migration = VLLMKVMigration(self)
         # DistKV lending (vllm/lending.py): blocks of this engine's cache lent to other workers' requests.
         self._lending = VLLMKVLending(options.distkv.lend_cap_bytes) if options.distkv.lend_cap_bytes else None
+        # DistKV borrowing (vllm/borrowing.py): requests longer than this engine's cache keep their oldest KV
+        # in blocks other workers lend; the leases are held here, the EngineCore asks over the core pipe.
+        self._borrowing = VLLMKVBorrowing() if options.distkv.borrow else None
+        if self._borrowing is not None and config.prefix_caching:
+            raise EngineError("DistKV borrowing with vLLM needs prefix caching off: a spanning request's moved "
+                              "blocks must be its own")
+        self._core: ConnectorClient | None = None
         self._socket_dir: str | None = None
         self._authkey = secrets.token_bytes(32)
         # Structured outputs' grammars in this process, to refuse a bad spec (or an output that breaks
@@ -344,10 +354,19 @@ class VLLMEngine:
         llm, geometry = await asyncio.to_thread(self._create)
         self._llm, self._geometry = llm, geometry
         await self._migration.open(self._socket_path(), self._authkey, str(geometry.kv_dtype).removeprefix("torch."))
+        if self._lending is not None or self._borrowing is not None:
+            async def nothing_to_wake() -> None:
+                return None
+
+            self._core = ConnectorClient(nothing_to_wake, lambda event: None,
+                                         self._borrowing.on_ask if self._borrowing is not None else None)
+            await self._core.open(core_socket_path(self._socket_path()), self._authkey)
         if self._lending is not None:
-            await self._lending.open(self._migration.client(), self._socket_path(), self._authkey,
-                                     geometry.block_size_tokens, geometry.block_bytes,
-                                     llm.vllm_config.model_config.get_num_layers(llm.vllm_config.parallel_config))
+            assert self._core is not None
+            self._lending.open(self._migration.client(), self._core, geometry.block_size_tokens, geometry.block_bytes,
+                               llm.vllm_config.model_config.get_num_layers(llm.vllm_config.parallel_config))
+        if self._borrowing is not None:
+            self._borrowing.open(geometry.block_size_tokens, geometry.kv_bytes_per_token)
         num_blocks = llm.vllm_config.cache_config.num_gpu_blocks
         if not num_blocks:
             raise RuntimeError("vLLM started without telling how many KV blocks it allocated")
@@ -387,6 +406,8 @@ class VLLMEngine:
                                   + "; ".join(found))
             if self._lending is not None and (found := internals.lending_problems()):
                 raise EngineError("DistKV lending cannot run on this vLLM (engines/vllm/internals.py): " + "; ".join(found))
+            if self._borrowing is not None and (found := internals.borrowing_problems()):
+                raise EngineError("DistKV borrowing cannot run on this vLLM (engines/vllm/internals.py): " + "; ".join(found))
             if not plugin.entry_point_installed():
                 raise EngineError("DistAttention with vLLM needs kvfleet's vllm.general_plugins entry point, which this "
                                   "environment lacks: reinstall the kvfleet package (pip install -e . from a checkout)")
@@ -439,12 +460,18 @@ class VLLMEngine:
             if usable_blocks < 1:
                 raise EngineError(f"the KV capacity asked for holds no block of {block_bytes} bytes")
             capacity_tokens = usable_blocks * geometry.block_size_tokens
-            if capacity_tokens < max_model_len:
+            if self._borrowing is not None:
+                # Longer requests borrow other workers' memory (vllm/borrowing.py): a step's tokens must fit
+                # in half the local cache, so that the older half can move out while it runs.
+                batched_tokens = max(geometry.block_size_tokens,
+                                     capacity_tokens // 2 // geometry.block_size_tokens * geometry.block_size_tokens)
+            elif capacity_tokens < max_model_len:
                 # vLLM refuses to start when one full-length request does not fit; a worker given a
                 # small capacity (tests, the demo) serves shorter requests instead.
                 logger.warning("KV capacity holds %d tokens: max_model_len lowered from %d", capacity_tokens, max_model_len)
                 max_model_len = capacity_tokens
-        if ask_bytes is not None or max_model_len != geometry.max_model_len or processors != first_processors:
+        if (ask_bytes is not None or max_model_len != geometry.max_model_len or processors != first_processors
+                or batched_tokens is not None):
             vllm_config = self._engine_args(max_model_len, ask_bytes, processors, batched_tokens).create_engine_config(
                 UsageContext.ENGINE_CONTEXT)
             geometry = _geometry(vllm_config)
@@ -458,7 +485,7 @@ class VLLMEngine:
         # The EngineCore process it spawns builds the model: plugin.py registers kvfleet's attention there
         # when asked, and the connector checks what was built (EXTRA_ATTENTION).
         try:
-            with plugin.asked(self.options.attention):
+            with plugin.asked(self.options.attention, borrow=self._borrowing is not None):
                 llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger], disable_log_stats=True,
                                                 enable_log_requests=False)
         except Exception as err:
@@ -529,6 +556,10 @@ class VLLMEngine:
             extra[EXTRA_ELASTIC] = self._elastic.to_extra()
         if self._lending is not None:
             extra[EXTRA_LEND] = True
+        if self._borrowing is not None:
+            extra[EXTRA_BORROW] = True
+            # A spanning request is admitted on its first chunk, not on its whole prompt (vllm/borrowing.py).
+            optional["scheduler_reserve_full_isl"] = False
         return AsyncEngineArgs(
             model=str(config.model_path),
             # The agent tokenizes and detokenizes: prompts go in as token ids and outputs come back with
@@ -578,6 +609,10 @@ class VLLMEngine:
         self._migration.close()
         if self._lending is not None:
             self._lending.close()
+        if self._borrowing is not None:
+            await self._borrowing.close()
+        if self._core is not None:
+            self._core.close()
         # Blocking (it joins the processes); on the loop's thread because it closes the loop's sockets.
         llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         self._requests.clear()
@@ -595,7 +630,7 @@ class VLLMEngine:
         memory = self.options.memory
         # KV migration through kvfleet's connector (vllm/migration.py); where the connector cannot move
         # KV (an unknown layout, tensor parallelism) its kv_format says why and moves go by tokens.
-        return EngineCapabilities(migration=self._migration, lending=self._lending,
+        return EngineCapabilities(migration=self._migration, lending=self._lending, borrowing=self._borrowing,
                                   elastic_memory=self if memory is not None and memory.elastic else None,
                                   prefix_cache=self if self.config.prefix_caching else None,
                                   prometheus_metrics=self.prometheus_metrics)

@@ -157,6 +157,47 @@ def free_block_count(pool: BlockPool) -> int:
     return pool.get_num_free_blocks()
 
 
+# What DistKV borrowing (borrowing.py) does to vLLM's KV cache manager: name -> leading parameters.
+_BORROWING_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range": (
+        "self", "request_id", "first_block", "last_block"),
+    "vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory": (
+        "available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+}
+
+
+def borrowing_problems() -> list[str]:
+    """What this vLLM lacks of what DistKV borrowing uses; empty when all is there."""
+    found = _signature_problems(_BORROWING_SIGNATURES)
+    try:
+        from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+        if "single_type_managers" not in inspect.getsource(KVCacheCoordinator.__init__):
+            found.append("KVCacheCoordinator keeps no single_type_managers")
+    except Exception as err:
+        found.append(f"vLLM's KV cache coordinator could not be inspected: {err}")
+    return found
+
+
+def skip_blocks(manager: Any, request_id: str, num_blocks: int) -> None:
+    """Free a request's first `num_blocks` blocks as vLLM frees what leaves a sliding window: each becomes
+    the null block in its block table (attention.py reads a leading run of them as remote tokens)."""
+    for single in manager.coordinator.single_type_managers:
+        single._remove_blocks_in_range(request_id, 0, num_blocks)
+
+
+def allow_contexts_beyond_cache() -> None:
+    """vLLM refuses to start when one request of max_model_len does not fit its KV cache; a borrowing
+    engine serves such requests with other workers' memory, so the check is skipped in this process."""
+    from vllm.v1.core import kv_cache_utils
+
+    def enough(available_memory: int, get_needed_memory: Any, max_model_len: int, estimate_max_model_len: Any) -> None:
+        if available_memory <= 0:
+            raise ValueError("no memory for the KV cache blocks")
+
+    kv_cache_utils._check_enough_kv_cache_memory = enough
+
+
 # -- the balloon's operations on vLLM's BlockPool (the scheduler side) ------------------------------
 
 

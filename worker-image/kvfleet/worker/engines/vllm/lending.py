@@ -9,8 +9,8 @@ blocks of its own KV cache; the pieces live where vLLM keeps what they touch:
   request's would be, so vLLM's scheduler counts them used and never hands them to a request of its
   own. When the agent's pipe ends they all go back.
 - **The KV.** The lent blocks sit in vLLM's KV cache tensors, which the connector's worker side holds.
-  `LeaseServer` there stores a borrower's KV and answers its queries on a thread of its own, over a
-  second socket: off vLLM's step loop, since a borrower's every layer waits for the answer, and a lent
+  `LentBlocks` there stores a borrower's KV and answers its queries on the EngineCore's second pipe
+  (corepipe.py), off vLLM's step loop, since a borrower's every layer waits for the answer; a lent
   block is never one a step reads or writes, so the two need no lock. It reads the cache through
   kvfleet's attention backend's layout (attention.py `kv_views`), so lending needs `distattention`.
 - **The leases.** This process (`VLLMKVLending`, on the agent's event loop) keeps each lease's block
@@ -23,9 +23,6 @@ Lending needs a static KV cache: elastic memory also takes blocks out of vLLM's 
 from __future__ import annotations
 
 import logging
-import threading
-from multiprocessing.connection import Connection, Listener
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,78 +30,45 @@ import torch
 from kvfleet.kernels.dispatch import micro_attention_decode
 from kvfleet.worker.engines.base import blocks_for
 from kvfleet.worker.engines.capabilities import LendingError, MigrationError
+from kvfleet.worker.engines.vllm.corepipe import CorePipe
 from kvfleet.worker.engines.vllm.migration import ConnectorClient
-from kvfleet.worker.engines.vllm.pipe import Pipe, listen
 
 log = logging.getLogger(__name__)
-
-LEASE_SOCKET = "lease.sock"
-
-
-def lease_socket_path(connector_socket: str) -> str:
-    """Where the EngineCore's lease server listens: beside the connector's pipe, in the same private folder."""
-    return str(Path(connector_socket).parent / LEASE_SOCKET)
 
 
 # -- in the EngineCore (the connector's worker side) ------------------------------------------------
 
 
-class LeaseServer:
+class LentBlocks:
     """Writes into and attention over lent blocks of vLLM's KV cache, for the agent (module docstring).
 
-    Asks, each answered {"seq", "ok", ...} on the pipe's reader thread:
+    Asks on the core pipe:
       {"op": "lease-write", "blocks", "start"} + kv [layers, 2, tokens, kv_heads, head_dim]
           tokens [start, start + n) of a lease whose blocks are `blocks`, in token order;
       {"op": "lease-attend", "layer", "blocks", "tokens"} + q [rows, q_heads, head_dim]
           -> out [rows, q_heads, head_dim] then lse [rows, q_heads], one float32 tensor.
     """
 
-    def __init__(self, socket_path: str, authkey: bytes, layers: list[torch.Tensor], block_size_tokens: int) -> None:
+    def __init__(self, pipe: CorePipe, layers: list[torch.Tensor], block_size_tokens: int) -> None:
         from kvfleet.worker.engines.vllm.attention import kv_views
 
         self._views = [kv_views(layer) for layer in layers]
         self._block_size = block_size_tokens
-        self._pipe: Pipe | None = None
-        self._listener: Listener = listen(socket_path, authkey)
-        threading.Thread(target=self._accept, name="kvfleet-lease-accept", daemon=True).start()
+        pipe.handle("lease-write", self._on_write)
+        pipe.handle("lease-attend", self._on_attend)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn: Connection = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as err:  # a peer without the key
-                log.warning("kvfleet lease server: refused a connection: %s", err)
-                continue
-            if self._pipe is not None and not self._pipe.closed.is_set():
-                conn.close()  # one agent per engine
-                continue
-            self._pipe = Pipe(conn, self._on_message, lambda: None, "kvfleet-lease-server")
-            self._pipe.send({"op": "hello"})
+    def _on_write(self, msg: dict[str, Any], kv: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        if kv is None:
+            raise ValueError("lease-write without its KV")
+        self.write(torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long), int(msg["start"]), kv)
+        return {}, None
 
-    def close(self) -> None:
-        self._listener.close()
-        if self._pipe is not None:
-            self._pipe.close()
-
-    def _on_message(self, msg: dict[str, Any], tensor: torch.Tensor | None) -> None:
-        assert self._pipe is not None
-        seq, op = int(msg.get("seq", 0)), msg.get("op")
-        try:
-            if tensor is None:
-                raise ValueError(f"{op!r} without its tensor")
-            blocks = torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long)
-            if op == "lease-write":
-                self.write(blocks, int(msg["start"]), tensor)
-                self._pipe.send({"seq": seq, "ok": True})
-            elif op == "lease-attend":
-                out, lse = self.attend(int(msg["layer"]), blocks, int(msg["tokens"]), tensor)
-                self._pipe.send({"seq": seq, "ok": True}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)]))
-            else:
-                raise ValueError(f"unknown ask {op!r}")
-        except Exception as err:  # the agent's ask fails with the reason; the server goes on
-            self._pipe.send({"seq": seq, "ok": False, "error": f"{type(err).__name__}: {err}"})
+    def _on_attend(self, msg: dict[str, Any], q: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        if q is None:
+            raise ValueError("lease-attend without its query")
+        out, lse = self.attend(int(msg["layer"]), torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long),
+                               int(msg["tokens"]), q)
+        return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
 
     def write(self, blocks: torch.Tensor, start_token: int, kv: torch.Tensor) -> None:
         if len(kv) != len(self._views):
@@ -145,23 +109,16 @@ class VLLMKVLending:
         self._control: ConnectorClient | None = None
         self._data: ConnectorClient | None = None
 
-    async def open(self, control: ConnectorClient, connector_socket: str, authkey: bytes, block_size_tokens: int,
-                   block_bytes: int, num_layers: int) -> None:
-        """Lend from the started engine: blocks through the connector's pipe, KV through the lease server's."""
-        async def nothing_to_wake() -> None:
-            return None
-
-        data = ConnectorClient(nothing_to_wake, lambda event: None)
-        await data.open(lease_socket_path(connector_socket), authkey)
-        self._control, self._data = control, data
+    def open(self, control: ConnectorClient, core: ConnectorClient, block_size_tokens: int, block_bytes: int,
+             num_layers: int) -> None:
+        """Lend from the started engine: blocks through the connector's pipe, KV through the core pipe."""
+        self._control, self._data = control, core
         self._cap_blocks = self._cap_bytes // block_bytes
         self._block_size, self._num_layers = block_size_tokens, num_layers
 
     def close(self) -> None:
         """The engine stops: its EngineCore takes every lent block with it."""
         self._leases.clear()
-        if self._data is not None:
-            self._data.close()
         self._control = self._data = None
 
     @property

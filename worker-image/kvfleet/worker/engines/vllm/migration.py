@@ -45,6 +45,9 @@ ASK_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 30.0
 
 
+AskHandler = Callable[[dict[str, Any], torch.Tensor | None], Awaitable[tuple[dict[str, Any], torch.Tensor | None]]]
+
+
 class ConnectorClient:
     """The agent's end of the pipe to the connector in the EngineCore, on the event loop.
 
@@ -53,9 +56,13 @@ class ConnectorClient:
     then makes an idle EngineCore step, so the ask is carried out even with no request running.
     """
 
-    def __init__(self, wake: Callable[[], Awaitable[Any]], on_event: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, wake: Callable[[], Awaitable[Any]], on_event: Callable[[dict[str, Any]], None],
+                 on_ask: AskHandler | None = None) -> None:
         self._wake = wake
         self._on_event = on_event
+        # The EngineCore's own asks (corepipe.py `call`), answered {"reply_to": seq, "ok", ...}.
+        self._on_ask = on_ask
+        self._asks: set[asyncio.Task[None]] = set()
         self._pipe: Pipe | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = 0
@@ -94,8 +101,26 @@ class ConnectorClient:
                 self._hello.set_result(header)
         elif header.get("event"):
             self._on_event(header)
+        elif header.get("core_ask"):
+            task = asyncio.get_running_loop().create_task(self._answer(header, tensor))
+            self._asks.add(task)
+            task.add_done_callback(self._asks.discard)
         elif (waiting := self._waiting.get(int(header.get("seq", 0)))) is not None:
             waiting.put_nowait((header, tensor))
+
+    async def _answer(self, header: dict[str, Any], tensor: torch.Tensor | None) -> None:
+        reply: dict[str, Any] = {"reply_to": int(header.get("seq", 0))}
+        data: torch.Tensor | None = None
+        try:
+            if self._on_ask is None:
+                raise MigrationError(f"this agent answers no {header.get('op')!r}")
+            fields, data = await self._on_ask(header, tensor)
+            reply.update(ok=True, **fields)
+        except Exception as err:  # the EngineCore's call fails with the reason
+            reply.update(ok=False, error=f"{type(err).__name__}: {err}")
+            data = None
+        if self._pipe is not None:
+            self._pipe.send(reply, data)
 
     async def ask(self, op: str, tensor: torch.Tensor | None = None, **fields: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
         if self._pipe is None or self._closed.is_set():

@@ -30,19 +30,20 @@ class VLLMOptions:
     attention: VLLMAttention = "vllm"
     # DistKV (docs/distkv.md): lend up to `lend_cap_bytes` of vLLM's free KV blocks to requests of other
     # workers (vllm/lending.py). Lending needs "distattention" (a borrower's queries are answered with
-    # kvfleet's kernels over vLLM's blocks) and a static cache; vLLM workers do not borrow yet.
+    # kvfleet's kernels over vLLM's blocks) and a static cache; so does borrowing (vllm/borrowing.py).
     distkv: DistKVOptions = field(default_factory=DistKVOptions)
 
     def __post_init__(self) -> None:
         if self.attention not in VLLM_ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(VLLM_ATTENTIONS)}, got {self.attention!r}")
-        if self.distkv.borrow:
-            raise ValueError("vLLM workers lend KV but do not borrow it yet (DistKV borrowing runs on the builtin engine)")
-        if self.distkv.lend_cap_bytes < 0:
-            raise ValueError(f"the lending cap must be at least 0 bytes, not {self.distkv.lend_cap_bytes}")
-        if self.distkv.lend_cap_bytes and self.attention != "distattention":
+        distkv = self.distkv
+        if distkv.lend_cap_bytes < 0:
+            raise ValueError(f"the lending cap must be at least 0 bytes, not {distkv.lend_cap_bytes}")
+        if distkv.lend_cap_bytes and self.attention != "distattention":
             raise ValueError("lending KV needs attention 'distattention': a borrower's queries are answered with "
                              "kvfleet's kernels over the lent blocks")
-        if self.distkv.lend_cap_bytes and self.memory is not None and self.memory.elastic:
-            raise ValueError("DistKV lending needs a static KV cache, not elastic memory (both grow and shrink vLLM's "
-                             "block pool)")
+        if distkv.borrow and self.attention != "distattention":
+            raise ValueError("borrowing KV (DistKV) needs attention 'distattention': remote KV is attended where it lives")
+        if (distkv.lend_cap_bytes or distkv.borrow) and self.memory is not None and self.memory.elastic:
+            raise ValueError("DistKV lending and borrowing need a static KV cache, not elastic memory (both grow and "
+                             "shrink vLLM's block pool)")

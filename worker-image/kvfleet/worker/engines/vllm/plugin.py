@@ -20,6 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 ENV = "KVFLEET_VLLM_ATTENTION"
+# "1" in an engine whose requests may be longer than its KV cache (borrowing.py): vLLM's start-up check
+# that one request of max_model_len fits the cache is skipped in its EngineCore.
+BORROW_ENV = "KVFLEET_VLLM_BORROW"
 DISTATTENTION = "distattention"
 BACKEND_PATH = "kvfleet.worker.engines.vllm.attention.KvfleetAttentionBackend"
 
@@ -31,6 +34,10 @@ def register() -> None:
 
         for member in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.CPU_ATTN):
             register_backend(member, BACKEND_PATH)
+        if os.environ.get(BORROW_ENV) == "1":
+            from kvfleet.worker.engines.vllm import internals
+
+            internals.allow_contexts_beyond_cache()
 
 
 def entry_point_installed() -> bool:
@@ -41,15 +48,17 @@ def entry_point_installed() -> bool:
 
 
 @contextmanager
-def asked(attention: str) -> Iterator[None]:
-    """KVFLEET_VLLM_ATTENTION for the processes an engine start spawns: set to `attention` while the
-    block runs, then back to what it was."""
-    before = os.environ.get(ENV)
+def asked(attention: str, borrow: bool = False) -> Iterator[None]:
+    """KVFLEET_VLLM_ATTENTION (and KVFLEET_VLLM_BORROW) for the processes an engine start spawns: set
+    while the block runs, then back to what they were."""
+    before = {name: os.environ.get(name) for name in (ENV, BORROW_ENV)}
     os.environ[ENV] = attention
+    os.environ[BORROW_ENV] = "1" if borrow else "0"
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,284 @@
+"""The vLLM engine's `KVBorrowing` capability: a request longer than vLLM's whole KV cache, served with
+blocks other workers lend (Infinite-LLM §4.3, §4.6), as the builtin engine serves it.
+
+Who does what:
+- **The scheduler side of kvfleet's connector** (connector.py, EngineCore's loop thread) tells a
+  spanning request (prompt + max_tokens beyond the cache) from the rest and, after scheduling a step,
+  whether the request's next step finds the blocks it needs. If not, it orders the request's oldest
+  full blocks (computed in earlier steps, so their KV is written) moved to leases during this step;
+  once the move is confirmed it frees them in vLLM's KV cache manager as vLLM's sliding window frees
+  what leaves it (the blocks become vLLM's null block: internals.skip_blocks). So the request's local
+  blocks always hold its newest tokens and its remote KV is a prefix.
+- **The worker side** (`CoreBorrowing`, in the EngineCore next to the KV cache) reads the blocks to
+  move and hands them to the agent over the core pipe (corepipe.py); during the forward it asks the
+  agent for each spanning request's attention over its remote KV, layer by layer.
+- **The attention backend** (attention.py) finds a spanning request by its block table: leading null
+  blocks are remote tokens. It attends over the local blocks (the table and the lengths shifted past
+  the remote prefix: positions are in the keys already, so attention over a part does not depend on
+  where the part sits), asks for the remote part meanwhile, and merges the two with ScaleReduce.
+- **The agent** (`VLLMKVBorrowing`, on the event loop) holds the leases, as the builtin engine does:
+  whom to ask (the operator's plan), room in leases (`distkv.parts.LeaseFinder`), writes, the shipped
+  queries (§4.6: the query travels, never the KV), and what the reports say is borrowed.
+
+Every remote call of a forward crosses the core pipe to the agent and back before the network: a
+round trip of about 0.6 ms on the machines this was built on (docs/distkv.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvfleet.worker.distkv.creditors import Creditors
+from kvfleet.worker.distkv.parts import LeaseFinder, RemoteParts
+from kvfleet.worker.engines.capabilities import LeaseOpener
+from kvfleet.worker.engines.vllm import internals
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvfleet.worker.engines.vllm.connector import PlainKVLayout
+    from kvfleet.worker.engines.vllm.corepipe import CorePipe
+
+log = logging.getLogger(__name__)
+
+
+# -- in the EngineCore -------------------------------------------------------------------------------
+
+
+class CoreBorrowing:
+    """The worker side's half (module docstring): moves and remote attention through the core pipe."""
+
+    def __init__(self, pipe: CorePipe, layout: PlainKVLayout, layers: list[torch.Tensor]) -> None:
+        self._pipe = pipe
+        self._layout = layout
+        self._layers = layers
+        # The step's spanning requests: (the agent's id, blocks moved out, the local blocks' ids): how the
+        # backend, which sees block tables and not requests, finds them (attention.py `_shifted`).
+        self.spans: list[tuple[str, int, list[int]]] = []
+
+    def spill(self, request_id: str, block_ids: list[int], first_token: int) -> None:
+        """Blocks of a request (its tokens from `first_token` on) into its leases; raises when they
+        could not all be moved (the agent says why)."""
+        kv = torch.stack([self._layout.read(layer, block_ids) for layer in self._layers])  # [L, 2, n, bs, h, d]
+        self._pipe.call("distkv-spill", kv.flatten(2, 3), id=request_id, first_token=first_token)
+
+    def attend(self, request_id: str, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [rows, q_heads, head_dim] over the request's remote KV -> (out, lse) in float32."""
+        _, data = self._pipe.call("distkv-attend", q.detach().float().contiguous(), id=request_id, layer=layer)
+        rows, heads, dim = (int(d) for d in q.shape)
+        if data is None or data.numel() != rows * heads * (dim + 1):
+            raise RuntimeError(f"the agent answered {0 if data is None else data.numel()} floats for a "
+                               f"{rows}x{heads}x{dim} attention")
+        return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+
+    def release(self, request_id: str) -> None:
+        """The request ended (or starts again): its leases go back."""
+        try:
+            self._pipe.call("distkv-release", id=request_id, timeout_s=5.0)
+        except Exception as err:  # the agent frees what it holds when its engine stops anyway
+            log.warning("kvfleet: releasing the leases of %s failed: %s", request_id, err)
+
+
+# The EngineCore's borrowing, for the attention backend (set by the connector's worker side).
+CORE: CoreBorrowing | None = None
+
+
+@dataclass
+class _Span:
+    """A spanning request as the scheduler side follows it: its first `remote_blocks` blocks are in
+    leases (and null here), the next `moving` are being moved this step."""
+
+    request: Request
+    agent_id: str
+    remote_blocks: int = 0
+    moving: int = 0
+    failed: str | None = None
+
+
+@dataclass(frozen=True)
+class SpillOrder:
+    """Move these blocks (a request's tokens from `first_token` on) to its leases during the step."""
+
+    request: str            # vLLM's id
+    agent_id: str
+    block_ids: list[int]
+    first_token: int
+
+
+@dataclass
+class StepPlan:
+    spills: list[SpillOrder] = field(default_factory=list)
+    # Requests with remote KV: (the agent's id, blocks moved out, local block ids) (CoreBorrowing.spans).
+    spans: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)   # agent ids whose leases go back
+
+
+class SpanPlanner:
+    """The scheduler side's half (module docstring), on EngineCore's loop thread."""
+
+    def __init__(self, block_size_tokens: int, usable_blocks: int, batched_tokens: int) -> None:
+        self.block_size = block_size_tokens
+        self.usable_blocks = usable_blocks
+        self.batched_tokens = batched_tokens
+        self.spans: dict[str, _Span] = {}   # vLLM's id -> span
+
+    def admitted(self, request: Request, agent_id: str | None) -> None:
+        """A request whose prompt and output cannot fit the whole cache spans (it borrows as it grows)."""
+        needed = request.num_prompt_tokens + (request.max_tokens or 0)
+        if agent_id is not None and -(-needed // self.block_size) > self.usable_blocks:
+            self.spans[request.request_id] = _Span(request, agent_id)
+
+    def plan(self, scheduled_tokens: Mapping[str, int], block_ids_of: Callable[[str], list[int]],
+             free_blocks: int) -> StepPlan:
+        """After vLLM scheduled a step: what its spanning requests move, and where their local blocks start."""
+        plan = StepPlan()
+        bs = self.block_size
+        for rid, span in self.spans.items():
+            req = span.request
+            if req.num_computed_tokens == 0 and (span.remote_blocks or span.moving):
+                # Preempted: vLLM freed its blocks and computes it again from the start; its leases go.
+                plan.releases.append(span.agent_id)
+                span.remote_blocks = span.moving = 0
+                span.failed = None
+            scheduled = scheduled_tokens.get(rid, 0)
+            if not scheduled:
+                continue
+            blocks = block_ids_of(rid)
+            if span.remote_blocks:
+                plan.spans.append((span.agent_id, span.remote_blocks, blocks[span.remote_blocks:]))
+            if span.failed is not None:
+                continue
+            done = req.num_computed_tokens + scheduled   # once this step has run
+            following = min(req.num_prompt_tokens - done, self.batched_tokens) if done < req.num_prompt_tokens else 1
+            short = -(-(done + following) // bs) - len(blocks) - free_blocks
+            first = span.remote_blocks + span.moving
+            # Only blocks computed before this step hold their KV while it runs, and only full ones move.
+            movable = req.num_computed_tokens // bs - first
+            count = min(short, movable)
+            if count <= 0:
+                continue
+            plan.spills.append(SpillOrder(rid, span.agent_id, blocks[first:first + count], first * bs))
+            span.moving += count
+            free_blocks += count
+        return plan
+
+    def confirmed(self, moved: Mapping[str, int], failed: Mapping[str, str], manager: Any) -> None:
+        """What the worker side moved: those blocks are freed in vLLM (null in the request's table)."""
+        for rid, count in moved.items():
+            span = self.spans.get(rid)
+            if span is None:
+                continue
+            span.moving -= count
+            span.remote_blocks += count
+            internals.skip_blocks(manager, rid, span.remote_blocks)
+        for rid, reason in failed.items():
+            span = self.spans.get(rid)
+            if span is not None:
+                # Its blocks stay local: vLLM preempts it when it runs out, and it starts again.
+                log.warning("kvfleet: moving KV of %s to a lender failed: %s", span.agent_id, reason)
+                span.moving, span.failed = 0, reason
+
+    def finished(self, request: Request) -> str | None:
+        """The agent's id of a finished request whose leases go back, if it had any."""
+        span = self.spans.pop(request.request_id, None)
+        return span.agent_id if span is not None and (span.remote_blocks or span.moving) else None
+
+
+# -- in the agent's process ------------------------------------------------------------------------------
+
+
+class VLLMKVBorrowing:
+    """The leases of this engine's spanning requests (capabilities.KVBorrowing; module docstring)."""
+
+    def __init__(self) -> None:
+        self._open_lease: LeaseOpener | None = None
+        self._creditors: Creditors | None = None
+        self._parts: dict[str, RemoteParts] = {}
+        self._finder: LeaseFinder | None = None
+        self._block_size = 0
+        self._token_bytes = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
+        self._open_lease, self._creditors = open_lease, creditors
+
+    def open(self, block_size_tokens: int, kv_bytes_per_token: int) -> None:
+        self._block_size, self._token_bytes = block_size_tokens, kv_bytes_per_token
+        self._finder = LeaseFinder(uuid.uuid4().hex[:12], block_size_tokens)
+
+    async def close(self) -> None:
+        parts, self._parts = self._parts, {}
+        await asyncio.gather(*(p.close() for p in parts.values()), return_exceptions=True)
+
+    def borrowable_bytes(self) -> int:
+        """What the creditors said they could lend (a hint: the contract decides)."""
+        if self._creditors is None or self._open_lease is None:
+            return 0
+        return sum(c.lendable_bytes for c in self._creditors.candidates())
+
+    def borrowed_bytes(self) -> Mapping[str, int]:
+        borrowed: dict[str, int] = {}
+        for remote in self._parts.values():
+            for part in remote.parts:
+                if part.lease.blocks:
+                    lent = part.lease.blocks * part.lease.block_size_tokens * self._token_bytes
+                    borrowed[part.pod] = borrowed.get(part.pod, 0) + lent
+        return borrowed
+
+    def remote_tokens(self, request_id: str) -> int:
+        remote = self._parts.get(request_id)
+        return 0 if remote is None else remote.num_tokens
+
+    def wire_bytes(self) -> tuple[int, int]:
+        sent, received = self.bytes_sent, self.bytes_received
+        for remote in self._parts.values():
+            s, r = remote.wire_bytes()
+            sent, received = sent + s, received + r
+        return sent, received
+
+    async def on_ask(self, header: dict[str, Any], tensor: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The EngineCore's calls (CoreBorrowing)."""
+        op, request_id = header.get("op"), str(header.get("id", ""))
+        if op == "distkv-spill":
+            if tensor is None:
+                raise ValueError("a spill without its KV")
+            await self._spill(request_id, int(header["first_token"]), tensor)
+            return {}, None
+        if op == "distkv-attend":
+            remote = self._parts.get(request_id)
+            if tensor is None or remote is None or not remote.num_tokens:
+                raise ValueError(f"request {request_id} has no remote KV to attend")
+            out, lse = await remote._attend(int(header["layer"]), tensor)
+            return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+        if op == "distkv-release":
+            remote = self._parts.pop(request_id, None)
+            if remote is not None:
+                sent, received = remote.wire_bytes()
+                self.bytes_sent, self.bytes_received = self.bytes_sent + sent, self.bytes_received + received
+                await remote.close()
+            return {}, None
+        raise ValueError(f"unknown ask {op!r}")
+
+    async def _spill(self, request_id: str, first_token: int, kv: torch.Tensor) -> None:
+        """kv [layers, 2, tokens, heads, dim], whole blocks of this engine, into the request's leases."""
+        if self._finder is None or self._open_lease is None or self._creditors is None:
+            raise RuntimeError("this worker is not set up to borrow KV (no creditors)")
+        remote = self._parts.get(request_id)
+        if remote is None:
+            remote = self._parts[request_id] = RemoteParts(request_id, asyncio.get_running_loop())
+        if first_token != remote.num_tokens:
+            raise ValueError(f"request {request_id}: a move from token {first_token} after {remote.num_tokens} moved")
+        bs = self._block_size
+        num_blocks, moved = int(kv.shape[2]) // bs, 0
+        while moved < num_blocks:
+            part, granted = await self._finder.room(remote, num_blocks - moved, self._open_lease, self._creditors)
+            await part.lease.write(part.num_tokens, kv[:, :, moved * bs:(moved + granted) * bs])
+            part.num_tokens += granted * bs
+            moved += granted
