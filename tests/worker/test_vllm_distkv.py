@@ -32,6 +32,7 @@ from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
 from kvfleet.worker.distkv.wire import LendingRefused  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
+from kvfleet.worker.engines.base import RequestTooLong  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
 from kvfleet.worker.engines.vllm.lending import VLLMKVLending  # noqa: E402
@@ -248,5 +249,69 @@ def test_a_vllm_worker_borrows_for_a_request_longer_than_its_cache_and_equals_on
                 await asyncio.sleep(0.02)
             assert all(e.capabilities.lending.lent_blocks() == 0 for e, _ in lenders)  # type: ignore[union-attr]
             assert borrowing.borrowed_bytes() == {}
+
+    engine_loop.run(scenario(), timeout_s=600)
+
+
+def test_a_vllm_borrower_whose_lender_dies_computes_the_request_again_and_the_stream_goes_on(
+        tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    prompt, max_tokens = prompt_of(700), 60
+
+    async def scenario() -> None:
+        big = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=64 * BLOCK_BYTES,
+                                                  dtype="float32"))
+        await big.start()
+        try:
+            want = await greedy(big, prompt, max_tokens)  # type: ignore[arg-type]
+        finally:
+            await big.stop()
+        async with AsyncExitStack() as stack:
+            doomed_engine, doomed = await stack.enter_async_context(lender(tiny_model_dir, 40, 36))
+            spare_engine, spare = await stack.enter_async_context(lender(tiny_model_dir, 40, 36))
+            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
+                                             max_num_seqs=4, dtype="float32", min_step_s=0.01),
+                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+            await engine.start()
+            stack.push_async_callback(engine.stop)
+            assert engine.capabilities.borrowing is not None
+            engine.capabilities.borrowing.attach(OPEN, StaticCreditors([
+                Creditor("doomed", f"127.0.0.1:{doomed.port}", 36 * BLOCK_BYTES),
+                Creditor("spare", f"127.0.0.1:{spare.port}", 36 * BLOCK_BYTES)]))
+            stream = asyncio.create_task(greedy(engine, prompt, max_tokens))  # type: ignore[arg-type]
+            lending = doomed_engine.capabilities.lending
+            assert lending is not None
+            while lending.lent_blocks() == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            await doomed.close()  # the lender leaves: its listener and engine stop, its leases go
+            await doomed_engine.stop()
+            spare_lent: list[int] = []
+            while not stream.done():
+                spare_lent.append(spare_engine.capabilities.lending.lent_blocks())  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
+            assert await asyncio.wait_for(stream, 120) == want
+            assert max(spare_lent) > 0  # computed again, it borrowed from the lender that was left
+
+    engine_loop.run(scenario(), timeout_s=600)
+
+
+def test_a_vllm_worker_refuses_what_it_and_its_pool_cannot_hold_saying_what_the_pool_lends(
+        tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
+    async def scenario() -> None:
+        async with lender(tiny_model_dir, 16, 8) as (_, listener):
+            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
+                                             max_num_seqs=4, dtype="float32"),
+                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+            await engine.start()
+            try:
+                assert engine.capabilities.borrowing is not None
+                engine.capabilities.borrowing.attach(OPEN, StaticCreditors([
+                    Creditor("lender", f"127.0.0.1:{listener.port}", 8 * BLOCK_BYTES)]))
+                with pytest.raises(RequestTooLong, match="need 6 KV blocks; this engine has 4 and the pool can lend it 1 more"):
+                    await greedy(engine, prompt_of(700), 10)  # type: ignore[arg-type]
+                # What fits with the lender's room is served: a context past the cache is no longer refused.
+                assert len(await greedy(engine, prompt_of(560), 4)) == 4  # type: ignore[arg-type]
+            finally:
+                await engine.stop()
 
     engine_loop.run(scenario(), timeout_s=600)

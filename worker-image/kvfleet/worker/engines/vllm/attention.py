@@ -290,7 +290,11 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
             from vllm.model_executor.models.utils import extract_layer_index
 
             self._layer_index = extract_layer_index(str(getattr(layer, "layer_name", "")))
-        remote_out, remote_lse = core.attend(request_id, self._layer_index, q)
+        try:
+            remote_out, remote_lse = core.attend(request_id, self._layer_index, q)
+        except Exception as err:  # its lender is gone: the step's output for it is dropped (borrowing.py)
+            core.lose(request_id, str(err))
+            return
         local_out = output.index_select(0, rows).float()
         merged, _ = dispatch.scale_reduce_pair(local_out, local_lse.float().contiguous(), remote_out.to(local_out.device),
                                                remote_lse.to(local_out.device))

@@ -20,6 +20,14 @@ Who does what:
   whom to ask (the operator's plan), room in leases (`distkv.parts.LeaseFinder`), writes, the shipped
   queries (§4.6: the query travels, never the KV), and what the reports say is borrowed.
 
+Faults, as in the builtin engine (docs/distkv.md): a lender that fails a call (it died or left) loses
+the request's remote KV. The step's output for it is thrown away and it is computed again from its
+start, prompt and output so far, borrowing afresh from the creditors that answer: the worker side
+reports vLLM's null block as a failed load (vLLM's `kv_load_failure_policy="recompute"` then rewinds
+every request whose table holds it, and drops their sampled tokens), and the scheduler side frees the
+request's blocks. Its stream waits; the client sees a delay, not a gap. A request that loses its
+lenders more than MAX_LOSSES times, or for which no creditor has room, fails with the reason.
+
 Every remote call of a forward crosses the core pipe to the agent and back before the network: a
 round trip of about 0.6 ms on the machines this was built on (docs/distkv.md).
 """
@@ -36,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvfleet.worker.distkv.creditors import Creditors
-from kvfleet.worker.distkv.parts import LeaseFinder, RemoteParts
+from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
 from kvfleet.worker.engines.capabilities import LeaseOpener
 from kvfleet.worker.engines.vllm import internals
 
@@ -47,6 +55,9 @@ if TYPE_CHECKING:
     from kvfleet.worker.engines.vllm.corepipe import CorePipe
 
 log = logging.getLogger(__name__)
+
+# A request whose remote KV is lost this many times fails instead of being computed once more.
+MAX_LOSSES = 3
 
 
 # -- in the EngineCore -------------------------------------------------------------------------------
@@ -62,6 +73,12 @@ class CoreBorrowing:
         # The step's spanning requests: (the agent's id, blocks moved out, the local blocks' ids): how the
         # backend, which sees block tables and not requests, finds them (attention.py `_shifted`).
         self.spans: list[tuple[str, int, list[int]]] = []
+        # Requests whose remote KV was lost this step (the agent's id -> why): their output is dropped.
+        self.lost: dict[str, str] = {}
+
+    def lose(self, request_id: str, reason: str) -> None:
+        log.warning("kvfleet: request %s lost KV other workers held: %s; it is computed again", request_id, reason)
+        self.lost.setdefault(request_id, reason)
 
     def spill(self, request_id: str, block_ids: list[int], first_token: int) -> None:
         """Blocks of a request (its tokens from `first_token` on) into its leases; raises when they
@@ -128,6 +145,7 @@ class SpanPlanner:
         self.usable_blocks = usable_blocks
         self.batched_tokens = batched_tokens
         self.spans: dict[str, _Span] = {}   # vLLM's id -> span
+        self.releases: list[str] = []        # agent ids whose leases go back at the next step
 
     def admitted(self, request: Request, agent_id: str | None) -> None:
         """A request whose prompt and output cannot fit the whole cache spans (it borrows as it grows)."""
@@ -138,7 +156,8 @@ class SpanPlanner:
     def plan(self, scheduled_tokens: Mapping[str, int], block_ids_of: Callable[[str], list[int]],
              free_blocks: int) -> StepPlan:
         """After vLLM scheduled a step: what its spanning requests move, and where their local blocks start."""
-        plan = StepPlan()
+        plan = StepPlan(releases=self.releases)
+        self.releases = []
         bs = self.block_size
         for rid, span in self.spans.items():
             req = span.request
@@ -169,21 +188,30 @@ class SpanPlanner:
             free_blocks += count
         return plan
 
-    def confirmed(self, moved: Mapping[str, int], failed: Mapping[str, str], manager: Any) -> None:
-        """What the worker side moved: those blocks are freed in vLLM (null in the request's table)."""
+    def confirmed(self, moved: Mapping[str, int], failed: Mapping[str, str], lost: Mapping[str, str],
+                  manager: Any, scheduler: Any) -> None:
+        """What the worker side moved: those blocks are freed in vLLM (null in the request's table). A
+        request that lost remote KV (vLLM rewound it to its start: module docstring) gives back every
+        block and lease, and is computed again."""
+        for span in self.spans.values():
+            if span.agent_id in lost:
+                internals.preempt(scheduler, span.request)
+                self.releases.append(span.agent_id)
+                span.remote_blocks = span.moving = 0
+                span.failed = None
         for rid, count in moved.items():
-            span = self.spans.get(rid)
-            if span is None:
+            moving = self.spans.get(rid)
+            if moving is None or moving.agent_id in lost:
                 continue
-            span.moving -= count
-            span.remote_blocks += count
-            internals.skip_blocks(manager, rid, span.remote_blocks)
+            moving.moving -= count
+            moving.remote_blocks += count
+            internals.skip_blocks(manager, rid, moving.remote_blocks)
         for rid, reason in failed.items():
-            span = self.spans.get(rid)
-            if span is not None:
+            stuck = self.spans.get(rid)
+            if stuck is not None:
                 # Its blocks stay local: vLLM preempts it when it runs out, and it starts again.
-                log.warning("kvfleet: moving KV of %s to a lender failed: %s", span.agent_id, reason)
-                span.moving, span.failed = 0, reason
+                log.warning("kvfleet: moving KV of %s to a lender failed: %s", stuck.agent_id, reason)
+                stuck.moving, stuck.failed = 0, reason
 
     def finished(self, request: Request) -> str | None:
         """The agent's id of a finished request whose leases go back, if it had any."""
@@ -192,6 +220,12 @@ class SpanPlanner:
 
 
 # -- in the agent's process ------------------------------------------------------------------------------
+
+
+class _Lost(RuntimeError):
+    """Answered to the EngineCore: the request's remote KV is lost (corepipe.CallFailed.lost)."""
+
+    lost = True
 
 
 class VLLMKVBorrowing:
@@ -204,7 +238,10 @@ class VLLMKVBorrowing:
         self._finder: LeaseFinder | None = None
         self._block_size = 0
         self._token_bytes = 0
+        self._losses: dict[str, int] = {}
         self.bytes_sent = self.bytes_received = 0
+        # Fails a request with a message (the engine aborts it in vLLM and its stream raises).
+        self.fail: Callable[[str, str], None] = lambda request_id, message: None
 
     def attach(self, open_lease: LeaseOpener, creditors: Creditors) -> None:
         self._open_lease, self._creditors = open_lease, creditors
@@ -232,6 +269,10 @@ class VLLMKVBorrowing:
                     borrowed[part.pod] = borrowed.get(part.pod, 0) + lent
         return borrowed
 
+    def forget(self, request_id: str) -> None:
+        """The request ended here: its count of losses goes."""
+        self._losses.pop(request_id, None)
+
     def remote_tokens(self, request_id: str) -> int:
         remote = self._parts.get(request_id)
         return 0 if remote is None else remote.num_tokens
@@ -246,17 +287,29 @@ class VLLMKVBorrowing:
     async def on_ask(self, header: dict[str, Any], tensor: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The EngineCore's calls (CoreBorrowing)."""
         op, request_id = header.get("op"), str(header.get("id", ""))
-        if op == "distkv-spill":
-            if tensor is None:
-                raise ValueError("a spill without its KV")
-            await self._spill(request_id, int(header["first_token"]), tensor)
-            return {}, None
-        if op == "distkv-attend":
-            remote = self._parts.get(request_id)
-            if tensor is None or remote is None or not remote.num_tokens:
-                raise ValueError(f"request {request_id} has no remote KV to attend")
-            out, lse = await remote._attend(int(header["layer"]), tensor)
-            return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+        try:
+            if op == "distkv-spill":
+                if tensor is None:
+                    raise ValueError("a spill without its KV")
+                await self._spill(request_id, int(header["first_token"]), tensor)
+                return {}, None
+            if op == "distkv-attend":
+                remote = self._parts.get(request_id)
+                if tensor is None or remote is None or not remote.num_tokens:
+                    raise ValueError(f"request {request_id} has no remote KV to attend")
+                try:
+                    out, lse = await remote._attend(int(header["layer"]), tensor)
+                except Exception as err:  # any failure of a lease: its KV is out of reach
+                    raise RemotePartLost(request_id, str(err) or type(err).__name__) from err
+                return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+        except NoRoomToBorrow as err:
+            self.fail(request_id, str(err))
+            raise
+        except RemotePartLost as err:
+            losses = self._losses[request_id] = self._losses.get(request_id, 0) + 1
+            if losses > MAX_LOSSES:
+                self.fail(request_id, f"request {request_id} lost the KV other workers lent it {losses} times; giving up")
+            raise _Lost(str(err)) from err
         if op == "distkv-release":
             remote = self._parts.pop(request_id, None)
             if remote is not None:
@@ -279,6 +332,9 @@ class VLLMKVBorrowing:
         num_blocks, moved = int(kv.shape[2]) // bs, 0
         while moved < num_blocks:
             part, granted = await self._finder.room(remote, num_blocks - moved, self._open_lease, self._creditors)
-            await part.lease.write(part.num_tokens, kv[:, :, moved * bs:(moved + granted) * bs])
+            try:
+                await part.lease.write(part.num_tokens, kv[:, :, moved * bs:(moved + granted) * bs])
+            except Exception as err:  # refused or failed, the lease cannot take its KV: start again
+                raise RemotePartLost(request_id, str(err) or type(err).__name__) from err
             part.num_tokens += granted * bs
             moved += granted

@@ -66,7 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvfleet.worker.engines.vllm import borrowing, internals
 from kvfleet.worker.engines.vllm.attention import kv_views
 from kvfleet.worker.engines.vllm.borrowing import CoreBorrowing, SpanPlanner, SpillOrder
-from kvfleet.worker.engines.vllm.corepipe import CorePipe, core_socket_path
+from kvfleet.worker.engines.vllm.corepipe import CallFailed, CorePipe, core_socket_path
 from kvfleet.worker.engines.vllm.elastic import (
     EXTRA_ELASTIC,
     Balloon,
@@ -89,7 +89,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -297,6 +297,7 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
     # DistKV borrowing: blocks moved to leases (vLLM's request id -> count), or why not.
     moved: dict[str, int] = field(default_factory=dict)
     move_failed: dict[str, str] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)   # the agent's id -> why its remote KV is lost
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # One worker per engine (tensor parallelism refuses moves and elastic memory): nothing to merge.
@@ -305,7 +306,7 @@ class KvfleetWorkerMetadata(KVConnectorWorkerMetadata):
                                      {**self.failed_loads, **other.failed_loads}, other.balloon or self.balloon,
                                      other.mapped_slots if other.mapped_slots is not None else self.mapped_slots,
                                      {**self.parked, **other.parked}, {**self.moved, **other.moved},
-                                     {**self.move_failed, **other.move_failed})
+                                     {**self.move_failed, **other.move_failed}, {**self.lost, **other.lost})
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
@@ -377,6 +378,7 @@ class _SchedulerSide:
         # DistKV borrowing's scheduler side (vllm/borrowing.py), once vLLM binds its block pool.
         self.planner: SpanPlanner | None = None
         self.kv_cache_manager: Any = None
+        self.scheduler: Any = None   # vLLM's, which preempts a request that lost its remote KV
         self.releases: list[str] = []
         self._listener = listen(socket_path, authkey)
         threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
@@ -627,8 +629,8 @@ class _SchedulerSide:
             self.buffer.unreported()
         if not isinstance(meta, KvfleetWorkerMetadata):
             return
-        if self.planner is not None and (meta.moved or meta.move_failed):
-            self.planner.confirmed(meta.moved, meta.move_failed, self.kv_cache_manager)
+        if self.planner is not None and (meta.moved or meta.move_failed or meta.lost):
+            self.planner.confirmed(meta.moved, meta.move_failed, meta.lost, self.kv_cache_manager, self.scheduler)
         if self.balloon is not None and (meta.balloon is not None or meta.mapped_slots is not None):
             report = meta.balloon or MapReport()
             self.balloon.confirmed(report.mapped, report.failed, meta.mapped_slots, report.map_s, report.unmap_s)
@@ -787,7 +789,12 @@ class _WorkerSide:
             try:
                 core.spill(order.agent_id, order.block_ids, order.first_token)
                 self.out.moved[order.request] = len(order.block_ids)
-            except Exception as err:  # reported: the blocks stay local (borrowing.py SpanPlanner.confirmed)
+            except CallFailed as err:
+                if err.lost:  # its remote KV is gone: computed again (borrowing.py)
+                    core.lose(order.agent_id, str(err))
+                else:  # reported: the blocks stay local (borrowing.py SpanPlanner.confirmed)
+                    self.out.move_failed[order.request] = str(err)
+            except Exception as err:
                 self.out.move_failed[order.request] = str(err)
         core.spans = list(meta.spans)
 
@@ -796,12 +803,18 @@ class _WorkerSide:
         return freed
 
     def take_output(self) -> KvfleetWorkerMetadata | None:
+        if self.borrowing is not None and self.borrowing.lost:
+            self.out.lost, self.borrowing.lost = self.borrowing.lost, {}
         out, self.out = self.out, KvfleetWorkerMetadata()
         return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None
-                       or out.parked or out.moved or out.move_failed) else None
+                       or out.parked or out.moved or out.move_failed or out.lost) else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
+        if self.borrowing is not None and self.borrowing.lost:
+            # vLLM rewinds every request whose table holds the null block, and drops its output of the
+            # step: a spanning request that lost remote KV is computed again (borrowing.py).
+            failed.add(internals.NULL_BLOCK_ID)
         return failed
 
 
@@ -921,6 +934,13 @@ class KvfleetConnector(KVConnectorBase_V1):
         return self._worker.take_output()
 
     # Scheduler side --------------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None and self._scheduler.planner is not None:
+            self._scheduler.scheduler = internals.binding_scheduler()
+            if self._scheduler.scheduler is None:
+                raise RuntimeError("DistKV borrowing could not find vLLM's scheduler (engines/vllm/internals.py)")
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self._scheduler is not None

@@ -44,7 +44,12 @@ def core_socket_path(connector_socket: str) -> str:
 
 
 class CallFailed(RuntimeError):
-    """The agent answered a call with an error, or not at all."""
+    """The agent answered a call with an error, or not at all; `lost`: the error was the loss of KV
+    other workers held (a lender died or left: borrowing.py)."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class CorePipe:
@@ -130,5 +135,5 @@ class CorePipe:
             raise CallFailed(f"the agent did not answer {op!r} within {timeout_s:.0f} s")
         header, data = answer[0]
         if not header.get("ok"):
-            raise CallFailed(str(header.get("error", f"{op} refused")))
+            raise CallFailed(str(header.get("error", f"{op} refused")), bool(header.get("lost")))
         return header, data

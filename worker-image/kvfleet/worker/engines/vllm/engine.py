@@ -188,6 +188,8 @@ class _Request:
     suspending: bool = False
     suspended: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # Why the engine fails it (DistKV borrowing: no room in the pool, lenders lost too often).
+    failure: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -334,6 +336,9 @@ class VLLMEngine:
             raise EngineError("DistKV borrowing with vLLM needs prefix caching off: a spanning request's moved "
                               "blocks must be its own")
         self._core: ConnectorClient | None = None
+        self._failing: set[asyncio.Task[None]] = set()
+        if self._borrowing is not None:
+            self._borrowing.fail = self._fail_request
         self._socket_dir: str | None = None
         self._authkey = secrets.token_bytes(32)
         # Structured outputs' grammars in this process, to refuse a bad spec (or an output that breaks
@@ -737,6 +742,16 @@ class VLLMEngine:
                 f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} tokens, "
                 f"more than this engine's context of {self._geometry.max_model_len} tokens"
             )
+        if self._borrowing is not None:
+            # A borrowing engine's context is the model's: what its cache lacks, the pool may lend
+            # (Infinite-LLM §4.3); the most KV it ever holds is every token but the last one sampled.
+            block, usable = self._geometry.block_size_tokens, self._usable_blocks()
+            most_blocks = -(-(total - 1) // block)
+            borrowable = self._borrowing.borrowable_bytes() // self._geometry.block_bytes
+            if most_blocks > usable + borrowable:
+                lend = f" and the pool can lend it {borrowable} more" if borrowable else ""
+                raise RequestTooLong(f"{len(prompt_token_ids)} prompt tokens + max_tokens {params.max_tokens} need "
+                                     f"{most_blocks} KV blocks; this engine has {usable}{lend}")
         # vLLM checks these too, but the penalties it does not see for a resumed request
         # (vllm/penalties.py) only here; its ranges are OpenAI's (vllm/sampling_params.py _verify_args).
         for name, value in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty)):
@@ -770,6 +785,8 @@ class VLLMEngine:
                     # vLLM's own refusal at admission (vllm/v1/engine/input_processor.py _validate_params:
                     # a parameter out of its range, say): the client's error.
                     raise EngineError(str(err)) from None
+                if request.failure is not None:
+                    raise EngineError(request.failure)
                 if request.abort_requested and not output.finished:
                     # abort() may have come before vLLM knew the request; it knows it now.
                     await llm.abort(request_id)
@@ -783,6 +800,8 @@ class VLLMEngine:
         finally:
             self._requests.pop(request_id, None)
             request.ended.set()
+            if self._borrowing is not None:
+                self._borrowing.forget(request_id)
             if not finished:
                 # The consumer left early (or stop() ran): closing vLLM's generator aborts the request
                 # in the EngineCore and frees its blocks.
@@ -893,6 +912,16 @@ class VLLMEngine:
         except VLLMClientError as err:
             raise EngineError(str(err)) from None
 
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """Ends a request with an error (DistKV borrowing): vLLM aborts it and its stream raises `message`."""
+        request = self._requests.get(request_id)
+        if request is None or request.failure is not None:
+            return
+        request.failure = message
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._failing.add(task)
+        task.add_done_callback(self._failing.discard)
+
     async def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is None or self._llm is None:
@@ -904,15 +933,27 @@ class VLLMEngine:
         # AsyncLLM runs its steps in its own engine core, out of our sight: no step to time here.
         return None
 
+    def _usable_blocks(self) -> int:
+        assert self._geometry is not None
+        return self._info.kv_capacity_bytes // self._geometry.block_bytes if self._info is not None else 0
+
     def kv_usage(self) -> list[RequestKV]:
         if self._geometry is None:
             return []
         block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
-        running = [
-            RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token), r.remaining_tokens)
-            for r in sorted(self._requests.values(), key=lambda r: r.request_id)
-            if r.holds_kv
-        ]
+        borrowing, usable = self._borrowing, self._usable_blocks()
+
+        def usage(r: _Request) -> RequestKV:
+            if borrowing is None:
+                return RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token),
+                                 r.remaining_tokens)
+            # A spanning request's kv_bytes are what this worker holds; its oldest tokens are in leases.
+            remote = borrowing.remote_tokens(r.request_id)
+            spans = -(-(r.prompt_tokens + r.max_tokens - 1) // block) > usable
+            return RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens - remote, block, per_token),
+                             r.remaining_tokens, borrowed_bytes=remote * per_token, spans=spans)
+
+        running = [usage(r) for r in sorted(self._requests.values(), key=lambda r: r.request_id) if r.holds_kv]
         # Requests suspended here for a move, or staged to resume here: their KV is (or is about to be) in vLLM's blocks.
         return running + [kv for kv in self._migration.held_kv() if kv.request_id not in self._requests]
 

@@ -23,6 +23,8 @@ worker asked to lend on a vLLM that differs refuses at start. Nothing else in th
 from __future__ import annotations
 
 import inspect
+import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -163,7 +165,13 @@ _BORROWING_SIGNATURES: dict[str, tuple[str, ...]] = {
         "self", "request_id", "first_block", "last_block"),
     "vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory": (
         "available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+    "vllm.v1.core.sched.scheduler:Scheduler._preempt_request": ("self", "request", "timestamp"),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.bind_kv_cache_manager": (
+        "self", "kv_cache_manager"),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_block_ids_with_load_errors": ("self",),
 }
+# vLLM's null block, which stands for a block a request no longer holds (skip_blocks).
+NULL_BLOCK_ID = 0
 
 
 def borrowing_problems() -> list[str]:
@@ -174,6 +182,10 @@ def borrowing_problems() -> list[str]:
 
         if "single_type_managers" not in inspect.getsource(KVCacheCoordinator.__init__):
             found.append("KVCacheCoordinator keeps no single_type_managers")
+        from vllm.v1.core.block_pool import BlockPool
+
+        if BlockPool(num_gpu_blocks=2, enable_caching=False, hash_block_size=16).null_block.block_id != NULL_BLOCK_ID:
+            found.append(f"vLLM's null block is no longer block {NULL_BLOCK_ID}")
     except Exception as err:
         found.append(f"vLLM's KV cache coordinator could not be inspected: {err}")
     return found
@@ -184,6 +196,22 @@ def skip_blocks(manager: Any, request_id: str, num_blocks: int) -> None:
     the null block in its block table (attention.py reads a leading run of them as remote tokens)."""
     for single in manager.coordinator.single_type_managers:
         single._remove_blocks_in_range(request_id, 0, num_blocks)
+
+
+def binding_scheduler() -> Any:
+    """The Scheduler whose __init__ is binding its KV cache manager to the connector: called from the
+    connector's `bind_kv_cache_manager`, which vLLM 0.32 calls there and nowhere else. None if not so."""
+    frame = sys._getframe(2)   # this function's caller's caller
+    scheduler = frame.f_locals.get("self")
+    return scheduler if hasattr(scheduler, "_preempt_request") and hasattr(scheduler, "running") else None
+
+
+def preempt(scheduler: Any, request: Any) -> None:
+    """Preempt a running request as vLLM does when it runs out of blocks: its blocks go, it waits, and it
+    is computed again from its start (prompt and output so far) with a fresh block table."""
+    if request in scheduler.running:
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, time.monotonic())
 
 
 def allow_contexts_beyond_cache() -> None:

@@ -117,7 +117,7 @@ class ConnectorClient:
             fields, data = await self._on_ask(header, tensor)
             reply.update(ok=True, **fields)
         except Exception as err:  # the EngineCore's call fails with the reason
-            reply.update(ok=False, error=f"{type(err).__name__}: {err}")
+            reply.update(ok=False, error=f"{type(err).__name__}: {err}", lost=bool(getattr(err, "lost", False)))
             data = None
         if self._pipe is not None:
             self._pipe.send(reply, data)
