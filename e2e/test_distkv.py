@@ -1,15 +1,15 @@
 """DistKV on the real control plane (docs/operator.md "DistKV"; Infinite-LLM §4.3-4.5): a request three
 times one worker's KV capacity is served by borrowing KV blocks from the other workers of the pool.
 
-A pool of four real builtin workers (the tiny model, float32 on the CPU: 2 KiB of KV a token, 16-token
-blocks) with a KV capacity C of 512 KiB each (256 tokens, 16 blocks) and `spec.distkv` on, each
-lending at most 90% of C (14 blocks). The operator publishes every worker's creditors in
-`status.distkv.candidates`; one request of about 3C (a 660-token prompt, 100 greedy tokens: 48 blocks)
-goes through the router to one worker, which admits it on the strength of its 16 blocks and the 42
-the others can lend, prefills it in chunks and moves its oldest blocks to leases at them (2C at the
-end). While it decodes (50 ms a step or more) the pool's status shows the lending: lentBytes, the
-debtor's debts to its creditors, the request's span. Once it ends the leases are freed and the status
-says so within a few epochs. The stream equals one big worker's greedy output for the same prompt.
+A pool of four real workers of either engine (the tiny model, float32 on the CPU: 2 KiB of KV a token)
+with a KV capacity C each (`SETUPS`: builtin workers 256 tokens in 16-token blocks, vLLM workers 512
+tokens in 128-token blocks) and `spec.distkv` on, each lending at most 90% of C. The operator
+publishes every worker's creditors in `status.distkv.candidates`; one request of about 3C goes through
+the router to one worker, which admits it on the strength of its own blocks and what the others can
+lend, prefills it in chunks and moves its oldest blocks to leases at them (2C at the end). While it
+decodes (50 ms a step or more) the pool's status shows the lending: lentBytes, the debtor's debts to
+its creditors, the request's span. Once it ends the leases are freed and the status says so within a
+few epochs. The stream equals one big worker's greedy output for the same prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +28,32 @@ from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.worker.text import Tokenizer
 from kvfleet_e2e.pools import ready
-from kvfleet_e2e.real_workers import greedy_outputs, seeded_prompt, stream_completion
+from kvfleet_e2e.real_workers import greedy_outputs, require_vllm, seeded_prompt, stream_completion
 
-POOL = "distkv"
 NUM_WORKERS = 4
 KIB = 2**10
-KV_CAPACITY_BYTES = 512 * KIB  # C: 256 tokens of the tiny model, 16 blocks
-LEND_CAP_FRACTION = 0.9  # 14 blocks each: three lenders hold 42, with the borrower's 16 room for 58
-# (request id, prompt tokens, output tokens): 760 tokens, about 3C (48 blocks), within max_model_len 2048.
-# The prompt alone (42 blocks) is more than the borrower's 16 and one lender's 14: its prefill borrows
-# from two lenders (a lender short of what is asked grants the room it has), its decoding from a third.
-REQUEST = ("distkv-long", 660, 100)
+LEND_CAP_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Setup:
+    engine: str
+    kv_capacity_bytes: int            # C
+    request: tuple[str, int, int]     # (request id, prompt tokens, output tokens)
+
+
+SETUPS = {
+    # C = 256 tokens of the tiny model, 16 blocks; 14 lent by each: three lenders hold 42, with the
+    # borrower's 16 room for 58. The request: 760 tokens, about 3C (48 blocks), within max_model_len
+    # 2048. The prompt alone (42 blocks) is more than the borrower's 16 and one lender's 14: its prefill
+    # borrows from two lenders (a lender short of what is asked grants the room it has), its decoding
+    # from a third.
+    "builtin": Setup("builtin", 512 * KIB, ("distkv-long", 660, 100)),
+    # vLLM's CPU blocks are 128 tokens: C = 512 tokens, 4 blocks, 3 lent by each (9 in all). The request:
+    # 1,460 tokens, about 3C (12 blocks); vLLM prefills it 256 tokens a step and moves its oldest blocks
+    # out as it goes (engines/vllm/borrowing.py).
+    "vllm": Setup("vllm", 1024 * KIB, ("distkv-vllm-long", 1400, 60)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +63,11 @@ def operator(cluster: Cluster) -> Iterator[Process]:
     stop_process(proc)
 
 
-def pool(model_dir: Path) -> dict[str, Any]:
-    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": POOL}, "spec": {
+def pool(model_dir: Path, setup: Setup) -> dict[str, Any]:
+    return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": f"distkv-{setup.engine}"}, "spec": {
         "model": {"name": "tiny", "path": str(model_dir)},
-        "engine": "builtin",
-        "capacity": {"kvCapacityPerWorker": f"{KV_CAPACITY_BYTES // KIB}Ki"},
+        "engine": setup.engine,
+        "capacity": {"kvCapacityPerWorker": f"{setup.kv_capacity_bytes // KIB}Ki"},
         # A fixed count: a lender holds KV for the operator, but nothing here may scale a worker away.
         "workers": {"min": NUM_WORKERS, "max": NUM_WORKERS},
         "scheduling": {"epochSeconds": 1},
@@ -64,13 +80,18 @@ def pool(model_dir: Path) -> dict[str, Any]:
     }}
 
 
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
 def test_a_request_three_times_a_workers_kv_borrows_from_the_pool_and_equals_one_big_workers_greedy(
-        cluster: Cluster, namespace: str, operator: Process, model_dir: Path) -> None:
+        cluster: Cluster, namespace: str, operator: Process, model_dir: Path, engine: str) -> None:
+    if engine == "vllm":
+        require_vllm()
+    setup = SETUPS[engine]
+    POOL, KV_CAPACITY_BYTES = f"distkv-{engine}", setup.kv_capacity_bytes  # noqa: N806
     started_s = time.monotonic()
-    request_id, prompt_tokens, max_tokens = REQUEST
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool(model_dir)))
+    request_id, prompt_tokens, max_tokens = setup.request
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool(model_dir, setup)))
     # One big worker's greedy output (sdpa, a cache that holds the whole request), while the pods start.
-    reference = greedy_outputs(model_dir, [REQUEST], 16 * KV_CAPACITY_BYTES)[request_id]
+    reference = greedy_outputs(model_dir, [setup.request], 16 * KV_CAPACITY_BYTES)[request_id]
     want = Tokenizer(model_dir).completion_text(reference)
 
     def ready_pods(selector: str, count: int) -> list[dict[str, Any]] | None:
@@ -79,7 +100,7 @@ def test_a_request_three_times_a_workers_kv_borrows_from_the_pool_and_equals_one
         return sorted(pods, key=lambda p: p["metadata"]["name"]) if len(pods) >= count else None
 
     workers = wait_for(lambda: ready_pods(f"kvfleet.dev/pool={POOL},app.kubernetes.io/component=worker", NUM_WORKERS),
-                       f"{NUM_WORKERS} Ready workers", timeout_s=180, interval_s=0.5)
+                       f"{NUM_WORKERS} Ready workers", timeout_s=300, interval_s=0.5)
     names = {p["metadata"]["name"] for p in workers}
     env = {e["name"]: e.get("value") for e in workers[0]["spec"]["containers"][0]["env"]}
     assert (env["KVFLEET_ATTENTION"], env["KVFLEET_DISTKV"], env["KVFLEET_LEND_CAP_BYTES"]) == (

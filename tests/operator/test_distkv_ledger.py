@@ -200,11 +200,11 @@ def test_the_spec_validates_distkv() -> None:
         with pytest.raises(ValidationError) as err:
             spec(distkv=bad)
         assert f"distkv.{field}" in str(err.value)
-    # vLLM workers lend but do not borrow yet: a vLLM pool (the default engine) is refused, saying so.
-    for engine in ("vllm", None):
-        with pytest.raises(ValidationError, match="distkv.enabled needs engine: builtin for now"):
-            spec(engine=engine, distkv={"enabled": True}) if engine else LLMPoolSpec.model_validate(
-                {"model": {"name": "m", "path": "/m"}, "capacity": {"kvCapacityPerWorker": "1Gi"}, "distkv": {"enabled": True}})
+    # A vLLM worker that borrows moves a request's own blocks, never shared prefix blocks.
+    assert spec(engine="vllm", distkv={"enabled": True}).distkv.enabled
+    with pytest.raises(ValidationError, match="distkv.enabled on a vllm pool needs prefixCaching.enabled: false"):
+        spec(engine="vllm", distkv={"enabled": True}, prefixCaching={"enabled": True})
+    assert spec(engine="builtin", distkv={"enabled": True}, prefixCaching={"enabled": True}).prefix_caching.enabled
 
 
 def env_of(s: LLMPoolSpec) -> dict[str, str]:

@@ -33,8 +33,8 @@ def model_dir(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(("flags", "named"), [
     (["--lend-cap-bytes", "4096"], "--lend-cap-bytes needs --attention distattention"),
     (["--attention", "distattention", "--lend-cap-bytes", "4096", "--elastic-memory", "--memory-budget-bytes", "8388608"],
-     "DistKV lending needs a static KV cache"),
-    (["--attention", "distattention", "--distkv"], "do not borrow it yet")])
+     "DistKV lending and borrowing need a static"),
+    (["--attention", "distattention", "--distkv", "--prefix-caching"], "never shared prefix blocks")])
 def test_the_worker_refuses_what_vllm_workers_do_not_run_with_the_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
     with pytest.raises(SystemExit):
@@ -46,6 +46,9 @@ def test_a_vllm_worker_lends_with_distattention(tmp_path: Path) -> None:
     args = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--attention", "distattention",
                        "--lend-cap-bytes", "4096"])
     assert vllm_options(args) == VLLMOptions(attention="distattention", distkv=DistKVOptions(lend_cap_bytes=4096))
+    borrowing = parse_args(["--engine", "vllm", "--model-path", str(model_dir(tmp_path)), "--attention", "distattention",
+                            "--distkv", "--lend-cap-bytes", "4096"])
+    assert vllm_options(borrowing).distkv == DistKVOptions(lend_cap_bytes=4096, borrow=True)
 
 
 def test_the_worker_runs_vllm_with_distattention_when_asked(tmp_path: Path) -> None:

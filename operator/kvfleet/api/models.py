@@ -420,8 +420,8 @@ _MESSAGE_CACHING_NEEDS_PREFIX_CACHE = ("disaggregation.caching other than none n
                                        "(the workers' prefix cache is what caches at P and D)")
 _MESSAGE_NO_DISTKV = ("disaggregation.enabled cannot be combined with distkv.enabled: a request whose KV spans "
                       "workers cannot be handed over")
-_MESSAGE_DISTKV_ENGINE = ("distkv.enabled needs engine: builtin for now: vLLM workers lend KV (--lend-cap-bytes) but do "
-                          "not borrow it yet")
+_MESSAGE_DISTKV_ENGINE = ("distkv.enabled on a vllm pool needs prefixCaching.enabled: false (a vLLM worker moves a "
+                          "spanning request's own blocks to lenders, never shared prefix blocks)")
 _MESSAGE_ENGINE = ("disaggregation.caching: a vllm pool serves only caching: none (vLLM's prefix cache cannot take "
                    "in KV another worker sends); the builtin engine serves every milestone")
 
@@ -466,9 +466,10 @@ class LLMPoolSpec(_Model):
                     "fieldPath": ".disaggregation.caching",
                 },
                 {
-                    # The engine defaults to vllm: an absent engine is read so.
+                    # The engine defaults to vllm and prefix caching to off: absent fields are read so.
                     "rule": "!has(self.distkv) || !has(self.distkv.enabled) || !self.distkv.enabled || "
-                    "(has(self.engine) && self.engine == 'builtin')",
+                    "(has(self.engine) && self.engine == 'builtin') || !has(self.prefixCaching) || "
+                    "!has(self.prefixCaching.enabled) || !self.prefixCaching.enabled",
                     "message": _MESSAGE_DISTKV_ENGINE,
                     "fieldPath": ".distkv.enabled",
                 },
@@ -531,7 +532,7 @@ class LLMPoolSpec(_Model):
         self.kv_capacity_per_worker_bytes()  # raises when it cannot be derived
         self.tpot_load_cap()  # raises when the objective cannot be turned into a load cap
         self._check_disaggregation()
-        if self.distkv.enabled and self.engine != "builtin":
+        if self.distkv.enabled and self.engine != "builtin" and self.prefix_caching.enabled:
             raise ValueError(_MESSAGE_DISTKV_ENGINE)
         return self
 

@@ -121,15 +121,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--distkv-peers: {err}")
     if args.engine == "vllm":
         # Refused rather than ignored, so a pool never believes it runs what it does not.
-        if args.distkv:
-            # vLLM workers attend through DistAttention and lend KV (--lend-cap-bytes) but do not borrow yet.
-            parser.error("--distkv: vLLM workers lend KV (--lend-cap-bytes) but do not borrow it yet; borrowing "
-                         "runs on the builtin engine (--engine builtin)")
         if args.lend_cap_bytes and args.attention != "distattention":
             parser.error("--lend-cap-bytes needs --attention distattention with vLLM: a borrower's queries are "
                          "answered with kvfleet's kernels over the lent blocks")
-        if args.lend_cap_bytes and args.elastic_memory:
-            parser.error("--lend-cap-bytes and --elastic-memory: DistKV lending needs a static KV cache")
+        if (args.lend_cap_bytes or args.distkv) and args.elastic_memory:
+            parser.error("--lend-cap-bytes, --distkv and --elastic-memory: DistKV lending and borrowing need a static "
+                         "KV cache")
+        if args.distkv and args.prefix_caching:
+            parser.error("--distkv and --prefix-caching with vLLM: a borrowing vLLM worker moves a request's own "
+                         "blocks to lenders, never shared prefix blocks")
         buffer = [flag for flag, value in (("--cpu-buffer-bytes", args.cpu_buffer_bytes), ("--ttft-slo-ms", args.ttft_slo_ms),
                                            ("--tpot-slo-ms", args.tpot_slo_ms)) if value]
         if buffer and not args.elastic_memory:
@@ -172,7 +172,7 @@ def vllm_options(args: argparse.Namespace) -> VLLMOptions:
     from kvfleet.worker.engines.vllm.options import VLLMOptions
 
     return VLLMOptions(memory=memory_options(args), attention="distattention" if args.attention == "distattention" else "vllm",
-                       distkv=DistKVOptions(lend_cap_bytes=args.lend_cap_bytes))
+                       distkv=DistKVOptions(lend_cap_bytes=args.lend_cap_bytes, borrow=args.distkv))
 
 
 def parse_peers(text: str) -> list[tuple[str, str]]:

@@ -705,6 +705,13 @@ class VLLMEngine:
     def running_request(self, request_id: str) -> _Request | None:
         return self._requests.get(request_id)
 
+    def spans(self, request_id: str) -> bool:
+        """Whether a request of this borrowing engine needs more than its whole cache (DistKV)."""
+        request = self._requests.get(request_id)
+        if request is None or self._borrowing is None or self._geometry is None:
+            return False
+        return -(-(request.prompt_tokens + request.max_tokens - 1) // self._geometry.block_size_tokens) > self._usable_blocks()
+
     async def wake(self) -> None:
         """Makes an idle EngineCore take a step (any call into it does): the connector's asks run in steps."""
         if self._llm is not None:
@@ -941,7 +948,7 @@ class VLLMEngine:
         if self._geometry is None:
             return []
         block, per_token = self._geometry.block_size_tokens, self._geometry.kv_bytes_per_token
-        borrowing, usable = self._borrowing, self._usable_blocks()
+        borrowing = self._borrowing
 
         def usage(r: _Request) -> RequestKV:
             if borrowing is None:
@@ -949,9 +956,8 @@ class VLLMEngine:
                                  r.remaining_tokens)
             # A spanning request's kv_bytes are what this worker holds; its oldest tokens are in leases.
             remote = borrowing.remote_tokens(r.request_id)
-            spans = -(-(r.prompt_tokens + r.max_tokens - 1) // block) > usable
             return RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens - remote, block, per_token),
-                             r.remaining_tokens, borrowed_bytes=remote * per_token, spans=spans)
+                             r.remaining_tokens, borrowed_bytes=remote * per_token, spans=self.spans(r.request_id))
 
         running = [usage(r) for r in sorted(self._requests.values(), key=lambda r: r.request_id) if r.holds_kv]
         # Requests suspended here for a move, or staged to resume here: their KV is (or is about to be) in vLLM's blocks.

@@ -221,6 +221,10 @@ class VLLMKVMigration:
         request = self._engine.running_request(request_id)
         if request is None:
             raise MigrationError(f"request {request_id!r} is not queued or running on this engine")
+        if self._engine.spans(request_id):
+            # Its KV lives on several workers (DistKV): no one target holds it, and the operator orders no
+            # move for it (docs/distkv.md).
+            raise MigrationError(f"request {request_id!r} borrows KV from other workers and is not moved")
         request.suspending = True
         try:
             header, _ = await client.ask("suspend", id=request_id)
