@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from migration_testing import start_worker
@@ -315,3 +316,24 @@ def test_a_vllm_worker_refuses_what_it_and_its_pool_cannot_hold_saying_what_the_
                 await engine.stop()
 
     engine_loop.run(scenario(), timeout_s=600)
+
+
+def test_the_pinned_vllm_has_every_private_name_lending_and_borrowing_use(tiny_model_dir: Path, engine_loop: EngineLoop,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    from kvfleet.worker.engines.base import EngineError
+    from kvfleet.worker.engines.vllm import internals
+
+    assert internals.lending_problems() == [] and internals.borrowing_problems() == []
+
+    def renamed(self: Any, request_id: str, first: int, last: int) -> None: ...
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "_remove_blocks_in_range", renamed)
+    assert any("_remove_blocks_in_range" in problem for problem in internals.borrowing_problems())
+    # A worker on such a vLLM refuses to borrow at start, saying what differs.
+    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES, dtype="float32"),
+                        VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+    with pytest.raises(EngineError, match="DistKV borrowing cannot run on this vLLM.*_remove_blocks_in_range"):
+        engine_loop.run(engine.start(), timeout_s=60)
+    engine_loop.run(engine.stop())

@@ -186,6 +186,11 @@ def borrowing_problems() -> list[str]:
 
         if BlockPool(num_gpu_blocks=2, enable_caching=False, hash_block_size=16).null_block.block_id != NULL_BLOCK_ID:
             found.append(f"vLLM's null block is no longer block {NULL_BLOCK_ID}")
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        # binding_scheduler finds the Scheduler as the caller of the connector's bind_kv_cache_manager.
+        if "self.connector.bind_kv_cache_manager(" not in inspect.getsource(Scheduler.__init__):
+            found.append("vLLM's Scheduler no longer binds its KV cache manager to the connector in __init__")
     except Exception as err:
         found.append(f"vLLM's KV cache coordinator could not be inspected: {err}")
     return found
