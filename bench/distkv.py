@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -59,11 +59,13 @@ from kvfleet.worker.engines.builtin.borrowing import BuiltinKVBorrowing  # noqa:
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
 from kvfleet.worker.engines.builtin.options import BuiltinOptions  # noqa: E402
+from kvfleet.worker.engines.vllm.borrowing import VLLMKVBorrowing  # noqa: E402
 from kvfleet.worker.migration.transport import Channel, Listener, TCPTransport  # noqa: E402
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
 TRANSPORT = TCPTransport(PoolCredentials(PoolSecrets("bench-distkv-token", b"bench-distkv-key")))
 BLOCK_SIZE_TOKENS = 16  # the builtin engine's block
+VLLM_BLOCK_TOKENS = 128  # vLLM's on the CPU
 WORKER_COUNTS = (1, 2, 4)
 CONTEXT_TARGET = 0.8
 STEP_TARGET = 1.5
@@ -168,21 +170,30 @@ async def lender(config: tuple[EngineConfig, BuiltinOptions]) -> AsyncIterator[L
 
 
 @asynccontextmanager
-async def vllm_lender(model_dir: Path, dtype: str, capacity_tokens: int, kv_bytes_per_token: int) -> AsyncIterator[Lender]:
-    """A started vLLM engine (kvfleet's DistAttention backend) lending all of at least `capacity_tokens` of KV."""
+async def vllm_started(model_dir: Path, dtype: str, capacity_tokens: int, kv_bytes_per_token: int,
+                       lend_cap_tokens: int = 0, borrow: bool = False) -> AsyncIterator[Engine]:
+    """A started vLLM engine attending through kvfleet's DistAttention backend, of `capacity_tokens` of KV
+    (whole blocks of VLLM_BLOCK_TOKENS), lending up to `lend_cap_tokens` of it, borrowing if asked."""
     from kvfleet.worker.engines.vllm.engine import VLLMEngine
     from kvfleet.worker.engines.vllm.options import VLLMOptions
 
-    block_tokens = 128  # vLLM's CPU block; the engine reports its own below
-    capacity_bytes = -(-capacity_tokens // block_tokens) * block_tokens * kv_bytes_per_token
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_bytes, max_num_seqs=4, dtype=dtype),
-                        VLLMOptions(attention="distattention", distkv=DistKVOptions(lend_cap_bytes=capacity_bytes)))
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=capacity_tokens * kv_bytes_per_token,
+                                     max_num_seqs=4, dtype=dtype),
+                        VLLMOptions(attention="distattention", distkv=DistKVOptions(
+                            lend_cap_bytes=lend_cap_tokens * kv_bytes_per_token, borrow=borrow)))
     await engine.start()
     try:
-        async with serving_leases(engine) as served:
-            yield served
+        yield engine
     finally:
         await engine.stop()
+
+
+@asynccontextmanager
+async def vllm_lender(model_dir: Path, dtype: str, capacity_tokens: int, kv_bytes_per_token: int) -> AsyncIterator[Lender]:
+    """A started vLLM engine lending all of its `capacity_tokens` of KV (whole blocks of VLLM_BLOCK_TOKENS)."""
+    async with (vllm_started(model_dir, dtype, capacity_tokens, kv_bytes_per_token, lend_cap_tokens=capacity_tokens)
+                as engine, serving_leases(engine) as served):
+        yield served
 
 
 def lent_blocks(lenders: Sequence[Lender]) -> int:
@@ -204,7 +215,7 @@ async def settle(lenders: Sequence[Lender], timeout_s: float = 10.0) -> None:
         raise RuntimeError(f"{lent_blocks(lenders)} blocks still lent {timeout_s:.0f} s after the request ended")
 
 
-def attach(borrower: BuiltinEngine, lenders: Sequence[Lender], lend_bytes: int) -> None:
+def attach(borrower: Engine, lenders: Sequence[Lender], lend_bytes: int) -> None:
     """Fresh creditors for each request, so a refusal in one trial does not hide a lender from the next."""
     borrowing = borrower.capabilities.borrowing
     assert borrowing is not None
@@ -212,10 +223,11 @@ def attach(borrower: BuiltinEngine, lenders: Sequence[Lender], lend_bytes: int) 
                                                   for i, (_, listener) in enumerate(lenders)]))
 
 
-async def serve(engine: BuiltinEngine, request_id: str, prompt: list[int], max_tokens: int, timeout_s: float) -> Served:
+async def serve(engine: Engine, request_id: str, prompt: list[int], max_tokens: int, timeout_s: float) -> Served:
     """Greedy decode; the request is aborted if it has not ended within `timeout_s`."""
-    # wire_bytes() is the builtin engine's own counter, not part of the KVBorrowing capability.
-    borrowing = engine.capabilities.borrowing if isinstance(engine.capabilities.borrowing, BuiltinKVBorrowing) else None
+    # wire_bytes() is each engine's own counter, not part of the KVBorrowing capability.
+    borrowing = engine.capabilities.borrowing
+    wire_bytes = borrowing.wire_bytes if isinstance(borrowing, BuiltinKVBorrowing | VLLMKVBorrowing) else None
     tokens: list[int] = []
     times_s: list[float] = []
     wires: list[tuple[int, int, int]] = []
@@ -228,7 +240,7 @@ async def serve(engine: BuiltinEngine, request_id: str, prompt: list[int], max_t
                 continue
             times_s.append(time.perf_counter())
             tokens.extend(step.new_token_ids)
-            sent, received = borrowing.wire_bytes() if borrowing is not None else (0, 0)
+            sent, received = wire_bytes() if wire_bytes is not None else (0, 0)
             wires.append((sent, received, TALLY.written_bytes))
             if not step.finished:
                 borrowed.append(sum(r.borrowed_bytes for r in engine.kv_usage() if r.request_id == request_id))
@@ -242,7 +254,7 @@ async def serve(engine: BuiltinEngine, request_id: str, prompt: list[int], max_t
     return Served(tokens, per_token_s, wires[0], wires[-1], borrowed)
 
 
-async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[Lender],
+async def try_context(borrower: Engine, reference: Engine, lenders: Sequence[Lender],
                       lend_bytes: int, context_tokens: int, output_tokens: int, timeout_s: float, seq: int) -> Trial:
     prompt = prompt_of(context_tokens - output_tokens)
     attach(borrower, lenders, lend_bytes)
@@ -260,21 +272,21 @@ async def try_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders
     return Trial(context_tokens, True, "served, output equal")
 
 
-async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, lenders: Sequence[Lender],
+async def longest_context(borrower: Engine, reference: Engine, lenders: Sequence[Lender],
                           capacity_tokens: int, kv_bytes_per_token: int, output_tokens: int,
-                          timeout_s: float) -> tuple[int, list[Trial]]:
+                          timeout_s: float, block_tokens: int = BLOCK_SIZE_TOKENS) -> tuple[int, list[Trial]]:
     """The longest context (prompt + output, in whole blocks) N = len(lenders) + 1 workers serve, by
     bisection over block counts; the size one block past N x C is tried first, as the upper bound."""
     trials: list[Trial] = []
 
     async def ok(num_blocks: int) -> bool:
         trial = await try_context(borrower, reference, lenders, capacity_tokens * kv_bytes_per_token,
-                                  num_blocks * BLOCK_SIZE_TOKENS, output_tokens, timeout_s, len(trials))
+                                  num_blocks * block_tokens, output_tokens, timeout_s, len(trials))
         trials.append(trial)
         return trial.ok
 
-    total_blocks = (len(lenders) + 1) * capacity_tokens // BLOCK_SIZE_TOKENS
-    low = -(-(output_tokens + 1) // BLOCK_SIZE_TOKENS)  # the smallest context with a prompt
+    total_blocks = (len(lenders) + 1) * capacity_tokens // block_tokens
+    low = -(-(output_tokens + 1) // block_tokens)  # the smallest context with a prompt
     if not await ok(low):
         return 0, trials
     high = total_blocks + 1
@@ -286,10 +298,10 @@ async def longest_context(borrower: BuiltinEngine, reference: BuiltinEngine, len
             low = mid
         else:
             high = mid
-    return low * BLOCK_SIZE_TOKENS, trials
+    return low * block_tokens, trials
 
 
-async def decode_rounds(engines: dict[str, BuiltinEngine], lenders_of: dict[str, tuple[Sequence[Lender], int]],
+async def decode_rounds(engines: Mapping[str, Engine], lenders_of: dict[str, tuple[Sequence[Lender], int]],
                         prompt: list[int], decode_tokens: int, rounds: int,
                         timeout_s: float) -> tuple[dict[str, list[Served]], list[int]]:
     """Each engine decodes the prompt once per round, in turn; also the big worker's greedy output. A row
@@ -297,7 +309,7 @@ async def decode_rounds(engines: dict[str, BuiltinEngine], lenders_of: dict[str,
     served: dict[str, list[Served]] = {name: [] for name in engines}
     want: list[int] = []
 
-    async def one(name: str, engine: BuiltinEngine, request_id: str, max_tokens: int) -> Served:
+    async def one(name: str, engine: Engine, request_id: str, max_tokens: int) -> Served:
         lenders, lend_bytes = lenders_of.get(name, ((), 0))
         if lenders:
             attach(engine, lenders, lend_bytes)
@@ -312,6 +324,67 @@ async def decode_rounds(engines: dict[str, BuiltinEngine], lenders_of: dict[str,
         for name, engine in engines.items():
             served[name].append(await one(name, engine, f"{name}-{r}", decode_tokens))
     return served, want
+
+
+async def measure_vllm(args: argparse.Namespace, model_dir: Path, kv_bytes_per_token: int) -> dict[str, object]:
+    """The same three claims for vLLM workers (engines/vllm/borrowing.py): a vLLM borrower on vLLM lenders,
+    each of C_v tokens (whole 128-token blocks), lenders lending all of theirs. The decode rows compare
+    a 1.5 C_v prompt on a big vLLM worker (the same DistAttention backend, all local) with the borrower
+    holding C_v of it and one lender the rest."""
+    capacity, block = args.vllm_capacity_tokens, VLLM_BLOCK_TOKENS
+    counts = (1, 2) if args.quick else WORKER_COUNTS
+    print(f"vLLM workers: C_v = {capacity} tokens ({capacity // block} blocks of {block}) per worker", flush=True)
+    max_context: dict[str, int] = {}
+    context_ratio: dict[str, float] = {}
+    trials: dict[str, list[dict[str, object]]] = {}
+    async with AsyncExitStack() as stack:
+        reference = await stack.enter_async_context(started(engine_config(
+            model_dir, "cpu", args.dtype, (max(counts) + 1) * capacity, "sdpa", kv_bytes_per_token)))
+        borrower = await stack.enter_async_context(vllm_started(model_dir, args.dtype, capacity, kv_bytes_per_token,
+                                                                borrow=True))
+        lenders = [await stack.enter_async_context(vllm_lender(model_dir, args.dtype, capacity, kv_bytes_per_token))
+                   for _ in range(max(counts) - 1)]
+        for n in counts:
+            started_s = time.perf_counter()
+            longest, tried = await longest_context(borrower, reference, lenders[: n - 1], capacity, kv_bytes_per_token,
+                                                   args.output_tokens, args.timeout_s, block)
+            max_context[str(n)] = longest
+            context_ratio[str(n)] = longest / (n * capacity)
+            trials[str(n)] = [{"context_tokens": t.context_tokens, "ok": t.ok, "why": t.why} for t in tried]
+            print(f"vLLM N={n}: longest context served {longest} tokens = {context_ratio[str(n)]:.2f} x N x C_v "
+                  f"({len(tried)} sizes tried in {time.perf_counter() - started_s:.1f} s)", flush=True)
+        local = await stack.enter_async_context(vllm_started(model_dir, args.dtype, 4 * capacity, kv_bytes_per_token))
+        prompt_tokens = 3 * capacity // 2
+        served, want = await decode_rounds({"vllm_local": local, "vllm_borrowed": borrower},
+                                           {"vllm_borrowed": ([lenders[0]], capacity * kv_bytes_per_token)},
+                                           prompt_of(prompt_tokens), args.decode_tokens, args.rounds, args.timeout_s)
+    step_ms = {name: 1000 * statistics.median(s.decode_s_per_token for s in runs) for name, runs in served.items()}
+    ratio = step_ms["vllm_borrowed"] / step_ms["vllm_local"]
+    equal = all(s.tokens[:len(want)] == want for runs in served.values() for s in runs)
+    steps = args.decode_tokens - 1
+    sent, received, written = (statistics.median((s.wire_last[i] - s.wire_first[i]) / steps for s in served["vllm_borrowed"])
+                               for i in range(3))
+    remote_kv_bytes = statistics.median(statistics.mean(s.borrowed_bytes[1:] or s.borrowed_bytes)
+                                        for s in served["vllm_borrowed"])
+    wire_ratio = (sent - written + received) / remote_kv_bytes if remote_kv_bytes else float("nan")
+    borrowed_share = remote_kv_bytes / kv_bytes_per_token / (prompt_tokens + args.decode_tokens / 2)
+    print(f"vLLM decode of a {prompt_tokens}-token prompt, {args.decode_tokens} tokens, median of {args.rounds} rounds: "
+          f"all local {step_ms['vllm_local']:.2f} ms/token, {100 * borrowed_share:.0f}% borrowed "
+          f"{step_ms['vllm_borrowed']:.2f} ms/token; greedy outputs {'equal' if equal else 'DIFFER'}; query bytes per "
+          f"step {wire_ratio:.4f} x the remote KV", flush=True)
+    context_met = all(context_ratio[str(n)] >= CONTEXT_TARGET for n in counts)
+    for name, met, value in (
+            (f"vLLM longest context >= {CONTEXT_TARGET} x N x C_v for N = {', '.join(map(str, counts))}", context_met,
+             ", ".join(f"N={n}: {context_ratio[str(n)]:.2f}" for n in counts)),
+            (f"vLLM borrowed decode step <= {STEP_TARGET} x all local (distattention)", ratio <= STEP_TARGET, f"{ratio:.2f}x"),
+            (f"vLLM query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_ratio < WIRE_TARGET,
+             f"{wire_ratio:.4f}")):
+        print(f"{'PASS' if met else 'MISS'} {name}: {value}")
+    return {"capacity_tokens": capacity, "block_size_tokens": block, "max_context_tokens": max_context,
+            "max_context_over_n_capacity": context_ratio, "context_target_met": context_met,
+            "borrowed_over_local_step": ratio, "decode_ms_per_token": step_ms, "outputs_equal": equal,
+            "borrowed_share": borrowed_share, "wire_bytes_query_over_kv": wire_ratio, "decode_prompt_tokens": prompt_tokens,
+            "context_trials": trials}
 
 
 async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, object]:
@@ -354,7 +427,8 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
         engines = {"local_sdpa": big_sdpa, "local_distattention": big_dist, "borrowed": borrower}
         lenders_of: dict[str, tuple[Sequence[Lender], int]] = {"borrowed": ([half_lender], 2 * lend_all)}
         if args.vllm:
-            half_vllm = await stack.enter_async_context(vllm_lender(model_dir, args.dtype, 2 * capacity, kv_bytes_per_token))
+            half_vllm = await stack.enter_async_context(vllm_lender(
+                model_dir, args.dtype, -(-2 * capacity // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS, kv_bytes_per_token))
             engines["borrowed_vllm_lender"] = borrower
             lenders_of["borrowed_vllm_lender"] = ([half_vllm], 2 * lend_all)
         served, want = await decode_rounds(engines, lenders_of, prompt_of(prompt_tokens), args.decode_tokens,
@@ -397,7 +471,9 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
              "not measured (no vLLM)" if vllm_lender_over_local is None else f"{vllm_lender_over_local:.2f}x"),
             (f"query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_met, f"{wire_ratio:.4f}")):
         print(f"{'SKIP' if met is None else 'PASS' if met else 'MISS'} {name}: {value}")
+    vllm_workers = await measure_vllm(args, model_dir, kv_bytes_per_token) if args.vllm else None
     return {
+        "vllm_workers": vllm_workers,
         "max_context_tokens": max_context, "max_context_over_n_capacity": context_ratio,
         "borrowed_over_local_step": borrowed_over_local, "borrowed_over_local_sdpa_step": borrowed_over_sdpa,
         "vllm_lender_over_local_step": vllm_lender_over_local,
@@ -429,7 +505,9 @@ def main() -> int:
     parser.add_argument("--skip-context", action="store_true", help="leave out the longest-context search")
     parser.add_argument("--gpu", action="store_true",
                         help="the GPU run: llama-1b in bfloat16, C = 4096 tokens, the decode steps only (about a minute)")
-    parser.add_argument("--skip-vllm", action="store_true", help="leave out the row borrowing from a vLLM lender")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave out vLLM workers (a vLLM lender, vLLM borrowers)")
+    parser.add_argument("--vllm-capacity-tokens", type=int,
+                        help="C_v, KV tokens per vLLM worker, whole 128-token blocks (default 512; quick 256)")
     args = parser.parse_args()
     # vLLM's CUDA build is not installed on the GPU machines (docs/gpu.md): the vLLM row is a CPU row.
     args.vllm = not args.skip_vllm and not args.gpu and find_spec("vllm") is not None
@@ -438,6 +516,9 @@ def main() -> int:
         args.capacity_tokens = args.capacity_tokens or 4096
         args.rounds = args.rounds or 3
     args.capacity_tokens = args.capacity_tokens or (64 if args.quick else 256)
+    args.vllm_capacity_tokens = args.vllm_capacity_tokens or (256 if args.quick else 512)
+    if args.vllm_capacity_tokens % VLLM_BLOCK_TOKENS or args.vllm_capacity_tokens < 2 * VLLM_BLOCK_TOKENS:
+        parser.error(f"--vllm-capacity-tokens must be a multiple of {VLLM_BLOCK_TOKENS}, at least two blocks")
     args.decode_tokens = args.decode_tokens or (8 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 5)
     if args.capacity_tokens % BLOCK_SIZE_TOKENS or args.capacity_tokens <= 0:
@@ -449,8 +530,10 @@ def main() -> int:
     print(f"host: {platform.node()} ({cpu_model()}, {torch.get_num_threads()} torch threads), device: {device_name}, "
           f"torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny(args.model_dir or Path(tmp) / "model", seed=0,
-                              spec=shape(args.shape, 2 * args.capacity_tokens + args.decode_tokens + BLOCK_SIZE_TOKENS))
+        # Positions for the longest contexts tried: one block past N x C (builtin) and N x C_v (vLLM).
+        positions = max(2 * args.capacity_tokens + args.decode_tokens + BLOCK_SIZE_TOKENS,
+                        (max(WORKER_COUNTS) + 1) * args.vllm_capacity_tokens if args.vllm else 0)
+        model_dir = make_tiny(args.model_dir or Path(tmp) / "model", seed=0, spec=shape(args.shape, positions))
         summary = asyncio.run(measure(args, model_dir, device))
     summary["device"] = device_name
     summary["quick"] = args.quick

@@ -29,3 +29,11 @@ def test_quick_run_ends_with_context_step_and_wire_figures() -> None:
     if importlib.util.find_spec("vllm") is not None:
         assert summary["vllm_lender_over_local_step"] > 0
         assert summary["decode_ms_per_token"]["borrowed_vllm_lender"] > 0
+        # vLLM workers borrowing: two of them serve a longer context than one, each output equal to one
+        # big worker's, and the query shipped per step is less than the remote KV.
+        workers = summary["vllm_workers"]
+        assert 0 < workers["max_context_tokens"]["1"] < workers["max_context_tokens"]["2"] <= 2 * workers["capacity_tokens"]
+        assert workers["outputs_equal"]
+        assert 0 < workers["wire_bytes_query_over_kv"] < 1 and workers["borrowed_over_local_step"] > 0
+    else:
+        assert summary["vllm_workers"] is None

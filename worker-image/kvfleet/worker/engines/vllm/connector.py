@@ -893,6 +893,9 @@ class KvfleetConnector(KVConnectorBase_V1):
         # KV while their freed blocks still hold it.
         assert self._worker is not None and isinstance(kv_connector_metadata, KvfleetMetadata)
         self._worker.park(kv_connector_metadata)
+        # DistKV borrowing's share too: vLLM starts a step's KV loads after its forward when none is a
+        # synchronous load, and the forward must already know where each spanning request's blocks start.
+        self._worker.distkv(kv_connector_metadata)
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         # Elastic memory: vLLM's KV allocation becomes a view of the eTensor (vllm/elastic.py).
@@ -906,7 +909,6 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._worker.apply_balloon(meta)
         self._worker.unpark(meta)
         self._worker.load(meta)
-        self._worker.distkv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv before the forward

@@ -169,6 +169,8 @@ _BORROWING_SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.bind_kv_cache_manager": (
         "self", "kv_cache_manager"),
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_block_ids_with_load_errors": ("self",),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.handle_preemptions": (
+        "self", "kv_connector_metadata"),
 }
 # vLLM's null block, which stands for a block a request no longer holds (skip_blocks).
 NULL_BLOCK_ID = 0
