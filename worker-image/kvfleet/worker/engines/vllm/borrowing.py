@@ -96,9 +96,10 @@ class CoreBorrowing:
         return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
 
     def release(self, request_id: str) -> None:
-        """The request ended (or starts again): its leases go back."""
+        """The request ended (or starts again): its leases go back. Not waited for: the step goes on, and an
+        agent that is stopping its engine frees what it holds anyway."""
         try:
-            self._pipe.call("distkv-release", id=request_id, timeout_s=5.0)
+            self._pipe.notify("distkv-release", id=request_id)
         except Exception as err:  # the agent frees what it holds when its engine stops anyway
             log.warning("kvfleet: releasing the leases of %s failed: %s", request_id, err)
 

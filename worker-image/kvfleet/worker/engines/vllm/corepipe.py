@@ -117,6 +117,13 @@ class CorePipe:
         except Exception as err:  # the agent's ask fails with the reason; the pipe goes on
             self._pipe.send({"seq": seq, "ok": False, "error": f"{type(err).__name__}: {err}"})
 
+    def notify(self, op: str, **fields: Any) -> None:
+        """Ask the agent without waiting for its answer (which is dropped when it comes)."""
+        pipe = self._pipe
+        if pipe is None or not self._connected.is_set():
+            raise CallFailed("no agent is connected to the EngineCore's second pipe")
+        pipe.send({"op": op, "seq": next(self._seq), "core_ask": True, **fields})
+
     def call(self, op: str, tensor: torch.Tensor | None = None, timeout_s: float = CALL_TIMEOUT_S,
              **fields: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Ask the agent and wait for its answer; CallFailed with its error, or when it does not answer."""
