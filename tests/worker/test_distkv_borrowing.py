@@ -65,8 +65,9 @@ def prompt_of(n: int) -> list[int]:
     return [(7 * i + 3) % 250 + 1 for i in range(n)]
 
 
-async def reference(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    big = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=64 * BLOCK_BYTES, dtype="float32"))
+async def reference(model_dir: Path, prompt: list[int], max_tokens: int, blocks: int = 64) -> list[int]:
+    """One big builtin worker's greedy output (`blocks` of 16 tokens hold the whole request)."""
+    big = load_engine("builtin", EngineConfig(model_path=model_dir, kv_capacity_bytes=blocks * BLOCK_BYTES, dtype="float32"))
     assert isinstance(big, BuiltinEngine)
     await big.start()
     try:

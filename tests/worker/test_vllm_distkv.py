@@ -68,6 +68,19 @@ async def vllm_lender(model_dir: Path, cap_blocks: int) -> AsyncIterator[tuple[V
         await engine.stop()
 
 
+@asynccontextmanager
+async def vllm_borrower(model_dir: Path, min_step_s: float = 0.0) -> AsyncIterator[VLLMEngine]:
+    """A started vLLM engine of 4 blocks (512 tokens) that borrows for longer requests."""
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES, max_num_seqs=4,
+                                     dtype="float32", min_step_s=min_step_s),
+                        VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
 def test_a_vllm_lease_stores_kv_answers_queries_and_holds_its_blocks_out_of_vllms_pool(
         tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
     async def scenario() -> None:
@@ -217,20 +230,10 @@ def test_a_vllm_worker_borrows_for_a_request_longer_than_its_cache_and_equals_on
     prompt, max_tokens = prompt_of(1100), 30
 
     async def scenario() -> None:
-        big = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=96 * BLOCK_BYTES,
-                                                  dtype="float32"))
-        await big.start()
-        try:
-            want = await greedy(big, prompt, max_tokens)  # type: ignore[arg-type]
-        finally:
-            await big.stop()
+        want = await reference(tiny_model_dir, prompt, max_tokens, blocks=96)
         async with AsyncExitStack() as stack:
             lenders = [await stack.enter_async_context(lender(tiny_model_dir, 40, 36)) for _ in range(2)]
-            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
-                                             max_num_seqs=4, dtype="float32"),
-                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
-            await engine.start()
-            stack.push_async_callback(engine.stop)
+            engine = await stack.enter_async_context(vllm_borrower(tiny_model_dir))
             borrowing = engine.capabilities.borrowing
             assert borrowing is not None
             borrowing.attach(OPEN, StaticCreditors([
@@ -244,8 +247,7 @@ def test_a_vllm_worker_borrows_for_a_request_longer_than_its_cache_and_equals_on
             assert await stream == want
             assert any(sum(s.values()) >= 512 * 2048 for s in seen)  # more than its whole cache was remote
             for _ in range(100):  # the leases are freed as the request ends
-                if all(engine.capabilities.lending is None and e.capabilities.lending.lent_blocks() == 0  # type: ignore[union-attr]
-                       for e, _ in lenders):
+                if all(e.capabilities.lending.lent_blocks() == 0 for e, _ in lenders):  # type: ignore[union-attr]
                     break
                 await asyncio.sleep(0.02)
             assert all(e.capabilities.lending.lent_blocks() == 0 for e, _ in lenders)  # type: ignore[union-attr]
@@ -259,21 +261,11 @@ def test_a_vllm_borrower_whose_lender_dies_computes_the_request_again_and_the_st
     prompt, max_tokens = prompt_of(700), 60
 
     async def scenario() -> None:
-        big = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=64 * BLOCK_BYTES,
-                                                  dtype="float32"))
-        await big.start()
-        try:
-            want = await greedy(big, prompt, max_tokens)  # type: ignore[arg-type]
-        finally:
-            await big.stop()
+        want = await reference(tiny_model_dir, prompt, max_tokens)
         async with AsyncExitStack() as stack:
             doomed_engine, doomed = await stack.enter_async_context(lender(tiny_model_dir, 40, 36))
             spare_engine, spare = await stack.enter_async_context(lender(tiny_model_dir, 40, 36))
-            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
-                                             max_num_seqs=4, dtype="float32", min_step_s=0.01),
-                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
-            await engine.start()
-            stack.push_async_callback(engine.stop)
+            engine = await stack.enter_async_context(vllm_borrower(tiny_model_dir, min_step_s=0.01))
             assert engine.capabilities.borrowing is not None
             engine.capabilities.borrowing.attach(OPEN, StaticCreditors([
                 Creditor("doomed", f"127.0.0.1:{doomed.port}", 36 * BLOCK_BYTES),
@@ -300,11 +292,7 @@ def test_a_vllm_worker_refuses_what_it_and_its_pool_cannot_hold_saying_what_the_
         tiny_model_dir: Path, engine_loop: EngineLoop) -> None:
     async def scenario() -> None:
         async with lender(tiny_model_dir, 16, 8) as (_, listener):
-            engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=4 * VLLM_BLOCK_BYTES,
-                                             max_num_seqs=4, dtype="float32"),
-                                VLLMOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
-            await engine.start()
-            try:
+            async with vllm_borrower(tiny_model_dir) as engine:
                 assert engine.capabilities.borrowing is not None
                 engine.capabilities.borrowing.attach(OPEN, StaticCreditors([
                     Creditor("lender", f"127.0.0.1:{listener.port}", 8 * BLOCK_BYTES)]))
@@ -312,8 +300,6 @@ def test_a_vllm_worker_refuses_what_it_and_its_pool_cannot_hold_saying_what_the_
                     await greedy(engine, prompt_of(700), 10)  # type: ignore[arg-type]
                 # What fits with the lender's room is served: a context past the cache is no longer refused.
                 assert len(await greedy(engine, prompt_of(560), 4)) == 4  # type: ignore[arg-type]
-            finally:
-                await engine.stop()
 
     engine_loop.run(scenario(), timeout_s=600)
 
