@@ -22,7 +22,7 @@ the model is built, with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -244,6 +244,9 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
             return output
         plan = attn_metadata
         local = plan.local()
+        # A spanning sequence's remote part is asked for first and computed where its KV lives while the
+        # local parts are computed here (§4.6: overlapped); it is merged after.
+        remote = [self._ask_remote(layer, span, plan, query) for span in local.spans]
         _, k_cache, v_cache = kv_views(kv_cache)
         decodes = len(plan.decode_rows)
         decode_lse = prefill_lse = None
@@ -265,23 +268,16 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
                 query.index_select(0, plan.prefill_rows), k_cache, v_cache, local.prefill_table, local.prefill_lens,
                 plan.prefill_starts, max_q_len=plan.prefill_max_q_len, scale=self.scale)
             output.index_copy_(0, plan.prefill_rows, out.to(output.dtype))
-        for span in local.spans:
-            if span.decode:
-                first, count, lse_all = span.index, 1, decode_lse
-                rows = plan.decode_rows[first:first + 1]
-            else:
-                first = int(plan.prefill_starts[span.index])
-                count, lse_all = int(plan.prefill_starts[span.index + 1]) - first, prefill_lse
-                rows = plan.prefill_rows[first:first + count]
+        for span, (rows, collect) in zip(local.spans, remote, strict=True):
+            first = span.index if span.decode else int(plan.prefill_starts[span.index])
+            lse_all = decode_lse if span.decode else prefill_lse
             assert lse_all is not None
-            self._merge_remote(layer, span.request_id, query.index_select(0, rows), output, rows,
-                               lse_all[first:first + count])
+            self._merge_remote(span.request_id, collect, output, rows, lse_all[first:first + len(rows)])
         return output
 
-    def _merge_remote(self, layer: AttentionLayer, request_id: str, q: torch.Tensor, output: torch.Tensor,
-                      rows: torch.Tensor, local_lse: torch.Tensor) -> None:
-        """A borrowing sequence's local partial (already in `output`) merged with its remote part, which
-        the agent's leases compute where the KV lives (borrowing.py; §4.2 ScaleReduce)."""
+    def _ask_remote(self, layer: AttentionLayer, span: SpanRows, plan: KvfleetAttentionMetadata,
+                    query: torch.Tensor) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        """A spanning sequence's query rows, and how to collect their attention over its remote KV."""
         from kvfleet.worker.engines.vllm import borrowing
 
         core = borrowing.CORE
@@ -290,10 +286,23 @@ class KvfleetAttentionImpl(AttentionImpl[KvfleetAttentionMetadata]):
             from vllm.model_executor.models.utils import extract_layer_index
 
             self._layer_index = extract_layer_index(str(getattr(layer, "layer_name", "")))
+        if span.decode:
+            rows = plan.decode_rows[span.index:span.index + 1]
+        else:
+            rows = plan.prefill_rows[int(plan.prefill_starts[span.index]):int(plan.prefill_starts[span.index + 1])]
+        return rows, core.submit(span.request_id, self._layer_index, query.index_select(0, rows))
+
+    def _merge_remote(self, request_id: str, collect: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                      output: torch.Tensor, rows: torch.Tensor, local_lse: torch.Tensor) -> None:
+        """A borrowing sequence's local partial (already in `output`) merged with its remote part, which
+        the agent's leases computed where the KV lives (borrowing.py; §4.2 ScaleReduce)."""
+        from kvfleet.worker.engines.vllm import borrowing
+
         try:
-            remote_out, remote_lse = core.attend(request_id, self._layer_index, q)
+            remote_out, remote_lse = collect()
         except Exception as err:  # its lender is gone: the step's output for it is dropped (borrowing.py)
-            core.lose(request_id, str(err))
+            assert borrowing.CORE is not None
+            borrowing.CORE.lose(request_id, str(err))
             return
         local_out = output.index_select(0, rows).float()
         merged, _ = dispatch.scale_reduce_pair(local_out, local_lse.float().contiguous(), remote_out.to(local_out.device),

@@ -47,6 +47,7 @@ from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
 from kvfleet.worker.engines.capabilities import LeaseOpener
 from kvfleet.worker.engines.vllm import internals
+from kvfleet.worker.engines.vllm.corepipe import CallFailed
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -86,14 +87,28 @@ class CoreBorrowing:
         kv = torch.stack([self._layout.read(layer, block_ids) for layer in self._layers])  # [L, 2, n, bs, h, d]
         self._pipe.call("distkv-spill", kv.flatten(2, 3), id=request_id, first_token=first_token)
 
-    def attend(self, request_id: str, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [rows, q_heads, head_dim] over the request's remote KV -> (out, lse) in float32."""
-        _, data = self._pipe.call("distkv-attend", q.detach().float().contiguous(), id=request_id, layer=layer)
+    def submit(self, request_id: str, layer: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Ask for q [rows, q_heads, head_dim] over the request's remote KV; the returned call waits for
+        (out, lse) in float32 and raises if the agent could not answer (a lender is lost)."""
+        try:
+            wait = self._pipe.submit("distkv-attend", q.detach().float().contiguous(), id=request_id, layer=layer)
+        except CallFailed as err:
+            failed = err
+
+            def refused() -> tuple[torch.Tensor, torch.Tensor]:
+                raise failed
+
+            return refused
         rows, heads, dim = (int(d) for d in q.shape)
-        if data is None or data.numel() != rows * heads * (dim + 1):
-            raise RuntimeError(f"the agent answered {0 if data is None else data.numel()} floats for a "
-                               f"{rows}x{heads}x{dim} attention")
-        return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+
+        def collect() -> tuple[torch.Tensor, torch.Tensor]:
+            _, data = wait()
+            if data is None or data.numel() != rows * heads * (dim + 1):
+                raise RuntimeError(f"the agent answered {0 if data is None else data.numel()} floats for a "
+                                   f"{rows}x{heads}x{dim} attention")
+            return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+
+        return collect
 
     def release(self, request_id: str) -> None:
         """The request ended (or starts again): its leases go back. Not waited for: the step goes on, and an

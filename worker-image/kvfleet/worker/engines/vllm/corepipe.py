@@ -127,6 +127,11 @@ class CorePipe:
     def call(self, op: str, tensor: torch.Tensor | None = None, timeout_s: float = CALL_TIMEOUT_S,
              **fields: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Ask the agent and wait for its answer; CallFailed with its error, or when it does not answer."""
+        return self.submit(op, tensor, timeout_s, **fields)()
+
+    def submit(self, op: str, tensor: torch.Tensor | None = None, timeout_s: float = CALL_TIMEOUT_S,
+               **fields: Any) -> Callable[[], tuple[dict[str, Any], torch.Tensor | None]]:
+        """Ask the agent now; the returned call waits for the answer (as `call` does)."""
         pipe = self._pipe
         if pipe is None or not self._connected.is_set():
             raise CallFailed("no agent is connected to the EngineCore's second pipe")
@@ -136,11 +141,15 @@ class CorePipe:
         with self._lock:
             self._waiting[seq] = (event, answer)
         pipe.send({"op": op, "seq": seq, "core_ask": True, **fields}, tensor)
-        if not event.wait(timeout_s):
-            with self._lock:
-                self._waiting.pop(seq, None)
-            raise CallFailed(f"the agent did not answer {op!r} within {timeout_s:.0f} s")
-        header, data = answer[0]
-        if not header.get("ok"):
-            raise CallFailed(str(header.get("error", f"{op} refused")), bool(header.get("lost")))
-        return header, data
+
+        def wait() -> tuple[dict[str, Any], torch.Tensor | None]:
+            if not event.wait(timeout_s):
+                with self._lock:
+                    self._waiting.pop(seq, None)
+                raise CallFailed(f"the agent did not answer {op!r} within {timeout_s:.0f} s")
+            header, data = answer[0]
+            if not header.get("ok"):
+                raise CallFailed(str(header.get("error", f"{op} refused")), bool(header.get("lost")))
+            return header, data
+
+        return wait
