@@ -323,3 +323,40 @@ def test_the_pinned_vllm_has_every_private_name_lending_and_borrowing_use(tiny_m
     with pytest.raises(EngineError, match="DistKV borrowing cannot run on this vLLM.*_remove_blocks_in_range"):
         engine_loop.run(engine.start(), timeout_s=60)
     engine_loop.run(engine.stop())
+
+
+class _FakeRequest:
+    """What SpanPlanner reads of vLLM's Request."""
+
+    def __init__(self, request_id: str, prompt: int, max_tokens: int) -> None:
+        self.request_id, self.num_prompt_tokens, self.max_tokens = request_id, prompt, max_tokens
+        self.num_tokens, self.num_computed_tokens = prompt, 0
+
+
+def test_the_planner_moves_what_the_next_chunk_needs_even_when_a_preempted_request_is_computed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet.worker.engines.vllm import borrowing, internals
+
+    skipped: list[tuple[str, int]] = []
+    monkeypatch.setattr(internals, "skip_blocks", lambda manager, rid, n: skipped.append((rid, n)))
+    planner = borrowing.SpanPlanner(block_size_tokens=128, usable_blocks=4, batched_tokens=256)
+    req = _FakeRequest("v1", prompt=600, max_tokens=100)
+    planner.admitted(req, "a1")  # type: ignore[arg-type]
+    assert "v1" in planner.spans
+    # Computed again after a preemption: 650 tokens (prompt and 50 of output), 256 done, 256 this step.
+    req.num_tokens, req.num_computed_tokens = 650, 256
+    plan = planner.plan({"v1": 256}, lambda rid: [1, 2, 3, 4], free_blocks=0)
+    # The next chunk (the last 138 tokens, output included) needs two more blocks: the two computed before
+    # this step move (counting the prompt alone, it would wait for blocks and be preempted again).
+    assert [(o.block_ids, o.first_token) for o in plan.spills] == [([1, 2], 0)]
+    assert plan.spans == []  # nothing is remote during this step: it moves after the forward
+    planner.confirmed({"v1": 2}, {}, {}, manager=None, scheduler=None)
+    assert skipped == [("v1", 2)]
+    req.num_computed_tokens = 512
+    plan = planner.plan({"v1": 138}, lambda rid: [0, 0, 3, 4, 5, 6], free_blocks=0)
+    assert plan.spans == [("a1", 2, [3, 4, 5, 6])]
+    # A move that failed (not a loss) is forgotten once vLLM computes the request again from its start.
+    planner.confirmed({}, {"v1": "timed out"}, {}, manager=None, scheduler=None)
+    req.num_computed_tokens = 0
+    plan = planner.plan({"v1": 256}, lambda rid: [6, 7], free_blocks=2)
+    assert plan.releases == ["a1"] and planner.spans["v1"].failed is None

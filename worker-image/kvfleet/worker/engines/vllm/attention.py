@@ -142,7 +142,10 @@ def _shifted(plan: LocalPlan, spans: Sequence[tuple[str, int, Sequence[int]]], b
             table = tables[decode]
             if table.shape[1] < end:
                 continue
-            match = (table[:, remote_blocks:end] == local.to(table.device)).all(dim=1).nonzero().flatten()
+            # Its length must fall in its last local block too (a row's tail past its blocks is stale).
+            fits = (lens[decode] > (end - 1) * block_size) & (lens[decode] <= end * block_size)
+            match = ((table[:, remote_blocks:end] == local.to(table.device)).all(dim=1) & fits.to(table.device)
+                     ).nonzero().flatten()
             if len(match):
                 i = int(match[0])
                 table[i] = torch.cat([table[i, remote_blocks:], table.new_zeros(remote_blocks)])

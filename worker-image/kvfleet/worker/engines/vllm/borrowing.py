@@ -78,8 +78,14 @@ class CoreBorrowing:
         self.lost: dict[str, str] = {}
 
     def lose(self, request_id: str, reason: str) -> None:
-        log.warning("kvfleet: request %s lost KV other workers held: %s; it is computed again", request_id, reason)
+        if request_id not in self.lost:
+            log.warning("kvfleet: request %s lost KV other workers held: %s; it is computed again", request_id, reason)
         self.lost.setdefault(request_id, reason)
+
+    def lost_blocks(self) -> set[int]:
+        """The first local block of each request that lost remote KV this step: a block only it holds, so
+        vLLM's failed-load handling rewinds it and no other request."""
+        return {local[0] for request_id, _, local in self.spans if request_id in self.lost and local}
 
     def spill(self, request_id: str, block_ids: list[int], first_token: int) -> None:
         """Blocks of a request (its tokens from `first_token` on) into its leases; raises when they
@@ -91,6 +97,8 @@ class CoreBorrowing:
         """Ask for q [rows, q_heads, head_dim] over the request's remote KV; the returned call waits for
         (out, lse) in float32 and raises if the agent could not answer (a lender is lost)."""
         try:
+            if request_id in self.lost:  # an earlier layer found its lender gone: no layer waits on it again
+                raise CallFailed(self.lost[request_id], lost=True)
             wait = self._pipe.submit("distkv-attend", q.detach().float().contiguous(), id=request_id, layer=layer)
         except CallFailed as err:
             failed = err
@@ -177,7 +185,7 @@ class SpanPlanner:
         bs = self.block_size
         for rid, span in self.spans.items():
             req = span.request
-            if req.num_computed_tokens == 0 and (span.remote_blocks or span.moving):
+            if req.num_computed_tokens == 0 and (span.remote_blocks or span.moving or span.failed):
                 # Preempted: vLLM freed its blocks and computes it again from the start; its leases go.
                 plan.releases.append(span.agent_id)
                 span.remote_blocks = span.moving = 0
@@ -191,7 +199,8 @@ class SpanPlanner:
             if span.failed is not None:
                 continue
             done = req.num_computed_tokens + scheduled   # once this step has run
-            following = min(req.num_prompt_tokens - done, self.batched_tokens) if done < req.num_prompt_tokens else 1
+            # Its prompt, or after a preemption its prompt and output so far, is computed in chunks.
+            following = min(req.num_tokens - done, self.batched_tokens) if done < req.num_tokens else 1
             short = -(-(done + following) // bs) - len(blocks) - free_blocks
             first = span.remote_blocks + span.moving
             # Only blocks computed before this step hold their KV while it runs, and only full ones move.
@@ -225,9 +234,12 @@ class SpanPlanner:
         for rid, reason in failed.items():
             stuck = self.spans.get(rid)
             if stuck is not None:
-                # Its blocks stay local: vLLM preempts it when it runs out, and it starts again.
+                # Its blocks stay local and what the agent holds for it goes: vLLM preempts it when it runs
+                # out, and it starts again (or the agent failed it, when no creditor has room).
                 log.warning("kvfleet: moving KV of %s to a lender failed: %s", stuck.agent_id, reason)
                 stuck.moving, stuck.failed = 0, reason
+                if not stuck.remote_blocks:
+                    self.releases.append(stuck.agent_id)
 
     def finished(self, request: Request) -> str | None:
         """The agent's id of a finished request whose leases go back, if it had any."""
@@ -255,6 +267,8 @@ class VLLMKVBorrowing:
         self._block_size = 0
         self._token_bytes = 0
         self._losses: dict[str, int] = {}
+        self._lost: set[str] = set()    # lost and not yet released: counted once
+        self._closing: set[asyncio.Task[None]] = set()
         self.bytes_sent = self.bytes_received = 0
         # Fails a request with a message (the engine aborts it in vLLM and its stream raises).
         self.fail: Callable[[str, str], None] = lambda request_id, message: None
@@ -286,8 +300,15 @@ class VLLMKVBorrowing:
         return borrowed
 
     def forget(self, request_id: str) -> None:
-        """The request ended here: its count of losses goes."""
+        """The request ended here: its count of losses goes, and any lease still held for it (a move that
+        failed part-way, or that the EngineCore stopped waiting for)."""
         self._losses.pop(request_id, None)
+        self._lost.discard(request_id)
+        remote = self._parts.pop(request_id, None)
+        if remote is not None:
+            task = asyncio.get_running_loop().create_task(remote.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def remote_tokens(self, request_id: str) -> int:
         remote = self._parts.get(request_id)
@@ -322,11 +343,15 @@ class VLLMKVBorrowing:
             self.fail(request_id, str(err))
             raise
         except RemotePartLost as err:
-            losses = self._losses[request_id] = self._losses.get(request_id, 0) + 1
-            if losses > MAX_LOSSES:
-                self.fail(request_id, f"request {request_id} lost the KV other workers lent it {losses} times; giving up")
+            if request_id not in self._lost:  # every layer of the step finds it: one loss
+                self._lost.add(request_id)
+                losses = self._losses[request_id] = self._losses.get(request_id, 0) + 1
+                if losses > MAX_LOSSES:
+                    self.fail(request_id, f"request {request_id} lost the KV other workers lent it {losses} times; "
+                                          "giving up")
             raise _Lost(str(err)) from err
         if op == "distkv-release":
+            self._lost.discard(request_id)
             remote = self._parts.pop(request_id, None)
             if remote is not None:
                 sent, received = remote.wire_bytes()

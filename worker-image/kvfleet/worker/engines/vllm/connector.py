@@ -777,26 +777,37 @@ class _WorkerSide:
                                                      for layer in self.layers])
         self.freed.update(meta.frees)
 
-    def distkv(self, meta: KvfleetMetadata) -> None:
-        """Borrowing's share of a step, before its forward: leases to give back, blocks to move (computed
-        in earlier steps, so their KV is written), and where each spanning request's local blocks start."""
+    def distkv_before(self, meta: KvfleetMetadata) -> None:
+        """Borrowing's share of a step before its forward: leases to give back, and where each spanning
+        request's local blocks start (the blocks moved in earlier steps are remote now)."""
         core = self.borrowing
         if core is None:
             return
+        core.lost.clear()
         for agent_id in meta.releases:
             core.release(agent_id)
+        core.spans = list(meta.spans)
+
+    def distkv_after(self, meta: KvfleetMetadata) -> None:
+        """Borrowing's share after the forward: the blocks to move (computed in earlier steps, so their KV
+        is written). Moved after the forward, which attended them here: they are remote from the next
+        step on, never on both sides of one step."""
+        core = self.borrowing
+        if core is None:
+            return
         for order in meta.spills:
+            if order.agent_id in core.lost:
+                continue  # computed again from its start: nothing to move
             try:
                 core.spill(order.agent_id, order.block_ids, order.first_token)
                 self.out.moved[order.request] = len(order.block_ids)
             except CallFailed as err:
-                if err.lost:  # its remote KV is gone: computed again (borrowing.py)
+                if err.lost and order.first_token:  # its remote KV is gone: computed again (borrowing.py)
                     core.lose(order.agent_id, str(err))
                 else:  # reported: the blocks stay local (borrowing.py SpanPlanner.confirmed)
                     self.out.move_failed[order.request] = str(err)
             except Exception as err:
                 self.out.move_failed[order.request] = str(err)
-        core.spans = list(meta.spans)
 
     def take_freed(self) -> set[str]:
         freed, self.freed = self.freed, set()
@@ -804,17 +815,17 @@ class _WorkerSide:
 
     def take_output(self) -> KvfleetWorkerMetadata | None:
         if self.borrowing is not None and self.borrowing.lost:
-            self.out.lost, self.borrowing.lost = self.borrowing.lost, {}
+            self.out.lost = dict(self.borrowing.lost)
         out, self.out = self.out, KvfleetWorkerMetadata()
         return out if (out.saved or out.errors or out.failed_loads or out.balloon or out.mapped_slots is not None
                        or out.parked or out.moved or out.move_failed or out.lost) else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
-        if self.borrowing is not None and self.borrowing.lost:
-            # vLLM rewinds every request whose table holds the null block, and drops its output of the
-            # step: a spanning request that lost remote KV is computed again (borrowing.py).
-            failed.add(internals.NULL_BLOCK_ID)
+        if self.borrowing is not None:
+            # A spanning request that lost remote KV: its first local block is reported failed, so vLLM
+            # drops its output of the step (borrowing.py); the scheduler side then preempts it.
+            failed |= self.borrowing.lost_blocks()
         return failed
 
 
@@ -895,7 +906,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         self._worker.park(kv_connector_metadata)
         # DistKV borrowing's share too: vLLM starts a step's KV loads after its forward when none is a
         # synchronous load, and the forward must already know where each spanning request's blocks start.
-        self._worker.distkv(kv_connector_metadata)
+        self._worker.distkv_before(kv_connector_metadata)
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         # Elastic memory: vLLM's KV allocation becomes a view of the eTensor (vllm/elastic.py).
@@ -921,6 +932,7 @@ class KvfleetConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvfleetMetadata)
         self._worker.save(meta)
+        self._worker.distkv_after(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

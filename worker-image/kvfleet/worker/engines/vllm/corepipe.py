@@ -140,6 +140,10 @@ class CorePipe:
         answer: list[tuple[dict[str, Any], torch.Tensor | None]] = []
         with self._lock:
             self._waiting[seq] = (event, answer)
+        if pipe.closed.is_set():  # closed meanwhile: _on_closed may have woken the waiters before this one
+            with self._lock:
+                self._waiting.pop(seq, None)
+            raise CallFailed("the agent's pipe ended")
         pipe.send({"op": op, "seq": seq, "core_ask": True, **fields}, tensor)
 
         def wait() -> tuple[dict[str, Any], torch.Tensor | None]:

@@ -106,6 +106,9 @@ class VLLMKVLending:
         self._num_layers = 0
         self._leases: dict[str, list[int]] = {}   # lease id -> vLLM block ids, in token order
         self._asked = 0                            # blocks of lends in flight, held against the cap
+        # Every lease a lend was asked for: one whose ask failed (a time-out) may still have been carried
+        # out in the EngineCore, so freeing it is always asked there.
+        self._ever: set[str] = set()
         self._control: ConnectorClient | None = None
         self._data: ConnectorClient | None = None
 
@@ -139,6 +142,7 @@ class VLLMKVLending:
             raise LendingError(f"lending {num_blocks} more blocks would pass this worker's cap of {self._cap_blocks}",
                                max(0, room))
         self._asked += num_blocks
+        self._ever.add(lease_id)
         try:
             header, _ = await self._ask(control, "lend", lease=lease_id, blocks=num_blocks)
         finally:
@@ -179,9 +183,10 @@ class VLLMKVLending:
         return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
 
     async def free(self, lease_id: str) -> int:
-        blocks = self._leases.pop(lease_id, None)
-        if not blocks:
+        blocks = self._leases.pop(lease_id, None) or []
+        if lease_id not in self._ever:
             return 0
+        self._ever.discard(lease_id)
         if self._control is not None:
             try:
                 await self._ask(self._control, "lend-free", lease=lease_id)
