@@ -23,10 +23,11 @@ Who does what:
 Faults, as in the builtin engine (docs/distkv.md): a lender that fails a call (it died or left) loses
 the request's remote KV. The step's output for it is thrown away and it is computed again from its
 start, prompt and output so far, borrowing afresh from the creditors that answer: the worker side
-reports vLLM's null block as a failed load (vLLM's `kv_load_failure_policy="recompute"` then rewinds
-every request whose table holds it, and drops their sampled tokens), and the scheduler side frees the
-request's blocks. Its stream waits; the client sees a delay, not a gap. A request that loses its
-lenders more than MAX_LOSSES times, or for which no creditor has room, fails with the reason.
+reports the request's first local block (a block only it holds) as a failed load, so that vLLM's
+`kv_load_failure_policy="recompute"` rewinds it and drops its sampled token, and the scheduler side
+then has vLLM's scheduler preempt it. Its stream waits; the client sees a delay, not a gap. A request
+that loses its lenders more than MAX_LOSSES times (a loss counted once, whatever layers found it), or
+for which no creditor has room, fails with the reason.
 
 Every remote call of a forward crosses the core pipe to the agent and back before the network: a
 round trip of about 0.6 ms on the machines this was built on (docs/distkv.md).
