@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.distkv.wire import REPLY_TIMEOUT_S, LendingRefused, tensor_header
+from kvfleet.worker.distkv.wire import REPLY_TIMEOUT_S, LendingRefused, tensor_header, unpack_partial
 from kvfleet.worker.migration.transport import Channel, Transport, TransportError
 from kvfleet.worker.migration.wire import as_bytes
 
@@ -61,12 +61,7 @@ class RemoteLease:
             reply = await self._call({"op": "lend-attend", "lease": self.lease_id, "layer": layer, "tokens": num_tokens,
                                       **tensor_header(q)}, as_bytes(q), payload=True)
         rows, heads, dim = (int(d) for d in reply["shape"])
-        data: torch.Tensor = reply["payload"]
-        if data.numel() != rows * heads * (dim + 1):
-            raise LendingRefused(f"the lender answered {data.numel()} floats for a {rows}x{heads}x{dim} result")
-        out = data[: rows * heads * dim].view(rows, heads, dim)
-        lse = data[rows * heads * dim:].view(rows, heads)
-        return out, lse
+        return unpack_partial(reply.get("payload"), rows, heads, dim)
 
     async def free(self) -> None:
         """Give the blocks back and close; a lender that is gone has freed them already."""

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from kvfleet.worker.distkv.wire import LEND_OPS, LendingRefused, empty_like_header
+from kvfleet.worker.distkv.wire import LEND_OPS, LendingRefused, empty_like_header, pack_partial
 from kvfleet.worker.engines.capabilities import KVLending, LendingError
 from kvfleet.worker.migration.transport import Channel, Frame, TransportError
 from kvfleet.worker.migration.wire import as_bytes
@@ -73,7 +73,7 @@ async def _one(lending: KVLending, channel: Channel, frame: Frame, lease_id: str
         q = await _tensor(channel, frame)
         out, lse = await lending.attend(lease_id, int(header.get("layer", -1)), q, int(header.get("tokens", 0)))
         await channel.send({"ok": True, "shape": list(out.shape)},
-                           as_bytes(torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])))
+                           as_bytes(pack_partial(out, lse)))
     else:  # lend-free
         await channel.send({"ok": True, "freed": await lending.free(lease_id)})
         return None

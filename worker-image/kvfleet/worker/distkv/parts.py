@@ -67,7 +67,7 @@ class RemoteParts:
         """From a thread other than the loop's: the query goes to every lease at once (the loop sends it
         while the caller computes the local part), and `collect()` merges the answers (§4.2's ScaleReduce)."""
         device = q.device
-        future = asyncio.run_coroutine_threadsafe(self._attend(layer_index, q.detach().cpu()), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self.attend(layer_index, q.detach().cpu()), self._loop)
 
         def collect() -> tuple[torch.Tensor, torch.Tensor]:
             try:
@@ -79,7 +79,8 @@ class RemoteParts:
 
         return collect
 
-    async def _attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    async def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the loop: q over every lease at once, merged (§4.2's ScaleReduce)."""
         results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))
         out, lse = results[0]
         for o, s in results[1:]:
@@ -87,7 +88,15 @@ class RemoteParts:
         return out, lse
 
     def wire_bytes(self) -> tuple[int, int]:
+        """(sent, received) bytes over this request's leases so far."""
         return sum(p.lease.bytes_sent for p in self.parts), sum(p.lease.bytes_received for p in self.parts)
+
+    def lent_bytes(self, token_bytes: int, into: dict[str, int]) -> None:
+        """Add the bytes each creditor pod lends this request to `into`: its blocks, in its own block size
+        (a lender's blocks need not be the borrower's: LeaseFinder.grow)."""
+        for part in self.parts:
+            if part.lease.blocks:
+                into[part.pod] = into.get(part.pod, 0) + part.lease.blocks * part.lease.block_size_tokens * token_bytes
 
     async def close(self) -> None:
         await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)

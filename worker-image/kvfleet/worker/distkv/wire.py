@@ -39,6 +39,35 @@ def tensor_header(tensor: torch.Tensor) -> dict[str, Any]:
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
+def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A micro-attention's (out [rows, heads, dim], lse [rows, heads]) as one float32 tensor, out first:
+    how a lender answers `lend-attend` (and a vLLM EngineCore and its agent pass it along)."""
+    return torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+
+
+def unpack_partial(data: torch.Tensor | None, rows: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_partial`'s tensor back as (out, lse); LendingRefused when it is not one of that shape."""
+    if data is None or data.numel() != rows * heads * (dim + 1):
+        raise LendingRefused(f"the lender answered {0 if data is None else data.numel()} floats for a "
+                             f"{rows}x{heads}x{dim} result")
+    return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+
+
+def attend_lease(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [rows, heads, dim] over the first `num_tokens` tokens of a lease whose blocks are `blocks` (in
+    token order) in a paged cache [blocks, block_size, kv_heads, dim]: the lender's micro-attention
+    (§4.6). Every row reads the whole lease, one decode row each with the lease as its block table: a
+    lease holds context older than any query, so no causal mask."""
+    from kvfleet.kernels.dispatch import micro_attention_decode
+
+    rows = q.shape[0]
+    table = blocks.to(device=k_cache.device, dtype=torch.int32).expand(rows, -1).contiguous()
+    lens = torch.full((rows,), num_tokens, dtype=torch.int32, device=k_cache.device)
+    return micro_attention_decode(q.to(device=k_cache.device, dtype=k_cache.dtype).contiguous(), k_cache, v_cache,
+                                  table, lens)
+
+
 def empty_like_header(header: dict[str, Any]) -> torch.Tensor:
     """A CPU tensor of the announced shape and dtype, for a payload to be read into."""
     dtype = getattr(torch, str(header.get("dtype", "")), None)

@@ -66,9 +66,8 @@ class Lenders:
         remote = req.remote
         if not isinstance(remote, RemoteParts):
             return
-        for part in remote.parts:
-            self.bytes_sent += part.lease.bytes_sent
-            self.bytes_received += part.lease.bytes_received
+        sent, received = remote.wire_bytes()
+        self.bytes_sent, self.bytes_received = self.bytes_sent + sent, self.bytes_received + received
         task = asyncio.get_running_loop().create_task(remote.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -106,15 +105,11 @@ class BuiltinKVBorrowing:
 
     def borrowed_bytes(self) -> Mapping[str, int]:
         """Creditor pod -> bytes of blocks it lends this engine's requests now."""
-        # Per token: a lender's blocks need not be this engine's size (_grow).
         token_bytes = self._sched.space.block_bytes // self._block_size_tokens
         borrowed: dict[str, int] = {}
         for req in self._sched.requests.values():
             if isinstance(req.remote, RemoteParts):
-                for part in req.remote.parts:
-                    if part.lease.blocks:
-                        lent_bytes = part.lease.blocks * part.lease.block_size_tokens * token_bytes
-                        borrowed[part.pod] = borrowed.get(part.pod, 0) + lent_bytes
+                req.remote.lent_bytes(token_bytes, borrowed)
         return borrowed
 
     def wire_bytes(self) -> tuple[int, int]:
@@ -122,8 +117,8 @@ class BuiltinKVBorrowing:
         sent, received = self._lenders.bytes_sent, self._lenders.bytes_received
         for req in self._sched.requests.values():
             if isinstance(req.remote, RemoteParts):
-                sent += sum(p.lease.bytes_sent for p in req.remote.parts)
-                received += sum(p.lease.bytes_received for p in req.remote.parts)
+                s, r = req.remote.wire_bytes()
+                sent, received = sent + s, received + r
         return sent, received
 
     # -- before each step ------------------------------------------------------------------------------

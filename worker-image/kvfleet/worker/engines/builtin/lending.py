@@ -20,7 +20,7 @@ import concurrent.futures
 
 import torch
 
-from kvfleet.kernels.dispatch import micro_attention_decode
+from kvfleet.worker.distkv.wire import attend_lease
 from kvfleet.worker.engines.base import blocks_for
 from kvfleet.worker.engines.builtin.model import PagedKVCache
 from kvfleet.worker.engines.builtin.scheduler import Scheduler
@@ -116,13 +116,8 @@ class BuiltinKVLending:
         blocks = self._blocks(lease_id, num_tokens)[: blocks_for(num_tokens, cache.block_size_tokens)]
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            # Every query row reads the whole lease: one decode micro-attention row each, over the
-            # lease's blocks as its block table (kvfleet.kernels: Triton on CUDA, torch otherwise).
             kv = cache.layers[layer]
-            rows = q.shape[0]
-            table = torch.tensor(blocks, dtype=torch.int32, device=kv.device).expand(rows, -1).contiguous()
-            lens = torch.full((rows,), num_tokens, dtype=torch.int32, device=kv.device)
-            return micro_attention_decode(q.to(device=kv.device, dtype=kv.dtype).contiguous(), kv[0], kv[1], table, lens)
+            return attend_lease(q, kv[0], kv[1], torch.tensor(blocks), num_tokens)
 
         return await asyncio.get_running_loop().run_in_executor(executor, compute)
 

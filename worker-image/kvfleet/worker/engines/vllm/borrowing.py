@@ -46,6 +46,7 @@ import torch
 
 from kvfleet.worker.distkv.creditors import Creditors
 from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
+from kvfleet.worker.distkv.wire import pack_partial, unpack_partial
 from kvfleet.worker.engines.capabilities import LeaseOpener
 from kvfleet.worker.engines.vllm import internals
 from kvfleet.worker.engines.vllm.corepipe import CallFailed
@@ -112,10 +113,7 @@ class CoreBorrowing:
 
         def collect() -> tuple[torch.Tensor, torch.Tensor]:
             _, data = wait()
-            if data is None or data.numel() != rows * heads * (dim + 1):
-                raise RuntimeError(f"the agent answered {0 if data is None else data.numel()} floats for a "
-                                   f"{rows}x{heads}x{dim} attention")
-            return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+            return unpack_partial(data, rows, heads, dim)
 
         return collect
 
@@ -294,10 +292,7 @@ class VLLMKVBorrowing:
     def borrowed_bytes(self) -> Mapping[str, int]:
         borrowed: dict[str, int] = {}
         for remote in self._parts.values():
-            for part in remote.parts:
-                if part.lease.blocks:
-                    lent = part.lease.blocks * part.lease.block_size_tokens * self._token_bytes
-                    borrowed[part.pod] = borrowed.get(part.pod, 0) + lent
+            remote.lent_bytes(self._token_bytes, borrowed)
         return borrowed
 
     def forget(self, request_id: str) -> None:
@@ -305,11 +300,19 @@ class VLLMKVBorrowing:
         failed part-way, or that the EngineCore stopped waiting for)."""
         self._losses.pop(request_id, None)
         self._lost.discard(request_id)
-        remote = self._parts.pop(request_id, None)
+        remote = self._drop(request_id)
         if remote is not None:
             task = asyncio.get_running_loop().create_task(remote.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def _drop(self, request_id: str) -> RemoteParts | None:
+        """A request's leases, out of this engine's books (their wire bytes kept in the totals); the caller closes them."""
+        remote = self._parts.pop(request_id, None)
+        if remote is not None:
+            sent, received = remote.wire_bytes()
+            self.bytes_sent, self.bytes_received = self.bytes_sent + sent, self.bytes_received + received
+        return remote
 
     def remote_tokens(self, request_id: str) -> int:
         remote = self._parts.get(request_id)
@@ -336,10 +339,10 @@ class VLLMKVBorrowing:
                 if tensor is None or remote is None or not remote.num_tokens:
                     raise ValueError(f"request {request_id} has no remote KV to attend")
                 try:
-                    out, lse = await remote._attend(int(header["layer"]), tensor)
+                    out, lse = await remote.attend(int(header["layer"]), tensor)
                 except Exception as err:  # any failure of a lease: its KV is out of reach
                     raise RemotePartLost(request_id, str(err) or type(err).__name__) from err
-                return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+                return {}, pack_partial(out, lse)
         except NoRoomToBorrow as err:
             self.fail(request_id, str(err))
             raise
@@ -353,10 +356,8 @@ class VLLMKVBorrowing:
             raise _Lost(str(err)) from err
         if op == "distkv-release":
             self._lost.discard(request_id)
-            remote = self._parts.pop(request_id, None)
+            remote = self._drop(request_id)
             if remote is not None:
-                sent, received = remote.wire_bytes()
-                self.bytes_sent, self.bytes_received = self.bytes_sent + sent, self.bytes_received + received
                 await remote.close()
             return {}, None
         raise ValueError(f"unknown ask {op!r}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.kernels.dispatch import micro_attention_decode
+from kvfleet.worker.distkv.wire import attend_lease, pack_partial, unpack_partial
 from kvfleet.worker.engines.base import blocks_for
 from kvfleet.worker.engines.capabilities import LendingError, MigrationError
 from kvfleet.worker.engines.vllm.corepipe import CorePipe
@@ -68,7 +68,7 @@ class LentBlocks:
             raise ValueError("lease-attend without its query")
         out, lse = self.attend(int(msg["layer"]), torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long),
                                int(msg["tokens"]), q)
-        return {}, torch.cat([out.float().reshape(-1), lse.float().reshape(-1)])
+        return {}, pack_partial(out, lse)
 
     def write(self, blocks: torch.Tensor, start_token: int, kv: torch.Tensor) -> None:
         if len(kv) != len(self._views):
@@ -85,12 +85,7 @@ class LentBlocks:
         if not 0 <= layer < len(self._views):
             raise ValueError(f"no layer {layer}")
         _, k_cache, v_cache = self._views[layer]
-        # Every query row reads the whole lease: one decode row each, over the lease's blocks as its
-        # block table (the lease holds context older than any query: no causal mask).
-        rows = q.shape[0]
-        table = blocks.to(torch.int32).expand(rows, -1).contiguous()
-        lens = torch.full((rows,), num_tokens, dtype=torch.int32)
-        return micro_attention_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, table, lens)
+        return attend_lease(q, k_cache, v_cache, blocks, num_tokens)
 
 
 # -- in the agent's process -------------------------------------------------------------------------
@@ -177,10 +172,7 @@ class VLLMKVLending:
         blocks = self._blocks(lease_id, num_tokens)
         _, data = await self._ask(self._require_data(), "lease-attend", q, layer=layer, blocks=blocks, tokens=num_tokens)
         rows, heads, dim = (int(d) for d in q.shape)
-        if data is None or data.numel() != rows * heads * (dim + 1):
-            raise LendingError(f"the EngineCore answered {0 if data is None else data.numel()} floats for a "
-                               f"{rows}x{heads}x{dim} result")
-        return data[: rows * heads * dim].view(rows, heads, dim), data[rows * heads * dim:].view(rows, heads)
+        return unpack_partial(data, rows, heads, dim)
 
     async def free(self, lease_id: str) -> int:
         blocks = self._leases.pop(lease_id, None) or []
