@@ -80,11 +80,12 @@ from kvfleet.worker.engines.vllm.elastic import (
     WorkerPool,
 )
 from kvfleet.worker.engines.vllm.lending import LentBlocks
-from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, listen
+from kvfleet.worker.engines.vllm.pipe import LOOP_OPS, Pipe, accept_agent, listen
 from kvfleet.worker.engines.vllm.plugin import BACKEND_PATH
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
+    from multiprocessing.connection import Connection
 
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -381,24 +382,14 @@ class _SchedulerSide:
         self.scheduler: Any = None   # vLLM's, which preempts a request that lost its remote KV
         self.releases: list[str] = []
         self._listener = listen(socket_path, authkey)
-        threading.Thread(target=self._accept, name="kvfleet-connector-accept", daemon=True).start()
+        threading.Thread(target=accept_agent, args=(self._listener, lambda: self.pipe, self._connected, "kvfleet connector"),
+                         name="kvfleet-connector-accept", daemon=True).start()
 
     # The pipe (reader thread) ------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as err:  # a peer without the key: refuse it, keep listening
-                log.warning("kvfleet connector: refused a connection: %s", err)
-                continue
-            if self.pipe is not None and not self.pipe.closed.is_set():
-                conn.close()  # one agent per engine
-                continue
-            self.pipe = Pipe(conn, self._on_message, self._on_pipe_closed, "kvfleet-connector")
-            self.pipe.send({"op": "hello", "refusal": self.refusal, **self.layout})
+    def _connected(self, conn: Connection) -> None:
+        self.pipe = Pipe(conn, self._on_message, self._on_pipe_closed, "kvfleet-connector")
+        self.pipe.send({"op": "hello", "refusal": self.refusal, **self.layout})
 
     def reply(self, seq: int, **fields: Any) -> None:
         self.reply_with(seq, None, **fields)

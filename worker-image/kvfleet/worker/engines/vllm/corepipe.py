@@ -18,7 +18,6 @@ An ask is {"op", "seq", ...} (+ a tensor), its answer {"reply_to": seq, "ok", ..
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener
@@ -27,9 +26,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.engines.vllm.pipe import Pipe, listen
-
-log = logging.getLogger(__name__)
+from kvfleet.worker.engines.vllm.pipe import Pipe, accept_agent, listen
 
 CORE_SOCKET = "core.sock"
 # A call waits this long for the agent (a remote micro-attention waits behind a lender's step).
@@ -63,27 +60,17 @@ class CorePipe:
         self._lock = threading.Lock()
         self._waiting: dict[int, tuple[threading.Event, list[tuple[dict[str, Any], torch.Tensor | None]]]] = {}
         self._listener: Listener = listen(socket_path, authkey)
-        threading.Thread(target=self._accept, name="kvfleet-core-accept", daemon=True).start()
+        threading.Thread(target=accept_agent, args=(self._listener, lambda: self._pipe, self._on_connected, "kvfleet core pipe"),
+                         name="kvfleet-core-accept", daemon=True).start()
 
     def handle(self, op: str, handler: Handler) -> None:
         """Answer the agent's asks `op` with `handler` (on the reader thread; an exception is the error)."""
         self._handlers[op] = handler
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn: Connection = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as err:  # a peer without the key
-                log.warning("kvfleet core pipe: refused a connection: %s", err)
-                continue
-            if self._pipe is not None and not self._pipe.closed.is_set():
-                conn.close()  # one agent per engine
-                continue
-            self._pipe = Pipe(conn, self._on_message, self._on_closed, "kvfleet-core")
-            self._connected.set()
-            self._pipe.send({"op": "hello"})
+    def _on_connected(self, conn: Connection) -> None:
+        self._pipe = Pipe(conn, self._on_message, self._on_closed, "kvfleet-core")
+        self._connected.set()
+        self._pipe.send({"op": "hello"})
 
     def close(self) -> None:
         self._listener.close()

@@ -10,6 +10,7 @@ loads without vllm's EngineCore code.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -18,6 +19,8 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Asks the loop thread carries out (the rest the pipe's reader answers itself).
 LOOP_OPS = frozenset({"suspend", "export", "release", "lend", "lend-free"})
@@ -99,6 +102,26 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def connect(socket_path: str, authkey: bytes) -> Connection:
     """The agent's end of the pipe (the EngineCore listens)."""
     return Client(socket_path, family="AF_UNIX", authkey=authkey)
+
+
+def accept_agent(listener: Listener, current: Callable[[], Pipe | None], connected: Callable[[Connection], None],
+                 name: str) -> None:
+    """The EngineCore's accept loop on `listener`, until it is closed (run it on a thread of its own): a
+    peer without the key is refused and listening goes on; while `current()` is an open pipe, another
+    connection is closed (one agent per engine); else `connected` takes it."""
+    while True:
+        try:
+            conn = listener.accept()
+        except OSError:
+            return  # closed
+        except Exception as err:  # a peer without the key: refuse it, keep listening
+            log.warning("%s: refused a connection: %s", name, err)
+            continue
+        pipe = current()
+        if pipe is not None and not pipe.closed.is_set():
+            conn.close()
+            continue
+        connected(conn)
 
 
 def listen(socket_path: str, authkey: bytes) -> Listener:
