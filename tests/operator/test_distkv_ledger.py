@@ -70,7 +70,7 @@ def test_reports_become_the_published_debts_spans_and_candidates() -> None:
     assert creditors(status, "w1") == [("w0", 100), ("w2", 500), ("w5", 400), ("w3", 200)]
     assert next(c for c in status["candidates"] if c["worker"] == "w0")["creditors"][0]["address"] == "10.0.0.1:8001"
     assert [c["worker"] for c in status["candidates"]] == ["w0", "w1", "w2", "w3", "w4", "w5"]
-    assert status["dgfm"] == {"swaps": 0, "swappedBytes": 0}
+    assert status["dgfm"] == {"swaps": 0, "swappedBytes": 0, "generation": 0, "recalls": []}
 
 
 def test_a_creditor_without_an_address_is_not_listed_and_ipv6_is_bracketed() -> None:
@@ -104,11 +104,35 @@ def test_dgfm_finds_a_two_cycle_and_the_pool_seed_makes_it_repeatable() -> None:
     workers = [worker(0, load(used=300, cap=500, borrowed={"w1": 300})),
                worker(1, load(used=200, cap=500, borrowed={"w0": 200}))]
     plan = distkv.plan(workers, "ns/p")
-    assert plan.status["dgfm"] == {"swaps": 1, "swappedBytes": 400}  # each of two recalls 200
+    recalls = [{"worker": "w0", "creditor": "w1", "bytes": 200}, {"worker": "w1", "creditor": "w0", "bytes": 200}]
+    # each of two recalls 200; the first set of recalls is generation 1
+    assert plan.status["dgfm"] == {"swaps": 1, "swappedBytes": 400, "generation": 1, "recalls": recalls}
     assert plan.ledger.debt_blocks("w0", "w1") == 300 and plan.dgfm.ledger.debt_blocks("w0", "w1") == 100
     assert plan.dgfm.ledger.debt_blocks("w1", "w0") == 0
     assert distkv.plan(workers, "ns/p").status == plan.status
-    assert "workers do not execute swaps yet" in distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes)
+    assert "the workers on them recall their KV" in distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes)
+
+
+def test_recalls_keep_their_generation_while_unchanged_and_a_new_set_gets_the_next() -> None:
+    cycle = [worker(0, load(used=300, cap=500, borrowed={"w1": 300})),
+             worker(1, load(used=200, cap=500, borrowed={"w0": 200}))]
+    first = distkv.plan(cycle, "ns/p", previous_status={"distkv": {"dgfm": {"generation": 6, "recalls": []}}})
+    assert first.status["dgfm"]["generation"] == 7
+    again = distkv.plan(cycle, "ns/p", previous_status={"distkv": first.status})
+    assert again.status["dgfm"] == first.status["dgfm"], "the same order is not carried out twice"
+    # The swap done: w1's debt is gone, w0 owes 100; no cycle, no recalls, and that is news too.
+    done = [worker(0, load(used=300, cap=500, borrowed={"w1": 100})), worker(1, load(used=200, cap=500))]
+    after = distkv.plan(done, "ns/p", previous_status={"distkv": again.status})
+    assert after.status["dgfm"] == {"swaps": 0, "swappedBytes": 0, "generation": 8, "recalls": []}
+    assert distkv.dgfm_changed({"distkv": again.status}, after.status)
+
+
+def test_with_dgfm_off_cycles_are_reported_and_nothing_is_recalled() -> None:
+    cycle = [worker(0, load(used=300, cap=500, borrowed={"w1": 300})),
+             worker(1, load(used=200, cap=500, borrowed={"w0": 200}))]
+    plan = distkv.plan(cycle, "ns/p", execute=False)
+    assert plan.status["dgfm"] == {"swaps": 1, "swappedBytes": 400, "generation": 0, "recalls": []}
+    assert "spec.distkv.dgfm is false" in distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes, execute=False)
 
 
 # ---- MELL around spans and lent blocks ----
@@ -255,7 +279,9 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
         api.pods[name]["status"]["podIP"] = f"10.0.0.{index}"
     reconcile.reconcile_pool("ns", "p", logger, api, states)
     status = api.pool["status"]["distkv"]
-    assert status["dgfm"] == {"swaps": 1, "swappedBytes": gib // 4}
+    assert status["dgfm"] == {"swaps": 1, "swappedBytes": gib // 4, "generation": 1,
+                              "recalls": [{"worker": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8},
+                                          {"worker": "p-worker-1", "creditor": "p-worker-0", "bytes": gib // 8}]}
     assert status["debts"] == [{"debtor": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8},
                                {"debtor": "p-worker-1", "creditor": "p-worker-0", "bytes": gib // 8}]
     assert creditors(status, "p-worker-0") == [("p-worker-1", gib // 2 - gib // 8)]

@@ -245,3 +245,18 @@ def test_overlapping_cycles_all_resolved_and_deterministic_for_a_seed() -> None:
 def test_threshold_must_be_positive() -> None:
     with pytest.raises(LedgerError):
         eliminate_debt_cycles(figure4(), random.Random(0), min_swap_blocks=0)
+
+
+def test_recalls_sum_each_debtors_moves_over_all_swaps() -> None:
+    ledger = DebtLedger(1, tuple(InstanceAccount(i, 0, 10) for i in "abc"),
+                        (Debt("a", "b", 5), Debt("b", "a", 2), Debt("b", "c", 3), Debt("c", "a", 4)))
+    result = eliminate_debt_cycles(ledger, random.Random(0), min_swap_blocks=1)
+    moved: dict[tuple[str, str], int] = {}
+    for swap in result.swaps:
+        for move in swap.recalls:
+            moved[(move.owner_id, move.from_id)] = moved.get((move.owner_id, move.from_id), 0) + move.num_blocks
+    assert result.recalls() == tuple(Debt(d, c, n) for (d, c), n in sorted(moved.items()))
+    # What is recalled is exactly what the ledger lost.
+    for debt in result.recalls():
+        assert ledger.debt_blocks(debt.debtor_id, debt.creditor_id) - result.ledger.debt_blocks(
+            debt.debtor_id, debt.creditor_id) == debt.num_blocks

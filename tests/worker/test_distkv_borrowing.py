@@ -18,6 +18,7 @@ from kvfleet.worker.distkv.borrower import RemoteLease
 from kvfleet.worker.distkv.creditors import Creditor, StaticCreditors
 from kvfleet.worker.distkv.lender import serve_lease
 from kvfleet.worker.distkv.options import DistKVOptions
+from kvfleet.worker.distkv.parts import RemoteParts
 from kvfleet.worker.engines import EngineConfig, load_engine
 from kvfleet.worker.engines.base import RequestTooLong, SamplingParams
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine
@@ -194,7 +195,7 @@ class _Remote:
     """A stand-in for a request's leases: only how many of its tokens they hold."""
 
     def __init__(self, num_tokens: int) -> None:
-        self.num_tokens = num_tokens
+        self.num_tokens = self.lent_tokens = num_tokens
 
     def submit(self, layer_index: int, q: object) -> object:
         raise AssertionError("not run")
@@ -313,5 +314,58 @@ def test_a_worker_refuses_a_request_longer_than_it_and_its_pool_hold_with_a_clea
                 assert response.status == 400, body
                 assert body["error"]["code"] == "context_length_exceeded"
                 assert "need 10 KV blocks; this engine has 4" in body["error"]["message"]
+
+    asyncio.run(scenario())
+
+
+def test_a_dgfm_recall_brings_kv_home_gives_the_lender_its_blocks_and_settles_when_room_appears(
+        tiny_model_dir: Path) -> None:
+    """DGFM's swap as one debtor lives it (§4.5): it recalls its KV from its creditor (held in host memory
+    at once, the creditor's blocks given back), and its own debtor's recall frees the blocks it had lent,
+    into which the recalled KV moves. The stream never notices."""
+    prompt, max_tokens = prompt_of(150), 60  # 210 tokens of KV: 14 blocks, the borrower keeps 6
+
+    async def scenario() -> None:
+        want = await reference(tiny_model_dir, prompt, max_tokens)
+        async with AsyncExitStack() as stack:
+            creditor_engine, creditor = await stack.enter_async_context(lender(tiny_model_dir, 16, 12))
+            borrower = load_engine("builtin", *config(tiny_model_dir, 8, lend_cap_bytes=2 * BLOCK_BYTES, borrow=True,
+                                                      min_step_s=0.01))
+            assert isinstance(borrower, BuiltinEngine)
+            await borrower.start()
+            stack.push_async_callback(borrower.stop)
+            borrowing, own_lending = borrower.capabilities.borrowing, borrower.capabilities.lending
+            creditor_lending = creditor_engine.capabilities.lending
+            assert borrowing is not None and own_lending is not None and creditor_lending is not None
+            await own_lending.lend("its-debtor", 2)  # two of its 8 blocks hold another worker's KV
+            borrowing.attach(OPEN, StaticCreditors([Creditor("creditor", f"127.0.0.1:{creditor.port}", 12 * BLOCK_BYTES)]))
+            stream = asyncio.create_task(greedy(borrower, prompt, max_tokens))
+            while creditor_lending.lent_blocks() < 5:
+                await asyncio.sleep(0.005)
+            remote = borrower.scheduler.requests["r"].remote
+            assert isinstance(remote, RemoteParts)
+
+            assert await borrowing.recall("elsewhere", 10 * BLOCK_BYTES) == 0  # nothing of it lives there
+            lent_before, tokens_before = remote.lent_tokens, remote.num_tokens
+            assert await borrowing.recall("creditor", 3 * BLOCK_BYTES + 100) == 3 * BLOCK_BYTES  # whole blocks only
+            assert sum(h.num_tokens for h in remote.held) == 3 * BLOCK
+            assert remote.lent_tokens <= lent_before - 3 * BLOCK + BLOCK  # (one block may spill meanwhile)
+            assert remote.num_tokens >= tokens_before
+            assert creditor_lending.lent_blocks() * BLOCK <= remote.lent_tokens + BLOCK  # trimmed at the creditor
+            assert sum(borrowing.borrowed_bytes().values()) == creditor_lending.lent_blocks() * BLOCK_BYTES
+
+            await own_lending.free("its-debtor")  # its debtor recalled: room for what came home
+            for _ in range(500):
+                if sum(h.num_tokens for h in remote.held) < 3 * BLOCK:
+                    break
+                await asyncio.sleep(0.01)
+            assert sum(h.num_tokens for h in remote.held) < 3 * BLOCK, "recalled KV moves into freed blocks"
+            assert await asyncio.wait_for(stream, 60) == want
+            assert borrower.num_preemptions == 0
+            for _ in range(100):
+                if creditor_lending.lent_blocks() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert creditor_lending.lent_blocks() == 0 and len(borrower.scheduler.space.free) == 8
 
     asyncio.run(scenario())

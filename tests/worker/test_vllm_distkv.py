@@ -35,6 +35,7 @@ from kvfleet.worker.distkv.wire import LendingRefused  # noqa: E402
 from kvfleet.worker.engines import EngineConfig, load_engine  # noqa: E402
 from kvfleet.worker.engines.base import RequestTooLong  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
+from kvfleet.worker.engines.vllm.borrowing import VLLMKVBorrowing  # noqa: E402
 from kvfleet.worker.engines.vllm.engine import VLLMEngine  # noqa: E402
 from kvfleet.worker.engines.vllm.lending import VLLMKVLending  # noqa: E402
 from kvfleet.worker.engines.vllm.options import VLLMOptions  # noqa: E402
@@ -120,8 +121,15 @@ def test_a_vllm_lease_stores_kv_answers_queries_and_holds_its_blocks_out_of_vllm
             # The lease's KV was untouched by the request that ran meanwhile.
             out, lse = await lease.attend(1, q, 200)
             torch.testing.assert_close(out, attention_with_lse(q, kv[1, 0], kv[1, 1], HEAD_DIM**-0.5)[0], rtol=1e-5, atol=1e-5)
+            # DGFM's recall: the borrower reads tokens back, and the lease gives back the blocks past what it keeps.
+            torch.testing.assert_close(await lease.read(90, 110), kv[:, :, 90:200])
+            await lease.trim(128)
+            assert lease.blocks == 1 and lending.lent_blocks() == 1
+            out, lse = await lease.attend(0, q, 128)
+            torch.testing.assert_close(out, attention_with_lse(q, kv[0, 0, :128], kv[0, 1, :128], HEAD_DIM**-0.5)[0],
+                                       rtol=1e-5, atol=1e-5)
             with pytest.raises(LendingRefused, match="blocks"):
-                await lease.attend(0, q, 257)  # past what the lease holds: refused, and the lease ends
+                await lease.attend(0, q, 129)  # past what the lease holds: refused, and the lease ends
             for _ in range(100):
                 if lending.lent_blocks() == 0:
                     break
@@ -233,18 +241,28 @@ def test_a_vllm_worker_borrows_for_a_request_longer_than_its_cache_and_equals_on
         want = await reference(tiny_model_dir, prompt, max_tokens, blocks=96)
         async with AsyncExitStack() as stack:
             lenders = [await stack.enter_async_context(lender(tiny_model_dir, 40, 36)) for _ in range(2)]
-            engine = await stack.enter_async_context(vllm_borrower(tiny_model_dir))
+            engine = await stack.enter_async_context(vllm_borrower(tiny_model_dir, min_step_s=0.02))
             borrowing = engine.capabilities.borrowing
-            assert borrowing is not None
+            assert isinstance(borrowing, VLLMKVBorrowing)
             borrowing.attach(OPEN, StaticCreditors([
                 Creditor(f"lender-{i}", f"127.0.0.1:{listener.port}", 36 * BLOCK_BYTES)
                 for i, (_, listener) in enumerate(lenders)]))
             seen: list[dict[str, int]] = []
+            recalled = 0
             stream = asyncio.create_task(greedy(engine, prompt, max_tokens))  # type: ignore[arg-type]
             while not stream.done():
                 seen.append(dict(borrowing.borrowed_bytes()))
+                lent = lenders[0][0].capabilities.lending
+                assert lent is not None
+                if not recalled and seen[-1].get("lender-0", 0) >= 256 * 2048:
+                    # DGFM's recall mid-request: 128 tokens (one vLLM block) of it come home from lender-0.
+                    recalled = await borrowing.recall("lender-0", VLLM_BLOCK_BYTES)
+                    assert recalled == VLLM_BLOCK_BYTES and borrowing.held_bytes() == VLLM_BLOCK_BYTES
+                    # The lender trimmed the lease: what it lends is what the borrower counts (whole blocks of 16).
+                    assert lent.lent_blocks() * BLOCK_BYTES == borrowing.borrowed_bytes()["lender-0"]
                 await asyncio.sleep(0.01)
-            assert await stream == want
+            assert await stream == want, "the recalled tokens are attended in the agent, the output unchanged"
+            assert recalled, "the recall ran while the request borrowed"
             assert any(sum(s.values()) >= 512 * 2048 for s in seen)  # more than its whole cache was remote
             for _ in range(100):  # the leases are freed as the request ends
                 if all(e.capabilities.lending.lent_blocks() == 0 for e, _ in lenders):  # type: ignore[union-attr]

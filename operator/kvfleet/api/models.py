@@ -207,13 +207,19 @@ class DistKVSpec(_Model):
 
     Each worker lends at most `lendCapFraction` of its KV capacity (§4.3's cap, so a creditor keeps
     room for its own requests); the operator plays the gManager: it keeps the debt ledger, publishes
-    each worker's creditor candidates in the pool's status, and looks for debt cycles (DGFM).
+    each worker's creditor candidates in the pool's status, and finds debt cycles (DGFM), which the
+    workers on them resolve by recall-and-swap unless `dgfm` is false.
     """
 
     enabled: bool = Field(default=False, description="Let workers borrow KV blocks from each other (DistAttention).")
     lend_cap_fraction: float = Field(
         default=0.5, ge=0, le=1,
         description="Most of its KV capacity a worker lends to other workers' requests (0 lends none).",
+    )
+    dgfm: bool = Field(
+        default=True,
+        description="Carry out DGFM's recall-and-swap: debtors on a debt cycle bring their KV home from their "
+        "creditors (false: cycles are only reported).",
     )
 
 
@@ -667,11 +673,23 @@ class CandidateEntry(_Model):
     creditors: list[CreditorEntry] = Field(default_factory=list, max_length=MAX_CREDITOR_CANDIDATES)
 
 
+class RecallEntry(_Model):
+    """DGFM's order to one debtor (§4.5): bring `bytes` of its KV home from `creditor`."""
+
+    worker: PodNameText
+    creditor: PodNameText
+    bytes: int = Field(ge=0)
+
+
 class DgfmStatus(_Model):
-    """The last epoch's DGFM (§4.5): debt cycles found and the KV their recall-and-swap would move."""
+    """The last epoch's DGFM (§4.5): debt cycles found, the KV their recall-and-swap moves, and the
+    recalls the workers carry out (none with spec.distkv.dgfm false). `generation` counts changes of
+    the recalls, so a worker carries out each set once however often it reads the status."""
 
     swaps: int = Field(default=0, ge=0)
     swapped_bytes: int = Field(default=0, ge=0)
+    generation: int = Field(default=0, ge=0)
+    recalls: list[RecallEntry] = Field(default_factory=list, max_length=MAX_DISTKV_ENTRIES)
 
 
 class DistKVStatus(_Model):

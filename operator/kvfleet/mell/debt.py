@@ -449,6 +449,16 @@ class DgfmResult:
     swaps: tuple[DebtSwap, ...]
     ledger: DebtLedger
 
+    def recalls(self) -> tuple[Debt, ...]:
+        """What each debtor brings home from each creditor over all the swaps, one entry per edge
+        (the gManager's requests to the rManagers, §4.5): sorted by (debtor, creditor)."""
+        total: dict[tuple[str, str], int] = {}
+        for swap in self.swaps:
+            for move in swap.recalls:
+                key = (move.owner_id, move.from_id)
+                total[key] = total.get(key, 0) + move.num_blocks
+        return tuple(Debt(d, c, n) for (d, c), n in sorted(total.items()))
+
 
 def eliminate_debt_cycles(ledger: DebtLedger, rng: random.Random, *, min_swap_blocks: int) -> DgfmResult:
     """DGFM (§4.5): repeatedly find a debt cycle from a random node and resolve it by its minimum debt.

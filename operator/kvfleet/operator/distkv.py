@@ -8,8 +8,12 @@ the debts, the spanning requests, for each worker its creditor candidates (the c
 answer, §4.4), and what DGFM (§4.5) finds. A thin adapter: the ranking, the units and DGFM are
 mell/debt.py's; here are only the readings of the reports and the shape of the status.
 
-Workers do not execute DGFM's recall-and-swap yet: the operator finds the debt cycles, says so in
-the status and with a `DebtCycle` Event, and moves nothing.
+DGFM's recall-and-swap is carried out by the workers: the operator finds the debt cycles, says so
+with a `DebtCycle` Event, and publishes in `status.distkv.dgfm.recalls` what each debtor on a cycle
+brings home from its creditor (§4.5: "the gManager issues requests to the rManager in the
+corresponding instances"). Workers read the order with their creditor candidates and act on each
+`generation` once (worker/distkv/creditors.py); their next reports show the smaller ledger, and DGFM
+on it finds the cycle gone. With `spec.distkv.dgfm: false` the cycles are reported and nothing moves.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvfleet.api.models import (
     DebtEntry,
     DgfmStatus,
     DistKVStatus,
+    RecallEntry,
     SpanEntry,
 )
 from kvfleet.api.reports import KVLoadReport
@@ -49,8 +54,8 @@ from kvfleet.operator.resources import MIGRATION_PORT
 log = logging.getLogger(__name__)
 
 # §4.5's "empirical threshold for the minimum number of rBlocks to be swapped at each node". One
-# block, the least there is: the operator only reports cycles (workers do not swap yet), and every
-# cycle is worth knowing about; raise it once swaps cost something.
+# block, the least there is: a recalled block is read once, and saves a lender round trip in every
+# layer of every later step of its request (docs/distkv.md measures what a swap costs and returns).
 MIN_SWAP_BLOCKS = 1
 
 EVENT_REASON = "DebtCycle"
@@ -124,8 +129,12 @@ def debt_reports(workers: Sequence[WorkerView], block_bytes: int) -> list[Worker
     return out
 
 
-def plan(workers: Iterable[WorkerView], seed: str) -> DistKVPlan:
-    """The epoch's ledger, DGFM on it (seeded by `seed`) and `status.distkv`, from the ready workers' reports."""
+def plan(workers: Iterable[WorkerView], seed: str, *, execute: bool = True,
+         previous_status: Mapping[str, Any] | None = None) -> DistKVPlan:
+    """The epoch's ledger, DGFM on it (seeded by `seed`) and `status.distkv`, from the ready workers' reports.
+
+    With `execute` the status orders the recalls; their `generation` is the previous status's, one more
+    when the recalls differ from the ones it ordered."""
     ready = sorted((w for w in workers if w.ready and w.report is not None), key=lambda w: w.pod_name)
     reports = [w.report for w in ready if w.report is not None]
     block_bytes = kv_block_bytes(reports)
@@ -161,9 +170,26 @@ def plan(workers: Iterable[WorkerView], seed: str) -> DistKVPlan:
         debts=debts[:MAX_DISTKV_ENTRIES],
         spans=spans[:MAX_DISTKV_ENTRIES],
         candidates=candidates[:MAX_DISTKV_ENTRIES],
-        dgfm=DgfmStatus(swaps=len(dgfm.swaps), swapped_bytes=swapped_bytes(dgfm, block_bytes)),
+        dgfm=dgfm_status(dgfm, block_bytes, execute, previous_status),
     )
     return DistKVPlan(ledger, dgfm, status.model_dump(by_alias=True, mode="json"))
+
+
+def dgfm_status(dgfm: DgfmResult, block_bytes: int, execute: bool,
+                previous_status: Mapping[str, Any] | None) -> DgfmStatus:
+    """`status.distkv.dgfm`: the swaps, and the recalls to carry out with the generation they carry."""
+    recalls = [RecallEntry(worker=d.debtor_id, creditor=d.creditor_id, bytes=d.num_blocks * block_bytes)
+               for d in (dgfm.recalls() if execute else ())][:MAX_DISTKV_ENTRIES]
+    before = ((previous_status or {}).get("distkv") or {}).get("dgfm") or {}
+    try:
+        generation = int(before.get("generation", 0))
+    except (TypeError, ValueError):
+        generation = 0
+    ordered = [r.model_dump(by_alias=True, mode="json") for r in recalls]
+    if ordered != (before.get("recalls") or []):
+        generation += 1
+    return DgfmStatus(swaps=len(dgfm.swaps), swapped_bytes=swapped_bytes(dgfm, block_bytes), generation=generation,
+                      recalls=recalls)
 
 
 def swapped_bytes(dgfm: DgfmResult, block_bytes: int) -> int:
@@ -171,15 +197,18 @@ def swapped_bytes(dgfm: DgfmResult, block_bytes: int) -> int:
     return sum(len(swap.cycle) * swap.num_blocks for swap in dgfm.swaps) * block_bytes
 
 
-def cycle_message(dgfm: DgfmResult, block_bytes: int) -> str:
-    """The `DebtCycle` Event's message: how many cycles, the first of them, and that nothing moves yet."""
+def cycle_message(dgfm: DgfmResult, block_bytes: int, execute: bool = True) -> str:
+    """The `DebtCycle` Event's message: how many cycles, the first of them, and whether workers swap."""
     first = dgfm.swaps[0]
     more = f" and {len(dgfm.swaps) - 1} more" if len(dgfm.swaps) > 1 else ""
+    action = ("the workers on them recall their KV (status.distkv.dgfm.recalls)" if execute
+              else "not carried out (spec.distkv.dgfm is false)")
     return (f"DGFM found {len(dgfm.swaps)} debt cycle(s) ({swapped_bytes(dgfm, block_bytes)} bytes to swap): "
-            f"{' -> '.join((*first.cycle, first.cycle[0]))}{more}; workers do not execute swaps yet")
+            f"{' -> '.join((*first.cycle, first.cycle[0]))}{more}; {action}")
 
 
 def dgfm_changed(previous_status: Mapping[str, Any] | None, plan_status: Mapping[str, Any]) -> bool:
     """Whether this epoch's DGFM says something new (an Event is posted only then, not every epoch)."""
-    before = ((previous_status or {}).get("distkv") or {}).get("dgfm")
-    return bool(before != plan_status.get("dgfm"))
+    before = ((previous_status or {}).get("distkv") or {}).get("dgfm") or {}
+    now = plan_status.get("dgfm") or {}
+    return any(before.get(k) != now.get(k) for k in ("swaps", "swappedBytes", "recalls"))

@@ -268,13 +268,16 @@ def run_scheduler(state: PoolState, observed: Observed) -> EpochOutcome:
 
 def run_gmanager(ctx: PassContext, observed: Observed) -> dict[str, Any] | None:
     """DistKV's gManager (kvfleet.operator.distkv): the ledger and DGFM over the reports, as
-    `status.distkv`; None when the pool does not use DistKV. A `DebtCycle` Event when DGFM's finding
-    changes (not every epoch while the same cycles stand: workers do not execute swaps yet)."""
+    `status.distkv` (with the recalls the workers carry out, unless spec.distkv.dgfm is false); None
+    when the pool does not use DistKV. A `DebtCycle` Event when DGFM's finding changes (not every epoch
+    while the same cycles stand: the workers' reports take a moment to show a swap done)."""
     if not ctx.spec.distkv.enabled:
         return None
-    plan = distkv.plan(observed.workers, f"{ctx.namespace}/{ctx.name}")
-    if plan.dgfm.swaps and distkv.dgfm_changed(ctx.pool.get("status"), plan.status):
-        message = distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes)
+    previous = ctx.pool.get("status")
+    plan = distkv.plan(observed.workers, f"{ctx.namespace}/{ctx.name}", execute=ctx.spec.distkv.dgfm,
+                       previous_status=previous)
+    if plan.dgfm.swaps and distkv.dgfm_changed(previous, plan.status):
+        message = distkv.cycle_message(plan.dgfm, plan.ledger.block_bytes, ctx.spec.distkv.dgfm)
         ctx.logger.info("%s", message)
         ctx.api.post_event(ctx.pool, distkv.EVENT_REASON, message)
     return plan.status

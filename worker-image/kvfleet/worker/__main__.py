@@ -216,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               disaggregation=PDConfig(args.role, args.pd_caching, args.pd_layout)),
                   engine, Tokenizer(args.model_path), writer)
     if isinstance(creditors, PoolPlanCreditors):
+        borrowing = engine.capabilities.borrowing
+        if borrowing is not None:
+            creditors.on_recall = borrowing.recall  # DGFM's orders in the same status (docs/distkv.md)
         agent.run_when_ready(creditors.run)
     if pod_name and namespace and pool and credentials is not None:
         from kvfleet.worker.migration.watcher import KubernetesMigrationAPI, MigrationWatcher, WatcherConfig

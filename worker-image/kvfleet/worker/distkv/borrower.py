@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.distkv.wire import REPLY_TIMEOUT_S, LendingRefused, tensor_header, unpack_partial
+from kvfleet.worker.distkv.wire import REPLY_TIMEOUT_S, LendingRefused, empty_like_header, tensor_header, unpack_partial
 from kvfleet.worker.migration.transport import Channel, Transport, TransportError
 from kvfleet.worker.migration.wire import as_bytes
 
@@ -63,6 +63,22 @@ class RemoteLease:
         rows, heads, dim = (int(d) for d in reply["shape"])
         return unpack_partial(reply.get("payload"), rows, heads, dim)
 
+    async def read(self, start_token: int, num_tokens: int) -> torch.Tensor:
+        """The lease's tokens [start, start + n) back, as kv [layers, 2, n, kv_heads, head_dim] (DGFM's recall)."""
+        async with self._lock:
+            reply = await self._call({"op": "lend-read", "lease": self.lease_id, "start": start_token,
+                                      "tokens": num_tokens}, payload=True, typed=True)
+        kv = reply.get("payload")
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != num_tokens:
+            raise LendingRefused(f"the lender answered {None if kv is None else list(kv.shape)} for {num_tokens} tokens")
+        return kv
+
+    async def trim(self, num_tokens: int) -> None:
+        """Keep the lease's first `num_tokens` tokens; the lender gives back the blocks past them."""
+        async with self._lock:
+            reply = await self._call({"op": "lend-trim", "lease": self.lease_id, "tokens": num_tokens})
+            self.blocks = int(reply["blocks"])
+
     async def free(self) -> None:
         """Give the blocks back and close; a lender that is gone has freed them already."""
         async with self._lock:
@@ -93,7 +109,7 @@ class RemoteLease:
         return asyncio.run_coroutine_threadsafe(call, self._loop).result(REPLY_TIMEOUT_S + 5)
 
     async def _call(self, header: dict[str, Any], body: memoryview | None = None, *, payload: bool = False,
-                    channel: Channel | None = None) -> dict[str, Any]:
+                    typed: bool = False, channel: Channel | None = None) -> dict[str, Any]:
         channel = channel or self._channel
         if channel is None:
             raise LendingRefused("the lease is closed")
@@ -102,7 +118,10 @@ class RemoteLease:
         frame = await channel.recv(REPLY_TIMEOUT_S)
         reply = dict(frame.header)
         if payload and frame.payload_nbytes:
-            data = torch.empty(frame.payload_nbytes // 4, dtype=torch.float32)
+            # float32 partials (attend), or a tensor of the shape and dtype its header gives (read).
+            data = empty_like_header(reply) if typed else torch.empty(frame.payload_nbytes // 4, dtype=torch.float32)
+            if data.numel() * data.element_size() != frame.payload_nbytes:
+                raise LendingRefused(f"a {list(data.shape)} {data.dtype} payload is not {frame.payload_nbytes} bytes")
             await channel.read_payload(frame.payload_nbytes, as_bytes(data))
             self.bytes_received += frame.payload_nbytes
             reply["payload"] = data

@@ -11,6 +11,10 @@ bench, a hand-made pair of workers).
 
 A refused creditor is skipped until the next list arrives (clear_refusals in mell/debt.py does the
 same on the operator's side when a heartbeat shows it again).
+
+The same status carries DGFM's orders (§4.5, `status.distkv.dgfm.recalls`): how much of this
+worker's KV to bring home from which creditor. `PoolPlanCreditors` hands each new generation of them
+to the engine's borrowing side once (`on_recall`), however often it reads the same status.
 """
 
 from __future__ import annotations
@@ -84,6 +88,35 @@ def candidates_from_status(status: Mapping[str, Any] | None, pod_name: str) -> t
     return ()
 
 
+@dataclass(frozen=True)
+class Recall:
+    """DGFM's order to this worker: bring `num_bytes` of its KV home from the creditor `pod`."""
+
+    pod: str
+    num_bytes: int
+
+
+def recalls_from_status(status: Mapping[str, Any] | None, pod_name: str) -> tuple[int, tuple[Recall, ...]]:
+    """This worker's DGFM recalls in an LLMPool's status and their generation (0 and none when absent)."""
+    dgfm = ((status or {}).get("distkv") or {}).get("dgfm") or {}
+    try:
+        generation = int(dgfm.get("generation", 0))
+    except (TypeError, ValueError):
+        return 0, ()
+    found = []
+    for entry in dgfm.get("recalls") or []:
+        if not isinstance(entry, dict) or entry.get("worker") != pod_name:
+            continue
+        try:
+            found.append(Recall(str(entry["creditor"]), int(entry["bytes"])))
+        except (KeyError, TypeError, ValueError):
+            log.debug("skipping a malformed recall entry %r", entry)
+    return generation, tuple(r for r in found if r.num_bytes > 0 and r.pod != pod_name)
+
+
+# Carries out one recall: (creditor pod, bytes) -> the bytes brought home (KVBorrowing.recall).
+RecallFn = Callable[[str, int], Awaitable[int]]
+
 # Reads the pool's LLMPool status (None when the object is gone).
 StatusReader = Callable[[], Awaitable[Mapping[str, Any] | None]]
 
@@ -98,6 +131,11 @@ class PoolPlanCreditors:
         self._refused: set[str] = set()
         self._last_read_s = float("-inf")
         self._refreshing: asyncio.Task[None] | None = None
+        # DGFM: who carries out this worker's recalls (the engine's borrowing side), and the last
+        # generation of them handed over.
+        self.on_recall: RecallFn | None = None
+        self._recall_generation: int | None = None
+        self._recalling: asyncio.Task[None] | None = None
 
     def candidates(self) -> Sequence[Creditor]:
         found = tuple(c for c in self._creditors if c.address not in self._refused)
@@ -120,6 +158,26 @@ class PoolPlanCreditors:
         if creditors != self._creditors:
             log.info("DistKV creditors: %s", ", ".join(c.pod for c in creditors) or "none")
         self._creditors, self._refused = creditors, set()
+        self._take_recalls(*recalls_from_status(status, self.pod_name))
+
+    def _take_recalls(self, generation: int, recalls: Sequence[Recall]) -> None:
+        """Start a new generation's recalls (one at a time: a generation still running finishes first;
+        its successor is taken at the next read)."""
+        if self.on_recall is None or generation == self._recall_generation:
+            return
+        if self._recalling is not None and not self._recalling.done():
+            return
+        self._recall_generation = generation
+        if recalls:
+            self._recalling = asyncio.get_running_loop().create_task(self._recall(self.on_recall, recalls))
+
+    @staticmethod
+    async def _recall(on_recall: RecallFn, recalls: Sequence[Recall]) -> None:
+        for recall in recalls:
+            try:
+                await on_recall(recall.pod, recall.num_bytes)
+            except Exception:  # the engine's own fault handling has run; the next generation tries again
+                log.exception("recalling KV from %s failed", recall.pod)
 
     async def run(self) -> None:
         while True:

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from kvfleet.worker.distkv.wire import LEND_OPS, LendingRefused, empty_like_header, pack_partial
+from kvfleet.worker.distkv.wire import LEND_OPS, LendingRefused, empty_like_header, pack_partial, tensor_header
 from kvfleet.worker.engines.capabilities import KVLending, LendingError
 from kvfleet.worker.migration.transport import Channel, Frame, TransportError
 from kvfleet.worker.migration.wire import as_bytes
@@ -74,6 +74,12 @@ async def _one(lending: KVLending, channel: Channel, frame: Frame, lease_id: str
         out, lse = await lending.attend(lease_id, int(header.get("layer", -1)), q, int(header.get("tokens", 0)))
         await channel.send({"ok": True, "shape": list(out.shape)},
                            as_bytes(pack_partial(out, lse)))
+    elif op == "lend-read":
+        kv = await lending.read(lease_id, int(header.get("start", -1)), int(header.get("tokens", 0)))
+        kv = kv.contiguous()
+        await channel.send({"ok": True, **tensor_header(kv)}, as_bytes(kv))
+    elif op == "lend-trim":
+        await channel.send({"ok": True, "blocks": await lending.trim(lease_id, int(header.get("tokens", -1)))})
     else:  # lend-free
         await channel.send({"ok": True, "freed": await lending.free(lease_id)})
         return None

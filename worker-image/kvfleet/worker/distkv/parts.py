@@ -7,6 +7,15 @@ or in which order (positions are already in the keys), so the parts are attended
 merged with ScaleReduce (§4.2), and any part may grow. `LeaseFinder` finds room for a number of the
 engine's blocks: the request's own leases first (the newest first), then a new lease at the best
 creditor that has room (§4.4: the creditor answers; one short of what is asked says how many it has).
+
+DGFM's recall (§4.5) runs the other way: `RemoteParts.recall` reads the newest tokens of the leases at
+one creditor back, holds them here (`HeldPart`, attended in this process with the same
+micro-attention a lender runs) and trims the leases, so the creditor gets its blocks back. Where the
+held tokens go then is the engine's business (the builtin engine moves them into its own blocks when
+it has room, builtin/borrowing.py). A swap needs no free memory (§4.5: each instance on a debt cycle
+sends back what it holds for its debtor as it takes its own home), but the two halves happen on
+different workers at different moments; holding the recalled tokens in host memory between them is
+what lets every worker of a cycle recall at once without waiting on the others.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 
 from kvfleet.kernels.dispatch import scale_reduce_pair
 from kvfleet.worker.distkv.creditors import Creditors
+from kvfleet.worker.distkv.wire import attend_lease
 from kvfleet.worker.engines.base import EngineError
 from kvfleet.worker.engines.capabilities import LeaseOpener, LendingError, RemoteKVLease
 
@@ -51,16 +61,46 @@ class Part:
     num_tokens: int = 0
 
 
+@dataclass
+class HeldPart:
+    """Tokens of a request recalled from a lender (DGFM, §4.5), held in this process's memory:
+    kv [layers, 2, tokens, kv_heads, head_dim], attended here as a lender would attend them."""
+
+    kv: torch.Tensor
+    block_size_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Whole blocks of the engine (recalls move whole blocks), seen as a paged cache of them.
+        k, v = (t.reshape(-1, self.block_size_tokens, *t.shape[1:]) for t in self.kv[layer_index])
+        return attend_lease(q, k, v, torch.arange(k.shape[0]), self.num_tokens)
+
+
 class RemoteParts:
-    """One spanning request's KV held by lenders."""
+    """One spanning request's KV held by lenders, and any of it recalled and held here (`held`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.parts: list[Part] = []
+        self.held: list[HeldPart] = []
         self._loop = loop
+        # Moves into leases (spills) and out of them (recalls) of one request, one at a time.
+        self.moving = asyncio.Lock()
 
     @property
     def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts) + sum(h.num_tokens for h in self.held)
+
+    @property
+    def lent_tokens(self) -> int:
+        """Tokens that live at lenders (not the recalled ones held here)."""
         return sum(p.num_tokens for p in self.parts)
 
     def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -80,12 +120,43 @@ class RemoteParts:
         return collect
 
     async def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the loop: q over every lease at once, merged (§4.2's ScaleReduce)."""
-        results = await asyncio.gather(*(p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens))
+        """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce).
+        The set of parts is read at once, so a recall between two layers never counts a token twice."""
+        calls = [p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens]
+        results = [h.attend(layer_index, q) for h in self.held] + list(await asyncio.gather(*calls))
         out, lse = results[0]
         for o, s in results[1:]:
             out, lse = scale_reduce_pair(out, lse, o, s)
         return out, lse
+
+    async def recall(self, pod: str, max_tokens: int, block_size_tokens: int) -> int:
+        """DGFM's recall (module docstring): up to `max_tokens` (whole blocks of `block_size_tokens`) of the
+        newest tokens of the leases at `pod` read back into `held`, and those leases trimmed; the tokens
+        recalled. A lease emptied is freed. Raises RemotePartLost when a lease at `pod` fails."""
+        recalled = 0
+        async with self.moving:
+            for part in [p for p in reversed(self.parts) if p.pod == pod]:
+                take = min(part.num_tokens, max_tokens - recalled) // block_size_tokens * block_size_tokens
+                if take <= 0:
+                    continue
+                keep = part.num_tokens - take
+                try:
+                    kv = await part.lease.read(keep, take)
+                except Exception as err:
+                    raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+                # One step on the loop: the tokens leave the lease's count and join the held ones together.
+                part.num_tokens = keep
+                self.held.append(HeldPart(kv, block_size_tokens))
+                recalled += take
+                try:
+                    if keep:
+                        await part.lease.trim(keep)
+                    else:
+                        self.parts.remove(part)
+                        await part.lease.free()
+                except Exception as err:  # the lender keeps the blocks until the lease ends: no KV is lost
+                    log.warning("request %s: %s did not take back its blocks: %s", self.request_id, pod, err)
+        return recalled
 
     def wire_bytes(self) -> tuple[int, int]:
         """(sent, received) bytes over this request's leases so far."""

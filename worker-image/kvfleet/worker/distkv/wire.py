@@ -10,11 +10,16 @@ ends, however it ends, so a borrower that dies leaves nothing lent behind (§4.3
       + kv [layers, 2, tokens, kv_heads, head_dim] bytes
     {"op": "lend-attend", "lease", "layer", "tokens",        {"ok", "shape"} + out [rows, heads, dim]
      "shape", "dtype"} + q [rows, heads, dim] bytes           and lse [rows, heads] as float32 bytes
+    {"op": "lend-read", "lease", "start", "tokens"}          {"ok", "shape", "dtype"} + kv [layers, 2,
+                                                               tokens, kv_heads, head_dim] bytes
+    {"op": "lend-trim", "lease", "tokens"}                   {"ok", "blocks"}  the lease keeps its first
+                                                               `tokens` tokens; "blocks" it still holds
     {"op": "lend-free", "lease"}                             {"ok", "freed"}  (then either side closes)
 
 A refused `lend` says how many blocks the lender could lend instead: {"ok": false, "error", "room"}.
 
-`lend` is sent again to grow a lease. Any reply may be {"ok": false, "error"} (LendingRefused at the
+`lend-read` and `lend-trim` are DGFM's recall (§4.5): the borrower reads some of its tokens back
+and the lender gives back the blocks they filled. `lend` is sent again to grow a lease. Any reply may be {"ok": false, "error"} (LendingRefused at the
 borrower): a creditor without room says so at once and the borrower asks the next one (§4.4).
 """
 
@@ -26,7 +31,7 @@ import torch
 
 from kvfleet.worker.engines.capabilities import LendingError
 
-LEND_OPS = ("lend", "lend-write", "lend-attend", "lend-free")
+LEND_OPS = ("lend", "lend-write", "lend-attend", "lend-read", "lend-trim", "lend-free")
 # A remote micro-attention or write waits behind the lender's own step at most this long.
 REPLY_TIMEOUT_S = 30.0
 

@@ -309,6 +309,16 @@ class KVLending(Protocol):
         (out [rows, q_heads, head_dim], lse [rows, q_heads]), in float32."""
         ...
 
+    async def read(self, lease_id: str, start_token: int, num_tokens: int) -> torch.Tensor:
+        """The lease's tokens [start, start + n) as kv [layers, 2, n, kv_heads, head_dim], a copy on the
+        CPU: DGFM's recall (§4.5) takes them home."""
+        ...
+
+    async def trim(self, lease_id: str, num_tokens: int) -> int:
+        """Keep the lease's first `num_tokens` tokens and give back the blocks past them (the recalled
+        tokens' blocks); the blocks the lease still holds."""
+        ...
+
     async def free(self, lease_id: str) -> int:
         """Give the lease's blocks back to this engine; the number freed (0 for an unknown lease)."""
         ...
@@ -331,6 +341,10 @@ class RemoteKVLease(Protocol):
 
     async def attend(self, layer: int, q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    async def read(self, start_token: int, num_tokens: int) -> torch.Tensor: ...
+
+    async def trim(self, num_tokens: int) -> None: ...
+
     async def free(self) -> None: ...
 
 
@@ -349,6 +363,12 @@ class KVBorrowing(Protocol):
 
     def borrowed_bytes(self) -> Mapping[str, int]:
         """Creditor pod -> bytes of KV blocks it lends this engine's requests now (the debt ledger's row)."""
+        ...
+
+    async def recall(self, creditor_pod: str, num_bytes: int) -> int:
+        """DGFM's recall (Infinite-LLM §4.5, executed): bring up to `num_bytes` of this engine's KV that
+        `creditor_pod` lends back into this worker's memory and give the creditor its blocks back; the
+        bytes brought home. A lender that fails meanwhile costs what a lost lender always costs."""
         ...
 
 

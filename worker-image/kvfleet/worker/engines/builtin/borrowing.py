@@ -9,6 +9,12 @@ the step's query rows to every lease at once and merges the partial outputs with
 §4.6: the query travels, the KV stays). Creditors come from `Creditors` (the operator's published
 plan, §4.4's contract protocol): the first that accepts lends; one that refuses is skipped.
 
+DGFM's recall (§4.5, `recall`): the operator finds debt cycles and tells each debtor on one how much
+of its KV to bring home from its creditor. The tokens are read back into host memory at once
+(parts.py `RemoteParts.recall`, attended there meanwhile) and move into this engine's own blocks before
+a step that finds room for them (`prepare`), as the oldest local blocks: the room comes from the
+debtor of this worker giving back what it borrowed here.
+
 Faults (§4.3, docs/distkv.md): a lease call that fails mid-step (the lender died or left; a leaving
 lender's engine frees its leases as it stops) raises `RemotePartLost`; the engine then preempts that
 request, which frees what it held anywhere, and it is prefilled again from its prompt and the tokens
@@ -123,13 +129,65 @@ class BuiltinKVBorrowing:
 
     # -- before each step ------------------------------------------------------------------------------
 
+    async def recall(self, creditor_pod: str, num_bytes: int) -> int:
+        """DGFM's recall (module docstring): up to `num_bytes` of this engine's KV at `creditor_pod`, newest
+        leases first, read back and held until `prepare` finds blocks for it."""
+        bs = self._block_size_tokens
+        token_bytes = self._sched.space.block_bytes // bs
+        left_tokens = num_bytes // token_bytes if token_bytes else 0
+        recalled = 0
+        for req in [r for r in self._sched.running if isinstance(r.remote, RemoteParts)]:
+            remote = req.remote
+            assert isinstance(remote, RemoteParts)
+            if left_tokens < bs:
+                break
+            try:
+                n = await remote.recall(creditor_pod, left_tokens, bs)
+            except RemotePartLost as err:
+                log.warning("%s; it is prefilled again", err)
+                self.lose(req)
+                continue
+            left_tokens -= n
+            recalled += n * token_bytes
+        if recalled:
+            log.info("recalled %d bytes of KV from %s (DGFM)", recalled, creditor_pod)
+        return recalled
+
+    async def _settle(self, req: Request) -> None:
+        """Recalled tokens of a request into its own blocks, as many whole blocks of them as there are free
+        blocks beyond what its next chunk takes: they become its oldest local blocks (local slots count
+        from remote_tokens, and the recalled tokens leave the remote count as they arrive)."""
+        remote, cache, executor = req.remote, self._cache, self._executor
+        if not isinstance(remote, RemoteParts) or not remote.held or cache is None or executor is None:
+            return
+        sched, bs = self._sched, self._block_size_tokens
+        async with remote.moving:
+            for held in list(remote.held):
+                num_blocks = min(held.num_tokens // bs, len(sched.space.free) - max(0, sched.next_chunk_blocks(req)))
+                if num_blocks <= 0:
+                    return
+                blocks = sched.space.allocate(num_blocks)
+                kv = held.kv[:, :, :num_blocks * bs]  # [layers, 2, tokens, kv_heads, dim] -> blocks of them
+                data = kv.reshape(*kv.shape[:2], num_blocks, bs, *kv.shape[3:])
+                await asyncio.get_running_loop().run_in_executor(executor, cache.write_blocks, blocks, data)
+                if req.state is not RequestState.RUNNING or req.remote is not remote:
+                    sched.space.release(blocks)  # aborted or preempted meanwhile
+                    return
+                # Between steps (prepare), so no forward reads the parts while they change.
+                req.blocks[:0] = blocks
+                if num_blocks * bs == held.num_tokens:
+                    remote.held.remove(held)
+                else:
+                    held.kv = held.kv[:, :, num_blocks * bs:].clone()
+
     async def prepare(self) -> None:
         """Give each running spanning request the free blocks its next chunk needs, moving its oldest
-        full blocks to lenders; a request no creditor can help fails, one whose lender is gone is
-        preempted (module docstring)."""
+        full blocks to lenders, or move its recalled tokens into its own blocks where there is room; a
+        request no creditor can help fails, one whose lender is gone is preempted (module docstring)."""
         sched = self._sched
         self._losses = {rid: n for rid, n in self._losses.items() if rid in sched.requests}
         for req in [r for r in sched.running if r.spans]:
+            await self._settle(req)
             short = sched.spanning_shortfall(req)
             if short <= 0 or req.state is not RequestState.RUNNING:
                 continue
@@ -167,6 +225,12 @@ class BuiltinKVBorrowing:
         remote = req.remote
         if not isinstance(remote, RemoteParts):
             remote = req.remote = RemoteParts(req.request_id, asyncio.get_running_loop())
+        async with remote.moving:
+            await self._spill_locked(req, remote, num_blocks, cache, executor)
+
+    async def _spill_locked(self, req: Request, remote: RemoteParts, num_blocks: int, cache: PagedKVCache,
+                            executor: concurrent.futures.Executor) -> None:
+        assert self._lenders.open_lease is not None and self._lenders.creditors is not None
         moved = 0
         while moved < num_blocks:
             part, granted = await self._finder.room(remote, num_blocks - moved, self._lenders.open_lease,

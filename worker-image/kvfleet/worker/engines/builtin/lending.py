@@ -121,6 +121,35 @@ class BuiltinKVLending:
 
         return await asyncio.get_running_loop().run_in_executor(executor, compute)
 
+    async def read(self, lease_id: str, start_token: int, num_tokens: int) -> torch.Tensor:
+        cache, executor = self._require()
+        if start_token < 0 or num_tokens < 1:
+            raise LendingError(f"nothing to read at token {start_token}")
+        blocks = self._blocks(lease_id, start_token + num_tokens)
+        bs = cache.block_size_tokens
+        first, end = start_token // bs, blocks_for(start_token + num_tokens, bs)
+
+        def load() -> torch.Tensor:
+            # [layers, 2, blocks, block, kv_heads, dim] -> the tokens asked for
+            data = cache.read_blocks(blocks[first:end]).flatten(2, 3)
+            return data[:, :, start_token - first * bs:start_token - first * bs + num_tokens].cpu().contiguous()
+
+        return await asyncio.get_running_loop().run_in_executor(executor, load)
+
+    async def trim(self, lease_id: str, num_tokens: int) -> int:
+        cache, _ = self._require()
+        blocks = self._leases.get(lease_id)
+        if blocks is None:
+            raise LendingError(f"no lease {lease_id!r} here")
+        if num_tokens < 0:
+            raise LendingError(f"a lease keeps at least 0 tokens, not {num_tokens}")
+        keep = blocks_for(num_tokens, cache.block_size_tokens)
+        if keep < len(blocks):
+            self._sched.space.release(blocks[keep:])
+            del blocks[keep:]
+            self._sched.wake()
+        return len(blocks)
+
     async def free(self, lease_id: str) -> int:
         return self._free(lease_id)
 

@@ -96,6 +96,11 @@ class RemoteKV(KVParts, Protocol):
         """Tokens of the request's context held there: its first `num_tokens` positions."""
         ...
 
+    @property
+    def lent_tokens(self) -> int:
+        """Of those, the tokens that live at lenders (the rest were recalled and wait for local blocks)."""
+        ...
+
 
 class RemoteKVHooks(Protocol):
     """DistKV's borrower side as the scheduler sees it (builtin/borrowing.py's `Lenders`)."""
@@ -392,7 +397,8 @@ class Scheduler:
                 counted.update(id(node) for node in nodes)
                 usage.append(RequestKV(req.request_id, tokens, (len(req.blocks) - num_elsewhere) * block_bytes,
                                        max(0, req.params.max_tokens - len(req.output)), num_elsewhere * block_bytes,
-                                       blocks_for(req.remote_tokens, self.block_size_tokens) * block_bytes, req.spans))
+                                       blocks_for(req.remote.lent_tokens if req.remote is not None else 0,
+                                                  self.block_size_tokens) * block_bytes, req.spans))
         for request_id, staged in self.staged.items():
             if staged.blocks:
                 # Cached blocks it starts from are the cache's until it runs (counted like a waiting
@@ -490,7 +496,7 @@ class Scheduler:
         least one); its later chunks get theirs as its borrowing side makes room (module docstring)."""
         if others:
             return False  # its chunk is the step's whole prefill budget
-        want = self._next_chunk_blocks(req)
+        want = self.next_chunk_blocks(req)
         self._make_room(want)
         if not self.space.free:
             return False
@@ -506,7 +512,7 @@ class Scheduler:
             return pending if room >= pending else 0
         return min(pending, room, PREFILL_TOKENS_PER_STEP)
 
-    def _next_chunk_blocks(self, req: Request) -> int:
+    def next_chunk_blocks(self, req: Request) -> int:
         """Local blocks a spanning request lacks for its next chunk (or decode token), free or not."""
         local = req.num_cached - req.remote_tokens
         want = min(req.num_tokens - req.num_cached, PREFILL_TOKENS_PER_STEP)
@@ -515,13 +521,13 @@ class Scheduler:
     def _top_up(self, req: Request) -> None:
         """Give a spanning request what is free toward its next chunk or token; the rest comes of moving
         its oldest blocks to lenders before the next step (builtin/borrowing.py), never of preempting."""
-        num_new_blocks = min(self._next_chunk_blocks(req), len(self.space.free))
+        num_new_blocks = min(self.next_chunk_blocks(req), len(self.space.free))
         if num_new_blocks > 0:
             req.blocks.extend(self.space.allocate(num_new_blocks))
 
     def spanning_shortfall(self, req: Request) -> int:
         """Blocks a running spanning request lacks for its next chunk (or decode) beyond the free ones."""
-        return max(0, self._next_chunk_blocks(req) - len(self.space.free))
+        return max(0, self.next_chunk_blocks(req) - len(self.space.free))
 
     def process(self, step: Step, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None] = ()) -> None:
         """Hand each request its sampled token (and its logprobs, where asked: one per row, or none at

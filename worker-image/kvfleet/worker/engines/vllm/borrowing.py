@@ -29,6 +29,14 @@ then has vLLM's scheduler preempt it. Its stream waits; the client sees a delay,
 that loses its lenders more than MAX_LOSSES times (a loss counted once, whatever layers found it), or
 for which no creditor has room, fails with the reason.
 
+DGFM's recall (§4.5): told by the operator to bring KV home from a creditor, the agent reads the
+newest tokens of the request's leases there back and holds them in its own memory (distkv/parts.py),
+and the creditor trims the leases. The EngineCore does not notice: the tokens still count as the
+request's remote prefix, now attended in the agent with no lender in between. They stay there for
+the request's life: putting them back into vLLM's blocks would mean rewriting a running request's
+block table in the scheduler and the model runner both, which vLLM has no interface for (the
+builtin engine does move them into its own blocks).
+
 Every remote call of a forward crosses the core pipe to the agent and back before the network: a
 round trip of about 0.6 ms on the machines this was built on (docs/distkv.md).
 """
@@ -306,6 +314,31 @@ class VLLMKVBorrowing:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    async def recall(self, creditor_pod: str, num_bytes: int) -> int:
+        """DGFM's recall (§4.5): up to `num_bytes` of this engine's KV at `creditor_pod` read back and held in
+        this process (parts.py), the creditor's blocks given back. The EngineCore's view does not change:
+        the tokens stay out of vLLM's blocks, attended here instead of at the lender (module docstring)."""
+        bs, token_bytes = self._block_size, self._token_bytes
+        left_tokens = num_bytes // token_bytes if token_bytes else 0
+        recalled = 0
+        for remote in list(self._parts.values()):
+            if left_tokens < bs:
+                break
+            try:
+                n = await remote.recall(creditor_pod, left_tokens, bs)
+            except RemotePartLost as err:  # the next step finds the lease dead and counts the loss
+                log.warning("%s (during a DGFM recall)", err)
+                continue
+            left_tokens -= n
+            recalled += n * token_bytes
+        if recalled:
+            log.info("recalled %d bytes of KV from %s (DGFM)", recalled, creditor_pod)
+        return recalled
+
+    def held_bytes(self) -> int:
+        """Recalled KV held in this process (DGFM)."""
+        return sum(h.nbytes for remote in self._parts.values() for h in remote.held)
+
     def _drop(self, request_id: str) -> RemoteParts | None:
         """A request's leases, out of this engine's books (their wire bytes kept in the totals); the caller closes them."""
         remote = self._parts.pop(request_id, None)
@@ -371,7 +404,12 @@ class VLLMKVBorrowing:
             remote = self._parts[request_id] = RemoteParts(request_id, asyncio.get_running_loop())
         if first_token != remote.num_tokens:
             raise ValueError(f"request {request_id}: a move from token {first_token} after {remote.num_tokens} moved")
-        bs = self._block_size
+        async with remote.moving:
+            await self._spill_locked(remote, kv)
+
+    async def _spill_locked(self, remote: RemoteParts, kv: torch.Tensor) -> None:
+        assert self._finder is not None and self._open_lease is not None and self._creditors is not None
+        request_id, bs = remote.request_id, self._block_size
         num_blocks, moved = int(kv.shape[2]) // bs, 0
         while moved < num_blocks:
             part, granted = await self._finder.room(remote, num_blocks - moved, self._open_lease, self._creditors)

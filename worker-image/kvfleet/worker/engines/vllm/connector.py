@@ -557,6 +557,8 @@ class _SchedulerSide:
                 self._unlend(lease)
         elif op == "lend":
             self._lend(seq, str(msg["lease"]), int(msg["blocks"]))
+        elif op == "lend-trim":
+            self.reply(seq, ok=True, freed=self._unlend(str(msg["lease"]), int(msg["keep"])))
         elif op == "lend-free":
             self.reply(seq, ok=True, freed=self._unlend(str(msg["lease"])))
         elif op == "export":
@@ -576,8 +578,12 @@ class _SchedulerSide:
         self.lent.setdefault(lease, []).extend(blocks)
         self.reply(seq, ok=True, block_ids=[b.block_id for b in blocks])
 
-    def _unlend(self, lease: str) -> int:
-        blocks = self.lent.pop(lease, [])
+    def _unlend(self, lease: str, keep: int = 0) -> int:
+        """A lease's blocks past its first `keep` back to vLLM's pool (all of them: the lease ends)."""
+        held = self.lent.pop(lease, [])
+        blocks = held[keep:]
+        if keep and held[:keep]:
+            self.lent[lease] = held[:keep]
         if blocks and self.block_pool is not None:
             internals.unlend_blocks(self.block_pool, blocks)
         return len(blocks)

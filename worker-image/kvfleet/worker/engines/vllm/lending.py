@@ -5,7 +5,7 @@ ships each step's queries there for the micro-attention over them (§4.2, §4.6)
 blocks of its own KV cache; the pieces live where vLLM keeps what they touch:
 
 - **The blocks.** A lease's blocks come out of vLLM's block pool on EngineCore's loop thread (the
-  connector's scheduler side, asks `lend` and `lend-free`: internals.lend_blocks), held as a
+  connector's scheduler side, asks `lend`, `lend-trim` and `lend-free`: internals.lend_blocks), held as a
   request's would be, so vLLM's scheduler counts them used and never hands them to a request of its
   own. When the agent's pipe ends they all go back.
 - **The KV.** The lent blocks sit in vLLM's KV cache tensors, which the connector's worker side holds.
@@ -46,7 +46,9 @@ class LentBlocks:
       {"op": "lease-write", "blocks", "start"} + kv [layers, 2, tokens, kv_heads, head_dim]
           tokens [start, start + n) of a lease whose blocks are `blocks`, in token order;
       {"op": "lease-attend", "layer", "blocks", "tokens"} + q [rows, q_heads, head_dim]
-          -> out [rows, q_heads, head_dim] then lse [rows, q_heads], one float32 tensor.
+          -> out [rows, q_heads, head_dim] then lse [rows, q_heads], one float32 tensor;
+      {"op": "lease-read", "blocks", "start", "tokens"}
+          -> kv [layers, 2, tokens, kv_heads, head_dim] (DGFM's recall takes them home).
     """
 
     def __init__(self, pipe: CorePipe, layers: list[torch.Tensor], block_size_tokens: int) -> None:
@@ -56,6 +58,7 @@ class LentBlocks:
         self._block_size = block_size_tokens
         pipe.handle("lease-write", self._on_write)
         pipe.handle("lease-attend", self._on_attend)
+        pipe.handle("lease-read", self._on_read)
 
     def _on_write(self, msg: dict[str, Any], kv: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
         if kv is None:
@@ -69,6 +72,18 @@ class LentBlocks:
         out, lse = self.attend(int(msg["layer"]), torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long),
                                int(msg["tokens"]), q)
         return {}, pack_partial(out, lse)
+
+    def _on_read(self, msg: dict[str, Any], _: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        return {}, self.read(torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long), int(msg["start"]),
+                             int(msg["tokens"]))
+
+    def read(self, blocks: torch.Tensor, start_token: int, num_tokens: int) -> torch.Tensor:
+        bs = self._block_size
+        positions = torch.arange(start_token, start_token + num_tokens)
+        slots = blocks[positions // bs] * bs + positions % bs
+        return torch.stack([torch.stack([k_cache.flatten(0, 1).index_select(0, slots),
+                                         v_cache.flatten(0, 1).index_select(0, slots)])
+                            for _, k_cache, v_cache in self._views]).cpu()
 
     def write(self, blocks: torch.Tensor, start_token: int, kv: torch.Tensor) -> None:
         if len(kv) != len(self._views):
@@ -173,6 +188,30 @@ class VLLMKVLending:
         _, data = await self._ask(self._require_data(), "lease-attend", q, layer=layer, blocks=blocks, tokens=num_tokens)
         rows, heads, dim = (int(d) for d in q.shape)
         return unpack_partial(data, rows, heads, dim)
+
+    async def read(self, lease_id: str, start_token: int, num_tokens: int) -> torch.Tensor:
+        if start_token < 0 or num_tokens < 1:
+            raise LendingError(f"nothing to read at token {start_token}")
+        blocks = self._blocks(lease_id, start_token + num_tokens)
+        _, kv = await self._ask(self._require_data(), "lease-read", blocks=blocks, start=start_token, tokens=num_tokens)
+        if kv is None:
+            raise LendingError(f"the EngineCore answered no KV for lease {lease_id!r}")
+        return kv
+
+    async def trim(self, lease_id: str, num_tokens: int) -> int:
+        blocks = self._leases.get(lease_id)
+        if blocks is None:
+            raise LendingError(f"no lease {lease_id!r} here")
+        if num_tokens < 0:
+            raise LendingError(f"a lease keeps at least 0 tokens, not {num_tokens}")
+        keep = blocks_for(num_tokens, self._block_size)
+        if keep < len(blocks):
+            control = self._control
+            if control is None:
+                raise LendingError("the engine is not running")
+            await self._ask(control, "lend-trim", lease=lease_id, keep=keep)
+            del blocks[keep:]
+        return len(blocks)
 
     async def free(self, lease_id: str) -> int:
         blocks = self._leases.pop(lease_id, None) or []

@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # Asks the loop thread carries out (the rest the pipe's reader answers itself).
-LOOP_OPS = frozenset({"suspend", "export", "release", "lend", "lend-free"})
+LOOP_OPS = frozenset({"suspend", "export", "release", "lend", "lend-trim", "lend-free"})
 
 
 class Pipe:

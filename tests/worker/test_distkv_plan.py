@@ -1,0 +1,67 @@
+"""A worker's reading of its pool's DistKV plan (worker/distkv/creditors.py): its creditor candidates,
+and DGFM's recalls (Infinite-LLM §4.5), each generation of which it carries out exactly once however
+often it reads the same status."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.worker.distkv.creditors import (
+    Creditor,
+    PoolPlanCreditors,
+    Recall,
+    candidates_from_status,
+    recalls_from_status,
+)
+
+
+def status(generation: int, recalls: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"distkv": {
+        "candidates": [{"worker": "w0", "creditors": [{"pod": "w1", "address": "10.0.0.1:8001", "lendableBytes": 64},
+                                                     {"pod": "w0", "address": "10.0.0.0:8001"},  # itself: skipped
+                                                     {"address": "no pod"}]}],  # malformed: skipped
+        "dgfm": {"swaps": 1, "swappedBytes": 0, "generation": generation, "recalls": recalls}}}
+
+
+def test_the_plan_gives_this_workers_creditors_and_recalls_and_skips_what_is_not_its_own_or_malformed() -> None:
+    plan = status(3, [{"worker": "w0", "creditor": "w1", "bytes": 4096}, {"worker": "w1", "creditor": "w0", "bytes": 4096},
+                      {"worker": "w0", "creditor": "w2"}, {"worker": "w0", "creditor": "w2", "bytes": 0}])
+    assert candidates_from_status(plan, "w0") == (Creditor("w1", "10.0.0.1:8001", 64),)
+    assert recalls_from_status(plan, "w0") == (3, (Recall("w1", 4096),))
+    assert recalls_from_status(plan, "w9") == (3, ())
+    assert recalls_from_status(None, "w0") == (0, ())
+    assert recalls_from_status({"distkv": {"dgfm": {"generation": "x"}}}, "w0") == (0, ())
+
+
+def test_each_generation_of_recalls_is_carried_out_once() -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        current: dict[str, Any] = {"status": status(1, [{"worker": "w0", "creditor": "w1", "bytes": 100},
+                                                        {"worker": "w0", "creditor": "w2", "bytes": 50}])}
+
+        async def read() -> Mapping[str, Any] | None:
+            return current["status"]
+
+        done: list[tuple[str, int]] = []
+
+        async def recall(pod: str, num_bytes: int) -> int:
+            done.append((pod, num_bytes))
+            if pod == "w2":
+                raise RuntimeError("the lender is gone")  # logged; the rest goes on
+            return num_bytes
+
+        plan = PoolPlanCreditors(read, "w0")
+        plan.on_recall = recall
+        for _ in range(3):  # the same status read three times
+            await plan.refresh()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        current["status"] = status(2, [])  # the swap done: a new generation with nothing to do
+        await plan.refresh()
+        current["status"] = status(3, [{"worker": "w0", "creditor": "w1", "bytes": 7}])
+        await plan.refresh()
+        await asyncio.sleep(0)
+        return done
+
+    assert asyncio.run(scenario()) == [("w1", 100), ("w2", 50), ("w1", 7)]
