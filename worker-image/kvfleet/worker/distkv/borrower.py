@@ -113,18 +113,26 @@ class RemoteLease:
         channel = channel or self._channel
         if channel is None:
             raise LendingRefused("the lease is closed")
-        await channel.send(header, body)
-        self.bytes_sent += 0 if body is None else body.nbytes
-        frame = await channel.recv(REPLY_TIMEOUT_S)
-        reply = dict(frame.header)
-        if payload and frame.payload_nbytes:
-            # float32 partials (attend), or a tensor of the shape and dtype its header gives (read).
-            data = empty_like_header(reply) if typed else torch.empty(frame.payload_nbytes // 4, dtype=torch.float32)
-            if data.numel() * data.element_size() != frame.payload_nbytes:
-                raise LendingRefused(f"a {list(data.shape)} {data.dtype} payload is not {frame.payload_nbytes} bytes")
-            await channel.read_payload(frame.payload_nbytes, as_bytes(data))
-            self.bytes_received += frame.payload_nbytes
-            reply["payload"] = data
+        try:
+            await channel.send(header, body)
+            self.bytes_sent += 0 if body is None else body.nbytes
+            frame = await channel.recv(REPLY_TIMEOUT_S)
+            reply = dict(frame.header)
+            if payload and frame.payload_nbytes:
+                # float32 partials (attend), or a tensor of the shape and dtype its header gives (read).
+                data = empty_like_header(reply) if typed else torch.empty(frame.payload_nbytes // 4, dtype=torch.float32)
+                if data.numel() * data.element_size() != frame.payload_nbytes:
+                    raise LendingRefused(f"a {list(data.shape)} {data.dtype} payload is not {frame.payload_nbytes} bytes")
+                await channel.read_payload(frame.payload_nbytes, as_bytes(data))
+                self.bytes_received += frame.payload_nbytes
+                reply["payload"] = data
+        except BaseException:
+            # A call cut short (timed out, cancelled, a reply of the wrong size) leaves its reply, or part
+            # of it, in the channel: the next call would read it as its own. The lease ends here instead.
+            channel.close()
+            if self._channel is channel:
+                self._channel = None
+            raise
         if not reply.get("ok"):
             room = reply.get("room", 0)
             raise LendingRefused(str(reply.get("error", "refused")), room if isinstance(room, int) and room > 0 else 0)

@@ -3,8 +3,11 @@
 A request longer than its worker's memory keeps its newest KV in blocks other workers lend it. The
 lent blocks are taken from this engine's own block pool, so its scheduler sees them as used and never
 hands them to a request of its own; they sit in the same paged cache tensors, and a borrower's query
-is answered with a micro-attention over them on this engine's one tensor thread, queued behind any
-step in flight (§4.6: the query is shipped, never the KV). A lease is one borrower request's blocks
+is answered with a micro-attention over them (§4.6: the query is shipped, never the KV) on a thread
+of the lender's own, not the engine's tensor thread: a step never reads or writes a lent block, so
+the two need no lock, and a borrower's every layer waits for the answer. Queued behind this engine's
+step it would wait a whole step per layer, and two workers that lend to each other (a debt cycle,
+§4.5) would each hold its tensor thread in a forward that waits for the other's: a deadlock. A lease is one borrower request's blocks
 here, in token order. What may be lent is capped (`cap_blocks`, §4.3's hyper-parameter); a request
 beyond the cap or the free blocks is refused at once, first come first served (§4.4, "competing
 candidates"), and the borrower asks another creditor.
@@ -39,10 +42,10 @@ class BuiltinKVLending:
         self._executor: concurrent.futures.Executor | None = None
         self._leases: dict[str, list[int]] = {}  # lease id -> block ids, in token order
 
-    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor, cap_blocks: int | None = None) -> None:
+    def open(self, cache: PagedKVCache, cap_blocks: int | None = None) -> None:
         """Lend from the started engine's cache; `cap_blocks` replaces the cap (known once blocks are sized)."""
         self._cache = cache
-        self._executor = executor
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-lend")
         if cap_blocks is not None:
             if cap_blocks < 0:
                 raise ValueError("the lending cap must be at least 0 blocks")
@@ -52,6 +55,8 @@ class BuiltinKVLending:
         """The engine stops: every lease is gone with its memory."""
         for lease_id in list(self._leases):
             self._free(lease_id)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
         self._cache = self._executor = None
 
     @property

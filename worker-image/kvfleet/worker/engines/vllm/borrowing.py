@@ -348,8 +348,14 @@ class VLLMKVBorrowing:
         return remote
 
     def remote_tokens(self, request_id: str) -> int:
+        """The request's tokens out of vLLM's blocks: at lenders, or recalled and held here."""
         remote = self._parts.get(request_id)
         return 0 if remote is None else remote.num_tokens
+
+    def lent_tokens(self, request_id: str) -> int:
+        """The request's tokens at lenders."""
+        remote = self._parts.get(request_id)
+        return 0 if remote is None else remote.lent_tokens
 
     def wire_bytes(self) -> tuple[int, int]:
         sent, received = self.bytes_sent, self.bytes_received

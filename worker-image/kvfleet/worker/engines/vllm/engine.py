@@ -954,10 +954,12 @@ class VLLMEngine:
             if borrowing is None:
                 return RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens, block, per_token),
                                  r.remaining_tokens)
-            # A spanning request's kv_bytes are what this worker holds; its oldest tokens are in leases.
+            # A spanning request's kv_bytes are what vLLM's blocks hold; its oldest tokens are in leases, or
+            # recalled by DGFM and held in this process's memory (neither vLLM's blocks nor borrowed).
             remote = borrowing.remote_tokens(r.request_id)
             return RequestKV(r.request_id, r.num_tokens, kv_blocks_bytes(r.num_tokens - remote, block, per_token),
-                             r.remaining_tokens, borrowed_bytes=remote * per_token, spans=self.spans(r.request_id))
+                             r.remaining_tokens, borrowed_bytes=borrowing.lent_tokens(r.request_id) * per_token,
+                             spans=self.spans(r.request_id))
 
         running = [usage(r) for r in sorted(self._requests.values(), key=lambda r: r.request_id) if r.holds_kv]
         # Requests suspended here for a move, or staged to resume here: their KV is (or is about to be) in vLLM's blocks.
