@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from kvfleet.worker.distkv.creditors import (
@@ -65,3 +66,45 @@ def test_each_generation_of_recalls_is_carried_out_once() -> None:
         return done
 
     assert asyncio.run(scenario()) == [("w1", 100), ("w2", 50), ("w1", 7)]
+
+
+def test_a_borrowing_worker_hands_the_plans_recalls_to_its_engine(tiny_model_dir: Path) -> None:
+    """The worker's entry point wires DGFM's orders to the engine's recall: a recall in the pool's status
+    reaches a builtin engine (which has nothing of its own at that creditor, so brings nothing home)."""
+    from kvfleet.worker.__main__ import follow_pool_plan
+    from kvfleet.worker.distkv.options import DistKVOptions
+    from kvfleet.worker.engines import EngineConfig, load_engine
+    from kvfleet.worker.engines.builtin.options import BuiltinOptions
+
+    async def scenario() -> list[tuple[str, int, int]]:
+        engine = load_engine("builtin", EngineConfig(model_path=tiny_model_dir, kv_capacity_bytes=1 << 20, dtype="float32"),
+                             BuiltinOptions(attention="distattention", distkv=DistKVOptions(borrow=True)))
+        borrowing = engine.capabilities.borrowing
+        assert borrowing is not None
+        calls: list[tuple[str, int, int]] = []
+        recall = borrowing.recall
+
+        async def counted(pod: str, num_bytes: int) -> int:
+            calls.append((pod, num_bytes, got := await recall(pod, num_bytes)))
+            return got
+
+        borrowing.recall = counted  # type: ignore[method-assign]
+
+        async def read() -> Mapping[str, Any] | None:
+            return status(5, [{"worker": "w0", "creditor": "w1", "bytes": 1 << 16}])
+
+        plan = PoolPlanCreditors(read, "w0")
+        run = follow_pool_plan(plan, engine)
+        assert run == plan.run and plan.on_recall is not None
+        await engine.start()
+        try:
+            await plan.refresh()
+            for _ in range(50):
+                if calls:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await engine.stop()
+        return calls
+
+    assert asyncio.run(scenario()) == [("w1", 1 << 16, 0)]

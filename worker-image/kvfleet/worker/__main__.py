@@ -14,9 +14,9 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.api.reports import ANNOTATION
 from kvfleet.worker.disaggregation import CACHINGS, PDConfig
@@ -26,6 +26,7 @@ from kvfleet.worker.migration.transport import split_address
 
 if TYPE_CHECKING:
     from kvfleet.worker.elastic.options import MemoryOptions
+    from kvfleet.worker.engines.base import Engine
     from kvfleet.worker.engines.builtin.options import BuiltinOptions
     from kvfleet.worker.engines.vllm.options import VLLMOptions
     from kvfleet.worker.reporter import WriteReport
@@ -216,10 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               disaggregation=PDConfig(args.role, args.pd_caching, args.pd_layout)),
                   engine, Tokenizer(args.model_path), writer)
     if isinstance(creditors, PoolPlanCreditors):
-        borrowing = engine.capabilities.borrowing
-        if borrowing is not None:
-            creditors.on_recall = borrowing.recall  # DGFM's orders in the same status (docs/distkv.md)
-        agent.run_when_ready(creditors.run)
+        agent.run_when_ready(follow_pool_plan(creditors, engine))
     if pod_name and namespace and pool and credentials is not None:
         from kvfleet.worker.migration.watcher import KubernetesMigrationAPI, MigrationWatcher, WatcherConfig
 
@@ -234,6 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # each dropped SYN costs its client a second or more.
                 backlog=LISTEN_BACKLOG)
     return 0
+
+
+def follow_pool_plan(creditors: PoolPlanCreditors, engine: Engine) -> Callable[[], Coroutine[Any, Any, None]]:
+    """What keeps a borrowing worker on its pool's DistKV plan once it is ready: its creditor candidates
+    read every few seconds, and DGFM's recalls in the same status carried out by its engine (docs/distkv.md)."""
+    borrowing = engine.capabilities.borrowing
+    if borrowing is not None:
+        creditors.on_recall = borrowing.recall
+    return creditors.run
 
 
 def report_writer(pod_name: str | None, namespace: str | None, pod_uid: str | None, pool: str | None,
