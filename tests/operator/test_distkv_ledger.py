@@ -104,7 +104,8 @@ def test_dgfm_finds_a_two_cycle_and_the_pool_seed_makes_it_repeatable() -> None:
     workers = [worker(0, load(used=300, cap=500, borrowed={"w1": 300})),
                worker(1, load(used=200, cap=500, borrowed={"w0": 200}))]
     plan = distkv.plan(workers, "ns/p")
-    recalls = [{"worker": "w0", "creditor": "w1", "bytes": 200}, {"worker": "w1", "creditor": "w0", "bytes": 200}]
+    recalls = [{"worker": "w0", "creditor": "w1", "bytes": 200, "downToBytes": 100},
+               {"worker": "w1", "creditor": "w0", "bytes": 200, "downToBytes": 0}]
     # each of two recalls 200; the first set of recalls is generation 1
     assert plan.status["dgfm"] == {"swaps": 1, "swappedBytes": 400, "generation": 1, "recalls": recalls}
     assert plan.ledger.debt_blocks("w0", "w1") == 300 and plan.dgfm.ledger.debt_blocks("w0", "w1") == 100
@@ -280,8 +281,10 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
     reconcile.reconcile_pool("ns", "p", logger, api, states)
     status = api.pool["status"]["distkv"]
     assert status["dgfm"] == {"swaps": 1, "swappedBytes": gib // 4, "generation": 1,
-                              "recalls": [{"worker": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8},
-                                          {"worker": "p-worker-1", "creditor": "p-worker-0", "bytes": gib // 8}]}
+                              "recalls": [{"worker": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8,
+                                           "downToBytes": 0},
+                                          {"worker": "p-worker-1", "creditor": "p-worker-0", "bytes": gib // 8,
+                                           "downToBytes": 0}]}
     assert status["debts"] == [{"debtor": "p-worker-0", "creditor": "p-worker-1", "bytes": gib // 8},
                                {"debtor": "p-worker-1", "creditor": "p-worker-0", "bytes": gib // 8}]
     assert creditors(status, "p-worker-0") == [("p-worker-1", gib // 2 - gib // 8)]

@@ -35,7 +35,7 @@ async def lender(model_dir: Path, cap_blocks: int) -> AsyncIterator[tuple[Builti
     await engine.start()
     lending = BuiltinKVLending(engine.scheduler, cap_blocks)
     assert engine._cache is not None and engine._executor is not None
-    lending.open(engine._cache)
+    lending.open(engine._cache, engine._executor)
 
     async def handle(channel: Channel) -> None:
         await serve_lease(lending, channel, await channel.recv(5), BLOCK)

@@ -674,11 +674,14 @@ class CandidateEntry(_Model):
 
 
 class RecallEntry(_Model):
-    """DGFM's order to one debtor (§4.5): bring `bytes` of its KV home from `creditor`."""
+    """DGFM's order to one debtor (§4.5): bring `bytes` of its KV home from `creditor`, so that what it
+    owes there comes down to `downToBytes` (the debt after the swap). The target makes the order safe to
+    read twice: a debtor that already owes no more than it recalls nothing."""
 
     worker: PodNameText
     creditor: PodNameText
     bytes: int = Field(ge=0)
+    down_to_bytes: int = Field(default=0, ge=0)
 
 
 class DgfmStatus(_Model):

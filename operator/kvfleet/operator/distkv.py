@@ -178,7 +178,8 @@ def plan(workers: Iterable[WorkerView], seed: str, *, execute: bool = True,
 def dgfm_status(dgfm: DgfmResult, block_bytes: int, execute: bool,
                 previous_status: Mapping[str, Any] | None) -> DgfmStatus:
     """`status.distkv.dgfm`: the swaps, and the recalls to carry out with the generation they carry."""
-    recalls = [RecallEntry(worker=d.debtor_id, creditor=d.creditor_id, bytes=d.num_blocks * block_bytes)
+    recalls = [RecallEntry(worker=d.debtor_id, creditor=d.creditor_id, bytes=d.num_blocks * block_bytes,
+                           down_to_bytes=dgfm.ledger.debt_blocks(d.debtor_id, d.creditor_id) * block_bytes)
                for d in (dgfm.recalls() if execute else ())][:MAX_DISTKV_ENTRIES]
     before = ((previous_status or {}).get("distkv") or {}).get("dgfm") or {}
     try:

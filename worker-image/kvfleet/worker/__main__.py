@@ -239,7 +239,7 @@ def follow_pool_plan(creditors: PoolPlanCreditors, engine: Engine) -> Callable[[
     read every few seconds, and DGFM's recalls in the same status carried out by its engine (docs/distkv.md)."""
     borrowing = engine.capabilities.borrowing
     if borrowing is not None:
-        creditors.on_recall = borrowing.recall
+        creditors.on_recall, creditors.owed = borrowing.recall, borrowing.borrowed_bytes
     return creditors.run
 
 

@@ -13,8 +13,11 @@ A refused creditor is skipped until the next list arrives (clear_refusals in mel
 same on the operator's side when a heartbeat shows it again).
 
 The same status carries DGFM's orders (§4.5, `status.distkv.dgfm.recalls`): how much of this
-worker's KV to bring home from which creditor. `PoolPlanCreditors` hands each new generation of them
-to the engine's borrowing side once (`on_recall`), however often it reads the same status.
+worker's KV to bring home from which creditor, and what its debt there comes down to. `PoolPlanCreditors`
+hands each new generation of them to the engine's borrowing side (`on_recall`) once, asking only
+for what the debt still exceeds its target: the generation counts the whole pool's orders, so a new
+one may repeat this worker's order, already carried out while its report was on its way. A
+generation some recall of which failed is tried again at the next read (a few times at most).
 """
 
 from __future__ import annotations
@@ -90,10 +93,16 @@ def candidates_from_status(status: Mapping[str, Any] | None, pod_name: str) -> t
 
 @dataclass(frozen=True)
 class Recall:
-    """DGFM's order to this worker: bring `num_bytes` of its KV home from the creditor `pod`."""
+    """DGFM's order to this worker: bring `num_bytes` of its KV home from the creditor `pod`, so that its
+    debt there comes down to `down_to_bytes`."""
 
     pod: str
     num_bytes: int
+    down_to_bytes: int = 0
+
+    def due_bytes(self, owed_bytes: int) -> int:
+        """What is left to recall when this worker owes `owed_bytes` to the creditor now."""
+        return max(0, min(self.num_bytes, owed_bytes - self.down_to_bytes))
 
 
 def recalls_from_status(status: Mapping[str, Any] | None, pod_name: str) -> tuple[int, tuple[Recall, ...]]:
@@ -108,7 +117,7 @@ def recalls_from_status(status: Mapping[str, Any] | None, pod_name: str) -> tupl
         if not isinstance(entry, dict) or entry.get("worker") != pod_name:
             continue
         try:
-            found.append(Recall(str(entry["creditor"]), int(entry["bytes"])))
+            found.append(Recall(str(entry["creditor"]), int(entry["bytes"]), int(entry.get("downToBytes", 0))))
         except (KeyError, TypeError, ValueError):
             log.debug("skipping a malformed recall entry %r", entry)
     return generation, tuple(r for r in found if r.num_bytes > 0 and r.pod != pod_name)
@@ -116,6 +125,10 @@ def recalls_from_status(status: Mapping[str, Any] | None, pod_name: str) -> tupl
 
 # Carries out one recall: (creditor pod, bytes) -> the bytes brought home (KVBorrowing.recall).
 RecallFn = Callable[[str, int], Awaitable[int]]
+# What this worker owes each creditor now: pod -> bytes (KVBorrowing.borrowed_bytes).
+OwedFn = Callable[[], Mapping[str, int]]
+# A generation whose recalls failed is tried this many times in all.
+RECALL_TRIES = 3
 
 # Reads the pool's LLMPool status (None when the object is gone).
 StatusReader = Callable[[], Awaitable[Mapping[str, Any] | None]]
@@ -134,8 +147,10 @@ class PoolPlanCreditors:
         # DGFM: who carries out this worker's recalls (the engine's borrowing side), and the last
         # generation of them handed over.
         self.on_recall: RecallFn | None = None
+        self.owed: OwedFn = dict
         self._recall_generation: int | None = None
-        self._recalling: asyncio.Task[None] | None = None
+        self._recall_tries = 0
+        self._recalling: asyncio.Task[bool] | None = None
 
     def candidates(self) -> Sequence[Creditor]:
         found = tuple(c for c in self._creditors if c.address not in self._refused)
@@ -161,23 +176,36 @@ class PoolPlanCreditors:
         self._take_recalls(*recalls_from_status(status, self.pod_name))
 
     def _take_recalls(self, generation: int, recalls: Sequence[Recall]) -> None:
-        """Start a new generation's recalls (one at a time: a generation still running finishes first;
-        its successor is taken at the next read)."""
-        if self.on_recall is None or generation == self._recall_generation:
+        """Start a new generation's recalls, or again one whose recalls failed (one run at a time: one
+        still running finishes first, and what comes next is taken at the next read)."""
+        if self.on_recall is None:
             return
         if self._recalling is not None and not self._recalling.done():
             return
-        self._recall_generation = generation
+        if generation == self._recall_generation:
+            if self._recall_tries >= RECALL_TRIES or (self._recalling is not None and self._recalling.result()):
+                return  # done, or tried enough
+        else:
+            self._recall_generation, self._recall_tries = generation, 0
         if recalls:
+            self._recall_tries += 1
             self._recalling = asyncio.get_running_loop().create_task(self._recall(self.on_recall, recalls))
+        else:
+            self._recall_tries = RECALL_TRIES
 
-    @staticmethod
-    async def _recall(on_recall: RecallFn, recalls: Sequence[Recall]) -> None:
+    async def _recall(self, on_recall: RecallFn, recalls: Sequence[Recall]) -> bool:
+        """Carry out the recalls, each for what the debt still exceeds its target; whether all were done."""
+        done = True
         for recall in recalls:
+            due = recall.due_bytes(self.owed().get(recall.pod, 0))
+            if not due:
+                continue
             try:
-                await on_recall(recall.pod, recall.num_bytes)
-            except Exception:  # the engine's own fault handling has run; the next generation tries again
+                done = bool(await on_recall(recall.pod, due)) and done
+            except Exception:  # the engine's own fault handling has run; tried again at the next read
                 log.exception("recalling KV from %s failed", recall.pod)
+                done = False
+        return done
 
     async def run(self) -> None:
         while True:

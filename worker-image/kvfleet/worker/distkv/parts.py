@@ -93,6 +93,12 @@ class RemoteParts:
         self._loop = loop
         # Moves into leases (spills) and out of them (recalls) of one request, one at a time.
         self.moving = asyncio.Lock()
+        # Attentions in flight: a recall trims a lease only once those that counted its old tokens are done.
+        self._attending = 0
+        self._attended = asyncio.Event()
+        self._attended.set()
+        # Wire bytes of leases a recall emptied and freed.
+        self._retired_sent = self._retired_received = 0
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +129,14 @@ class RemoteParts:
         """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce).
         The set of parts is read at once, so a recall between two layers never counts a token twice."""
         calls = [p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens]
-        results = [h.attend(layer_index, q) for h in self.held] + list(await asyncio.gather(*calls))
+        self._attending += 1
+        self._attended.clear()
+        try:
+            results = [h.attend(layer_index, q) for h in self.held] + list(await asyncio.gather(*calls))
+        finally:
+            self._attending -= 1
+            if not self._attending:
+                self._attended.set()
         out, lse = results[0]
         for o, s in results[1:]:
             out, lse = scale_reduce_pair(out, lse, o, s)
@@ -148,19 +161,26 @@ class RemoteParts:
                 part.num_tokens = keep
                 self.held.append(HeldPart(kv, block_size_tokens))
                 recalled += take
+                # An attention that counted the lease's old tokens may still be on its way to the lender.
+                await self._attended.wait()
                 try:
                     if keep:
                         await part.lease.trim(keep)
                     else:
                         self.parts.remove(part)
+                        self._retired_sent += part.lease.bytes_sent
+                        self._retired_received += part.lease.bytes_received
                         await part.lease.free()
-                except Exception as err:  # the lender keeps the blocks until the lease ends: no KV is lost
-                    log.warning("request %s: %s did not take back its blocks: %s", self.request_id, pod, err)
+                except Exception as err:
+                    # A lender that fails a trim ends the lease: the tokens it kept are lost, and the next
+                    # attention finds it so and has the request computed again, as for any lost lender.
+                    log.warning("request %s: %s failed to give back its blocks: %s", self.request_id, pod, err)
         return recalled
 
     def wire_bytes(self) -> tuple[int, int]:
         """(sent, received) bytes over this request's leases so far."""
-        return sum(p.lease.bytes_sent for p in self.parts), sum(p.lease.bytes_received for p in self.parts)
+        return (self._retired_sent + sum(p.lease.bytes_sent for p in self.parts),
+                self._retired_received + sum(p.lease.bytes_received for p in self.parts))
 
     def lent_bytes(self, token_bytes: int, into: dict[str, int]) -> None:
         """Add the bytes each creditor pod lends this request to `into`: its blocks, in its own block size

@@ -90,6 +90,7 @@ class BuiltinKVBorrowing:
         self._cache: PagedKVCache | None = None
         self._executor: concurrent.futures.Executor | None = None
         self._losses: dict[str, int] = {}  # request id -> times its remote KV was lost
+        self._recall_lost: set[str] = set()  # requests a recall found lost, preempted by the next prepare
 
     # -- wiring --------------------------------------------------------------------------------------
 
@@ -144,8 +145,9 @@ class BuiltinKVBorrowing:
             try:
                 n = await remote.recall(creditor_pod, left_tokens, bs)
             except RemotePartLost as err:
+                # Preempted before its next step, not in the middle of one (prepare).
                 log.warning("%s; it is prefilled again", err)
-                self.lose(req)
+                self._recall_lost.add(req.request_id)
                 continue
             left_tokens -= n
             recalled += n * token_bytes
@@ -163,13 +165,20 @@ class BuiltinKVBorrowing:
         sched, bs = self._sched, self._block_size_tokens
         async with remote.moving:
             for held in list(remote.held):
-                num_blocks = min(held.num_tokens // bs, len(sched.space.free) - max(0, sched.next_chunk_blocks(req)))
+                # Held KV is attended where it is meanwhile: it takes only blocks nobody needs next step
+                # (its own next chunk, and a block for each other running request that may cross into one).
+                margin = max(0, sched.next_chunk_blocks(req)) + len(sched.running) - 1
+                num_blocks = min(held.num_tokens // bs, len(sched.space.free) - margin)
                 if num_blocks <= 0:
                     return
                 blocks = sched.space.allocate(num_blocks)
                 kv = held.kv[:, :, :num_blocks * bs]  # [layers, 2, tokens, kv_heads, dim] -> blocks of them
                 data = kv.reshape(*kv.shape[:2], num_blocks, bs, *kv.shape[3:])
-                await asyncio.get_running_loop().run_in_executor(executor, cache.write_blocks, blocks, data)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(executor, cache.write_blocks, blocks, data)
+                except BaseException:
+                    sched.space.release(blocks)
+                    raise
                 if req.state is not RequestState.RUNNING or req.remote is not remote:
                     sched.space.release(blocks)  # aborted or preempted meanwhile
                     return
@@ -186,8 +195,18 @@ class BuiltinKVBorrowing:
         request no creditor can help fails, one whose lender is gone is preempted (module docstring)."""
         sched = self._sched
         self._losses = {rid: n for rid, n in self._losses.items() if rid in sched.requests}
+        self._recall_lost &= set(sched.requests)
         for req in [r for r in sched.running if r.spans]:
-            await self._settle(req)
+            if req.request_id in self._recall_lost:
+                self._recall_lost.discard(req.request_id)
+                self.lose(req)
+                continue
+            try:
+                await self._settle(req)
+            except Exception as err:  # a torch error: this request fails, the engine goes on
+                log.exception("moving recalled KV of %s into its blocks failed", req.request_id)
+                sched.fail_request(req, EngineError(f"moving recalled KV home failed: {err}"))
+                continue
             short = sched.spanning_shortfall(req)
             if short <= 0 or req.state is not RequestState.RUNNING:
                 continue

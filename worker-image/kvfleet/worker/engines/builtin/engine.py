@@ -205,7 +205,7 @@ class BuiltinEngine:
             self._prefix_kv.open(cache, self._executor)
         self._layer_kv.open(cache, self._executor)
         if self._lending is not None:
-            self._lending.open(cache, self.options.distkv.lend_cap_bytes // block_bytes)
+            self._lending.open(cache, self._executor, self.options.distkv.lend_cap_bytes // block_bytes)
         if self._borrowing is not None:
             self._borrowing.open(cache, self._executor)
         self._info = EngineInfo(

@@ -4,10 +4,14 @@ A request longer than its worker's memory keeps its newest KV in blocks other wo
 lent blocks are taken from this engine's own block pool, so its scheduler sees them as used and never
 hands them to a request of its own; they sit in the same paged cache tensors, and a borrower's query
 is answered with a micro-attention over them (§4.6: the query is shipped, never the KV) on a thread
-of the lender's own, not the engine's tensor thread: a step never reads or writes a lent block, so
-the two need no lock, and a borrower's every layer waits for the answer. Queued behind this engine's
-step it would wait a whole step per layer, and two workers that lend to each other (a debt cycle,
-§4.5) would each hold its tensor thread in a forward that waits for the other's: a deadlock. A lease is one borrower request's blocks
+of the lender's own, not the engine's tensor thread: a borrower's every layer waits for the answer,
+and queued behind this engine's step it would wait a whole step per layer; two workers that lend to
+each other (a debt cycle, §4.5) would each hold its tensor thread in a forward that waits for the
+other's, a deadlock. Reads (attention, DGFM's recall) are safe beside a step: no step writes a lent
+block once its lease has been written. Writes are not: a block freed in the middle of a step (its
+request aborted) may be lent at once while that step still writes it, so a lease's KV is stored on
+the tensor thread, after the step. A write comes from a borrower's move between its own steps, never
+from inside a forward, so waiting for a step there cannot deadlock. A lease is one borrower request's blocks
 here, in token order. What may be lent is capped (`cap_blocks`, §4.3's hyper-parameter); a request
 beyond the cap or the free blocks is refused at once, first come first served (§4.4, "competing
 candidates"), and the borrower asks another creditor.
@@ -39,12 +43,15 @@ class BuiltinKVLending:
         self._sched = sched
         self._cap_blocks = cap_blocks
         self._cache: PagedKVCache | None = None
-        self._executor: concurrent.futures.Executor | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # reads: attention, recalls
+        self._store_executor: concurrent.futures.Executor | None = None  # writes: the engine's tensor thread
         self._leases: dict[str, list[int]] = {}  # lease id -> block ids, in token order
 
-    def open(self, cache: PagedKVCache, cap_blocks: int | None = None) -> None:
-        """Lend from the started engine's cache; `cap_blocks` replaces the cap (known once blocks are sized)."""
+    def open(self, cache: PagedKVCache, executor: concurrent.futures.Executor, cap_blocks: int | None = None) -> None:
+        """Lend from the started engine's cache, storing on its tensor thread `executor`; `cap_blocks`
+        replaces the cap (known once blocks are sized)."""
         self._cache = cache
+        self._store_executor = executor
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-lend")
         if cap_blocks is not None:
             if cap_blocks < 0:
@@ -57,7 +64,7 @@ class BuiltinKVLending:
             self._free(lease_id)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._cache = self._executor = None
+        self._cache = self._executor = self._store_executor = None
 
     @property
     def cap_blocks(self) -> int:
@@ -93,7 +100,10 @@ class BuiltinKVLending:
         return blocks
 
     async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
-        cache, executor = self._require()
+        cache, _ = self._require()
+        executor = self._store_executor
+        if executor is None:
+            raise LendingError("the engine is not running")
         num_tokens = int(kv.shape[2])
         if start_token < 0 or num_tokens < 1:
             raise LendingError(f"nothing to write at token {start_token}")
