@@ -30,6 +30,13 @@ the machine falls on both). Printed per window of time: tokens per second, and t
 other workers. Last line: one JSON object (`throughput_on_over_off`, `second_half_on_over_off`,
 `same_mode_spread`, `cycle_epochs`, `swaps_found`, `recalls`, `recalled_bytes`, `borrowed_kib_mean`,
 `errors`, `windows`, `device`, ...).
+Before the run, one swap alone: a request of 1.5 C on a worker that lends a quarter of its blocks
+to a debtor and borrows from a creditor; its decode steps after the swap (its recall, its debtor's
+lease freed, the recalled KV settling into the freed blocks) against the same steps of the same
+request without the swap. Such a request is still longer than its worker: it keeps borrowing for its
+newest blocks, so each layer still makes its round trip to a lender, which is what a borrowed step
+costs (bench/distkv.py).
+
 No target is asserted: the paper gives a curve, not a number, and this is a measurement.
 """
 
@@ -68,6 +75,7 @@ from kvfleet.worker.distkv.borrower import RemoteLease  # noqa: E402
 from kvfleet.worker.distkv.creditors import Creditor  # noqa: E402
 from kvfleet.worker.distkv.lender import serve_lease  # noqa: E402
 from kvfleet.worker.distkv.options import DistKVOptions  # noqa: E402
+from kvfleet.worker.distkv.parts import RemoteParts  # noqa: E402
 from kvfleet.worker.engines.base import EngineConfig, EngineError, SamplingParams  # noqa: E402
 from kvfleet.worker.engines.builtin.engine import BuiltinEngine  # noqa: E402
 from kvfleet.worker.engines.builtin.model import read_architecture, torch_dtype  # noqa: E402
@@ -296,8 +304,109 @@ def merge(tallies: list[Tally]) -> Tally:
     return merged
 
 
+@dataclass(frozen=True)
+class SwapTrial:
+    """One run of the one-swap request: token times, output, and what the swap moved (0s without it)."""
+
+    times: list[float]
+    tokens: list[int]
+    owed_bytes: int
+    recalled_bytes: int
+    settled_bytes: int
+    lent_again_bytes: int
+
+
+async def swap_trial(model_dir: Path, capacity: int, kv_bytes_per_token: int, prompt: list[int], max_tokens: int,
+                     debtor_blocks: int, swap: bool) -> SwapTrial:
+    """Worker A lends `debtor_blocks` to a debtor's lease (the other edge of the cycle) and runs the request,
+    which borrows from B. With `swap`, a third of the way through its output A recalls all B holds of it
+    and the debtor's lease is freed (the other half of the swap), so the recalled KV settles into A's
+    freed blocks (as many as fit; the rest stays held in host memory, attended there all the same)."""
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(worker("a", model_dir, capacity, kv_bytes_per_token))
+        b = await stack.enter_async_context(worker("b", model_dir, 4 * capacity, kv_bytes_per_token))
+        borrowing, lending = a.engine.capabilities.borrowing, a.engine.capabilities.lending
+        assert borrowing is not None and lending is not None
+        await lending.lend("debtor-of-a", debtor_blocks)
+        plan = PlanCreditors()
+        plan.renew((Creditor("b", f"127.0.0.1:{b.port}", 4 * capacity * kv_bytes_per_token),))
+        borrowing.attach(OPEN_LEASE, plan)
+        times: list[float] = []
+        got: list[int] = []
+
+        async def run() -> None:
+            async for step in a.engine.generate("long", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                got.extend(step.new_token_ids)
+                times.extend(time.perf_counter() for _ in step.new_token_ids)
+
+        async def reach(num_tokens: int) -> None:
+            while len(times) < num_tokens and not stream.done():
+                await asyncio.sleep(0.001)
+
+        stream = asyncio.create_task(run())
+        await reach(max_tokens // 3)
+        owed = recalled = settled = lent_again = 0
+        if swap:
+            owed = borrowing.borrowed_bytes().get("b", 0)
+            recalled = await borrowing.recall("b", owed)  # A's half of the swap
+            await lending.free("debtor-of-a")  # its debtor's half: the blocks A lent come free
+            request = a.engine.scheduler.requests.get("long")
+            remote = request.remote if request is not None else None
+            await reach(max_tokens // 3 + 8)
+            held = sum(h.num_tokens for h in remote.held) if isinstance(remote, RemoteParts) else 0
+            settled = recalled - held * kv_bytes_per_token
+            await reach(2 * max_tokens // 3)
+            lent_again = borrowing.borrowed_bytes().get("b", 0)  # it still outgrows A: its newest blocks move out
+        await stream
+    return SwapTrial(times, got, owed, recalled, settled, lent_again)
+
+
+async def one_swap(args: argparse.Namespace, model_dir: Path, kv_bytes_per_token: int) -> dict[str, object]:
+    """What one swap does for a request on a cycle: its decode steps after the swap against the same
+    steps of the same request without it (the context grows, so later steps cost more either way), in
+    alternating trials, median kept. Greedy output is checked against one big worker's."""
+    capacity = args.capacity_tokens
+    debtor_blocks = capacity // BLOCK_SIZE_TOKENS // 4
+    prompt = prompt_of(random.Random(args.seed), capacity + capacity // 2 - debtor_blocks * BLOCK_SIZE_TOKENS)
+    max_tokens = args.swap_tokens
+    big = BuiltinEngine(EngineConfig(model_path=model_dir, kv_capacity_bytes=4 * capacity * kv_bytes_per_token,
+                                     dtype="float32"), BuiltinOptions(attention="distattention"))
+    await big.start()
+    try:
+        want: list[int] = []
+        async for step in big.generate("ref", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            want.extend(step.new_token_ids)
+    finally:
+        await big.stop()
+    trials: dict[bool, list[SwapTrial]] = {False: [], True: []}
+    for swap in [False, True] * args.swap_rounds:
+        trials[swap].append(await swap_trial(model_dir, capacity, kv_bytes_per_token, prompt, max_tokens,
+                                             debtor_blocks, swap))
+    after_from = max_tokens // 3 + 10  # past the swap and the settling
+
+    def step_ms(trial: SwapTrial) -> float:
+        gaps = [t1 - t0 for t0, t1 in zip(trial.times[after_from:], trial.times[after_from + 1:], strict=False)]
+        return statistics.median(gaps) * 1e3
+
+    without = statistics.median(step_ms(t) for t in trials[False])
+    with_swap = statistics.median(step_ms(t) for t in trials[True])
+    last = trials[True][-1]
+    equal = all(t.tokens == want for ts in trials.values() for t in ts)
+    print(f"one swap: request of {len(prompt) + max_tokens} tokens on a worker of {capacity}; "
+          f"{last.owed_bytes // 1024} KiB at the creditor recalled ({last.recalled_bytes // 1024} KiB home, "
+          f"{last.settled_bytes // 1024} KiB of it in the freed blocks, the rest held; "
+          f"{last.lent_again_bytes // 1024} KiB lent again as it grows); decode step after it "
+          f"{with_swap:.2f} ms against {without:.2f} ms without the swap ({with_swap / without:.2f}x, "
+          f"median of {args.swap_rounds}); outputs equal: {equal}", flush=True)
+    return {"with_swap_ms": round(with_swap, 3), "without_swap_ms": round(without, 3),
+            "with_over_without": round(with_swap / without, 4), "rounds": args.swap_rounds,
+            "recalled_bytes": last.recalled_bytes, "owed_bytes": last.owed_bytes, "outputs_equal": equal,
+            "settled_bytes": last.settled_bytes, "lent_again_bytes": last.lent_again_bytes}
+
+
 async def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
     kv_bytes_per_token = read_architecture(model_dir).kv_bytes_per_token(torch_dtype("float32"))
+    swap = await one_swap(args, model_dir, kv_bytes_per_token)
     order = [False, True] if args.quick else [False, True, True, False]
     runs: dict[bool, list[Tally]] = {False: [], True: []}
     for execute in order:
@@ -339,6 +448,7 @@ async def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, object
           f"KV at other workers {borrowed_on:.0f} KiB on against {borrowed_off:.0f} KiB off (mean over epochs); "
           f"a long request's decode step {step_on:.2f} ms on, {step_off:.2f} ms off (median)")
     return {
+        "one_swap": swap,
         "throughput_on_over_off": round(total_ratio, 4),
         "second_half_on_over_off": round(second_ratio, 4),
         "tokens": {"off": len(off.token_times_s), "on": len(on.token_times_s)},
@@ -369,9 +479,13 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, help="seconds per printed window (default 10; quick 4)")
     parser.add_argument("--epoch-s", type=float, default=0.5, help="seconds between two gManager epochs (default 0.5)")
     parser.add_argument("--seed", type=int, default=1, help="the workload's seed (default 1)")
+    parser.add_argument("--swap-tokens", type=int, help="output tokens of the one-swap request (default 300; quick 90)")
+    parser.add_argument("--swap-rounds", type=int, help="one-swap trials with and without it (default 3; quick 1)")
     args = parser.parse_args()
     args.duration_s = args.duration_s or (12.0 if args.quick else 60.0)
     args.window_s = args.window_s or (4.0 if args.quick else 10.0)
+    args.swap_tokens = args.swap_tokens or (90 if args.quick else 300)
+    args.swap_rounds = args.swap_rounds or (1 if args.quick else 3)
     if args.capacity_tokens % BLOCK_SIZE_TOKENS or args.capacity_tokens < 4 * BLOCK_SIZE_TOKENS:
         parser.error(f"--capacity-tokens must be a multiple of {BLOCK_SIZE_TOKENS}, at least four blocks")
     if args.workers < 2:
@@ -381,7 +495,8 @@ def main() -> int:
     print(f"{args.workers} builtin workers of C = {args.capacity_tokens} tokens, lending up to "
           f"{LEND_CAP_FRACTION:.0%}; per worker one client of long requests ({LONG_TOKENS[0]}-{LONG_TOKENS[1]} C) "
           f"and {SHORT_CLIENTS} of short ones; gManager epoch {args.epoch_s} s", flush=True)
-    positions = int(LONG_TOKENS[1] * args.capacity_tokens) + LONG_OUTPUT[1] + BLOCK_SIZE_TOKENS
+    positions = max(int(LONG_TOKENS[1] * args.capacity_tokens) + LONG_OUTPUT[1],
+                    2 * args.capacity_tokens + args.swap_tokens) + BLOCK_SIZE_TOKENS
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny(Path(tmp) / "model", seed=0, spec=shape("tiny", positions))
         summary = asyncio.run(measure(args, model_dir))

@@ -22,3 +22,8 @@ def test_quick_run_ends_with_throughput_over_time_for_dgfm_on_and_off() -> None:
     assert summary["epochs"]["off"] > 10 and summary["epochs"]["on"] > 10
     assert 0 <= summary["cycle_epochs"]["on"] <= summary["epochs"]["on"]
     assert len(summary["windows"]) == 3 and all(w["tokens_per_s_off"] >= 0 for w in summary["windows"])
+    # One swap alone: the request's KV at its creditor came home whole, and its output is one big worker's.
+    swap = summary["one_swap"]
+    assert swap["outputs_equal"] and swap["owed_bytes"] > 0 and swap["recalled_bytes"] == swap["owed_bytes"]
+    assert 0 < swap["settled_bytes"] <= swap["recalled_bytes"]
+    assert swap["with_swap_ms"] > 0 and swap["without_swap_ms"] > 0 and swap["rounds"] == 1

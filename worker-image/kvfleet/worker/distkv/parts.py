@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,7 +94,9 @@ class RemoteParts:
         self._loop = loop
         # Moves into leases (spills) and out of them (recalls) of one request, one at a time.
         self.moving = asyncio.Lock()
-        # Attentions in flight: a recall trims a lease only once those that counted its old tokens are done.
+        # Attentions of leases in flight (`_take`), counted under a lock: a forward reads the parts from its
+        # own thread.
+        self._snapshot = threading.Lock()
         self._attending = 0
         self._attended = asyncio.Event()
         self._attended.set()
@@ -109,38 +112,58 @@ class RemoteParts:
         """Tokens that live at lenders (not the recalled ones held here)."""
         return sum(p.num_tokens for p in self.parts)
 
+    def _take(self) -> tuple[list[tuple[RemoteKVLease, int]], list[HeldPart]]:
+        """The parts to attend, read at once (a recall moves tokens from a lease to `held` on the loop while
+        a forward may be reading them from its own thread), the leases' attention counted in flight until
+        `_attend_lent` ends it: a recall trims a lease only once those that counted its old tokens are done."""
+        with self._snapshot:
+            lent = [(p.lease, p.num_tokens) for p in self.parts if p.num_tokens]
+            if lent:
+                self._attending += 1
+                self._attended.clear()
+            return lent, list(self.held)
+
+    async def _attend_lent(self, layer_index: int, q: torch.Tensor,
+                           lent: list[tuple[RemoteKVLease, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            return list(await asyncio.gather(*(lease.attend(layer_index, q, n) for lease, n in lent)))
+        finally:
+            with self._snapshot:
+                self._attending -= 1
+                idle = not self._attending
+            if idle:
+                self._attended.set()
+
     def submit(self, layer_index: int, q: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """From a thread other than the loop's: the query goes to every lease at once (the loop sends it
-        while the caller computes the local part), and `collect()` merges the answers (§4.2's ScaleReduce)."""
+        while the caller computes the local part and the held parts, here), and `collect()` merges the
+        answers (§4.2's ScaleReduce). A request whose KV all came home makes no trip to the loop."""
         device = q.device
-        future = asyncio.run_coroutine_threadsafe(self.attend(layer_index, q.detach().cpu()), self._loop)
+        lent, held = self._take()
+        future = (asyncio.run_coroutine_threadsafe(self._attend_lent(layer_index, q.detach().cpu(), lent), self._loop)
+                  if lent else None)
+        results = [h.attend(layer_index, q) for h in held]
 
         def collect() -> tuple[torch.Tensor, torch.Tensor]:
-            try:
-                out, lse = future.result(ATTEND_TIMEOUT_S)
-            except Exception as err:  # any failure of a lease: its KV is out of reach
-                future.cancel()
-                raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+            answers = list(results)
+            if future is not None:
+                try:
+                    answers += future.result(ATTEND_TIMEOUT_S)
+                except Exception as err:  # any failure of a lease: its KV is out of reach
+                    future.cancel()
+                    raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
+            out, lse = _merge(answers)
             return out.to(device), lse.to(device)
 
         return collect
 
     async def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce).
-        The set of parts is read at once, so a recall between two layers never counts a token twice."""
-        calls = [p.lease.attend(layer_index, q, p.num_tokens) for p in self.parts if p.num_tokens]
-        self._attending += 1
-        self._attended.clear()
-        try:
-            results = [h.attend(layer_index, q) for h in self.held] + list(await asyncio.gather(*calls))
-        finally:
-            self._attending -= 1
-            if not self._attending:
-                self._attended.set()
-        out, lse = results[0]
-        for o, s in results[1:]:
-            out, lse = scale_reduce_pair(out, lse, o, s)
-        return out, lse
+        """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce)."""
+        lent, held = self._take()
+        results = [h.attend(layer_index, q) for h in held]
+        if lent:
+            results += await self._attend_lent(layer_index, q, lent)
+        return _merge(results)
 
     async def recall(self, pod: str, max_tokens: int, block_size_tokens: int) -> int:
         """DGFM's recall (module docstring): up to `max_tokens` (whole blocks of `block_size_tokens`) of the
@@ -157,12 +180,16 @@ class RemoteParts:
                     kv = await part.lease.read(keep, take)
                 except Exception as err:
                     raise RemotePartLost(self.request_id, str(err) or type(err).__name__) from err
-                # One step on the loop: the tokens leave the lease's count and join the held ones together.
-                part.num_tokens = keep
-                self.held.append(HeldPart(kv, block_size_tokens))
+                # At once for any reader: the tokens leave the lease's count and join the held ones together.
+                with self._snapshot:
+                    part.num_tokens = keep
+                    self.held.append(HeldPart(kv, block_size_tokens))
                 recalled += take
                 # An attention that counted the lease's old tokens may still be on its way to the lender.
-                await self._attended.wait()
+                try:
+                    await asyncio.wait_for(self._attended.wait(), ATTEND_TIMEOUT_S)
+                except TimeoutError as err:
+                    raise RemotePartLost(self.request_id, "its leases' attention did not end") from err
                 try:
                     if keep:
                         await part.lease.trim(keep)
@@ -191,6 +218,13 @@ class RemoteParts:
 
     async def close(self) -> None:
         await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
+
+
+def _merge(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = results[0]
+    for o, s in results[1:]:
+        out, lse = scale_reduce_pair(out, lse, o.to(out.device), s.to(out.device))
+    return out, lse
 
 
 class LeaseFinder:

@@ -457,7 +457,7 @@ class Scheduler:
             return None
         requests = tuple(req for req, _ in batch)
         entries = tuple(SeqBatchEntry(tuple(req.context()[req.num_cached: req.num_cached + n]), req.num_cached,
-                                      tuple(req.blocks), extra_parts=(req.remote,) if req.remote is not None else (),
+                                      tuple(req.blocks), extra_parts=(req.remote,) if req.remote is not None and req.remote_tokens else (),
                                       remote_tokens=req.remote_tokens)
                         for req, n in batch)
         return Step(requests, entries, tuple(self.sampling(req) for req in requests))
