@@ -266,7 +266,7 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
 
     body = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": dict(POOL["metadata"]),
             "spec": {"model": {"name": "m", "path": "/m"}, "engine": "builtin", "capacity": {"kvCapacityPerWorker": "1Gi"},
-                     "workers": {"min": 2, "max": 4}, "distkv": {"enabled": True}}}
+                     "workers": {"min": 2, "max": 4}, "distkv": {"enabled": True, "dgfm": True}}}
     api = MemoryKube(body)
     states = reconcile.PoolStates()
     logger = logging.getLogger("test")
@@ -294,6 +294,11 @@ def test_a_pass_publishes_status_distkv_posts_debt_cycle_once_and_a_quiet_pass_w
     state = states.get("ns", "p")
     assert state is not None and state.last_writes == {}, "the same ledger writes nothing and posts no Event again"
     assert [e[0] for e in api.events].count("DebtCycle") == 1
+    # DGFM's swaps turned off (the default): the cycle is still reported, nothing is recalled.
+    api.pool["spec"]["distkv"] = {"enabled": True}
+    reconcile.reconcile_pool("ns", "p", logger, api, states)
+    dgfm = api.pool["status"]["distkv"]["dgfm"]
+    assert dgfm["swaps"] == 1 and dgfm["recalls"] == [] and dgfm["generation"] == 2
     # Turned off, the pool's status has no distkv any more.
     api.pool["spec"]["distkv"] = {"enabled": False}
     reconcile.reconcile_pool("ns", "p", logger, api, states)

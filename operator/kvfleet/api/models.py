@@ -208,7 +208,7 @@ class DistKVSpec(_Model):
     Each worker lends at most `lendCapFraction` of its KV capacity (§4.3's cap, so a creditor keeps
     room for its own requests); the operator plays the gManager: it keeps the debt ledger, publishes
     each worker's creditor candidates in the pool's status, and finds debt cycles (DGFM), which the
-    workers on them resolve by recall-and-swap unless `dgfm` is false.
+    workers on them resolve by recall-and-swap when `dgfm` is true.
     """
 
     enabled: bool = Field(default=False, description="Let workers borrow KV blocks from each other (DistAttention).")
@@ -217,9 +217,10 @@ class DistKVSpec(_Model):
         description="Most of its KV capacity a worker lends to other workers' requests (0 lends none).",
     )
     dgfm: bool = Field(
-        default=True,
+        default=False,
         description="Carry out DGFM's recall-and-swap: debtors on a debt cycle bring their KV home from their "
-        "creditors (false: cycles are only reported).",
+        "creditors (false: cycles are only reported). Off by default: measured, it buys nothing here "
+        "(docs/distkv.md).",
     )
 
 

@@ -13,7 +13,8 @@ with a `DebtCycle` Event, and publishes in `status.distkv.dgfm.recalls` what eac
 brings home from its creditor (§4.5: "the gManager issues requests to the rManager in the
 corresponding instances"). Workers read the order with their creditor candidates and act on each
 `generation` once (worker/distkv/creditors.py); their next reports show the smaller ledger, and DGFM
-on it finds the cycle gone. With `spec.distkv.dgfm: false` the cycles are reported and nothing moves.
+on it finds the cycle gone. Without `spec.distkv.dgfm: true` (the default is false: docs/distkv.md says
+why) the cycles are reported and nothing moves.
 """
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def run_scheduler(state: PoolState, observed: Observed) -> EpochOutcome:
 
 def run_gmanager(ctx: PassContext, observed: Observed) -> dict[str, Any] | None:
     """DistKV's gManager (kvfleet.operator.distkv): the ledger and DGFM over the reports, as
-    `status.distkv` (with the recalls the workers carry out, unless spec.distkv.dgfm is false); None
+    `status.distkv` (with the recalls the workers carry out when spec.distkv.dgfm is true); None
     when the pool does not use DistKV. A `DebtCycle` Event when DGFM's finding changes (not every epoch
     while the same cycles stand: the workers' reports take a moment to show a swap done)."""
     if not ctx.spec.distkv.enabled:

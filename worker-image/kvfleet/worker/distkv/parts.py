@@ -21,6 +21,7 @@ what lets every worker of a cycle recall at once without waiting on the others.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -142,10 +143,10 @@ class RemoteParts:
         lent, held = self._take()
         future = (asyncio.run_coroutine_threadsafe(self._attend_lent(layer_index, q.detach().cpu(), lent), self._loop)
                   if lent else None)
-        results = [h.attend(layer_index, q) for h in held]
+        at_home = _held_executor().submit(_attend_held, held, layer_index, q) if held else None
 
         def collect() -> tuple[torch.Tensor, torch.Tensor]:
-            answers = list(results)
+            answers = at_home.result() if at_home is not None else []
             if future is not None:
                 try:
                     answers += future.result(ATTEND_TIMEOUT_S)
@@ -160,10 +161,9 @@ class RemoteParts:
     async def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce)."""
         lent, held = self._take()
-        results = [h.attend(layer_index, q) for h in held]
-        if lent:
-            results += await self._attend_lent(layer_index, q, lent)
-        return _merge(results)
+        at_home = asyncio.get_running_loop().run_in_executor(_held_executor(), _attend_held, held, layer_index, q)
+        results = await self._attend_lent(layer_index, q, lent) if lent else []
+        return _merge(await at_home + results)
 
     async def recall(self, pod: str, max_tokens: int, block_size_tokens: int) -> int:
         """DGFM's recall (module docstring): up to `max_tokens` (whole blocks of `block_size_tokens`) of the
@@ -218,6 +218,22 @@ class RemoteParts:
 
     async def close(self) -> None:
         await asyncio.gather(*(p.lease.free() for p in self.parts), return_exceptions=True)
+
+
+_HELD_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _held_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread held parts are attended on: beside the forward's local attention and the lenders' answers,
+    as a lender's micro-attention runs beside them, not after them on the forward's own thread."""
+    global _HELD_EXECUTOR
+    if _HELD_EXECUTOR is None:
+        _HELD_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-held")
+    return _HELD_EXECUTOR
+
+
+def _attend_held(held: list[HeldPart], layer_index: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [h.attend(layer_index, q) for h in held]
 
 
 def _merge(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
