@@ -143,10 +143,12 @@ class RemoteParts:
         lent, held = self._take()
         future = (asyncio.run_coroutine_threadsafe(self._attend_lent(layer_index, q.detach().cpu(), lent), self._loop)
                   if lent else None)
-        at_home = _held_executor().submit(_attend_held, held, layer_index, q) if held else None
+        # Held parts here, on the forward's thread, while the lenders answer (on a thread of their own they
+        # measured slower on two cores: bench/dgfm.py's one swap).
+        results = _attend_held(held, layer_index, q)
 
         def collect() -> tuple[torch.Tensor, torch.Tensor]:
-            answers = at_home.result() if at_home is not None else []
+            answers = list(results)
             if future is not None:
                 try:
                     answers += future.result(ATTEND_TIMEOUT_S)
@@ -224,8 +226,8 @@ _HELD_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _held_executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The thread held parts are attended on: beside the forward's local attention and the lenders' answers,
-    as a lender's micro-attention runs beside them, not after them on the forward's own thread."""
+    """The thread held parts are attended on when the caller is the event loop (a vLLM worker's agent,
+    which also serves HTTP and lenders: a layer's held attention must not stall it)."""
     global _HELD_EXECUTOR
     if _HELD_EXECUTOR is None:
         _HELD_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-held")
