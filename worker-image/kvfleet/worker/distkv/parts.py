@@ -24,7 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -236,6 +236,28 @@ def _held_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 def _attend_held(held: list[HeldPart], layer_index: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [h.attend(layer_index, q) for h in held]
+
+
+async def recall_requests(requests: Iterable[RemoteParts], pod: str, num_bytes: int, block_size_tokens: int,
+                          token_bytes: int, lost: Callable[[RemoteParts, RemotePartLost], None]) -> int:
+    """DGFM's recall for an engine (`KVBorrowing.recall`): up to `num_bytes` of its requests' KV at `pod`,
+    request after request, in whole blocks of `block_size_tokens`; the bytes brought home. A request whose
+    lease at `pod` fails is handed to `lost` (the engine decides when it is computed again)."""
+    left_tokens = num_bytes // token_bytes if token_bytes else 0
+    recalled = 0
+    for remote in list(requests):
+        if left_tokens < block_size_tokens:
+            break
+        try:
+            n = await remote.recall(pod, left_tokens, block_size_tokens)
+        except RemotePartLost as err:
+            lost(remote, err)
+            continue
+        left_tokens -= n
+        recalled += n * token_bytes
+    if recalled:
+        log.info("recalled %d bytes of KV from %s (DGFM)", recalled, pod)
+    return recalled
 
 
 def _merge(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Mapping
 
 from kvfleet.worker.distkv.creditors import Creditors
-from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
+from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts, recall_requests
 from kvfleet.worker.engines.base import EngineError
 from kvfleet.worker.engines.builtin.model import PagedKVCache
 from kvfleet.worker.engines.builtin.scheduler import Request, RequestState, Scheduler
@@ -134,26 +134,14 @@ class BuiltinKVBorrowing:
         """DGFM's recall (module docstring): up to `num_bytes` of this engine's KV at `creditor_pod`, newest
         leases first, read back and held until `prepare` finds blocks for it."""
         bs = self._block_size_tokens
-        token_bytes = self._sched.space.block_bytes // bs
-        left_tokens = num_bytes // token_bytes if token_bytes else 0
-        recalled = 0
-        for req in [r for r in self._sched.running if isinstance(r.remote, RemoteParts)]:
-            remote = req.remote
-            assert isinstance(remote, RemoteParts)
-            if left_tokens < bs:
-                break
-            try:
-                n = await remote.recall(creditor_pod, left_tokens, bs)
-            except RemotePartLost as err:
-                # Preempted before its next step, not in the middle of one (prepare).
-                log.warning("%s; it is prefilled again", err)
-                self._recall_lost.add(req.request_id)
-                continue
-            left_tokens -= n
-            recalled += n * token_bytes
-        if recalled:
-            log.info("recalled %d bytes of KV from %s (DGFM)", recalled, creditor_pod)
-        return recalled
+
+        def lost(remote: RemoteParts, err: RemotePartLost) -> None:
+            # Preempted before its next step, not in the middle of one (prepare).
+            log.warning("%s; it is prefilled again", err)
+            self._recall_lost.add(remote.request_id)
+
+        return await recall_requests((r.remote for r in self._sched.running if isinstance(r.remote, RemoteParts)),
+                                     creditor_pod, num_bytes, bs, self._sched.space.block_bytes // bs, lost)
 
     async def _settle(self, req: Request) -> None:
         """Recalled tokens of a request into its own blocks, as many whole blocks of them as there are free

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvfleet.worker.distkv.creditors import Creditors
-from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts
+from kvfleet.worker.distkv.parts import LeaseFinder, NoRoomToBorrow, RemotePartLost, RemoteParts, recall_requests
 from kvfleet.worker.distkv.wire import pack_partial, unpack_partial
 from kvfleet.worker.engines.capabilities import LeaseOpener
 from kvfleet.worker.engines.vllm import internals
@@ -318,22 +318,11 @@ class VLLMKVBorrowing:
         """DGFM's recall (§4.5): up to `num_bytes` of this engine's KV at `creditor_pod` read back and held in
         this process (parts.py), the creditor's blocks given back. The EngineCore's view does not change:
         the tokens stay out of vLLM's blocks, attended here instead of at the lender (module docstring)."""
-        bs, token_bytes = self._block_size, self._token_bytes
-        left_tokens = num_bytes // token_bytes if token_bytes else 0
-        recalled = 0
-        for remote in list(self._parts.values()):
-            if left_tokens < bs:
-                break
-            try:
-                n = await remote.recall(creditor_pod, left_tokens, bs)
-            except RemotePartLost as err:  # the next step finds the lease dead and counts the loss
-                log.warning("%s (during a DGFM recall)", err)
-                continue
-            left_tokens -= n
-            recalled += n * token_bytes
-        if recalled:
-            log.info("recalled %d bytes of KV from %s (DGFM)", recalled, creditor_pod)
-        return recalled
+        def lost(_: RemoteParts, err: RemotePartLost) -> None:  # the next step finds the lease dead and counts it
+            log.warning("%s (during a DGFM recall)", err)
+
+        return await recall_requests(self._parts.values(), creditor_pod, num_bytes, self._block_size,
+                                     self._token_bytes, lost)
 
     def held_bytes(self) -> int:
         """Recalled KV held in this process (DGFM)."""
