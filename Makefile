@@ -61,14 +61,15 @@ chaos: venv controlplane
 	@KVFLEET_CHAOS_LONG=1 KVFLEET_CHAOS_SUMMARY=$(CHAOS_SUMMARY) $(PY) -m pytest e2e/test_chaos.py -q; status=$$?; \
 	  cat $(CHAOS_SUMMARY) 2>/dev/null || echo '{"error": "the chaos run wrote no summary"}'; exit $$status
 
-# The vLLM tests fail rather than skip when vllm is missing.
+# The vLLM tests fail rather than skip when vllm is missing. The slowest tests are listed after the
+# summary: CI's 2 cores give the whole run 45 minutes, and that list says where they go.
 # Set-up runs as two parallel jobs: Go compiling the control plane is CPU-bound, pip mostly waits
 # on downloads, so on a fresh machine they overlap instead of adding up.
 test: export KVFLEET_REQUIRE_VLLM := 1
 test:
 	$(MAKE) --no-print-directory -j2 vllm controlplane
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest tests e2e
+	$(PY) -m pytest --durations=25 tests e2e
 
 demo:
 	$(MAKE) --no-print-directory -j2 venv controlplane-demo
