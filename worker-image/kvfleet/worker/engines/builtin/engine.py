@@ -66,7 +66,7 @@ from kvfleet.worker.engines.builtin.options import BuiltinOptions
 from kvfleet.worker.engines.builtin.prefix import PrefixCache
 from kvfleet.worker.engines.builtin.prefix_kv import BuiltinPrefixKV
 from kvfleet.worker.engines.builtin.sampling import MakeConstraint, Sampled, TokenConstraint, next_tokens
-from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, Scheduler, Step
+from kvfleet.worker.engines.builtin.scheduler import PREFILL_TOKENS_PER_STEP, ModelLimits, RequestState, Scheduler, Step
 from kvfleet.worker.engines.capabilities import EngineCapabilities, MemoryState, PrefixCacheStats
 from kvfleet.worker.engines.grammar import Grammars
 from kvfleet.worker.engines.speed import SpeedRecorder
@@ -442,10 +442,12 @@ class BuiltinEngine:
                     except RemotePartLost as err:
                         # Only that request's remote KV is gone: it is prefilled again, and the step's
                         # other requests run this step again (their KV writes are the same).
-                        logger.warning("%s; it is prefilled again", err)
                         lost = sched.get(err.request_id)
-                        if lost is not None and self._borrowing is not None:
+                        if lost is not None and lost.state is RequestState.RUNNING and self._borrowing is not None:
+                            logger.warning("%s; it is prefilled again", err)
                             self._borrowing.lose(lost)
+                        else:  # aborted during the step: its leases went with it, which is what the step found
+                            logger.info("%s (it ended during the step)", err)
                     except Exception as err:  # a failed step fails its requests, not the engine
                         logger.exception("builtin engine step failed")
                         sched.fail(step, EngineError(f"engine step failed: {err}"))
