@@ -25,10 +25,12 @@ borrower): a creditor without room says so at once and the borrower asks the nex
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from kvfleet.worker.engines.base import blocks_for
 from kvfleet.worker.engines.capabilities import LendingError
 
 LEND_OPS = ("lend", "lend-write", "lend-attend", "lend-read", "lend-trim", "lend-free")
@@ -71,6 +73,29 @@ def attend_lease(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lens = torch.full((rows,), num_tokens, dtype=torch.int32, device=k_cache.device)
     return micro_attention_decode(q.to(device=k_cache.device, dtype=k_cache.dtype).contiguous(), k_cache, v_cache,
                                   table, lens)
+
+
+def lease_blocks(leases: Mapping[str, list[int]], lease_id: str, num_tokens: int, block_size_tokens: int) -> list[int]:
+    """A lender's blocks of lease `lease_id` that hold its first `num_tokens` tokens, in token order;
+    LendingError when there is no such lease or it holds fewer."""
+    blocks = leases.get(lease_id)
+    if blocks is None:
+        raise LendingError(f"no lease {lease_id!r} here")
+    needed = blocks_for(num_tokens, block_size_tokens)
+    if needed > len(blocks):
+        raise LendingError(f"{num_tokens} tokens need {needed} blocks; lease {lease_id!r} holds {len(blocks)}")
+    return blocks[:needed]
+
+
+def trimmed_blocks(leases: Mapping[str, list[int]], lease_id: str, num_tokens: int,
+                   block_size_tokens: int) -> list[int]:
+    """`lend-trim` at a lender: the blocks of lease `lease_id` past those its first `num_tokens` tokens
+    fill, which go back (the lender drops them from the lease once its pool has them)."""
+    if lease_id not in leases:
+        raise LendingError(f"no lease {lease_id!r} here")
+    if num_tokens < 0:
+        raise LendingError(f"a lease keeps at least 0 tokens, not {num_tokens}")
+    return leases[lease_id][blocks_for(num_tokens, block_size_tokens):]
 
 
 def empty_like_header(header: dict[str, Any]) -> torch.Tensor:

@@ -27,7 +27,7 @@ import concurrent.futures
 
 import torch
 
-from kvfleet.worker.distkv.wire import attend_lease
+from kvfleet.worker.distkv.wire import attend_lease, lease_blocks, trimmed_blocks
 from kvfleet.worker.engines.base import blocks_for
 from kvfleet.worker.engines.builtin.model import PagedKVCache
 from kvfleet.worker.engines.builtin.scheduler import Scheduler
@@ -90,14 +90,8 @@ class BuiltinKVLending:
         self._leases.setdefault(lease_id, []).extend(self._sched.space.allocate(num_blocks))
 
     def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
-        blocks = self._leases.get(lease_id)
-        if blocks is None:
-            raise LendingError(f"no lease {lease_id!r} here")
         assert self._cache is not None
-        needed = blocks_for(num_tokens, self._cache.block_size_tokens)
-        if needed > len(blocks):
-            raise LendingError(f"{num_tokens} tokens need {needed} blocks; lease {lease_id!r} holds {len(blocks)}")
-        return blocks
+        return lease_blocks(self._leases, lease_id, num_tokens, self._cache.block_size_tokens)
 
     async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
         cache, _ = self._require()
@@ -128,7 +122,7 @@ class BuiltinKVLending:
             raise LendingError(f"no layer {layer}")
         if num_tokens < 1:
             raise LendingError("attention over no tokens")
-        blocks = self._blocks(lease_id, num_tokens)[: blocks_for(num_tokens, cache.block_size_tokens)]
+        blocks = self._blocks(lease_id, num_tokens)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             kv = cache.layers[layer]
@@ -153,15 +147,11 @@ class BuiltinKVLending:
 
     async def trim(self, lease_id: str, num_tokens: int) -> int:
         cache, _ = self._require()
-        blocks = self._leases.get(lease_id)
-        if blocks is None:
-            raise LendingError(f"no lease {lease_id!r} here")
-        if num_tokens < 0:
-            raise LendingError(f"a lease keeps at least 0 tokens, not {num_tokens}")
-        keep = blocks_for(num_tokens, cache.block_size_tokens)
-        if keep < len(blocks):
-            self._sched.space.release(blocks[keep:])
-            del blocks[keep:]
+        gone = trimmed_blocks(self._leases, lease_id, num_tokens, cache.block_size_tokens)
+        blocks = self._leases[lease_id]
+        if gone:
+            self._sched.space.release(gone)
+            del blocks[len(blocks) - len(gone):]
             self._sched.wake()
         return len(blocks)
 

@@ -582,7 +582,7 @@ class _SchedulerSide:
         """A lease's blocks past its first `keep` back to vLLM's pool (all of them: the lease ends)."""
         held = self.lent.pop(lease, [])
         blocks = held[keep:]
-        if keep and held[:keep]:
+        if held[:keep]:
             self.lent[lease] = held[:keep]
         if blocks and self.block_pool is not None:
             internals.unlend_blocks(self.block_pool, blocks)

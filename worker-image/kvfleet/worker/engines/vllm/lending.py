@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.distkv.wire import attend_lease, pack_partial, unpack_partial
-from kvfleet.worker.engines.base import blocks_for
+from kvfleet.worker.distkv.wire import attend_lease, lease_blocks, pack_partial, trimmed_blocks, unpack_partial
 from kvfleet.worker.engines.capabilities import LendingError, MigrationError
 from kvfleet.worker.engines.vllm.corepipe import CorePipe
 from kvfleet.worker.engines.vllm.migration import ConnectorClient
@@ -77,10 +76,13 @@ class LentBlocks:
         return {}, self.read(torch.tensor([int(b) for b in msg["blocks"]], dtype=torch.long), int(msg["start"]),
                              int(msg["tokens"]))
 
-    def read(self, blocks: torch.Tensor, start_token: int, num_tokens: int) -> torch.Tensor:
-        bs = self._block_size
+    def _slots(self, blocks: torch.Tensor, start_token: int, num_tokens: int) -> torch.Tensor:
+        """Cache slots of a lease's tokens [start, start + n): block id x block size + offset."""
         positions = torch.arange(start_token, start_token + num_tokens)
-        slots = blocks[positions // bs] * bs + positions % bs
+        return blocks[positions // self._block_size] * self._block_size + positions % self._block_size
+
+    def read(self, blocks: torch.Tensor, start_token: int, num_tokens: int) -> torch.Tensor:
+        slots = self._slots(blocks, start_token, num_tokens)
         return torch.stack([torch.stack([k_cache.flatten(0, 1).index_select(0, slots),
                                          v_cache.flatten(0, 1).index_select(0, slots)])
                             for _, k_cache, v_cache in self._views]).cpu()
@@ -88,9 +90,7 @@ class LentBlocks:
     def write(self, blocks: torch.Tensor, start_token: int, kv: torch.Tensor) -> None:
         if len(kv) != len(self._views):
             raise ValueError(f"KV of {len(kv)} layers for a cache of {len(self._views)}")
-        bs = self._block_size
-        positions = torch.arange(start_token, start_token + int(kv.shape[2]))
-        slots = blocks[positions // bs] * bs + positions % bs
+        slots = self._slots(blocks, start_token, int(kv.shape[2]))
         for (_, k_cache, v_cache), data in zip(self._views, kv, strict=True):
             # [blocks, block_size, heads, dim] -> [slots, heads, dim]: views, the layer is NHD-contiguous.
             k_cache.flatten(0, 1).index_copy_(0, slots, data[0].to(k_cache.dtype))
@@ -164,13 +164,7 @@ class VLLMKVLending:
         self._leases.setdefault(lease_id, []).extend(int(b) for b in block_ids)
 
     def _blocks(self, lease_id: str, num_tokens: int) -> list[int]:
-        blocks = self._leases.get(lease_id)
-        if blocks is None:
-            raise LendingError(f"no lease {lease_id!r} here")
-        needed = blocks_for(num_tokens, self._block_size)
-        if needed > len(blocks):
-            raise LendingError(f"{num_tokens} tokens need {needed} blocks; lease {lease_id!r} holds {len(blocks)}")
-        return blocks[:needed]
+        return lease_blocks(self._leases, lease_id, num_tokens, self._block_size)
 
     async def write(self, lease_id: str, start_token: int, kv: torch.Tensor) -> None:
         num_tokens = int(kv.shape[2])
@@ -199,18 +193,14 @@ class VLLMKVLending:
         return kv
 
     async def trim(self, lease_id: str, num_tokens: int) -> int:
-        blocks = self._leases.get(lease_id)
-        if blocks is None:
-            raise LendingError(f"no lease {lease_id!r} here")
-        if num_tokens < 0:
-            raise LendingError(f"a lease keeps at least 0 tokens, not {num_tokens}")
-        keep = blocks_for(num_tokens, self._block_size)
-        if keep < len(blocks):
+        gone = trimmed_blocks(self._leases, lease_id, num_tokens, self._block_size)
+        blocks = self._leases[lease_id]
+        if gone:
             control = self._control
             if control is None:
                 raise LendingError("the engine is not running")
-            await self._ask(control, "lend-trim", lease=lease_id, keep=keep)
-            del blocks[keep:]
+            await self._ask(control, "lend-trim", lease=lease_id, keep=len(blocks) - len(gone))
+            del blocks[len(blocks) - len(gone):]
         return len(blocks)
 
     async def free(self, lease_id: str) -> int:
