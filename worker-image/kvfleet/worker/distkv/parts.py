@@ -163,9 +163,10 @@ class RemoteParts:
     async def attend(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On the loop: q over every lease at once and over the held parts, merged (§4.2's ScaleReduce)."""
         lent, held = self._take()
-        at_home = asyncio.get_running_loop().run_in_executor(_held_executor(), _attend_held, held, layer_index, q)
+        at_home = (asyncio.get_running_loop().run_in_executor(_held_executor(), _attend_held, held, layer_index, q)
+                   if held else None)
         results = await self._attend_lent(layer_index, q, lent) if lent else []
-        return _merge(await at_home + results)
+        return _merge((await at_home if at_home is not None else []) + results)
 
     async def recall(self, pod: str, max_tokens: int, block_size_tokens: int) -> int:
         """DGFM's recall (module docstring): up to `max_tokens` (whole blocks of `block_size_tokens`) of the
@@ -196,7 +197,8 @@ class RemoteParts:
                     if keep:
                         await part.lease.trim(keep)
                     else:
-                        self.parts.remove(part)
+                        with self._snapshot:  # a forward's thread may be reading the list
+                            self.parts.remove(part)
                         self._retired_sent += part.lease.bytes_sent
                         self._retired_received += part.lease.bytes_received
                         await part.lease.free()
