@@ -30,9 +30,9 @@ CONTROLPLANE_BUILD := operator/kvfleet/localcluster/build-controlplane.sh
 controlplane:
 	bash $(CONTROLPLANE_BUILD)
 
-# The demo runs no helm, so it does not build it.
+# The demo runs no helm, so it does not build it; Karpenter only for `make demo KARPENTER=1`.
 controlplane-demo:
-	bash $(CONTROLPLANE_BUILD) --without-helm
+	bash $(CONTROLPLANE_BUILD) --without-helm $(if $(KARPENTER),,--without-karpenter)
 
 # Every package of the distribution, --strict (pyproject.toml says where and why Triton's kernels bend it).
 TYPED_PACKAGES := mell sim api operator replay serving worker router kernels localcluster demo
@@ -73,7 +73,7 @@ test:
 
 demo:
 	$(MAKE) --no-print-directory -j2 venv controlplane-demo
-	$(PY) -m kvfleet.demo
+	$(PY) -m kvfleet.demo $(if $(KARPENTER),--karpenter)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

@@ -4,11 +4,13 @@ The operator is tested before (and independently of) the real worker runtime. Th
 what a worker does towards the control plane, with scripted requests instead of a model:
 - serves /healthz and /readyz on the pod's IP and port from the environment the operator sets;
 - takes requests (POST /script/requests: id, KV bytes, growth per second, duration), grows their KV
-  over time and finishes them, like decoding would;
+  over time and finishes them, like decoding would (POST /script/finish: id ends one now);
 - writes its KV-load report in its own KVLoad (the worker's own writer, kvfleet.worker.reporter.kvload_writer)
   when a request arrives, finishes or changes size class, at most once per report interval;
 - executes the KVMigrations naming it as source: hands the request to the target's
-  POST /internal/adopt (authenticated with the pool token) and writes the migration's status;
+  POST /internal/adopt (authenticated with the pool token) and writes the migration's status; a
+  transfer takes $KVFLEET_SCRIPTED_MOVE_S seconds (default 0), with the request on neither worker's
+  report meanwhile, as a long live KV copy would look from outside;
 - on SIGTERM, prints how many requests it still held, so a test can prove none was dropped.
 It talks to the API server with its pod's ServiceAccount, so the operator's worker RBAC is exercised.
 """
@@ -81,6 +83,14 @@ class Worker:
                                                 now_s + float(body.get("durationS", 60)))
         log.info("request %s arrived (%s bytes)", body["id"], body["kvBytes"])
 
+    def finish_now(self, request_id: str) -> bool:
+        """End a request at the next step, as if its last token were generated now."""
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is not None:
+                req.ends_at_s = time.monotonic()
+        return req is not None
+
     def step(self) -> None:
         now_s = time.monotonic()
         with self.lock:
@@ -145,6 +155,8 @@ class Worker:
                                    "message": "the request is no longer on the source (finished)"})
             return
         self.set_status(name, {"phase": "Transferring", "startTime": stamp})
+        self.last_written = None  # the ticker reports the departure at once
+        time.sleep(float(os.environ.get("KVFLEET_SCRIPTED_MOVE_S", "0")))
         body = json.dumps(req.as_dict(time.monotonic())).encode()
         try:
             target = self.core.read_namespaced_pod(spec["targetPod"], self.namespace)
@@ -204,6 +216,8 @@ class Worker:
                 if self.path == "/script/requests":
                     worker.add(body)
                     self.reply(200, {"accepted": body.get("id")})
+                elif self.path == "/script/finish":
+                    self.reply(200 if worker.finish_now(str(body.get("id"))) else 404, {"id": body.get("id")})
                 elif self.path == "/internal/adopt":
                     if self.headers.get("Authorization") != f"Bearer {worker.token}":
                         self.reply(401, {"error": "the pool token is required"})

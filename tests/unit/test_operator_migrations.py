@@ -116,6 +116,9 @@ def test_a_failed_move_leaves_its_request_alone_until_the_reports_are_fresh() ->
     retry = {**succeeded("r", "w0", "w2", "p-r-2"), "status": {},
              "metadata": {"name": "p-r-2", "creationTimestamp": "2026-01-01T00:00:02Z"}}
     assert view([retry, failed], spec(), done_s + 1, {"r": ["w0"]}).in_flight == {"r": "w2"}
+    # Only the unfinished move's pods are in a move (a node autoscaler leaves them alone until it ends).
+    assert view([retry, failed], spec(), done_s + 1, {"r": ["w0"]}).moving == {"w0", "w2"}
+    assert view([failed], spec(), done_s + 1, {"r": ["w0"]}).moving == frozenset()
 
 
 def holding(*requests: tuple[str, int, bool], capacity: int = 1000) -> KVLoadReport:

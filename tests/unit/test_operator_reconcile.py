@@ -49,10 +49,10 @@ def info(index: int, gpu: str | None = None, *, ready: bool = True, live: bool =
 
 
 def plan(infos: list[pods.PodInfo], *, unserved: tuple[str, ...] = (), released: tuple[str, ...] = (),
-         targets: tuple[str, ...] = (), routed: tuple[str, ...] = (), floor: int = 1, max_workers: int = 4,
-         now_s: float = 100.0) -> pods.PodActions:
+         targets: tuple[str, ...] = (), moving: tuple[str, ...] = (), routed: tuple[str, ...] = (), floor: int = 1,
+         max_workers: int = 4, now_s: float = 100.0) -> pods.PodActions:
     return pods.plan_pods(infos, unserved_gpu_ids=unserved, released_pods=released, migration_targets=targets,
-                          routed=routed, floor=floor, max_workers=max_workers, scale_down_delay_s=30, now_s=now_s)
+                          moving=moving, routed=routed, floor=floor, max_workers=max_workers, scale_down_delay_s=30, now_s=now_s)
 
 
 def test_a_new_gpu_binds_a_warm_floor_pod_before_creating_one() -> None:
@@ -87,6 +87,21 @@ def test_a_pod_holding_requests_or_awaiting_a_migration_is_never_deleted() -> No
     assert holding[pods.SAFE_TO_EVICT] == "false" and holding[pods.DO_NOT_DISRUPT] == "true"
     assert holding[pods.DELETION_COST] == "9"  # 200 MiB: 1 + its bit length
     assert [pods.deletion_cost(mib << 20) for mib in (0, 1, 2, 3, 4, 200, 255, 256)] == [1, 2, 3, 3, 4, 9, 9, 10]
+
+
+def test_the_source_and_target_of_a_move_may_not_be_disrupted_until_it_ends() -> None:
+    # The source handed its request over in the move's first step and reports nothing; the target
+    # does not report it yet. Neither holds KV by its report, yet a node autoscaler must leave both.
+    empty = {pods.SAFE_TO_EVICT: "true", pods.DO_NOT_DISRUPT: "false", pods.DELETION_COST: "0"}
+    infos = [info(0, "gpu-0", annotations=empty), info(1, "gpu-1", annotations=empty)]
+    during = plan(infos, targets=("p-worker-1",), moving=("p-worker-0", "p-worker-1")).metadata
+    for name in ("p-worker-0", "p-worker-1"):
+        assert during[name][1] == {pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true"}
+    # Once it has ended, an empty source says so again.
+    marked = {pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true", pods.DELETION_COST: "0"}
+    after = plan([info(0, "gpu-0", annotations=marked), info(1, "gpu-1", requests=1, annotations=marked)]).metadata
+    assert after["p-worker-0"][1] == {pods.SAFE_TO_EVICT: "true", pods.DO_NOT_DISRUPT: "false"}
+    assert after["p-worker-1"][1] == {pods.DELETION_COST: "8"}
 
 
 def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:

@@ -19,14 +19,25 @@
 # of its own ($KVFLEET_CACHE/bin/helm-<version>/helm, symlink $KVFLEET_CACHE/bin/helm-current), so
 # changing HELM_VERSION rebuilds only helm and changing Kubernetes never rebuilds helm.
 #
-# Usage: build-controlplane.sh [--without-helm]   (`make demo` needs no helm, and skips its build)
+# Karpenter (the node autoscaler the e2e tests and `make demo KARPENTER=1` run, kvfleet.localcluster.
+# karpenter) is built here too, from sigs.k8s.io/karpenter's `kwok` command at $KARPENTER_VERSION: its
+# kwok cloud provider creates Node objects instead of cloud machines, and the node agent serves them.
+# Its stamp ($KVFLEET_CACHE/bin/karpenter-<version>/, symlink karpenter-current) also holds the CRDs
+# of that version (NodePool, NodeClaim, KWOKNodeClass), copied from the module, so the cluster applies
+# exactly the schema the binary expects.
+#
+# Usage: build-controlplane.sh [--without-helm] [--without-karpenter]
+#   (the plain `make demo` needs neither, and skips their builds)
 set -euo pipefail
 with_helm=1
-case "${1:-}" in
-  --without-helm) with_helm=0 ;;
-  "") ;;
-  *) echo "usage: $0 [--without-helm]" >&2; exit 2 ;;
-esac
+with_karpenter=1
+for arg in "$@"; do
+  case "$arg" in
+    --without-helm) with_helm=0 ;;
+    --without-karpenter) with_karpenter=0 ;;
+    *) echo "usage: $0 [--without-helm] [--without-karpenter]" >&2; exit 2 ;;
+  esac
+done
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)  # the checkout: operator/kvfleet/localcluster/../../..
 # shellcheck source=versions.env
@@ -83,6 +94,45 @@ build_helm() {
   echo "helm $HELM_VERSION in $helm_out"
 }
 [ "$with_helm" = 0 ] || build_helm
+
+# Karpenter: `go install sigs.k8s.io/karpenter/kwok@vX` works as is (no replace lines in its go.mod).
+karpenter_stamp=karpenter-$KARPENTER_VERSION
+karpenter_out=$cache/bin/$karpenter_stamp
+karpenter_machine=$machine_root/bin/$karpenter_stamp
+karpenter_crds=(pkg/apis/crds/karpenter.sh_nodepools.yaml pkg/apis/crds/karpenter.sh_nodeclaims.yaml
+                kwok/apis/crds/karpenter.kwok.sh_kwoknodeclasses.yaml)
+have_karpenter() {
+  [ -x "$1/karpenter" ] || return 1
+  for crd in "${karpenter_crds[@]}"; do [ -f "$1/crds/$(basename "$crd")" ] || return 1; done
+}
+build_karpenter() {
+  if ! have_karpenter "$karpenter_out" && have_karpenter "$karpenter_machine"; then
+    mkdir -p "$karpenter_out/crds"
+    for f in karpenter "${karpenter_crds[@]/#*\//crds/}"; do
+      ln -f "$karpenter_machine/$f" "$karpenter_out/$f" 2>/dev/null || cp "$karpenter_machine/$f" "$karpenter_out/$f"
+    done
+  fi
+  if ! have_karpenter "$karpenter_out"; then
+    local mod=$cache/build/$karpenter_stamp dir
+    mkdir -p "$mod" "$karpenter_out/crds"
+    echo "[build] karpenter $KARPENTER_VERSION (kwok cloud provider)"
+    dir=$(cd "$mod" && GOFLAGS= go mod download -json "sigs.k8s.io/karpenter@$KARPENTER_VERSION" |
+      python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or sys.exit(d.get("Error", "no module dir")))')
+    for crd in "${karpenter_crds[@]}"; do cp "$dir/$crd" "$karpenter_out/crds/"; done
+    chmod u+w "$karpenter_out"/crds/*
+    (cd "$mod" && GOFLAGS= GOBIN="$mod/bin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/karpenter/kwok@$KARPENTER_VERSION")
+    mv "$mod/bin/kwok" "$karpenter_out/karpenter"
+    if [ "$karpenter_machine" != "$karpenter_out" ]; then
+      mkdir -p "$karpenter_machine/crds"
+      for f in karpenter "${karpenter_crds[@]/#*\//crds/}"; do
+        ln -f "$karpenter_out/$f" "$karpenter_machine/$f" 2>/dev/null || cp "$karpenter_out/$f" "$karpenter_machine/$f"
+      done
+    fi
+  fi
+  ln -sfn "$karpenter_stamp" "$cache/bin/karpenter-current"
+  echo "karpenter $KARPENTER_VERSION in $karpenter_out"
+}
+[ "$with_karpenter" = 0 ] || build_karpenter
 
 have_all() { for b in "${bins[@]}"; do [ -x "$out/$b" ] || return 1; done; }
 machine_cache=$machine_root/bin/$stamp

@@ -1,4 +1,5 @@
-"""A whole local cluster: the control plane, the node agent with fake GPU nodes, and kvfleet's CRDs.
+"""A whole local cluster: the control plane, the node agent with fake GPU nodes, and kvfleet's CRDs;
+on request, Karpenter as the node autoscaler (kvfleet.localcluster.karpenter).
 
 This is what the e2e tests and `make demo` (kvfleet.demo) share, so that what the demo shows is what
 the tests check.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvfleet.localcluster import karpenter as karpenter_setup
 from kvfleet.localcluster.controlplane import REPO_ROOT, ControlPlane, Process, free_port, start_process, stop_process
 
 CRDS_DIR = REPO_ROOT / "crds"
@@ -41,6 +43,7 @@ class Cluster:
     agent: Process
     num_nodes: int
     gpus_per_node: int
+    karpenter: Process | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -70,6 +73,8 @@ class Cluster:
         code = self.agent.popen.poll()
         if code is not None:
             raise RuntimeError(f"node agent exited with {code}:\n{self.agent.tail()}")
+        if self.karpenter is not None and (code := self.karpenter.popen.poll()) is not None:
+            raise RuntimeError(f"karpenter exited with {code}:\n{self.karpenter.tail()}")
 
     def apply_crds(self) -> None:
         self.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-f", str(CRDS_DIR))
@@ -96,7 +101,23 @@ class Cluster:
             time.sleep(0.2)
         raise TimeoutError(f"no default ServiceAccount in {namespace}")
 
+    def start_karpenter(self, *, registration_delay_s: float, instance_types: Sequence[str],
+                        consolidate_after_s: float) -> None:
+        """Karpenter's CRDs, the node class and kvfleet's NodePool, then Karpenter itself."""
+        for crd in karpenter_setup.crd_paths():
+            self.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-f", str(crd))
+        for name in ("nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "kwoknodeclasses.karpenter.kwok.sh"):
+            self.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        self.apply_json(karpenter_setup.node_class(registration_delay_s))
+        self.apply_json(karpenter_setup.node_pool(instance_types, consolidate_after_s=consolidate_after_s))
+        self.karpenter = karpenter_setup.start_karpenter(self.kubeconfig, self.plane.work_dir)
+
+    def apply_json(self, obj: dict[str, Any], namespace: str | None = None) -> None:
+        self.kubectl("apply", *(("-n", namespace) if namespace else ()), "-f", "-", input_text=json.dumps(obj))
+
     def stop(self) -> None:
+        if self.karpenter is not None:
+            stop_process(self.karpenter)
         stop_process(self.agent)
         self.plane.stop()
 
@@ -117,14 +138,20 @@ def start_operator(cluster: Cluster, name: str = "operator", metrics_port: int |
 
 @contextlib.contextmanager
 def local_cluster(num_nodes: int = 3, gpus_per_node: int = 2, num_zones: int = 2,
-                  work_dir: Path | None = None, extra_python_path: Sequence[Path] = ()) -> Iterator[Cluster]:
+                  work_dir: Path | None = None, extra_python_path: Sequence[Path] = (), *,
+                  karpenter: bool = False, node_registration_delay_s: float = 2.0,
+                  instance_types: Sequence[str] = ("gpu-1x", "gpu-2x"),
+                  consolidate_after_s: float = 5.0) -> Iterator[Cluster]:
     """Start everything, yield the cluster, and tear it all down whatever happens.
 
     `extra_python_path` goes before the node agent's PYTHONPATH, so images whose module lives outside
-    the installed package resolve (the tests' scripted worker, from e2e/).
+    the installed package resolve (the tests' scripted worker, from e2e/). With `karpenter`, Karpenter
+    adds GPU nodes of `instance_types` for pods that do not fit (each Ready `node_registration_delay_s`
+    after its NodeClaim, the "cloud's" boot time) and consolidates them (`consolidate_after_s`).
     """
     plane = ControlPlane.start(work_dir)
     agent = None
+    cluster: Cluster | None = None
     try:
         agent = start_process(
             "node-agent",
@@ -136,8 +163,14 @@ def local_cluster(num_nodes: int = 3, gpus_per_node: int = 2, num_zones: int = 2
         cluster = Cluster(plane, agent, num_nodes, gpus_per_node)
         cluster.wait_nodes()
         cluster.apply_crds()
+        if karpenter:
+            cluster.start_karpenter(registration_delay_s=node_registration_delay_s, instance_types=instance_types,
+                                    consolidate_after_s=consolidate_after_s)
         yield cluster
     finally:
-        if agent is not None:
-            stop_process(agent)
-        plane.stop()
+        if cluster is not None:
+            cluster.stop()
+        else:
+            if agent is not None:
+                stop_process(agent)
+            plane.stop()

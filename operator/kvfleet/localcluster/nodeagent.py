@@ -11,6 +11,11 @@ machine, as parallel test runs do, do not hand out the same address). Readiness 
 (probes.py), restart policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace
 period, then the final delete a kubelet makes) are reflected in the pod status. Pods with other
 images stay Pending with a Warning event that says why.
+
+It also serves the nodes Karpenter's kwok provider creates (kvfleet.localcluster.karpenter): it watches
+for them, reports them Ready and runs the pods bound to them; when such a node is deleted, its
+machine is gone, so its remaining pods' processes are killed and the pods deleted, as the pod garbage
+collector deletes a vanished node's pods (without its wait).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kvfleet.localcluster.controlplane import die_with_parent
 from kvfleet.localcluster.images import container_argv, image_name, load_images
+from kvfleet.localcluster.karpenter import NODE_LABEL, PROVIDER_PREFIX
 from kvfleet.localcluster.nodes import FakeGpuNodes
 from kvfleet.localcluster.podenv import PodEnvironment
 from kvfleet.localcluster.probes import Prober
@@ -80,41 +86,49 @@ class NodeAgent:
     # ------------------------------------------------------------------------------------- watch
 
     def watch_loop(self) -> None:
-        """List then watch all pods; push (type, pod dict) for pods bound to our nodes."""
+        """List then watch all pods; push (type, pod dict) for every pod (on_event keeps ours)."""
+        self._watch(self.core.list_pod_for_all_namespaces, "")
+
+    def node_watch_loop(self) -> None:
+        """List then watch the nodes Karpenter's kwok provider creates; push ("NODE_<type>", node)."""
+        self._watch(self.core.list_node, "NODE_", label_selector=NODE_LABEL)
+
+    def _watch(self, lister: Any, prefix: str, **selectors: str) -> None:
         resource_version = ""
         while not self.stopping.is_set():
             try:
                 if not resource_version:
                     # Raw JSON, not the client's models: the agent works on the API's own dicts.
-                    listing: Any = self.core.list_pod_for_all_namespaces(_preload_content=False)
+                    listing: Any = lister(_preload_content=False, **selectors)
                     data = yaml.safe_load(listing.data)
                     resource_version = data["metadata"]["resourceVersion"]
                     for item in data["items"]:
-                        self.events.put(("SYNC", item))
+                        self.events.put((prefix + "SYNC", item))
                 stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
-                    self.core.list_pod_for_all_namespaces,
+                    lister,
                     resource_version=resource_version,
                     timeout_seconds=60,
                     allow_watch_bookmarks=True,
                     _preload_content=False,
+                    **selectors,
                 )
                 for event in stream:
                     obj = event["raw_object"]
                     resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self.events.put((event["type"], obj))
+                        self.events.put((prefix + event["type"], obj))
                     if self.stopping.is_set():
                         break
             except ApiException as err:
                 if err.status == 410:
                     resource_version = ""
                 else:
-                    log.warning("pod watch failed: %s", err)
+                    log.warning("%s watch failed: %s", prefix.lower() or "pod_", err)
                     time.sleep(1)
             except Exception as err:  # connection reset, API server restart
                 if self.stopping.is_set():
                     return
-                log.warning("pod watch interrupted: %s", err)
+                log.warning("%s watch interrupted: %s", prefix.lower() or "pod_", err)
                 resource_version = ""
                 time.sleep(1)
 
@@ -130,11 +144,40 @@ class NodeAgent:
         _, _, third, fourth = (int(p) for p in ip.split("."))
         self._free_ips.append((third - 1) * 250 + fourth - 2)
 
+    def on_node_event(self, kind: str, node: dict[str, Any]) -> None:
+        """Adopt a node Karpenter created; when it is deleted, stop what still runs there."""
+        if not (node.get("spec") or {}).get("providerID", "").startswith(PROVIDER_PREFIX):
+            return
+        name = node["metadata"]["name"]
+        if kind == "NODE_DELETED":
+            if self.nodes.forget(name):
+                self.node_gone(name)
+            return
+        # A node being deleted is still served: Karpenter drains it first, and its pods stop gracefully.
+        if self.nodes.adopt(node):
+            # Pods the scheduler bound to it before the agent adopted it were ignored: take them now.
+            listing: Any = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}", _preload_content=False)
+            for pod in yaml.safe_load(listing.data)["items"]:
+                self.on_event("SYNC", pod)
+
+    def node_gone(self, name: str) -> None:
+        """The node's machine is gone: its processes die with it, and its pod objects are deleted."""
+        for uid, runtime in list(self.pods.items()):
+            if runtime.node == name:
+                log.info("node %s deleted under pod %s/%s", name, runtime.namespace, runtime.name)
+                self.kill_all(runtime, signal.SIGKILL)
+                self.release_ip(runtime.ip)
+                del self.pods[uid]
+                self.final_delete(runtime.body["metadata"])
+
     def on_event(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind.startswith("NODE_"):
+            self.on_node_event(kind, pod)
+            return
         meta = pod["metadata"]
         uid = meta["uid"]
         node = pod.get("spec", {}).get("nodeName")
-        if node not in self.node_names:
+        if not self.nodes.serves(node):
             return
         if kind == "DELETED":
             runtime = self.pods.pop(uid, None)
@@ -414,7 +457,7 @@ class NodeAgent:
 
     def run(self) -> None:
         self.nodes.register_nodes()
-        threads = [threading.Thread(target=t, daemon=True, name=t.__name__) for t in (self.watch_loop, self.nodes.heartbeat_loop)]
+        threads = [threading.Thread(target=t, daemon=True, name=t.__name__) for t in (self.watch_loop, self.node_watch_loop, self.nodes.heartbeat_loop)]
         for thread in threads:
             thread.start()
         print("node agent ready", flush=True)

@@ -1,10 +1,17 @@
 """The fake GPU nodes the node agent plays: registered with `nvidia.com/gpu` capacity and zone labels,
-kept Ready with leases and status heartbeats, as a kubelet would."""
+kept Ready with leases and status heartbeats, as a kubelet would.
+
+Besides its own nodes, the agent serves the nodes a node autoscaler creates (Karpenter's kwok
+provider, kvfleet.localcluster.karpenter): those arrive as Node objects with their instance type's
+capacity and no kubelet behind them; the agent adopts them (reports them Ready, renews their lease)
+until they are deleted.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import logging
 import os
 import socket
@@ -31,6 +38,42 @@ class FakeGpuNodes:
         self.gpus_per_node = gpus_per_node
         self.num_zones = max(1, num_zones)
         self.stopping = stopping
+        # Nodes created by a node autoscaler that this agent serves: name -> their allocatable
+        # resources. Written by the agent's event thread, read by the heartbeat thread.
+        self._adopted: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def serves(self, name: str | None) -> bool:
+        with self._lock:
+            return name in self.node_names or name in self._adopted
+
+    def served(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every node this agent plays, with the status it reports."""
+        with self._lock:
+            adopted = list(self._adopted.items())
+        return [(name, self.node_status()) for name in self.node_names] + [
+            (name, self.node_status(resources)) for name, resources in adopted]
+
+    def adopt(self, node: dict[str, Any]) -> bool:
+        """Serve a node that a node autoscaler created (True if it is new to the agent): report it Ready
+        with the resources its creator gave it. Its taints are its creator's: Karpenter lifts its own
+        `karpenter.sh/unregistered` taint once the node is registered, as it would for a real kubelet."""
+        name = node["metadata"]["name"]
+        resources = {k: str(v) for k, v in ((node.get("status") or {}).get("allocatable") or {}).items()}
+        with self._lock:
+            if name in self._adopted:
+                return False
+            self._adopted[name] = resources
+        self.core.patch_node_status(name, {"status": self.node_status(resources)})
+        self.lift_admission_taints(name)
+        self.renew_lease(name)
+        log.info("serving node %s (%s nvidia.com/gpu), created by %s", name, resources.get("nvidia.com/gpu", "0"),
+                 (node["metadata"].get("labels") or {}).get("karpenter.sh/nodepool", "a node autoscaler"))
+        return True
+
+    def forget(self, name: str) -> bool:
+        with self._lock:
+            return self._adopted.pop(name, None) is not None
 
     def zone_of(self, index: int) -> str:
         return f"zone-{index % self.num_zones}"
@@ -54,18 +97,36 @@ class FakeGpuNodes:
                     raise
                 self.core.patch_node(name, {"metadata": {"labels": labels}})
             self.core.patch_node_status(name, {"status": self.node_status()})
-            # Admission taints new nodes not-ready; the node-lifecycle controller that would lift the
-            # taint once the node reports Ready is off (see controlplane.py), so the agent lifts it.
-            spec = self.core.read_node(name).spec
-            taints = (spec.taints if spec is not None else None) or []
-            kept = [t.to_dict() for t in taints if not t.key.startswith("node.kubernetes.io/")]
-            if len(kept) != len(taints):
-                self.core.patch_node(name, {"spec": {"taints": kept or None}})
+            self.lift_admission_taints(name)
             self.renew_lease(name)
         log.info("registered nodes %s with %d nvidia.com/gpu each", ", ".join(self.node_names), self.gpus_per_node)
 
-    def node_status(self) -> dict[str, Any]:
-        capacity = {"cpu": "16", "memory": "128Gi", "pods": "110", "ephemeral-storage": "100Gi", "nvidia.com/gpu": str(self.gpus_per_node)}
+    def lift_admission_taints(self, name: str) -> None:
+        """Admission taints new nodes not-ready; the node-lifecycle controller that would lift the taint
+        once the node reports Ready is off (see controlplane.py), so the agent lifts it. Others' taints
+        stay: the write carries the resourceVersion it read, so a taint that Karpenter removed
+        meanwhile is not written back (a conflict reads again)."""
+        for _ in range(10):
+            node: Any = self.core.read_node(name, _preload_content=False)
+            body = json.loads(node.data)
+            taints = body["spec"].get("taints") or []
+            kept = [t for t in taints if not t["key"].startswith("node.kubernetes.io/")]
+            if len(kept) == len(taints):
+                return
+            try:
+                self.core.patch_node(name, {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                                            "spec": {"taints": kept or None}})
+                return
+            except ApiException as err:
+                if err.status != 409:
+                    raise
+        raise RuntimeError(f"could not lift the admission taints of node {name}: it kept changing")
+
+    def node_status(self, resources: dict[str, str] | None = None) -> dict[str, Any]:
+        """A kubelet's status report; `resources` for an adopted node (capacity = allocatable: no daemons
+        run beside the pods), else the agent's own node shape."""
+        capacity = resources or {"cpu": "16", "memory": "128Gi", "pods": "110", "ephemeral-storage": "100Gi",
+                                 "nvidia.com/gpu": str(self.gpus_per_node)}
         stamp = now_rfc3339()
         conditions = [
             {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": f"{AGENT} is posting ready status"},
@@ -102,12 +163,14 @@ class FakeGpuNodes:
     def heartbeat_loop(self) -> None:
         last_status = time.monotonic()
         while not self.stopping.wait(10):
-            try:
-                for name in self.node_names:
+            served = self.served()
+            for name, _ in served:
+                try:
                     self.renew_lease(name)
-                if time.monotonic() - last_status > 60:
-                    for name in self.node_names:
-                        self.core.patch_node_status(name, {"status": self.node_status()})
-                    last_status = time.monotonic()
-            except Exception:  # the API may be briefly away; the next beat retries
-                log.exception("heartbeat failed")
+                except Exception:  # the API may be briefly away; the next beat retries
+                    log.exception("heartbeat of %s failed", name)
+            if time.monotonic() - last_status > 60:
+                for name, status in served:
+                    with contextlib.suppress(Exception):  # as above; a deleted node's 404 included
+                        self.core.patch_node_status(name, {"status": status})
+                last_status = time.monotonic()

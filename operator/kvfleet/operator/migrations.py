@@ -75,6 +75,9 @@ class MigrationView:
     attempts: dict[str, int]  # request id -> objects already made for it
     finished: dict[str, ListedMigration]  # name -> migration, for Succeeded and Failed ones
     source_gone: tuple[str, ...] = ()  # unfinished, their source pod gone: names to mark Failed
+    # The source and target pods of every unfinished move: a node autoscaler must not disrupt them
+    # until it ends (kvfleet.operator.pods sets `karpenter.sh/do-not-disrupt` on them).
+    moving: frozenset[str] = frozenset()
 
 
 def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
@@ -101,6 +104,7 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
     attempts: dict[str, int] = {}
     finished: dict[str, ListedMigration] = {}
     source_gone: list[str] = []
+    moving: set[str] = set()
     # Oldest first, so that a request's latest migration has the last word on where it is going.
     for obj in sorted(objects, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"])):
         mig = ListedMigration.parse(obj)
@@ -134,8 +138,9 @@ def view(objects: Iterable[dict[str, Any]], spec: LLMPoolSpec, now_s: float,
             timed_out.append(name)
             continue
         in_flight[request_id] = mig.spec.target_pod
+        moving.update((mig.spec.source_pod, mig.spec.target_pod))
     return MigrationView(in_flight, tuple(sorted(timed_out)), tuple(sorted(expired)), attempts, finished,
-                         tuple(sorted(source_gone)))
+                         tuple(sorted(source_gone)), frozenset(moving))
 
 
 def worker_started_s(pod: dict[str, Any]) -> float:

@@ -107,6 +107,7 @@ def plan_pods(
     unserved_gpu_ids: Iterable[str],
     released_pods: Iterable[str],
     migration_targets: Iterable[str],
+    moving: Iterable[str] = (),
     routed: Iterable[str] = (),
     floor: int,
     max_workers: int,
@@ -138,8 +139,9 @@ def plan_pods(
             delete.append(pod.name)
             num_live -= 1
 
-    metadata = {pod.name: changes for pod in live
-                if pod.name not in delete and (changes := _metadata_changes(pod, gpu_of[pod.name], routed_pods, now_s))}
+    in_moves = set(moving)
+    metadata = {pod.name: changes for pod in live if pod.name not in delete
+                and (changes := _metadata_changes(pod, gpu_of[pod.name], routed_pods, now_s, pod.name in in_moves))}
     return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
 
 
@@ -204,15 +206,20 @@ def deletion_cost(held_bytes: int) -> int:
     return 1 + (held_bytes >> 20).bit_length()
 
 
-def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], now_s: float,
+def _metadata_changes(pod: PodInfo, gpu_id: str | None, routed_pods: set[str], now_s: float, in_move: bool = False,
                       ) -> tuple[dict[str, str | None], dict[str, str | None]] | None:
-    """The labels and annotations of a live pod that differ from what they should say (None: none do)."""
+    """The labels and annotations of a live pod that differ from what they should say (None: none do).
+
+    A node autoscaler may evict a worker only when that loses nothing: it holds no KV cache and no
+    move is leaving or heading to it (`in_move`: a source may have handed its request over in a
+    move's first step, and a target receives KV it does not report yet)."""
     holding = pod.holding
     idle = gpu_id is None and not holding and pod.name not in routed_pods
+    keep = holding or in_move
     labels = {GPU_LABEL: gpu_id}
     annotations = {
-        SAFE_TO_EVICT: "false" if holding else "true",
-        DO_NOT_DISRUPT: "true" if holding else "false",
+        SAFE_TO_EVICT: "false" if keep else "true",
+        DO_NOT_DISRUPT: "true" if keep else "false",
         DELETION_COST: str(deletion_cost(pod.used_bytes + pod.lent_bytes) if holding else 0),
         IDLE_SINCE_ANNOTATION: (f"{pod.idle_since_s:.3f}" if pod.idle_since_s is not None else f"{now_s:.3f}")
         if idle else None,

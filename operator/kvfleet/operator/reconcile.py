@@ -119,6 +119,7 @@ class PlannedMoves:
     targets: set[str]  # pods a migration is heading to: in flight, or created now
     num_deferred: int  # by the migration planner, to a later epoch
     num_waiting_room: int  # for room on their target
+    moving: set[str] = field(default_factory=set)  # sources and targets of unfinished moves, and of those created now
 
 
 def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, states: PoolStates) -> float:
@@ -305,17 +306,19 @@ def write_migrations(ctx: PassContext, state: PoolState, observed: Observed, out
     chosen, num_deferred = migrations.choose_modes(ctx.spec, orders, observed.node_of_pod,
                                                    ctx.spec.scheduling.epoch_seconds, reports)
     targets = set(view.in_flight.values())
+    moving = set(view.moving)
     made: list[str] = []
     for order, mode in chosen:
         attempt = view.attempts.get(order.request_id, 0) + 1
         if ctx.api.create_migration(ctx.namespace, migrations.migration_body(ctx.pool, order, mode, attempt, state.epoch)):
             made.append(order.request_id)
             targets.add(order.target_pod)
+            moving.update((order.source_pod, order.target_pod))
             metrics.MIGRATIONS_PLANNED.labels(ctx.namespace, ctx.name, mode, order.reason).inc()
             ctx.api.post_event(ctx.pool, "MigrationPlanned",
                                f"{order.request_id}: {order.source_pod} -> {order.target_pod} ({mode}, {order.reason})")
     state.scheduler.ordered(made, observed.now_s)  # the 30 s between a request's moves count from here
-    return PlannedMoves(chosen, targets, num_deferred, num_waiting_room)
+    return PlannedMoves(chosen, targets, num_deferred, num_waiting_room, moving)
 
 
 def plan_pods(ctx: PassContext, observed: Observed, outcome: EpochOutcome, planned: PlannedMoves,
@@ -332,6 +335,7 @@ def plan_pods(ctx: PassContext, observed: Observed, outcome: EpochOutcome, plann
         unserved_gpu_ids=outcome.unserved_gpu_ids,
         released_pods=outcome.released_pods,
         migration_targets=planned.targets,
+        moving=planned.moving,
         routed={entry["worker"] for entry in table} if floor > 0 else set(),
         floor=floor,
         max_workers=spec.workers.max,

@@ -1,0 +1,185 @@
+"""A real node autoscaler in the loop: Karpenter provisions and consolidates GPU nodes while MELL packs
+and drains (kvfleet.localcluster.karpenter; docs/autoscaling.md).
+
+The cluster of this module starts with one node of one GPU; every other GPU comes from Karpenter's
+NodePool (1- and 2-GPU instance types, a "cloud" that boots a node in 2 s). The workers are the
+scripted stand-in, so what is tested is the handshake: pods Pending -> WaitingForCapacity -> a
+NodeClaim -> a node the node agent serves -> workers Ready; nodes MELL empties removed by Karpenter;
+workers holding KV or in a move never disrupted; headroom placeholders provisioning ahead of demand.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.localcluster.cluster import Cluster, local_cluster, wait_for
+from kvfleet.localcluster.controlplane import stop_process
+from kvfleet.operator.pods import DO_NOT_DISRUPT
+from kvfleet_e2e.operators import OperatorHandle
+from kvfleet_e2e.pools import scripted_pool as pool
+from kvfleet_e2e.reports import worker_reports
+
+REGISTRATION_DELAY_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def kcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with local_cluster(num_nodes=1, gpus_per_node=1, num_zones=1, work_dir=tmp_path_factory.mktemp("karpenter"),
+                       extra_python_path=[Path(__file__).parent], karpenter=True,
+                       node_registration_delay_s=REGISTRATION_DELAY_S, consolidate_after_s=2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def operator(kcluster: Cluster) -> Iterator[OperatorHandle]:
+    handle = OperatorHandle(kcluster)
+    yield handle
+    stop_process(handle.proc)
+
+
+@pytest.fixture
+def ns(kcluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = "k-" + request.node.name.removeprefix("test_")[:40].replace("_", "-").strip("-")
+    kcluster.kubectl("create", "namespace", name)
+    kcluster.wait_default_service_account(name)
+    yield name
+    kcluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    # The next test starts from the one fixed node: every Karpenter node emptied and removed.
+    wait_for(lambda: not karpenter_nodes(kcluster) or None, "Karpenter to remove its nodes", timeout_s=120, interval_s=1)
+
+
+def karpenter_nodes(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    nodes = cluster.get_json("nodes", "-l", "karpenter.sh/nodepool")["items"]
+    return {n["metadata"]["name"]: n for n in nodes}
+
+
+def pods_of(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return list(cluster.get_json("pods", "-n", namespace, "-l", selector)["items"])
+
+
+def workers(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in pods_of(cluster, namespace, f"kvfleet.dev/pool={name},app.kubernetes.io/component=worker")
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+def status(cluster: Cluster, namespace: str, name: str, operator: OperatorHandle) -> dict[str, Any]:
+    operator.check()
+    cluster.check_alive()
+    return dict((cluster.get_json("llmpool", name, "-n", namespace, check=False) or {}).get("status") or {})
+
+
+def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
+
+
+def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> None:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=5):
+        pass
+
+
+def held(cluster: Cluster, namespace: str, name: str) -> dict[str, list[str]]:
+    reports = worker_reports(cluster, namespace, name)
+    return {pod: sorted(r.id for r in report.requests) for pod, report in reports.items()}
+
+
+def finished_requests(cluster: Cluster, namespace: str, name: str) -> set[str]:
+    logs = "".join(p.read_text() for p in cluster.plane.work_dir.glob(f"agent/pods/{namespace}_{name}-worker-*/worker.log"))
+    assert "LOST" not in logs, logs[-3000:]
+    return {line.split("request ", 1)[1].split()[0] for line in logs.splitlines() if " finished" in line and "request " in line}
+
+
+def seconds(stamp: str) -> float:
+    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+
+
+def pending_to_ready_s(pod: dict[str, Any]) -> float:
+    """From the pod's creation to its Ready condition (1 s resolution, the API's timestamps)."""
+    ready_at = next(c["lastTransitionTime"] for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    return seconds(ready_at) - seconds(pod["metadata"]["creationTimestamp"])
+
+
+def node_of(cluster: Cluster, namespace: str, pod_name: str) -> str:
+    return str(cluster.get_json("pod", pod_name, "-n", namespace)["spec"]["nodeName"])
+
+
+def finish(cluster: Cluster, namespace: str, name: str, request_id: str) -> str:
+    """End a request now on whichever worker holds it; returns that worker."""
+    holder = next(pod for pod, rs in held(cluster, namespace, name).items() if request_id in rs)
+    post(workers(cluster, namespace, name)[holder], "/script/finish", {"id": request_id})
+    return holder
+
+
+def test_scale_up_then_consolidation_removes_the_nodes_mell_empties_first(kcluster: Cluster, ns: str,
+                                                                            operator: OperatorHandle) -> None:
+    # C = 1,000,000 bytes: three L-requests need three GPUs; the cluster has one.
+    kcluster.apply_json(pool("grow", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 4},
+                             migration={"mode": "kv"}), ns)
+    wait_for(lambda: status(kcluster, ns, "grow", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    first = workers(kcluster, ns, "grow")["grow-worker-0"]
+    assert not first["spec"]["nodeName"].startswith("kwok-")
+    for rid in ("l1", "l2", "l3"):
+        post(first, "/script/requests", {"id": rid, "kvBytes": 600_000, "durationS": 300})
+
+    # The new workers cannot be scheduled: the pool says so, and Karpenter claims nodes for them.
+    waiting = wait_for(lambda: (c := condition(status(kcluster, ns, "grow", operator), "WaitingForCapacity"))
+                       .get("status") == "True" and c, "WaitingForCapacity", timeout_s=60)
+    assert waiting["reason"] == "WorkersUnschedulable" and "nvidia.com/gpu" in waiting["message"]
+    wait_for(lambda: kcluster.get_json("nodeclaims")["items"], "a NodeClaim", timeout_s=60)
+    spread = wait_for(lambda: (st := status(kcluster, ns, "grow", operator)).get("readyWorkers") == 3
+                      and st.get("migrationsInFlight") == 0
+                      and sorted(sum((h := held(kcluster, ns, "grow")).values(), [])) == ["l1", "l2", "l3"]
+                      and all(len(rs) == 1 for rs in h.values()) and len(h) == 3 and h,
+                      "three workers, one L-request each", timeout_s=90)
+    assert condition(status(kcluster, ns, "grow", operator), "WaitingForCapacity")["status"] == "False"
+    pods = workers(kcluster, ns, "grow")
+    node_of_pod = {name: p["spec"]["nodeName"] for name, p in pods.items()}
+    assert {n for n, node in node_of_pod.items() if node in karpenter_nodes(kcluster)} == {"grow-worker-1", "grow-worker-2"}
+    waits = sorted(pending_to_ready_s(pods[name]) for name in ("grow-worker-1", "grow-worker-2"))
+    print(f"\npending-to-ready with a new node: {waits} s (node registration delay {REGISTRATION_DELAY_S:g} s)")
+    # Karpenter's nodes carry what the agent serves: the instance type's GPUs, Ready.
+    for node in karpenter_nodes(kcluster).values():
+        assert node["metadata"]["labels"]["node.kubernetes.io/instance-type"] in ("gpu-1x", "gpu-2x")
+        assert any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"])
+
+    # The requests on worker-0 and worker-1 end; MELL empties worker-1 and the operator deletes it.
+    # Karpenter removes its node, unless worker-2 shares it: worker-2 holds KV, says do-not-disrupt,
+    # and its node stays (Karpenter may not move it to a cheaper node either).
+    kept = {rid for rid in ("l1", "l2", "l3") if rid not in spread["grow-worker-0"] + spread["grow-worker-1"]}
+    for rid in spread["grow-worker-0"] + spread["grow-worker-1"]:
+        finish(kcluster, ns, "grow", rid)
+    holder_node = node_of_pod["grow-worker-2"]
+    wait_for(lambda: "grow-worker-1" not in workers(kcluster, ns, "grow"), "the emptied worker-1 to go", timeout_s=60)
+    wait_for(lambda: set(karpenter_nodes(kcluster)) == {holder_node}, "the emptied worker's node to go",
+             timeout_s=90, interval_s=1)
+    assert workers(kcluster, ns, "grow")["grow-worker-2"]["metadata"]["annotations"][DO_NOT_DISRUPT] == "true"
+    time.sleep(8)  # past consolidateAfter (2 s) and a disruption pass: the holder's node is still there
+    assert holder_node in karpenter_nodes(kcluster) and held(kcluster, ns, "grow")["grow-worker-2"] == sorted(kept)
+
+    # The last request ends: its worker goes, then its node; the pool is back on the fixed node.
+    finish(kcluster, ns, "grow", kept.pop())
+    wait_for(lambda: not karpenter_nodes(kcluster), "the last Karpenter node to go", timeout_s=90, interval_s=1)
+    assert finished_requests(kcluster, ns, "grow") == {"l1", "l2", "l3"}
+    assert list(workers(kcluster, ns, "grow")) == ["grow-worker-0"]
+
+
+def blocker(name: str) -> dict[str, Any]:
+    """A pod that holds the fixed node's GPU, so the next worker needs a node from Karpenter."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "hold", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+def disruption_blocked(cluster: Cluster, node: str) -> list[str]:
+    events = cluster.get_json("events", "-A", "--field-selector", "reason=DisruptionBlocked")["items"]
+    return [e["message"] for e in events if e["involvedObject"].get("name") in (node, node.split("-")[1] if "-" in node else node)
+            or node in e.get("message", "")]
