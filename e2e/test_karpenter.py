@@ -172,14 +172,62 @@ def test_scale_up_then_consolidation_removes_the_nodes_mell_empties_first(kclust
     assert list(workers(kcluster, ns, "grow")) == ["grow-worker-0"]
 
 
-def blocker(name: str) -> dict[str, Any]:
-    """A pod that holds the fixed node's GPU, so the next worker needs a node from Karpenter."""
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
-        "terminationGracePeriodSeconds": 0,
-        "containers": [{"name": "hold", "image": "registry.k8s.io/pause:3.10", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+def nodeclaim_of(cluster: Cluster, node: str) -> dict[str, Any]:
+    return next(c for c in cluster.get_json("nodeclaims")["items"] if (c.get("status") or {}).get("nodeName") == node)
 
 
-def disruption_blocked(cluster: Cluster, node: str) -> list[str]:
-    events = cluster.get_json("events", "-A", "--field-selector", "reason=DisruptionBlocked")["items"]
-    return [e["message"] for e in events if e["involvedObject"].get("name") in (node, node.split("-")[1] if "-" in node else node)
-            or node in e.get("message", "")]
+def disrupting(node: dict[str, Any]) -> bool:
+    """Whether Karpenter has begun to take the node away (its disruption taint, or deletion)."""
+    return bool(node["metadata"].get("deletionTimestamp")) or any(
+        t["key"] == "karpenter.sh/disrupted" for t in node["spec"].get("taints") or [])
+
+
+def test_a_worker_in_a_move_is_not_disrupted_until_the_move_ends(kcluster: Cluster, ns: str, operator: OperatorHandle) -> None:
+    # A move's KV copy takes 30 s; meanwhile the target reports nothing: only the move keeps it.
+    env = [{"name": "KVFLEET_SCRIPTED_MOVE_S", "value": "30"}]
+    kcluster.apply_json(pool("move", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 3},
+                             migration={"mode": "kv"}, workerTemplate={"image": "kvfleet/scripted-worker:dev", "env": env}), ns)
+    wait_for(lambda: status(kcluster, ns, "move", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    first = workers(kcluster, ns, "move")["move-worker-0"]
+    for rid in ("l1", "l2"):
+        post(first, "/script/requests", {"id": rid, "kvBytes": 600_000, "durationS": 300})
+    move = wait_for(lambda: next((m for m in kcluster.get_json("kvmigrations", "-n", ns)["items"]
+                                  if (m.get("status") or {}).get("phase") == "Transferring"), None),
+                    "a move under way", timeout_s=90)
+    # The worker of the move on a node of Karpenter's: its target, or its source (MELL may have
+    # bound the floor worker's GPU to a request and moved another away from it, or the reverse).
+    moved = move["spec"]["requestId"]
+    ends = [move["spec"]["targetPod"], move["spec"]["sourcePod"]]
+    mover = next(p for p in ends if node_of(kcluster, ns, p) in karpenter_nodes(kcluster))
+    node = node_of(kcluster, ns, mover)
+    pod = wait_for(lambda: (p := workers(kcluster, ns, "move")[mover])["metadata"]["annotations"][DO_NOT_DISRUPT] == "true"
+                   and p, "the worker in the move to say do-not-disrupt", timeout_s=10)
+    # By its report it does not hold the request (a source writes the departure within a report interval).
+    wait_for(lambda: moved not in held(kcluster, ns, "move").get(mover, []), "the move's request off its reports", timeout_s=5)
+    assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+
+    # Ask Karpenter to replace every node of the pool: a new template drifts them all.
+    template_label = {"spec": {"template": {"metadata": {"labels": {"nvidia.com/gpu.present": "true", "kvfleet.dev/rev": "2"}}}}}
+    kcluster.kubectl("patch", "nodepool", "kvfleet-gpu", "--type=merge", "-p", json.dumps(template_label))
+    try:
+        wait_for(lambda: any(c["type"] == "Drifted" and c["status"] == "True"
+                             for c in nodeclaim_of(kcluster, node)["status"].get("conditions", [])),
+                 "Karpenter to find the node drifted", timeout_s=30, interval_s=1)
+        # Until the move ends, Karpenter leaves the node alone.
+        while kcluster.get_json("kvmigration", move["metadata"]["name"], "-n", ns)["status"]["phase"] == "Transferring":
+            assert not disrupting(karpenter_nodes(kcluster)[node]), "Karpenter disrupted a node in a move"
+            time.sleep(1)
+        assert kcluster.get_json("kvmigration", move["metadata"]["name"], "-n", ns)["status"]["phase"] == "Succeeded"
+        if mover == move["spec"]["targetPod"]:
+            wait_for(lambda: held(kcluster, ns, "move").get(mover) == [moved], "the target to hold the request", timeout_s=15)
+            assert not disrupting(karpenter_nodes(kcluster)[node])  # it holds KV now
+            finish(kcluster, ns, "move", moved)  # the request ends: nothing keeps the node
+        # Empty and in no move, the worker no longer keeps its drifted node: it goes.
+        wait_for(lambda: node not in karpenter_nodes(kcluster), "the drifted node to go once its worker is empty",
+                 timeout_s=90, interval_s=1)
+        for rid in sorted({"l1", "l2"} - finished_requests(kcluster, ns, "move")):
+            finish(kcluster, ns, "move", rid)
+        wait_for(lambda: finished_requests(kcluster, ns, "move") == {"l1", "l2"}, "both requests to finish", timeout_s=30)
+    finally:
+        template_label["spec"]["template"]["metadata"]["labels"]["kvfleet.dev/rev"] = None  # type: ignore[assignment]
+        kcluster.kubectl("patch", "nodepool", "kvfleet-gpu", "--type=merge", "-p", json.dumps(template_label))
