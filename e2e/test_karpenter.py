@@ -22,6 +22,7 @@ from kvfleet.localcluster.cluster import Cluster, local_cluster, wait_for
 from kvfleet.localcluster.controlplane import stop_process
 from kvfleet.operator.pods import DO_NOT_DISRUPT
 from kvfleet_e2e.operators import OperatorHandle
+from kvfleet_e2e.pools import ready
 from kvfleet_e2e.pools import scripted_pool as pool
 from kvfleet_e2e.reports import worker_reports
 
@@ -231,3 +232,86 @@ def test_a_worker_in_a_move_is_not_disrupted_until_the_move_ends(kcluster: Clust
     finally:
         template_label["spec"]["template"]["metadata"]["labels"]["kvfleet.dev/rev"] = None  # type: ignore[assignment]
         kcluster.kubectl("patch", "nodepool", "kvfleet-gpu", "--type=merge", "-p", json.dumps(template_label))
+
+
+def blocker(name: str) -> dict[str, Any]:
+    """A pod that holds the fixed node's GPU, so the next worker needs a node from Karpenter."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "hold", "image": "registry.k8s.io/pause:3.10",
+                        "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+def headroom_pods(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
+    return [p for p in pods_of(cluster, namespace, "app.kubernetes.io/component=headroom") if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_headroom_placeholders_make_karpenter_provision_ahead_of_demand(kcluster: Cluster, ns: str,
+                                                                        operator: OperatorHandle) -> None:
+    kcluster.apply_json(pool("warm", capacity={"kvCapacityPerWorker": "1M"}, workers={"min": 1, "max": 3},
+                             migration={"mode": "kv"}, autoscaling={"scaleDownDelaySeconds": 1, "headroomWorkers": 1}), ns)
+    wait_for(lambda: status(kcluster, ns, "warm", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    # The placeholder does not fit beside the floor worker: Karpenter adds a node for it, before any demand.
+    placeholder = wait_for(lambda: next((p for p in headroom_pods(kcluster, ns) if ready(p)), None),
+                           "the placeholder running on a new node", timeout_s=60)
+    warm_node = placeholder["spec"]["nodeName"]
+    assert warm_node in karpenter_nodes(kcluster)
+
+    # Demand: a second GPU. Its worker preempts the placeholder and starts on the warm node at once;
+    # the placeholder, recreated, makes Karpenter add the next node.
+    first = workers(kcluster, ns, "warm")["warm-worker-0"]
+    for rid in ("l1", "l2"):
+        post(first, "/script/requests", {"id": rid, "kvBytes": 600_000, "durationS": 300})
+    second = wait_for(lambda: next((p for name, p in workers(kcluster, ns, "warm").items() if name != "warm-worker-0"
+                                    and ready(p)), None), "a second worker", timeout_s=60)
+    assert second["spec"]["nodeName"] == warm_node
+    wait_for(lambda: placeholder["metadata"]["uid"] not in {p["metadata"]["uid"] for p in headroom_pods(kcluster, ns)},
+             "the preempted placeholder to go", timeout_s=30)
+    renewed = wait_for(lambda: next((p for p in headroom_pods(kcluster, ns) if ready(p)), None),
+                       "the recreated placeholder on the next new node", timeout_s=60)
+    assert renewed["spec"]["nodeName"] in karpenter_nodes(kcluster) and renewed["spec"]["nodeName"] != warm_node
+    print(f"\nworker on a node the placeholder kept warm: pending-to-ready {pending_to_ready_s(second):.0f} s")
+    for rid in ("l1", "l2"):
+        finish(kcluster, ns, "warm", rid)
+    kcluster.kubectl("delete", "llmpool", "warm", "-n", ns)
+
+
+def test_mell_asking_for_a_gpu_shape_no_nodepool_offers_waits_and_says_so(kcluster: Cluster, ns: str,
+                                                                           operator: OperatorHandle) -> None:
+    # The NodePool offers 1- and 2-GPU nodes; a 4-GPU worker fits none of them (the 8-GPU type exists
+    # but the NodePool does not allow it). Karpenter claims nothing; the pool waits and says why.
+    kcluster.apply_json(pool("wide", gpusPerWorker=4, workers={"min": 1, "max": 1}), ns)
+    waiting = wait_for(lambda: (c := condition(status(kcluster, ns, "wide", operator), "WaitingForCapacity"))
+                       .get("status") == "True" and c, "WaitingForCapacity", timeout_s=60)
+    assert waiting["reason"] == "WorkersUnschedulable" and "Insufficient nvidia.com/gpu" in waiting["message"]
+
+    def karpenter_said() -> list[str]:
+        events = kcluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=wide-worker-0")["items"]
+        return [e["message"] for e in events if (e.get("source") or {}).get("component") == "karpenter"
+                or e.get("reportingComponent") == "karpenter"]
+
+    said = wait_for(karpenter_said, "Karpenter's word on the pod", timeout_s=60)
+    assert any("nvidia.com/gpu" in m for m in said), said
+    time.sleep(5)
+    assert kcluster.get_json("nodeclaims")["items"] == [] and not karpenter_nodes(kcluster)
+    assert condition(status(kcluster, ns, "wide", operator), "Ready")["status"] == "False"
+    kcluster.kubectl("delete", "llmpool", "wide", "-n", ns)
+
+
+def test_karpenter_moving_an_empty_worker_mell_still_wants_loses_nothing(kcluster: Cluster, ns: str,
+                                                                         operator: OperatorHandle) -> None:
+    # The fixed node's GPU is taken, so the pool's floor worker starts on a node from Karpenter.
+    kcluster.apply_json(blocker("blocker"), ns)
+    wait_for(lambda: ready(kcluster.get_json("pod", "blocker", "-n", ns)), "the blocker", timeout_s=30)
+    kcluster.apply_json(pool("floor", workers={"min": 1, "max": 2}), ns)
+    wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
+    node = node_of(kcluster, ns, "floor-worker-0")
+    assert node in karpenter_nodes(kcluster)
+    # The fixed node's GPU frees: Karpenter consolidates by moving the empty floor worker there (it
+    # says do-not-disrupt "false"); the operator replaces the evicted pod, and the node goes.
+    kcluster.kubectl("delete", "pod", "blocker", "-n", ns)
+    wait_for(lambda: node not in karpenter_nodes(kcluster), "Karpenter to consolidate the floor worker's node",
+             timeout_s=90, interval_s=1)
+    back = wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1
+                    and list(workers(kcluster, ns, "floor")), "the floor worker back", timeout_s=60)
+    assert back != ["floor-worker-0"] and node_of(kcluster, ns, back[0]) not in karpenter_nodes(kcluster)
