@@ -7,6 +7,11 @@ through the router at scaled speed while a live table shows the workers and the 
 orders; the run ends with the replay's record: billed GPU-seconds, GPUs in use against the fluid
 bound (a PNG), migrations by mode and outcome, latency, and how many client streams completed whole.
 It runs what the e2e tests run.
+
+With `--karpenter` (`make demo KARPENTER=1`) the cluster starts with one node and Karpenter adds GPU
+nodes as MELL's workers need them and removes the ones MELL empties: the live table lists the nodes,
+the PNG adds the GPUs on nodes over time, and the summary compares the node GPU-seconds billed (a
+node is billed from its creation to its deletion, idle or not) with the fixed three-node cluster's.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,10 @@ EPOCH_S = 1.0
 SCALE_DOWN_DELAY_S = 3
 # The trace's requests, shrunk to the tiny model and a 2-core machine: prompts / 8, outputs / 2.
 PROMPT_SCALE, OUTPUT_SCALE = 8, 2
+# The plain demo's cluster; with --karpenter it starts from one such node.
+FIXED_NODES, FIXED_GPUS_PER_NODE = 3, 2
+# With --karpenter: how long the "cloud" takes to boot a node (a real GPU node: minutes).
+NODE_BOOT_S = 5.0
 
 
 def pool_manifest(model_dir: Path) -> dict[str, Any]:
@@ -69,6 +80,53 @@ def pool_manifest(model_dir: Path) -> dict[str, Any]:
     }}
 
 
+@dataclass
+class NodeLife:
+    name: str
+    gpus: int
+    instance_type: str
+    first_s: float
+    last_s: float
+    gone: bool = False
+
+
+@dataclass
+class NodeLog:
+    """The cluster's nodes, sampled every second on the replay's clock: what a cloud bills."""
+
+    clock: Clock
+    nodes: dict[str, NodeLife] = field(default_factory=dict)
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (s, GPUs on nodes)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self, cluster: Cluster) -> None:
+        now_s = self.clock.now_s()
+        items = (cluster.get_json("nodes", check=False) or {}).get("items", [])
+        seen = set()
+        for node in items:
+            name = node["metadata"]["name"]
+            seen.add(name)
+            gpus = int((node["status"].get("allocatable") or {}).get("nvidia.com/gpu", 0))
+            life = self.nodes.setdefault(name, NodeLife(name, gpus, node["metadata"].get("labels", {}).get(
+                "node.kubernetes.io/instance-type", "fixed"), now_s, now_s))
+            life.last_s, life.gpus = now_s, gpus
+        for life in self.nodes.values():
+            life.gone = life.name not in seen
+        self.samples.append((now_s, sum(n.gpus for n in self.nodes.values() if not n.gone)))
+
+    def run(self, cluster: Cluster) -> None:
+        while not self.stop.wait(1.0):
+            with contextlib.suppress(Exception):  # a sample missed is a second less resolution
+                self.sample(cluster)
+
+    def gpu_seconds(self, start_s: float, end_s: float) -> float:
+        """GPU-seconds of the nodes that existed in [start_s, end_s] (each from first to last sighting)."""
+        return sum(n.gpus * max(0.0, min(n.last_s, end_s) - max(n.first_s, start_s)) for n in self.nodes.values())
+
+    def peak_gpus(self) -> int:
+        return max((g for _, g in self.samples), default=0)
+
+
 def show(cluster: Cluster, title: str, *args: str, input_text: str | None = None) -> None:
     comment = f"    # {title}" if title else ""
     print(f"\n$ kubectl {' '.join(args)}{comment}", flush=True)
@@ -80,7 +138,7 @@ def ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
-def live_table(cluster: Cluster, progress: Progress) -> None:
+def live_table(cluster: Cluster, progress: Progress, nodes: NodeLog | None = None) -> None:
     pods = cluster.get_json("pods", "-l", f"kvfleet.dev/pool={POOL},app.kubernetes.io/component=worker")["items"]
     rows = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
@@ -98,6 +156,10 @@ def live_table(cluster: Cluster, progress: Progress) -> None:
           f"GPUs in use {sample.gpus_in_use if sample else 0} (lower bound {sample.lower_bound_gpus if sample else 0}), "
           f"workers {sample.workers if sample else 0}" + ("; draining to the floor" if progress.draining else ""))
     print("\n".join(rows) or "  (no workers)")
+    if nodes is not None:
+        up = sorted((n for n in nodes.nodes.values() if not n.gone), key=lambda n: n.first_s)
+        print(f"  nodes: {len(up)} with {sum(n.gpus for n in up)} GPUs: "
+              + ", ".join(f"{n.instance_type} ({n.gpus} GPU, up {nodes.clock.now_s() - n.first_s:.0f}s)" for n in up))
     if len(migs) > 1:
         print("  $ kubectl get kvmigrations | tail -4")
         print("\n".join("  " + line for line in migs[:1] + migs[1:][-4:]), flush=True)
@@ -131,7 +193,7 @@ def comparison(record: Record, sims: dict[str, RunResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(record: Record, path: Path, sims: dict[str, RunResult] | None = None) -> None:
+def plot(record: Record, path: Path, sims: dict[str, RunResult] | None = None, nodes: NodeLog | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,6 +204,9 @@ def plot(record: Record, path: Path, sims: dict[str, RunResult] | None = None) -
     ax.step(t, [s.gpus_in_use for s in record.samples], where="post", label=f"GPUs in use ({record.policy})")
     ax.step(t, [s.workers for s in record.samples], where="post", label="worker pods", linestyle="--")
     ax.step(t, [s.lower_bound_gpus for s in record.samples], where="post", label="fluid lower bound", linestyle=":")
+    if nodes is not None and nodes.samples:
+        ax.step([at for at, _ in nodes.samples], [g for _, g in nodes.samples], where="post", color="black", alpha=0.6,
+                label="GPUs on nodes (Karpenter)")
     for policy, run in (sims or {}).items():
         if policy != record.policy:  # the live run's own policy is the solid line
             ax.step([(k + 1) * EPOCH_S for k in range(len(run.gpus))], run.gpus, where="post", alpha=0.7,
@@ -171,6 +236,18 @@ def replay_args(args: argparse.Namespace, cluster: Cluster, out: Path) -> argpar
         "--no-progress"])
 
 
+def node_comparison(nodes: NodeLog, record: Record, fixed_gpus: int) -> str:
+    start_s = record.samples[0].at_s if record.samples else 0.0
+    end_s = start_s + record.duration_s
+    karpenter = nodes.gpu_seconds(start_s, end_s)
+    fixed = fixed_gpus * record.duration_s
+    made = sorted(n.name for n in nodes.nodes.values() if n.instance_type != "fixed")
+    return (f"nodes (Karpenter, from one node): {karpenter:.0f} node GPU-seconds billed over {record.duration_s:.0f} s, "
+            f"peak {nodes.peak_gpus()} GPUs on nodes, {len(made)} nodes created by Karpenter, "
+            f"{sum(n.gone for n in nodes.nodes.values())} removed; the fixed cluster ({fixed_gpus} GPUs) bills {fixed:.0f}: "
+            f"{karpenter / fixed:.2f}x")
+
+
 def run_story(cluster: Cluster, args: argparse.Namespace) -> int:
     cache = Path(os.environ.get("KVFLEET_CACHE", REPO_ROOT / ".cache"))
     model_dir = make_tiny(cache / "models" / "tiny")
@@ -194,15 +271,26 @@ def run_story(cluster: Cluster, args: argparse.Namespace) -> int:
               f"{len(requests)} streams, {sum(r.prompt_tokens for r in requests)} prompt and "
               f"{sum(r.output_tokens for r in requests)} output tokens) through the router at {args.speedup}x ---",
               flush=True)
-        record, streams = run_replay(observer, pool, router_url, requests, trace, rargs,
-                                     on_tick=lambda p: live_table(cluster, p))
+        nodes: NodeLog | None = None
+        if args.karpenter:
+            nodes = NodeLog(observer.clock)
+            nodes.sample(cluster)
+            threading.Thread(target=nodes.run, args=(cluster,), daemon=True, name="nodes").start()
+        try:
+            record, streams = run_replay(observer, pool, router_url, requests, trace, rargs,
+                                         on_tick=lambda p: live_table(cluster, p, nodes))
+        finally:
+            if nodes is not None:
+                nodes.stop.set()
         written = write_record(rargs.out, record, [(s.sent_s, s.request) for s in streams], observer.profiles)
         print("\n=== summary (kvfleet replay's record: " + ", ".join(str(p) for p in written) + ") ===")
         print(replay_summary(record))
         sims = simulate_slice(rargs.out, record)
         print(comparison(record, sims))
+        if nodes is not None:
+            print(node_comparison(nodes, record, FIXED_NODES * FIXED_GPUS_PER_NODE))
         png = cache / "demo" / "gpus-over-time.png"
-        plot(record, png, sims)
+        plot(record, png, sims, nodes)
         print(f"plot: {png}")
         return 0 if record.streams_whole == record.streams else 1
     finally:
@@ -216,11 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-start", type=float, default=0, help="where in the trace the window starts, s")
     parser.add_argument("--every", type=int, default=3, help="replay every n-th request of the window")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay speed against the trace's clock")
+    parser.add_argument("--karpenter", action="store_true",
+                        help="start from one node; Karpenter adds and removes GPU nodes (make demo KARPENTER=1)")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    num_nodes = 1 if args.karpenter else FIXED_NODES
     print("starting a local control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager)"
-          " and a node agent with 3 fake GPU nodes ...", flush=True)
-    with local_cluster(num_nodes=3, gpus_per_node=2, num_zones=2) as cluster:
+          f" and a node agent with {num_nodes} fake GPU node(s)" + (", and Karpenter" if args.karpenter else "") + " ...",
+          flush=True)
+    with local_cluster(num_nodes=num_nodes, gpus_per_node=FIXED_GPUS_PER_NODE, num_zones=2, karpenter=args.karpenter,
+                       node_registration_delay_s=NODE_BOOT_S) as cluster:
         print(f"cluster up in {time.monotonic() - started:.1f}s; CRDs installed", flush=True)
         show(cluster, "the fake GPU nodes", "get", "nodes",
              "-o", "custom-columns=NAME:.metadata.name,GPUS:.status.allocatable.nvidia\\.com/gpu,"
