@@ -69,9 +69,12 @@ def parts(model_dir: Path) -> list[Part]:
         Part("crash_hunt", [py, "bench/kernels.py", "--crash-hunt"], [py, "bench/kernels.py", "--crash-hunt", "--cpu-smoke"], 90),
         Part("kernels", [py, "bench/kernels.py", "--quick"], [py, "bench/kernels.py", "--cpu-smoke"], 75),
         Part("engine", [py, "bench/gpu_engine.py", *model], [py, "bench/gpu_engine.py", "--quick"], 90, needs_model=True),
-        Part("elastic", [py, "bench/elastic.py", "--gpu", *model], [py, "bench/elastic.py", "--quick"], 80, needs_model=True),
-        Part("distkv", [py, "bench/distkv.py", "--gpu", *model], [py, "bench/distkv.py", "--quick", "--skip-context"], 50,
+        # The dry runs leave vLLM out as the GPU machines do (they carry no vLLM): the dry run rehearses
+        # what runs there, and the vLLM rows have quick runs of their own (tests/worker/test_bench_*.py).
+        Part("elastic", [py, "bench/elastic.py", "--gpu", *model], [py, "bench/elastic.py", "--quick", "--skip-vllm"], 80,
              needs_model=True),
+        Part("distkv", [py, "bench/distkv.py", "--gpu", *model],
+             [py, "bench/distkv.py", "--quick", "--skip-context", "--skip-vllm"], 50, needs_model=True),
         Part("migration", [py, "bench/migration.py", "--gpu", *model], [py, "bench/migration.py", "--quick", "--processes", "--no-vllm"], 80,
              needs_model=True),
     ]
