@@ -236,15 +236,31 @@ def replay_args(args: argparse.Namespace, cluster: Cluster, out: Path) -> argpar
         "--no-progress"])
 
 
+def wait_for_karpenter_nodes_gone(nodes: NodeLog, timeout_s: float = 120) -> None:
+    """After the replay the nodes Karpenter added are still billed until it removes them: wait for that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [n for n in nodes.nodes.values() if n.instance_type != "fixed" and not n.gone]
+        if not left:
+            return
+        print(f"[{nodes.clock.now_s():5.0f}s] waiting for Karpenter to remove {len(left)} empty node(s) "
+              f"({sum(n.gpus for n in left)} GPUs still billed)", flush=True)
+        time.sleep(5)
+    print(f"Karpenter left nodes after {timeout_s:.0f} s; they are billed to here", flush=True)
+
+
 def node_comparison(nodes: NodeLog, record: Record, fixed_gpus: int) -> str:
+    """Node GPU-seconds from the replay's start until Karpenter removed the last node it added (or the
+    replay's end, if later), against the fixed cluster's GPUs over the same time."""
     start_s = record.samples[0].at_s if record.samples else 0.0
-    end_s = start_s + record.duration_s
+    end_s = max([start_s + record.duration_s] + [n.last_s for n in nodes.nodes.values() if n.instance_type != "fixed"])
     karpenter = nodes.gpu_seconds(start_s, end_s)
-    fixed = fixed_gpus * record.duration_s
+    fixed = fixed_gpus * (end_s - start_s)
     made = sorted(n.name for n in nodes.nodes.values() if n.instance_type != "fixed")
-    return (f"nodes (Karpenter, from one node): {karpenter:.0f} node GPU-seconds billed over {record.duration_s:.0f} s, "
-            f"peak {nodes.peak_gpus()} GPUs on nodes, {len(made)} nodes created by Karpenter, "
-            f"{sum(n.gone for n in nodes.nodes.values())} removed; the fixed cluster ({fixed_gpus} GPUs) bills {fixed:.0f}: "
+    return (f"nodes (Karpenter, from one node, {NODE_BOOT_S:g} s boot): {karpenter:.0f} node GPU-seconds billed over "
+            f"{end_s - start_s:.0f} s (the replay and Karpenter's removal of its nodes), peak {nodes.peak_gpus()} GPUs on "
+            f"nodes, {len(made)} nodes created by Karpenter, {sum(n.gone for n in nodes.nodes.values())} removed; "
+            f"the fixed cluster ({fixed_gpus} GPUs, idle ones billed too) bills {fixed:.0f} over the same time: "
             f"{karpenter / fixed:.2f}x")
 
 
@@ -279,6 +295,8 @@ def run_story(cluster: Cluster, args: argparse.Namespace) -> int:
         try:
             record, streams = run_replay(observer, pool, router_url, requests, trace, rargs,
                                          on_tick=lambda p: live_table(cluster, p, nodes))
+            if nodes is not None:
+                wait_for_karpenter_nodes_gone(nodes)
         finally:
             if nodes is not None:
                 nodes.stop.set()
