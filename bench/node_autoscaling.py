@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             claims = cluster.get_json("nodeclaims")["items"]
             node = cluster.get_json("node", pod["spec"]["nodeName"])
             sent_s = stamp_s(pod["metadata"]["creationTimestamp"])
-            claim_s = min(stamp_s(c["metadata"]["creationTimestamp"]) for c in claims) - sent_s
+            # The API's timestamps have whole seconds: a NodeClaim made in the pod's second may read -1 s.
+            claim_s = max(0.0, min(stamp_s(c["metadata"]["creationTimestamp"]) for c in claims) - sent_s)
             node_ready_s = stamp_s(next(c["lastTransitionTime"] for c in node["status"]["conditions"] if c["type"] == "Ready")) - sent_s
             pod_ready_s = stamp_s(next(c["lastTransitionTime"] for c in pod["status"]["conditions"] if c["type"] == "Ready")) - sent_s
             print(f"new_node: first token {new_node_s:.2f} s (pool at zero, no free GPU; node boot {args.node_boot_s:g} s); "
