@@ -22,7 +22,7 @@ from kvfleet.localcluster.cluster import Cluster, local_cluster, wait_for
 from kvfleet.localcluster.controlplane import stop_process
 from kvfleet.operator.pods import DO_NOT_DISRUPT
 from kvfleet_e2e.operators import OperatorHandle
-from kvfleet_e2e.pools import ready
+from kvfleet_e2e.pools import post, ready
 from kvfleet_e2e.pools import scripted_pool as pool
 from kvfleet_e2e.reports import worker_reports
 
@@ -81,15 +81,6 @@ def status(cluster: Cluster, namespace: str, name: str, operator: OperatorHandle
 
 def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
-
-
-def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> None:
-    import urllib.request
-
-    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=5):
-        pass
 
 
 def held(cluster: Cluster, namespace: str, name: str) -> dict[str, list[str]]:

@@ -27,6 +27,7 @@ from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import free_port, stop_process
 from kvfleet.sim import bundled
 from kvfleet_e2e.operators import OperatorHandle
+from kvfleet_e2e.pools import post
 from kvfleet_e2e.pools import scripted_pool as pool
 from kvfleet_e2e.reports import worker_reports
 
@@ -99,13 +100,6 @@ def test_unschedulable_workers_report_waiting_for_capacity(cluster: Cluster, nam
     assert waiting["reason"] == "WorkersUnschedulable"
     assert "Insufficient nvidia.com/gpu" in waiting["message"]
     assert condition(status(cluster, namespace, "huge"), "Ready")["status"] == "False"
-
-
-def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=5) as resp:
-        return dict(json.loads(resp.read()))
 
 
 def held(cluster: Cluster, namespace: str, pool_name: str) -> dict[str, list[str]]:

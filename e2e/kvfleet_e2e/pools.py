@@ -3,6 +3,7 @@ what they ask of their pods."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from typing import Any
 
@@ -20,6 +21,14 @@ def scripted_pool(name: str, **spec: Any) -> dict[str, Any]:
     }
     body.update(spec)
     return {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "LLMPool", "metadata": {"name": name}, "spec": body}
+
+
+def post(pod: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST JSON to a pod's port 8000 (a scripted worker's /script/... endpoints); its JSON answer."""
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8000{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return dict(json.loads(resp.read()))
 
 
 def ready(pod: dict[str, Any]) -> bool:
