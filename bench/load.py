@@ -150,7 +150,7 @@ def router_child(argv: list[str]) -> int:
 
         def sizes() -> dict[str, int]:
             tree = self.prefix.tree
-            return {"in_flight": self._in_flight, "reservations": len(self._reservations),
+            return {"in_flight": self._in_flight, "reservations": len(self.loads.reservations()),
                     "prefix_queued": len(self.prefix._queued), "prefix_sessions": len(self.prefix._sessions),
                     "prefix_tree_blocks": tree.num_blocks if tree is not None else 0, "held": self.hold.num_held}
 

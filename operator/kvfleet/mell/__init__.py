@@ -9,7 +9,7 @@ Liu et al.).
 `kvfleet.mell.debt` is the gManager of Infinite-LLM (§4.4-4.5): the debt ledger, creditor choice and DGFM.
 """
 
-from kvfleet.mell.allocate import AllocateDecision, GpuLoad, allocate_one, cluster_snapshot
+from kvfleet.mell.allocate import AllocateDecision, GpuLoad, GpuTotals, allocate_on_totals, allocate_one, cluster_snapshot
 from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.debt import (
     BlockMove,
@@ -70,6 +70,7 @@ __all__ = [
     "EventBatch",
     "Finish",
     "GpuLoad",
+    "GpuTotals",
     "Grant",
     "Grow",
     "InstanceAccount",
@@ -84,6 +85,7 @@ __all__ = [
     "SizeClass",
     "Span",
     "WorkerDebtReport",
+    "allocate_on_totals",
     "allocate_one",
     "blocks_needed_for_bytes",
     "build_ledger",

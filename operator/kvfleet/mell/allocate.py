@@ -9,17 +9,23 @@ where the request went, by which branch of Fig. 10, and which moves the plan ord
 (evicting T-requests from an L-GPU, pulling an S/M-request into a new L-GPU, refilling). The router
 cannot make those moves; the operator's next epoch does.
 
+Rebuilding the cluster costs time in the number of requests in flight (tens of milliseconds at a thousand),
+once per placement. `allocate_on_totals` gives the same decision from each GPU's totals alone, in time
+in the number of GPUs, wherever the policy's Allocate reads nothing else (the default policy while no
+GPU is over its cap); elsewhere it says it cannot, and the caller rebuilds.
+
 Pure: the same view, size and config always give the same decision; nothing survives the call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvfleet.mell.cluster import PolicyConfig
-from kvfleet.mell.mell_default import MellDefaultPolicy
+from kvfleet.mell.mell_default import MellDefaultConfig, MellDefaultPolicy
 from kvfleet.mell.models import Arrive, EventBatch, Location, Migration
 from kvfleet.mell.policy import make_policy
 from kvfleet.mell.size_classes import SizeClass, size_class
@@ -60,6 +66,16 @@ class AllocateDecision:
     step: str
     # Moves the plan also ordered (causes as in Plan.migrations: "evict-t", "pull-sm", "refill-sm").
     moves: tuple[Migration, ...]
+
+
+@dataclass(frozen=True)
+class GpuTotals:
+    """One GPU as `allocate_on_totals` reads it: what its requests add up to, not the requests."""
+
+    gpu_id: str
+    activation_order: int
+    load_bytes: int
+    num_requests: int
 
 
 def items_of(gpu_id: str, requests: Iterable[tuple[str, int]], capacity_bytes: int) -> list[ItemSnapshot]:
@@ -145,3 +161,56 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: PolicyConfi
     else:
         step = "SM-on-latest-SM-GPU"
     return AllocateDecision(gpu_id, False, step, moves)
+
+
+def allocate_on_totals(gpus: Sequence[GpuTotals], size_bytes: int, config: PolicyConfig,
+                       policy_name: str = "mell") -> AllocateDecision | None:
+    """`allocate_one(cluster_snapshot(gpus, C), size_bytes, config, policy_name)` from the GPUs' totals,
+    or None where the decision needs more than totals (then call that).
+
+    The default policy's Allocate (mell_default.py, rule 1: `_target`) is the fullest GPU in use that
+    holds the request with headroom under its cap, else without headroom, else a new GPU; "fullest" is
+    the least free bytes, then the earliest activated (the free index's order). Before it, `on_arrive`
+    relieves GPUs over their cap (rule 2), which moves whole requests: a view with such a GPU gets None,
+    as does every other policy (MELL §VI-C's Fig. 10 reads size classes and multi-items; the baselines
+    have rules of their own), and a config that is not the default policy's.
+    """
+    if policy_name != "mell":
+        return None
+    if type(config) is PolicyConfig:  # as make_policy reads it: the policy's own knobs at their defaults
+        config = MellDefaultConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(PolicyConfig)})
+    if not isinstance(config, MellDefaultConfig):
+        return None
+    capacity = config.capacity_bytes
+    headroom = int(config.headroom_fraction * capacity)
+    passes = [("best-fit", headroom)] + ([("best-fit-in-headroom", 0)] if config.fill_without_headroom else [])
+    in_use = [gpu for gpu in gpus if gpu.num_requests]  # one without requests is idle once restored
+    max_load, per_request = config.max_load_bytes, config.load_bytes_per_request
+    if max_load is None:
+        # MellDefaultPolicy._cap is C: a GPU over it is relieved (rule 2) first, which moves requests
+        # (only the rebuilt state says where); else the fullest that holds the request, as `_target`.
+        if any(gpu.load_bytes > capacity for gpu in in_use):
+            return None
+        for step, room in passes:
+            fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= capacity]
+            if fitting:
+                return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
+    else:
+        def cap(gpu: GpuTotals, extra_requests: int) -> int:  # MellDefaultPolicy._cap under a TPOT objective
+            return min(capacity, max_load - (gpu.num_requests + extra_requests) * per_request)
+
+        if any(gpu.load_bytes > cap(gpu, 0) for gpu in in_use):
+            return None
+        for step, room in passes:
+            fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= cap(gpu, 1)]
+            if fitting:
+                return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
+    taken = [int(m.group(1)) + 1 for g in gpus if (m := _GPU_ID.match(g.gpu_id))]
+    return AllocateDecision(f"gpu-{max([len(gpus), *taken])}", True, "new-GPU", ())
+
+
+def _fullest(gpus: Sequence[GpuTotals]) -> GpuTotals:
+    """The best fit among GPUs that hold a request: the fullest (least free bytes, one C for all), then
+    the earliest activated (the free index orders ties by seq, which is the rank in activation order:
+    cluster_snapshot), then the smallest id."""
+    return min(gpus, key=lambda gpu: (-gpu.load_bytes, gpu.activation_order, gpu.gpu_id))

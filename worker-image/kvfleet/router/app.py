@@ -32,11 +32,11 @@ from kvfleet.router.model_info import ModelInfo, ModelInfoSource
 from kvfleet.router.placement import (
     NoRoute,
     PDSettings,
+    PoolLoads,
     PoolSnapshot,
     Reservation,
     RouteChoice,
     estimate_prompt_tokens,
-    place,
     request_kv_bytes,
 )
 from kvfleet.router.pool import PoolView
@@ -96,7 +96,8 @@ class Router:
         self.metrics = RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
         self._in_flight = 0
-        self._reservations: dict[str, Reservation] = {}
+        # The pool's KV per worker, the requests this router placed included (placement.PoolLoads).
+        self.loads = PoolLoads()
         self.model_info = ModelInfoSource(view, lambda: self.session, config.credentials)
         self.prefix = PrefixRouting(view, lambda: self.session)
         self.hold = HoldQueue(config.max_held, config.hold_timeout_s,
@@ -150,7 +151,7 @@ class Router:
     def worker_of(self, request_id: str) -> str | None:
         """The pod the router last placed the request in flight with this id on; None before it has a
         worker and once it has ended."""
-        reservation = self._reservations.get(request_id)
+        reservation = self.loads.reservation(request_id)
         return reservation.pod_name if reservation is not None else None
 
     def _not_ready(self) -> str | None:
@@ -256,7 +257,7 @@ class Router:
             return await respond(request, relays, body, chat, self.metrics, arrived_s, request_id, stagger=stagger)
         finally:
             for relay in relays:
-                self._reservations.pop(relay.request_id, None)
+                self.loads.release(relay.request_id)
                 self._ended(relay, user)
 
     def _ended(self, relay: Relay, user: str | None) -> None:
@@ -311,14 +312,15 @@ class Router:
         estimate = {"bytes": kv_bytes(prompt_tokens)}
 
         def choose(exclude: frozenset[str]) -> RouteChoice | NoRoute:
-            others = [r for r in self._reservations.values() if r.request_id != request_id]
             capacity = (info.capacity_bytes if info else None) or 1
             snapshot = self.view.snapshot()
+            self.loads.sync(snapshot)
             if snapshot.disaggregation is not None:
+                others = [r for r in self.loads.reservations() if r.request_id != request_id]
                 return choose_disaggregated(snapshot, snapshot.disaggregation, others, capacity, exclude)
             locality = self.prefix.locality(snapshot, prompt_ids, user)
-            choice = place(snapshot, others, estimate["bytes"], default_capacity_bytes=capacity, exclude=exclude,
-                           locality=locality)
+            choice = self.loads.place(estimate["bytes"], default_capacity_bytes=capacity, exclude=exclude,
+                                      locality=locality, request_id=request_id)
             if isinstance(choice, RouteChoice):
                 self.metrics.placements.labels(choice.rule).inc()
                 self.prefix.placed(request_id, choice.pod_name, prompt_ids, locality)
@@ -345,7 +347,7 @@ class Router:
             if ids is not None:
                 estimate["bytes"] = kv_bytes(len(ids))  # exact now that the worker has tokenized it
                 self.prefix.started(request_id)
-            self._reservations[request_id] = Reservation(request_id, pod_name, estimate["bytes"])
+            self.loads.reserve(Reservation(request_id, pod_name, estimate["bytes"]))
 
         return choose, on_worker
 
@@ -354,7 +356,7 @@ class Router:
         for it: the samples share one prompt, whose KV a worker with a prefix cache then holds once."""
 
         def choose_beside(exclude: frozenset[str]) -> RouteChoice | NoRoute:
-            first = self._reservations.get(first_id)
+            first = self.loads.reservation(first_id)
             if first is not None and first.pod_name not in exclude:
                 worker = next((w for w in self.view.snapshot().workers if w.pod_name == first.pod_name and w.ready), None)
                 if worker is not None:

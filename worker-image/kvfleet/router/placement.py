@@ -13,10 +13,18 @@ for the request. Pure: no I/O, no clock, so it is tested with exact small cases.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvfleet.mell import GpuLoad, PolicyConfig, allocate_one, cluster_snapshot, policy_config
+from kvfleet.mell import (
+    GpuLoad,
+    GpuTotals,
+    PolicyConfig,
+    allocate_on_totals,
+    allocate_one,
+    cluster_snapshot,
+    policy_config,
+)
 from kvfleet.mell.size_classes import SizeClass, class_of_name, size_class
 from kvfleet.router.locality import Locality, LocalityInput, prefer_cached
 from kvfleet.serving.httpapi import DecodeTarget
@@ -143,13 +151,20 @@ def request_kv_bytes(prompt_tokens: int, max_tokens: int | None, kv_bytes_per_to
     return (prompt_tokens + (output or 0)) * kv_bytes_per_token
 
 
-@dataclass(frozen=True)
 class _Load:
-    worker: WorkerState
-    capacity_bytes: int
-    sizes: Mapping[str, int]  # request id -> KV bytes held or reserved
-    committed_bytes: int
-    num_requests: int
+    """One Ready worker as a placement reads it (kept per worker until its totals change)."""
+
+    __slots__ = ("worker", "capacity_bytes", "committed_bytes", "num_requests", "sizes", "totals")
+
+    def __init__(self, worker: WorkerState, capacity_bytes: int, committed_bytes: int, num_requests: int,
+                 sizes: Callable[[], Mapping[str, int]]) -> None:
+        self.worker = worker
+        self.capacity_bytes = capacity_bytes
+        self.committed_bytes = committed_bytes  # KV held or reserved on it
+        self.num_requests = num_requests
+        # The request id -> KV bytes behind those totals (read only where the policy needs them: `allocate`).
+        self.sizes = sizes
+        self.totals = GpuTotals(worker.pod_name, worker.activation_order, committed_bytes, num_requests)
 
     @property
     def free_bytes(self) -> int:
@@ -160,49 +175,169 @@ class _Load:
         return self.committed_bytes + min(kv_bytes, self.capacity_bytes) <= self.capacity_bytes
 
 
-def _loads(snapshot: PoolSnapshot, reservations: Sequence[Reservation], default_capacity_bytes: int,
-           exclude: frozenset[str]) -> list[_Load]:
-    by_pod: dict[str, dict[str, int]] = {}
-    for r in reservations:
-        by_pod.setdefault(r.pod_name, {})[r.request_id] = r.kv_bytes
-    loads = []
-    for w in snapshot.ready_workers():
-        if w.pod_name in exclude:
-            continue
-        capacity = w.capacity_bytes or default_capacity_bytes
-        mine = by_pod.get(w.pod_name, {})
-        # A request the report shows and the router placed counts once, at the larger of the two:
-        # the report has its KV so far, the reservation what it will grow to.
-        sizes = {r.request_id: max(r.kv_bytes, mine.get(r.request_id, 0)) for r in w.reported}
-        for request_id, kv_bytes in mine.items():
-            sizes.setdefault(request_id, kv_bytes)
-        loads.append(_Load(w, capacity, sizes, sum(sizes.values()), len(sizes)))
-    return loads
+class _PodBook:
+    """One worker's requests as the router counts them: reported, reserved, and their totals."""
+
+    __slots__ = ("reported", "reserved", "committed_bytes", "num_requests", "load")
+
+    def __init__(self) -> None:
+        self.reported: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+        self.committed_bytes = 0
+        self.num_requests = 0
+        self.load: _Load | None = None  # as the last placement read it; None once the totals change
+
+    def held(self, request_id: str) -> int:
+        """What one request counts for here: a request the report shows and the router placed counts
+        once, at the larger of the two (the report has its KV so far, the reservation what it will
+        grow to); -1: not here."""
+        reported = self.reported.get(request_id, -1)
+        reserved = self.reserved.get(request_id, -1)
+        return max(reported, reserved)
+
+    def set_reserved(self, request_id: str, kv_bytes: int | None) -> None:
+        before = self.held(request_id)
+        if kv_bytes is None:
+            self.reserved.pop(request_id, None)
+        else:
+            self.reserved[request_id] = kv_bytes
+        self._count(before, self.held(request_id))
+
+    def set_reported(self, reported: Mapping[str, int]) -> None:
+        self.reported = dict(reported)
+        self.load = None
+        self.committed_bytes = sum(self.held(r) for r in {**self.reported, **self.reserved})
+        self.num_requests = len(self.reported.keys() | self.reserved.keys())
+
+    def _count(self, before: int, after: int) -> None:
+        self.load = None
+        self.committed_bytes += max(after, 0) - max(before, 0)
+        self.num_requests += (after >= 0) - (before >= 0)
+
+    def sizes(self) -> dict[str, int]:
+        return {r: self.held(r) for r in {**self.reported, **self.reserved}}
 
 
-def allocate(loads: list[_Load], kv_bytes: int, config: PolicyConfig | None,
-             policy: str = "mell") -> tuple[_Load, str] | None:
+class PoolLoads:
+    """Where the pool's KV is as the router sees it, kept up to date as reports and placements arrive.
+
+    The workers' reports come with each new `PoolSnapshot` (`sync`: only the workers whose state
+    changed are re-read), the router's own placements as reservations (`reserve`, `release`). A
+    placement then reads each worker's totals (`place`, time in the number of workers), where
+    rebuilding them from every request in flight cost tens of milliseconds at a thousand
+    (bench/placement.py measures both). Not thread-safe: the router's event loop is its one user.
+    """
+
+    def __init__(self, snapshot: PoolSnapshot | None = None, reservations: Iterable[Reservation] = (), *,
+                 rebuild: bool = False) -> None:
+        # Decide every placement on the cluster rebuilt from every request (`allocate_one`), as the
+        # router did before it kept totals: the baseline bench/placement.py and the tests compare with.
+        self.rebuild = rebuild
+        self.snapshot = PoolSnapshot((), {}, synced=False)
+        self._books: dict[str, _PodBook] = {}
+        self._states: dict[str, WorkerState] = {}
+        self._reservations: dict[str, Reservation] = {}
+        for reservation in reservations:
+            self.reserve(reservation)
+        if snapshot is not None:
+            self.sync(snapshot)
+
+    def _book(self, pod_name: str) -> _PodBook:
+        book = self._books.get(pod_name)
+        if book is None:
+            book = self._books[pod_name] = _PodBook()
+        return book
+
+    def sync(self, snapshot: PoolSnapshot) -> None:
+        """Take the pool's newest view; a worker whose state is the one already read costs nothing."""
+        if snapshot is self.snapshot:
+            return
+        seen = set()
+        for worker in snapshot.workers:
+            seen.add(worker.pod_name)
+            if self._states.get(worker.pod_name) is worker:
+                continue
+            self._states[worker.pod_name] = worker
+            self._book(worker.pod_name).set_reported({r.request_id: r.kv_bytes for r in worker.reported})
+        for gone in self._states.keys() - seen:
+            del self._states[gone]
+            self._book(gone).set_reported({})
+        self.snapshot = snapshot
+
+    def reserve(self, reservation: Reservation) -> None:
+        """The router placed this request (again): it holds at most `kv_bytes` on that worker."""
+        self.release(reservation.request_id)
+        self._reservations[reservation.request_id] = reservation
+        self._book(reservation.pod_name).set_reserved(reservation.request_id, reservation.kv_bytes)
+
+    def release(self, request_id: str) -> Reservation | None:
+        """The request ended (or is being placed again): it no longer counts where it was reserved."""
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            self._book(reservation.pod_name).set_reserved(request_id, None)
+        return reservation
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        return self._reservations.get(request_id)
+
+    def reservations(self) -> list[Reservation]:
+        return list(self._reservations.values())
+
+    def loads(self, default_capacity_bytes: int, exclude: frozenset[str]) -> list[_Load]:
+        loads = []
+        for w in self.snapshot.ready_workers():
+            if w.pod_name in exclude:
+                continue
+            book = self._book(w.pod_name)
+            capacity = w.capacity_bytes or default_capacity_bytes
+            load = book.load
+            if load is None or load.worker is not w or load.capacity_bytes != capacity:
+                load = book.load = _Load(w, capacity, book.committed_bytes, book.num_requests, book.sizes)
+            loads.append(load)
+        return loads
+
+    def place(self, kv_bytes: int, *, default_capacity_bytes: int, exclude: frozenset[str] = frozenset(),
+              locality: LocalityInput | None = None, request_id: str | None = None) -> RouteChoice | NoRoute:
+        """`place` on this view; `request_id`'s own reservation (a request placed again after its
+        worker failed) does not count against it."""
+        own = self.release(request_id) if request_id is not None else None
+        try:
+            return _place(self.snapshot, self.loads(default_capacity_bytes, exclude), kv_bytes, locality, self.rebuild)
+        finally:
+            if own is not None:
+                self.reserve(own)
+
+
+def allocate(loads: list[_Load], kv_bytes: int, config: PolicyConfig | None, policy: str = "mell",
+             rebuild: bool = False, fitting: Sequence[_Load] | None = None) -> tuple[_Load, str] | None:
     """The pool policy's Allocate (the default's best fit with headroom; for `mell-paper` MELL §VI-C,
     Fig. 10, J.Allocate(i)), from the scheduling core, restricted to what a router can do: choose a
     worker.
 
-    The core restores the policy from the router's view (the workers' requests and activation order)
-    and places the request with the pool's knobs. "Activate a new GPU" means a worker holding
+    The core decides from the workers' totals where the policy reads nothing else
+    (`allocate_on_totals`: the default policy, no worker over its cap), and otherwise restores the
+    policy from the router's view (the workers' requests and activation order) and places the request
+    with the pool's knobs (`allocate_one`). "Activate a new GPU" means a worker holding
     nothing (the operator keeps warm empty workers, the floor and headroom, for exactly this), the one
     activated first. The moves Allocate also orders (departing T-requests from an L-GPU, moving an
     S/M-request to a new L-GPU) are the operator's next epoch; since the router cannot make them, the
     chosen worker must also fit the request as it is now, or there is no choice (None).
     """
+    if not (fitting if fitting is not None else [load for load in loads if load.fits(kv_bytes)]):
+        return None  # whatever Allocate chose, neither a worker in use nor an empty one could take it
     # The core plans with one C; where reports differ, the smallest never overfills a worker.
     capacity = min(load.capacity_bytes for load in loads)
-    base = config or policy_config(policy, capacity)
-    gpus = [GpuLoad(load.worker.pod_name, load.worker.activation_order, tuple(load.sizes.items()))
-            for load in loads if load.sizes]
+    config = dataclasses.replace(config or policy_config(policy, capacity), capacity_bytes=capacity)
+    in_use = [load for load in loads if load.num_requests]
     # A request larger than C takes a whole worker (DistAttention spreads the rest): an L-request of C.
-    decision = allocate_one(cluster_snapshot(gpus, capacity), min(kv_bytes, capacity),
-                            dataclasses.replace(base, capacity_bytes=capacity), policy)
+    size = min(kv_bytes, capacity)
+    decision = None if rebuild else allocate_on_totals([load.totals for load in in_use], size, config, policy)
+    if decision is None:
+        gpus = [GpuLoad(load.worker.pod_name, load.worker.activation_order, tuple(load.sizes().items()))
+                for load in in_use]
+        decision = allocate_one(cluster_snapshot(gpus, capacity), size, config, policy)
     if decision.new_gpu:
-        empty = [load for load in loads if not load.sizes and load.fits(kv_bytes)]
+        empty = [load for load in loads if not load.num_requests and load.fits(kv_bytes)]
         if not empty:
             return None
         return min(empty, key=lambda load: (load.worker.activation_order, load.worker.pod_name)), "allocate:new-GPU"
@@ -232,7 +367,12 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
     of the prompt and is predicted sooner to its first token (MemServe §6, equation 1). A request no
     worker has room for queues where MELL says, whatever is cached.
     """
-    loads = _loads(snapshot, reservations, default_capacity_bytes, exclude)
+    return PoolLoads(snapshot, reservations).place(kv_bytes, default_capacity_bytes=default_capacity_bytes,
+                                                   exclude=exclude, locality=locality)
+
+
+def _place(snapshot: PoolSnapshot, loads: list[_Load], kv_bytes: int, locality: LocalityInput | None,
+           rebuild: bool) -> RouteChoice | NoRoute:
     if not loads:
         return NoRoute("no-ready-worker", "the pool has no Ready worker; retry shortly")
     if kv_bytes > max(load.capacity_bytes for load in loads):
@@ -242,13 +382,13 @@ def place(snapshot: PoolSnapshot, reservations: Sequence[Reservation], kv_bytes:
         # without room answers 400 context_length_exceeded, saying how much it could lend.
         spanning = _roomiest(loads)
         return RouteChoice(spanning.worker.pod_name, spanning.worker.address, "spanning")
-    by_name = {load.worker.pod_name: load for load in loads}
-    fitting = [load for load in loads if load.fits(kv_bytes)]
-    route = by_name.get(snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes), ""))
+    fitting = [load for load in loads if load.committed_bytes + min(kv_bytes, load.capacity_bytes) <= load.capacity_bytes]
+    route_name = snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes)) if snapshot.routes else None
+    route = next((load for load in loads if load.worker.pod_name == route_name), None) if route_name else None
     choice: RouteChoice | None = None
     if route is not None and route.fits(kv_bytes):
         choice = RouteChoice(route.worker.pod_name, route.worker.address, "route")
-    elif (chosen := allocate(loads, kv_bytes, snapshot.config, snapshot.policy)) is not None:
+    elif (chosen := allocate(loads, kv_bytes, snapshot.config, snapshot.policy, rebuild, fitting)) is not None:
         choice = RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     elif fitting:
         best = _roomiest(fitting)
