@@ -146,28 +146,54 @@ async def sse_events(content: aiohttp.StreamReader, idle_s: float | None = None)
     The one reader of the streams `sse_data` and `sse_event` write: the router relaying a worker, a
     source relaying its migrated request's target. An event without a name is "message"; several
     data lines are joined with newlines. A silence longer than `idle_s` raises TimeoutError (None:
-    wait as long as the connection's own timeouts allow).
+    wait as long as the connection's own timeouts allow); only time spent waiting for the stream
+    counts, not the time the caller takes over an event.
+
+    The limit is one timer per stream that looks at when data last came, and fails the stream
+    (`StreamReader.set_exception`) once the silence is long enough: `asyncio.wait_for` around every
+    line made a task per line, a quarter of the router's CPU under load (bench/load.py).
     """
+    loop = asyncio.get_running_loop()
+    last_s = loop.time()
+    reading = True
+    timer: asyncio.TimerHandle | None = None
+
+    def check() -> None:
+        nonlocal timer
+        timer = None
+        if not reading:
+            return  # re-armed when the caller asks for the next event
+        quiet_s = loop.time() - last_s
+        if idle_s is not None and quiet_s >= idle_s:
+            content.set_exception(TimeoutError(f"no data for {idle_s:.0f} s"))
+        elif idle_s is not None:
+            timer = loop.call_at(last_s + idle_s, check)
+
+    if idle_s is not None:
+        timer = loop.call_later(idle_s, check)
     event, data = "", list[str]()
-    while True:
-        if idle_s is None:
+    try:
+        while True:
             raw = await content.readline()
-        else:
-            try:
-                raw = await asyncio.wait_for(content.readline(), idle_s)
-            except TimeoutError:
-                raise TimeoutError(f"no data for {idle_s:.0f} s") from None
-        if not raw:
-            return
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                yield event or "message", "\n".join(data)
-            event, data = "", list[str]()
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
+            last_s = loop.time()
+            if not raw:
+                return
+            line = raw.decode().rstrip("\r\n")
+            if not line:
+                if data:
+                    reading = False
+                    yield event or "message", "\n".join(data)
+                    reading, last_s = True, loop.time()
+                    if idle_s is not None and timer is None:
+                        timer = loop.call_later(idle_s, check)
+                event, data = "", list[str]()
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip(" "))
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def bearer(token: str) -> dict[str, str]:
