@@ -405,7 +405,7 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=None)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--burst-s", type=float, default=0.0, help="every request starts within this many seconds")
-    p.add_argument("--max-in-flight", type=int, default=None, help="the router's (default: its own, 256; quick: 32)")
+    p.add_argument("--max-in-flight", type=int, default=None, help="the router's (default: its own, 1024; quick: 32)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="each worker's")
     p.add_argument("--locality", default="prompt-tree", choices=("none", "session", "prompt-tree"),
                    help="the router's prefix locality (prompt-tree: workers cache prefixes)")

@@ -32,7 +32,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="ip:port of a worker, instead of a pool (repeatable)")
     parser.add_argument("--host", default=env("POD_IP", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(env("KVFLEET_PORT", "8000")))
-    parser.add_argument("--max-in-flight", type=int, default=int(env("KVFLEET_ROUTER_MAX_IN_FLIGHT", "256")),
+    parser.add_argument("--max-in-flight", type=int, default=int(env("KVFLEET_ROUTER_MAX_IN_FLIGHT", "1024")),
                         help="requests relayed at once; more get 429")
     parser.add_argument("--connect-timeout-s", type=float, default=float(env("KVFLEET_ROUTER_CONNECT_TIMEOUT_S", "5")))
     parser.add_argument("--first-token-timeout-s", type=float,

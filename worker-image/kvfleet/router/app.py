@@ -75,7 +75,7 @@ class RouterConfig:
     pool_name: str
     namespace: str = ""
     credentials: PoolCredentials | None = None
-    max_in_flight: int = 256
+    max_in_flight: int = 1024
     retry_after_s: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
     # Workers a request may fail on before the client gets an error.
