@@ -19,19 +19,24 @@ output tokens, `ignore_eos`), retries a 429 after its Retry-After (bounded), and
 anything else: another status, a stream without `[DONE]` or with an error event, a wrong token
 count, a timeout.
 
-Baselines in the same run (the house rule: ratios, not absolute speeds): the same workload through
-a second router that admits every request at once (`router-all`: no 429s, the relay and placement
-alone at 1,000 in flight), sent straight to the same three workers, round-robin, no router (the
-router's overhead), and straight to one worker (what one worker does alone). The router's tokens/s includes the clients' waits after
-a 429 (Retry-After is whole seconds), so its ratio is what a client sees, the admission policy
-included, not the relay's cost alone; the router's CPU seconds per request are printed beside it.
+The router runs with its default limit (1,024 in flight: the full run admits all 1,000 at once) unless
+`--max-in-flight` says otherwise. Baselines in the same run (the house rule: ratios, not absolute
+speeds): where the router's limit refuses some, the same workload through a second router that admits
+every request at once (`router-all`: no 429s, the relay and placement alone); sent straight to the
+same three workers, round-robin, no router (the router's overhead); and straight to one worker (what
+one worker does alone). A limited router's tokens/s includes the clients' waits after a 429
+(Retry-After is whole seconds), so its ratio is what a client sees, the admission policy included,
+not the relay's cost alone. The router's CPU per relayed token is printed beside the workers' CPU per
+generated token (the direct phase's): the two share the machine's cores here.
 
-    python bench/load.py            # 1,000 requests x 32 tokens, about a minute and a half on 2 cores
-    python bench/load.py --quick    # 100 requests x 8 tokens, max_in_flight 32 (make test runs it)
+    python bench/load.py                      # 1,000 requests x 32 tokens, about a minute on 2 cores
+    python bench/load.py --max-in-flight 256  # with 429s: a router-all phase too
+    python bench/load.py --quick              # 100 requests x 8 tokens, max_in_flight 32 (make test runs it)
 
 Prints the machine first, a table, and as its last line one JSON object: requests, errors,
 refused_429, retries, ttft_p50_ms, ttft_p99_ms, tokens_per_s, router_rss_mib_before,
-router_rss_mib_peak, router_rss_bytes_per_in_flight, device, and the baselines and ratios.
+router_rss_mib_peak, router_rss_bytes_per_in_flight, router_cpu_us_per_token,
+worker_cpu_us_per_token, device, and the baselines and ratios.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class Phase:
     elapsed_s: float
     samples: dict[str, float] = field(default_factory=dict)
     listen_overflows: int = 0
+    # CPU seconds the workers used during the phase (all three, whichever served).
+    workers_cpu_s: float = 0.0
 
     @property
     def refused(self) -> int:
@@ -316,7 +323,7 @@ async def sample_rss(pid: int, into: dict[str, float]) -> None:
 
 
 async def run_phase(name: str, addresses: list[str], work: Workload, prompts: list[list[int]],
-                    router_pid: int | None = None) -> Phase:
+                    router_pid: int | None = None, worker_pids: tuple[int, ...] = ()) -> Phase:
     """Every request of the workload, started within work.burst_s, spread round-robin over `addresses`."""
     rng = random.Random(work.seed + 1)
     starts = sorted(rng.uniform(0, work.burst_s) for _ in prompts)
@@ -326,15 +333,17 @@ async def run_phase(name: str, addresses: list[str], work: Workload, prompts: li
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         sampler = asyncio.create_task(sample_rss(router_pid, samples)) if router_pid is not None else None
         overflows_before = listen_overflows()
+        workers_cpu_before_s = sum(proc_cpu_s(pid) for pid in worker_pids)
         began = time.perf_counter()
         outcomes = await asyncio.gather(*(
             one_request(session, addresses[i % len(addresses)], body_of(p, work.output_tokens), starts[i], work.max_retries)
             for i, p in enumerate(prompts)))
         elapsed_s = time.perf_counter() - began
+        workers_cpu_s = sum(proc_cpu_s(pid) for pid in worker_pids) - workers_cpu_before_s
         overflows = listen_overflows() - overflows_before
         if sampler is not None:
             sampler.cancel()
-    return Phase(name, list(outcomes), elapsed_s, samples, overflows)
+    return Phase(name, list(outcomes), elapsed_s, samples, overflows, workers_cpu_s)
 
 
 async def router_state(address: str, reset: bool = False) -> dict[str, dict[str, int]]:
@@ -381,12 +390,13 @@ class RouterRun:
         return (self.rss_peak - self.rss_before) / self.peak_in_flight if self.peak_in_flight else None
 
 
-def measure_router(name: str, address: str, pid: int, work: Workload, prompts: list[list[int]]) -> RouterRun:
+def measure_router(name: str, address: str, pid: int, work: Workload, prompts: list[list[int]],
+                   worker_pids: tuple[int, ...]) -> RouterRun:
     # VmHWM is the process's peak since it started: the phases run one router each, so it is this one's.
     rss_before = proc_status_kib(pid, "VmRSS") * 1024
     state_before = asyncio.run(router_state(address, reset=True))["now"]
     cpu_before_s = proc_cpu_s(pid)
-    phase = asyncio.run(run_phase(name, [address], work, prompts, pid))
+    phase = asyncio.run(run_phase(name, [address], work, prompts, pid, worker_pids))
     cpu_s = proc_cpu_s(pid) - cpu_before_s
     rss_peak = max(proc_status_kib(pid, "VmHWM") * 1024, int(phase.samples.get("rss_bytes_max", 0)))
     state_after = asyncio.run(router_state(address))
@@ -415,7 +425,11 @@ def main() -> int:
     args = p.parse_args()
     num_requests = args.requests or (100 if args.quick else 1000)
     output_tokens = args.output_tokens or (8 if args.quick else 32)
-    max_in_flight = args.max_in_flight or (32 if args.quick else 256)
+    from kvfleet.router.app import RouterConfig
+
+    # The full run's router is the default one; the quick run's limit is small, so that make test
+    # sees 429s and their retries.
+    max_in_flight = args.max_in_flight or (32 if args.quick else RouterConfig("").max_in_flight)
     work = Workload(num_requests, args.prompt_tokens, output_tokens, args.burst_s, args.max_retries)
 
     import torch  # here, not at the top: the router child must not load it
@@ -450,17 +464,21 @@ def main() -> int:
         return [[t ^ flip for t in q] for q in prompts]
 
     routers: list[RouterRun] = []
+    worker_pids: list[int] = []
     try:
         for i, address in enumerate(worker_addresses):
-            procs.start(f"worker-{i}", [
+            worker_pids.append(procs.start(f"worker-{i}", [
                 sys.executable, "-m", "kvfleet.worker", "--engine", "builtin", "--model-path", str(model_dir),
                 "--model-name", "tiny", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
                 "--migration-port", "0", "--kv-capacity-bytes", str(capacity_bytes),
                 "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32", "--log-level", "WARNING",
-                *(["--prefix-caching"] if args.locality != "none" else [])], env)
+                *(["--prefix-caching"] if args.locality != "none" else [])], env).pid)
         # The router as configured, and one admitting every request at once (no 429): the relay's
-        # own cost apart from the admission policy's. One at a time serves; the other idles.
-        router_limits = {"router": max_in_flight, "router-all": work.num_requests}
+        # own cost apart from the admission policy's (the same router where the limit admits them
+        # all). One at a time serves; the other idles.
+        router_limits = {"router": max_in_flight}
+        if max_in_flight < work.num_requests:
+            router_limits["router-all"] = work.num_requests
         router_procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
         for name, limit in router_limits.items():
             address = f"127.0.0.1:{free_port()}"
@@ -478,11 +496,13 @@ def main() -> int:
         asyncio.run(warm_up([*(a for a, _ in router_procs.values()), *worker_addresses], work))
         phases = []
         for name, (address, proc) in router_procs.items():
-            run = measure_router(name, address, proc.pid, work, prompts if name == "router" else prompts_again())
+            run = measure_router(name, address, proc.pid, work, prompts if name == "router" else prompts_again(),
+                                 tuple(worker_pids))
             routers.append(run)
             phases.append(run.phase)
             procs.check_alive()
-        phases.append(asyncio.run(run_phase("direct-3", worker_addresses, work, prompts_again())))
+        phases.append(asyncio.run(run_phase("direct-3", worker_addresses, work, prompts_again(),
+                                            worker_pids=tuple(worker_pids))))
         if not args.no_one_worker:
             phases.append(asyncio.run(run_phase("direct-1", worker_addresses[:1], work, prompts_again())))
         procs.check_alive()
@@ -516,7 +536,7 @@ def main() -> int:
               f"{run.cpu_s * 1000 / len(run.phase.outcomes):.1f} ms per request)")
         print(f"{run.phase.name}: state before {json.dumps(run.state_before)}; peak {json.dumps(run.state_peak)}; "
               f"after {json.dumps(run.state_after)}")
-    routed, relay_only = routers[0], routers[1]
+    routed, relay_only = routers[0], routers[-1]
     direct3 = by_name["direct-3"].tokens_per_s
     direct1 = by_name["direct-1"].tokens_per_s if "direct-1" in by_name else None
 
@@ -524,9 +544,17 @@ def main() -> int:
         return round(a / b, 4) if b else None
     over3, over1 = ratio(routed.phase.tokens_per_s, direct3), ratio(routed.phase.tokens_per_s, direct1)
     relay_over3 = ratio(relay_only.phase.tokens_per_s, direct3)
-    print(f"tokens/s against direct to the same 3 workers: router {over3}x (its 429 waits included), "
-          f"router admitting all {relay_over3}x (the relay alone)"
+    print(f"tokens/s against direct to the same 3 workers: router {over3}x"
+          + (f" (its 429 waits included), router admitting all {relay_over3}x (the relay alone)" if len(routers) > 1
+             else " (it admitted every request at once)")
           + (f"; router (3 workers) against direct to 1 worker: {over1}x" if over1 is not None else ""))
+    # Where the CPU goes: the router's per token it relays, beside the workers' per token they generate
+    # (in the direct phase: no router in the way).
+    router_us_per_token = relay_only.cpu_s * 1e6 / max(1, relay_only.phase.tokens)
+    worker_us_per_token = by_name["direct-3"].workers_cpu_s * 1e6 / max(1, by_name["direct-3"].tokens)
+    print(f"CPU per token: router {router_us_per_token:.0f} us relayed ({relay_only.phase.name}), workers "
+          f"{worker_us_per_token:.0f} us generated (direct-3): the router costs "
+          f"{router_us_per_token / worker_us_per_token:.2f}x a worker's per token")
     ttfts = routed.phase.ttfts_ms()
     print(json.dumps({
         "requests": len(routed.phase.outcomes), "errors": len(routed.phase.errors),
@@ -550,6 +578,7 @@ def main() -> int:
         "direct_1_worker_tokens_per_s": round(direct1, 1) if direct1 is not None else None,
         "router_over_direct_3": over3, "router_over_direct_1": over1, "all_admitted_over_direct_3": relay_over3,
         "direct_errors": sum(len(by_name[n].errors) for n in ("direct-3", "direct-1") if n in by_name),
+        "router_cpu_us_per_token": round(router_us_per_token, 1), "worker_cpu_us_per_token": round(worker_us_per_token, 1),
         "output_tokens": work.output_tokens, "max_in_flight": max_in_flight, "device": "cpu",
     }))
     return 0

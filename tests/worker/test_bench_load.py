@@ -24,3 +24,5 @@ def test_quick_run_serves_every_request_without_an_error(tmp_path: Path) -> None
     after = summary["router_state_after"]
     assert after["in_flight"] == 0 and after["reservations"] == 0 and after["prefix_queued"] == 0
     assert summary["router_peak_in_flight"] <= summary["max_in_flight"]
+    # Where the CPU goes, per token: the router's relaying and the workers' generating, both measured.
+    assert summary["router_cpu_us_per_token"] > 0 and summary["worker_cpu_us_per_token"] > 0
