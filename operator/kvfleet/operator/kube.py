@@ -9,15 +9,24 @@ Every write goes through `Kube.record_write` first, which is also where the lead
 (the `write_fence` a `Kube` is made with, kvfleet.operator.leader) runs: a replica that lost its
 Lease makes no write.
 
+The pool's worker pods and KVLoads, which every pass reads whole, come from watch caches (`WatchCache`,
+one per namespace and kind: a list, then a watch from its resourceVersion) instead of a list per
+pass: at 1,000 workers that list was 9.4 MB of JSON parsed every pass (docs/scale.md). Until a cache
+has read its first list, a pass lists, as before.
+
 Every Kubernetes client call of the operator's own code is here or in leader.py:
 tests/unit/test_chart.py reads them out of these sources to check the chart's RBAC.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 import kopf
@@ -34,6 +43,13 @@ T = TypeVar("T")
 MetadataChanges = tuple[Mapping[str, str | None], Mapping[str, str | None]]
 # Pod patches of one epoch in flight at once (the client's connection pool holds cpu_count * 5).
 PATCH_CONCURRENCY = 8
+
+log = logging.getLogger(__name__)
+
+# A cache's watch is re-opened this often even when quiet (server side), so a silently dead
+# connection costs at most this plus the client's read timeout; after a failure it retries this soon.
+WATCH_TIMEOUT_S = 60
+WATCH_RETRY_S = 1.0
 
 FIELD_MANAGER = "kvfleet-operator"
 PLURAL = "llmpools"
@@ -95,7 +111,11 @@ class KubeApi(Protocol):
     def delete_deployment(self, namespace: str, name: str) -> None: ...
 
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        """The pool's worker pods (resources.worker_selector)."""
+        """The pool's worker pods (resources.worker_selector), as a watch cache has them."""
+        ...
+
+    def list_worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        """The pool's worker pods read now, the pass's own creates and deletes included."""
         ...
 
     def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
@@ -142,6 +162,97 @@ def _or_none_on(status: int, call: Callable[[], T]) -> T | None:
         raise
 
 
+class WatchCache:
+    """The objects one list call selects, kept current in a thread by a watch from the list's
+    resourceVersion (re-listed after a 410 or a failed stream), the way a client-go informer does.
+
+    `lister(**kwargs)` is the kubernetes client's list call with its namespace and selectors bound;
+    it is called with `_preload_content=False` (objects stay the API's JSON, no client models) for the
+    list and, with `watch=True`, for the watch. `items()` is None until the first list is in.
+    Objects are never changed in place: an event replaces the object, so a list handed out stays as
+    it was.
+    """
+
+    def __init__(self, what: str, lister: Callable[..., Any]) -> None:
+        self.what = what
+        self._lister = lister
+        self._lock = threading.Lock()
+        self._objects: dict[str, dict[str, Any]] | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watch-{what}", daemon=True)
+        self.events = 0  # watch events applied (tests, the bench's curiosity)
+
+    def start(self) -> WatchCache:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def items(self) -> list[dict[str, Any]] | None:
+        with self._lock:
+            return None if self._objects is None else list(self._objects.values())
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                listing = json.loads(self._lister(_preload_content=False).data)
+                version = str(listing["metadata"]["resourceVersion"])
+                with self._lock:
+                    self._objects = {obj["metadata"]["name"]: obj for obj in listing.get("items") or []}
+                while not self._stopped.is_set():
+                    resumed = self._watch(version)
+                    if resumed is None:
+                        break  # the version is gone (410): list again
+                    version = resumed
+            except Exception as err:  # the API server away or restarting: keep what is cached, retry
+                log.warning("watching %s failed, listing again in %.0f s: %s", self.what, WATCH_RETRY_S, err)
+                time.sleep(WATCH_RETRY_S)
+
+    def _watch(self, version: str) -> str | None:
+        """Apply events from `version` until the watch ends; the version to resume from, or None
+        when the server says to list again."""
+        answer = self._lister(watch=True, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S,
+                              allow_watch_bookmarks=True, _preload_content=False,
+                              _request_timeout=(10, WATCH_TIMEOUT_S + 30))
+        try:
+            for line in _lines(answer):
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    return None
+                version = str(obj.get("metadata", {}).get("resourceVersion") or version)
+                if kind == "BOOKMARK":
+                    continue
+                name = obj["metadata"]["name"]
+                with self._lock:
+                    assert self._objects is not None
+                    if kind == "DELETED":
+                        self._objects.pop(name, None)
+                    else:
+                        self._objects[name] = obj
+                self.events += 1
+                if self._stopped.is_set():
+                    break
+        finally:
+            answer.close()  # a stream left midway (stopped) must not go back to the pool unread
+            answer.release_conn()
+        return version
+
+
+def _lines(answer: Any) -> Iterator[str]:
+    """The lines of a streamed answer (one watch event each), a line split across reads joined."""
+    rest = b""
+    for chunk in answer.stream(amt=None, decode_content=False):
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line.decode()
+    if rest.strip():
+        yield rest.decode()
+
+
 class Kube:
     """`KubeApi` over the kubernetes client.
 
@@ -159,6 +270,9 @@ class Kube:
         self.apps = client.AppsV1Api()
         self.scheduling = client.SchedulingV1Api()
         self._patchers = ThreadPoolExecutor(PATCH_CONCURRENCY, thread_name_prefix="pod-patch")
+        # (namespace, "pods" | "kvloads") -> its cache, started by the first pass that reads it.
+        self._caches: dict[tuple[str, str], WatchCache] = {}
+        self._caches_lock = threading.Lock()
 
     def writes(self) -> dict[str, int]:
         counts: dict[str, int] = getattr(self._local, "writes", {})
@@ -179,15 +293,43 @@ class Kube:
         return cast(dict[str, Any] | None,
                     _or_none_on(404, lambda: self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)))
 
+    def stop_watching(self) -> None:
+        """End the watch caches' threads (each at its stream's next event or end)."""
+        with self._caches_lock:
+            for cache in self._caches.values():
+                cache.stop()
+
+    def _cache(self, namespace: str, kind: str) -> WatchCache:
+        with self._caches_lock:
+            cache = self._caches.get((namespace, kind))
+            if cache is None:
+                if kind == "pods":
+                    lister: Callable[..., Any] = partial(self.core.list_namespaced_pod, namespace,
+                                                         label_selector=f"{POOL_LABEL},{resources.COMPONENT_LABEL}=worker")
+                else:
+                    lister = partial(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, KVLOAD_PLURAL,
+                                     label_selector=POOL_LABEL)
+                cache = self._caches[(namespace, kind)] = WatchCache(f"{kind} of {namespace}", lister).start()
+            return cache
+
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         # Dicts as the API serialises them, like every other object here.
+        cached = self._cache(namespace, "pods").items()
+        if cached is not None:
+            return [p for p in cached if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+        return self.list_worker_pods(namespace, pool_name)
+
+    def list_worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        """The pool's worker pods read now (what a pass reads right after creating or deleting some)."""
         return read_items(self.core.list_namespaced_pod(namespace, label_selector=resources.worker_selector(pool_name),
                                                         _preload_content=False))
 
     def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
-            GROUP, VERSION, namespace, KVLOAD_PLURAL, label_selector=f"{POOL_LABEL}={pool_name}"))
-        return list(listing.get("items", []))
+        cached = self._cache(namespace, "kvloads").items()
+        if cached is not None:
+            return [k for k in cached if (k["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+        return read_items(self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, KVLOAD_PLURAL, label_selector=f"{POOL_LABEL}={pool_name}", _preload_content=False))
 
     def create(self, namespace: str, obj: dict[str, Any]) -> bool:
         kind = obj["kind"]

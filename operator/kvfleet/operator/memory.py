@@ -107,6 +107,9 @@ class MemoryKube:
     def worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(p) for p in self.pods.values()]
 
+    def list_worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
+        return self.worker_pods(namespace, pool_name)
+
     def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(k) for k in self.kvloads.values()]
 

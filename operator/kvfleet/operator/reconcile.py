@@ -377,7 +377,7 @@ def write_pods(ctx: PassContext, actions: pods.PodActions, raw_pods: list[dict[s
     if actions.delete:
         api.post_event(ctx.pool, "ScaleDown", f"deleted worker pod(s) {', '.join(actions.delete)}")
     if actions.create or actions.create_prefill or actions.delete:
-        return api.worker_pods(namespace, ctx.name)
+        return api.list_worker_pods(namespace, ctx.name)  # read now: a watch cache may not have them yet
     return raw_pods
 
 
