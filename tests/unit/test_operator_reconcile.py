@@ -114,6 +114,25 @@ def test_finished_pods_are_deleted_and_steady_state_writes_nothing() -> None:
     assert plan([settled]).metadata == {}
 
 
+def test_holding_pods_whose_kv_crosses_a_step_are_rewritten_a_few_a_pass_the_most_out_of_date_first() -> None:
+    # 20 pods holding 100 MiB (cost 8) that say 2, 3, ... 21: each would be a cost-only rewrite.
+    held = {pods.SAFE_TO_EVICT: "false", pods.DO_NOT_DISRUPT: "true"}
+    stale = [info(i, f"gpu-{i}", requests=1, annotations={**held, pods.DELETION_COST: str(2 + i)}) for i in range(20)]
+    # And lifecycle changes, never deferred: one pod now holding (cost 0 before), one emptied.
+    filled = info(20, "gpu-20", requests=1, annotations={**held, pods.DELETION_COST: "0"})
+    emptied = info(21, "gpu-21", annotations={**held, pods.DELETION_COST: "8"})
+    metadata = plan([*stale, filled, emptied], max_workers=30).metadata
+    refreshed = sorted((n for n, (_, notes) in metadata.items() if n.startswith("p-worker-") and n not in
+                        ("p-worker-20", "p-worker-21")), key=lambda n: int(n.rsplit("-", 1)[1]))
+    assert len(refreshed) == pods.COST_REFRESHES_PER_PASS
+    # Furthest from 8 first: 21, 20, ..., then 2 and 3 (6 away) before 13 (5 away); 8 itself is current.
+    gaps = sorted(abs(2 + i - 8) for i in range(20) if 2 + i != 8)
+    assert sorted(abs(int(n.rsplit("-", 1)[1]) + 2 - 8) for n in refreshed) == gaps[-pods.COST_REFRESHES_PER_PASS:]
+    assert all(metadata[n] == ({}, {pods.DELETION_COST: "8"}) for n in refreshed)
+    assert metadata["p-worker-20"][1] == {pods.DELETION_COST: "8"}
+    assert metadata["p-worker-21"][1] == {pods.SAFE_TO_EVICT: "true", pods.DO_NOT_DISRUPT: "false", pods.DELETION_COST: "0"}
+
+
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 

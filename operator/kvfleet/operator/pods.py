@@ -142,7 +142,37 @@ def plan_pods(
     in_moves = set(moving)
     metadata = {pod.name: changes for pod in live if pod.name not in delete
                 and (changes := _metadata_changes(pod, gpu_of[pod.name], routed_pods, now_s, pod.name in in_moves))}
-    return PodActions(tuple(create), tuple(delete), metadata, tuple(waiting))
+    return PodActions(tuple(create), tuple(delete), _within_cost_refreshes(metadata, live), tuple(waiting))
+
+
+def _within_cost_refreshes(metadata: dict[str, tuple[dict[str, str | None], dict[str, str | None]]],
+                           live: Iterable[PodInfo]) -> dict[str, tuple[dict[str, str | None], dict[str, str | None]]]:
+    """At most COST_REFRESHES_PER_PASS pods whose deletion cost only moves between two non-zero steps
+    (a holding pod's KV crossing a power of two) are rewritten a pass, the most out of date first.
+
+    Under churn about half of a busy pool's pods cross a step every epoch (a worker's KV straddles a
+    power of two), and rewriting them was nearly all of the operator's pod writes: ~500 a pass at
+    1,000 workers (bench/report_scale.py, docs/scale.md). Every other change (a GPU label, emptied or
+    holding, the autoscaler annotations, the idle clock) is written at once; the ranking among holding
+    pods converges over a few passes, which is all its readers need (docs/autoscaling.md)."""
+    written = {p.name: p.annotations.get(DELETION_COST) for p in live}
+
+    def refresh_only(name: str) -> int | None:
+        """How far a holding pod's cost moves, when that is its only change of cost state."""
+        new, old = metadata[name][1].get(DELETION_COST), written.get(name)
+        if new is None or old is None or not old.isdigit() or int(old) == 0 or int(new) == 0:
+            return None
+        return abs(int(new) - int(old))
+
+    refreshes = sorted((-gap, name) for name in metadata if (gap := refresh_only(name)) is not None)
+    kept: dict[str, tuple[dict[str, str | None], dict[str, str | None]]] = {}
+    deferred = {name for _, name in refreshes[COST_REFRESHES_PER_PASS:]}
+    for name, (labels, notes) in metadata.items():
+        if name in deferred:
+            notes = {k: v for k, v in notes.items() if k != DELETION_COST}
+        if labels or notes:
+            kept[name] = (labels, notes)
+    return kept
 
 
 def plan_prefill_pods(pods: Iterable[PodInfo], *, desired: int, scale_down_delay_s: float, now_s: float) -> PodActions:
@@ -196,6 +226,11 @@ def _bind_or_create(live: list[PodInfo], gpu_of: dict[str, str | None], unserved
         next_index += 1
         num_live += 1
     return create, waiting
+
+
+# Holding pods whose deletion cost moves a step are rewritten at most this many a pass (the pool's other
+# pod writes are its real changes): the operator's writes per epoch stay flat in pool size.
+COST_REFRESHES_PER_PASS = 8
 
 
 def deletion_cost(held_bytes: int) -> int:
