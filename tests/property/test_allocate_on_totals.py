@@ -16,10 +16,13 @@ from kvfleet.mell import (
     GpuTotals,
     MellDefaultConfig,
     PolicyConfig,
+    allocate_on_snapshot,
     allocate_on_totals,
     allocate_one,
     cluster_snapshot,
 )
+from kvfleet.mell.models import Location
+from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
 
 C = 1000
 PROFILE = settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,3 +76,29 @@ def test_it_leaves_the_rest_to_the_rebuilt_cluster() -> None:
     fine = [GpuLoad("a", 0, (("r1", 100),))]
     assert allocate_on_totals(totals_of(fine), 100, PolicyConfig(capacity_bytes=C), "mell-paper") is None
     assert allocate_on_totals(totals_of(fine), 100, PolicyConfig(capacity_bytes=C), "bf") is None
+
+
+@st.composite
+def policy_snapshots(draw: st.DrawFn) -> ClusterSnapshot:
+    """A policy's own state: GPUs with activation seqs and locations, some without items (emptied
+    this batch, idle once restored), items of one or more requests; no spans."""
+    num_gpus = draw(st.integers(0, 6))
+    seqs = draw(st.permutations(list(range(num_gpus))))
+    gpus = tuple(GpuSnapshot(f"gpu-{i}", i, seqs[i], Location(f"node-{i // 2}", f"zone-{i % 2}")) for i in range(num_gpus))
+    items = []
+    names = iter(f"r{i}" for i in range(100))
+    for gpu in gpus:
+        for _ in range(draw(st.integers(0, 3))):
+            members = tuple((next(names), draw(st.integers(0, 400))) for _ in range(draw(st.integers(1, 3))))
+            items.append(ItemSnapshot(members, len(members) > 1, gpu.gpu_id))
+    next_index = num_gpus + draw(st.integers(0, 3))
+    return ClusterSnapshot(gpus, tuple(items), (), next_index, num_gpus)
+
+
+@PROFILE
+@given(policy_snapshots(), st.integers(1, C), st.sampled_from(CONFIGS), st.sampled_from(["mell", "mell-paper", "bf"]))
+def test_a_policys_own_state_gets_the_same_decision(snapshot: ClusterSnapshot, size_bytes: int, config: PolicyConfig,
+                                                    policy: str) -> None:
+    if policy != "mell" and type(config) is not PolicyConfig:
+        config = PolicyConfig(capacity_bytes=C)
+    assert allocate_on_snapshot(snapshot, size_bytes, config, policy) == allocate_one(snapshot, size_bytes, config, policy)

@@ -9,7 +9,15 @@ Liu et al.).
 `kvfleet.mell.debt` is the gManager of Infinite-LLM (§4.4-4.5): the debt ledger, creditor choice and DGFM.
 """
 
-from kvfleet.mell.allocate import AllocateDecision, GpuLoad, GpuTotals, allocate_on_totals, allocate_one, cluster_snapshot
+from kvfleet.mell.allocate import (
+    AllocateDecision,
+    GpuLoad,
+    GpuTotals,
+    allocate_on_snapshot,
+    allocate_on_totals,
+    allocate_one,
+    cluster_snapshot,
+)
 from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.debt import (
     BlockMove,
@@ -85,6 +93,7 @@ __all__ = [
     "SizeClass",
     "Span",
     "WorkerDebtReport",
+    "allocate_on_snapshot",
     "allocate_on_totals",
     "allocate_one",
     "blocks_needed_for_bytes",

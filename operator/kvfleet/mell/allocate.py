@@ -164,9 +164,10 @@ def allocate_one(snapshot: ClusterSnapshot, size_bytes: int, config: PolicyConfi
 
 
 def allocate_on_totals(gpus: Sequence[GpuTotals], size_bytes: int, config: PolicyConfig,
-                       policy_name: str = "mell") -> AllocateDecision | None:
+                       policy_name: str = "mell", new_gpu_id: str | None = None) -> AllocateDecision | None:
     """`allocate_one(cluster_snapshot(gpus, C), size_bytes, config, policy_name)` from the GPUs' totals,
-    or None where the decision needs more than totals (then call that).
+    or None where the decision needs more than totals (then call that). `new_gpu_id`: the GPU Allocate
+    activates when it starts one (default: the next `gpu-<n>` as `cluster_snapshot` numbers them).
 
     The default policy's Allocate (mell_default.py, rule 1: `_target`) is the fullest GPU in use that
     holds the request with headroom under its cap, else without headroom, else a new GPU; "fullest" is
@@ -205,8 +206,34 @@ def allocate_on_totals(gpus: Sequence[GpuTotals], size_bytes: int, config: Polic
             fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= cap(gpu, 1)]
             if fitting:
                 return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
-    taken = [int(m.group(1)) + 1 for g in gpus if (m := _GPU_ID.match(g.gpu_id))]
-    return AllocateDecision(f"gpu-{max([len(gpus), *taken])}", True, "new-GPU", ())
+    if new_gpu_id is None:
+        taken = [int(m.group(1)) + 1 for g in gpus if (m := _GPU_ID.match(g.gpu_id))]
+        new_gpu_id = f"gpu-{max([len(gpus), *taken])}"
+    return AllocateDecision(new_gpu_id, True, "new-GPU", ())
+
+
+def allocate_on_snapshot(snapshot: ClusterSnapshot, size_bytes: int, config: PolicyConfig,
+                         policy_name: str = "mell") -> AllocateDecision:
+    """`allocate_one(snapshot, ...)`, decided from the snapshot's per-GPU totals where
+    `allocate_on_totals` can (no span: a span head is no GPU's total), else by restoring the policy.
+
+    What the operator's routing table previews every pass for each size class: restoring the whole
+    cluster per class cost time in the number of requests (0.17 s a pass at 1,000 workers)."""
+    if not snapshot.spans:
+        totals: dict[str, list[int]] = {gpu.gpu_id: [0, 0] for gpu in snapshot.gpus}
+        for item in snapshot.items:
+            gpu_total = totals[item.gpu_id]
+            gpu_total[0] += sum(kv_bytes for _, kv_bytes in item.members)
+            gpu_total[1] += len(item.members)
+        # A GPU without items is idle once restored, and the one Allocate starts is the last of
+        # those (ClusterPolicy._activate reuses it), else a new index.
+        idle = [gpu.gpu_id for gpu in snapshot.gpus if not totals[gpu.gpu_id][1]]
+        decision = allocate_on_totals(
+            [GpuTotals(gpu.gpu_id, gpu.seq, *totals[gpu.gpu_id]) for gpu in snapshot.gpus], size_bytes, config,
+            policy_name, new_gpu_id=idle[-1] if idle else f"gpu-{snapshot.next_gpu_index}")
+        if decision is not None:
+            return decision
+    return allocate_one(snapshot, size_bytes, config, policy_name)
 
 
 def _fullest(gpus: Sequence[GpuTotals]) -> GpuTotals:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.mell import ClusterPolicy, EventBatch, PolicyConfig, make_policy
-from kvfleet.mell.allocate import allocate_one, items_of
+from kvfleet.mell.allocate import allocate_on_snapshot, items_of
 from kvfleet.mell.models import Arrive, Event, Finish, Grow, Location
 from kvfleet.mell.size_classes import ROUTED_CLASS_NAMES, class_of_name, middle_bytes
 from kvfleet.mell.state import ClusterSnapshot, GpuSnapshot, ItemSnapshot
@@ -215,7 +215,7 @@ class PoolScheduler:
         capacity = self.config.capacity_bytes
         middles = {name: middle_bytes(class_of_name(name), capacity) for name in ROUTED_CLASS_NAMES}
         snapshot = self.policy.snapshot()
-        return {name: allocate_one(snapshot, size_bytes, self.config, self.policy_name).gpu_id
+        return {name: allocate_on_snapshot(snapshot, size_bytes, self.config, self.policy_name).gpu_id
                 for name, size_bytes in middles.items()}
 
     def epoch(self, workers: Iterable[WorkerView], in_flight: Mapping[str, str], now_s: float) -> EpochOutcome:
