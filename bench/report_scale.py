@@ -441,8 +441,7 @@ class Run:
         started_s = time.monotonic()
         self.plane = plane = ControlPlane.start(self.work_dir)
         self.kubectl("apply", "--server-side", "--field-manager=report-scale", "-f", str(REPO_ROOT / "crds"))
-        for crd in sorted((REPO_ROOT / "crds").glob("*.yaml")):
-            self.kubectl("wait", "--for=condition=Established", f"crd/{crd.stem}.kvfleet.dev", "--timeout=60s")
+        plane.wait_established([f"{crd.stem}.kvfleet.dev" for crd in sorted((REPO_ROOT / "crds").glob("*.yaml"))])
         self.kubectl("create", "namespace", NAMESPACE)
         deadline = time.monotonic() + 60
         while plane.kubectl_run("get", "serviceaccount", "default", "-n", NAMESPACE, check=False).returncode != 0:

@@ -78,9 +78,7 @@ class Cluster:
 
     def apply_crds(self) -> None:
         self.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-f", str(CRDS_DIR))
-        for crd in sorted(CRDS_DIR.glob("*.yaml")):
-            name = crd.stem + ".kvfleet.dev"
-            self.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        self.plane.wait_established([crd.stem + ".kvfleet.dev" for crd in sorted(CRDS_DIR.glob("*.yaml"))])
 
     def wait_nodes(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -106,8 +104,8 @@ class Cluster:
         """Karpenter's CRDs, the node class and kvfleet's NodePool, then Karpenter itself."""
         for crd in karpenter_setup.crd_paths():
             self.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-f", str(crd))
-        for name in ("nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "kwoknodeclasses.karpenter.kwok.sh"):
-            self.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        self.plane.wait_established(["nodepools.karpenter.sh", "nodeclaims.karpenter.sh",
+                                     "kwoknodeclasses.karpenter.kwok.sh"])
         self.apply_json(karpenter_setup.node_class(registration_delay_s))
         self.apply_json(karpenter_setup.node_pool(instance_types, consolidate_after_s=consolidate_after_s))
         self.karpenter = karpenter_setup.start_karpenter(self.kubeconfig, self.plane.work_dir)

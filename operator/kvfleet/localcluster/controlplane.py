@@ -504,6 +504,24 @@ class ControlPlane:
             timeout=timeout_s,
         )
 
+    def wait_established(self, crd_names: Sequence[str], timeout_s: float = 60) -> None:
+        """Wait until each CustomResourceDefinition is Established (its API is served).
+
+        Polled here rather than with `kubectl wait --for=condition=Established`: on a CRD the API
+        server has not given conditions yet, that fails at once (".status.conditions accessor error:
+        <nil>"), which is what a CRD just applied often is."""
+        deadline = time.monotonic() + timeout_s
+        for name in crd_names:
+            while True:
+                result = self.kubectl_run("get", "crd", name, "-o",
+                                          'jsonpath={.status.conditions[?(@.type=="Established")].status}', check=False)
+                if result.returncode == 0 and result.stdout.strip() == "True":
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CRD {name} not Established within {timeout_s:.0f} s: "
+                                       f"{(result.stderr or result.stdout).strip()}")
+                time.sleep(0.2)
+
     def stop(self) -> None:
         # Reverse order: the API server's clients first, etcd last.
         for proc in reversed(self.processes):
