@@ -15,6 +15,7 @@ import dataclasses
 import datetime as dt
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,7 +169,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
         kv_transfers=prefill.kv_transfers(observed.prefill_reports),
     )
     status = write_status(ctx, raw_pods, figures, table, router_ready, distkv_status)
-    log_epoch(ctx, state, outcome, planned, actions)
+    log_epoch(ctx, state, outcome, planned, actions, started_s)
     record_metrics(ctx, state, status, outcome, figures, started_s)
     return spec.scheduling.epoch_seconds
 
@@ -401,13 +402,18 @@ def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: Sche
 
 
 def log_epoch(ctx: PassContext, state: PoolState, outcome: EpochOutcome, planned: PlannedMoves,
-              actions: pods.PodActions) -> None:
+              actions: pods.PodActions, started_s: float) -> None:
     """One line for an epoch that changed something; a quiet epoch logs nothing."""
     if outcome.num_events or planned.chosen or actions.create or actions.create_prefill or actions.delete:
+        # Which labels and annotations the epoch rewrites on how many pods: the pass waits for those writes.
+        keys = Counter(key.rsplit("/", 1)[-1] for labels, notes in actions.metadata.values() for key in (*labels, *notes))
         ctx.logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets, "
-                        "%d for room on them), %d GPUs in use, lower bound %d", state.epoch, outcome.num_events,
-                        len(planned.chosen), planned.num_deferred, outcome.num_deferred_moves, planned.num_waiting_room,
-                        outcome.active_gpus, outcome.lower_bound_gpus)
+                        "%d for room on them), %d GPUs in use, lower bound %d; %d pods rewritten (%s); %.0f ms so far",
+                        state.epoch,
+                        outcome.num_events, len(planned.chosen), planned.num_deferred, outcome.num_deferred_moves,
+                        planned.num_waiting_room, outcome.active_gpus, outcome.lower_bound_gpus, len(actions.metadata),
+                        ", ".join(f"{key} {count}" for key, count in sorted(keys.items())) or "none",
+                        (time.monotonic() - started_s) * 1000)
 
 
 def record_metrics(ctx: PassContext, state: PoolState, status: Mapping[str, Any], outcome: EpochOutcome,
