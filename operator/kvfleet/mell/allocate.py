@@ -187,25 +187,21 @@ def allocate_on_totals(gpus: Sequence[GpuTotals], size_bytes: int, config: Polic
     passes = [("best-fit", headroom)] + ([("best-fit-in-headroom", 0)] if config.fill_without_headroom else [])
     in_use = [gpu for gpu in gpus if gpu.num_requests]  # one without requests is idle once restored
     max_load, per_request = config.max_load_bytes, config.load_bytes_per_request
-    if max_load is None:
-        # MellDefaultPolicy._cap is C: a GPU over it is relieved (rule 2) first, which moves requests
-        # (only the rebuilt state says where); else the fullest that holds the request, as `_target`.
-        if any(gpu.load_bytes > capacity for gpu in in_use):
-            return None
-        for step, room in passes:
-            fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= capacity]
-            if fitting:
-                return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
-    else:
-        def cap(gpu: GpuTotals, extra_requests: int) -> int:  # MellDefaultPolicy._cap under a TPOT objective
-            return min(capacity, max_load - (gpu.num_requests + extra_requests) * per_request)
 
-        if any(gpu.load_bytes > cap(gpu, 0) for gpu in in_use):
-            return None
-        for step, room in passes:
-            fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= cap(gpu, 1)]
-            if fitting:
-                return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
+    def cap(gpu: GpuTotals, extra_requests: int) -> int:
+        """MellDefaultPolicy._cap: C, or less under a TPOT objective."""
+        if max_load is None:
+            return capacity
+        return min(capacity, max_load - (gpu.num_requests + extra_requests) * per_request)
+
+    # A GPU over its cap is relieved (rule 2) before Allocate, which moves requests: only the rebuilt
+    # state says where. Otherwise the fullest GPU that holds the request, as `_target`.
+    if any(gpu.load_bytes > cap(gpu, 0) for gpu in in_use):
+        return None
+    for step, room in passes:
+        fitting = [gpu for gpu in in_use if gpu.load_bytes + size_bytes + room <= cap(gpu, 1)]
+        if fitting:
+            return AllocateDecision(_fullest(fitting).gpu_id, False, step, ())
     if new_gpu_id is None:
         taken = [int(m.group(1)) + 1 for g in gpus if (m := _GPU_ID.match(g.gpu_id))]
         new_gpu_id = f"gpu-{max([len(gpus), *taken])}"

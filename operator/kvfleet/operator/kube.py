@@ -239,6 +239,11 @@ class WatchCache:
         return version
 
 
+def _of_pool(objects: list[dict[str, Any]], pool_name: str) -> list[dict[str, Any]]:
+    """The objects a namespace's cache holds that are labelled with this pool."""
+    return [obj for obj in objects if (obj["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+
+
 def _slim(obj: dict[str, Any]) -> dict[str, Any]:
     """The object as cached: without its managedFields (who set which field, a third of a pod's JSON
     here), which nothing in a pass reads."""
@@ -326,7 +331,7 @@ class Kube:
         # Dicts as the API serialises them, like every other object here.
         cached = self._cache(namespace, "pods").items()
         if cached is not None:
-            return [p for p in cached if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+            return _of_pool(cached, pool_name)
         return self.list_worker_pods(namespace, pool_name)
 
     def list_worker_pods(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
@@ -337,7 +342,7 @@ class Kube:
     def list_kvloads(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         cached = self._cache(namespace, "kvloads").items()
         if cached is not None:
-            return [k for k in cached if (k["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+            return _of_pool(cached, pool_name)
         return read_items(self.custom.list_namespaced_custom_object(
             GROUP, VERSION, namespace, KVLOAD_PLURAL, label_selector=f"{POOL_LABEL}={pool_name}", _preload_content=False))
 

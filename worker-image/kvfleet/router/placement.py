@@ -308,8 +308,8 @@ class PoolLoads:
                 self.reserve(own)
 
 
-def allocate(loads: list[_Load], kv_bytes: int, config: PolicyConfig | None, policy: str = "mell",
-             rebuild: bool = False, fitting: Sequence[_Load] | None = None) -> tuple[_Load, str] | None:
+def allocate(loads: list[_Load], fitting: Sequence[_Load], kv_bytes: int, config: PolicyConfig | None,
+             policy: str = "mell", rebuild: bool = False) -> tuple[_Load, str] | None:
     """The pool policy's Allocate (the default's best fit with headroom; for `mell-paper` MELL §VI-C,
     Fig. 10, J.Allocate(i)), from the scheduling core, restricted to what a router can do: choose a
     worker.
@@ -323,7 +323,7 @@ def allocate(loads: list[_Load], kv_bytes: int, config: PolicyConfig | None, pol
     S/M-request to a new L-GPU) are the operator's next epoch; since the router cannot make them, the
     chosen worker must also fit the request as it is now, or there is no choice (None).
     """
-    if not (fitting if fitting is not None else [load for load in loads if load.fits(kv_bytes)]):
+    if not fitting:  # the loads that fit the request now
         return None  # whatever Allocate chose, neither a worker in use nor an empty one could take it
     # The core plans with one C; where reports differ, the smallest never overfills a worker.
     capacity = min(load.capacity_bytes for load in loads)
@@ -382,13 +382,13 @@ def _place(snapshot: PoolSnapshot, loads: list[_Load], kv_bytes: int, locality: 
         # without room answers 400 context_length_exceeded, saying how much it could lend.
         spanning = _roomiest(loads)
         return RouteChoice(spanning.worker.pod_name, spanning.worker.address, "spanning")
-    fitting = [load for load in loads if load.committed_bytes + min(kv_bytes, load.capacity_bytes) <= load.capacity_bytes]
+    fitting = [load for load in loads if load.fits(kv_bytes)]
     route_name = snapshot.routes.get(class_name(kv_bytes, loads[0].capacity_bytes)) if snapshot.routes else None
     route = next((load for load in loads if load.worker.pod_name == route_name), None) if route_name else None
     choice: RouteChoice | None = None
     if route is not None and route.fits(kv_bytes):
         choice = RouteChoice(route.worker.pod_name, route.worker.address, "route")
-    elif (chosen := allocate(loads, kv_bytes, snapshot.config, snapshot.policy, rebuild, fitting)) is not None:
+    elif (chosen := allocate(loads, fitting, kv_bytes, snapshot.config, snapshot.policy, rebuild)) is not None:
         choice = RouteChoice(chosen[0].worker.pod_name, chosen[0].worker.address, chosen[1])
     elif fitting:
         best = _roomiest(fitting)
