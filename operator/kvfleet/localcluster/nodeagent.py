@@ -6,8 +6,8 @@ with `nvidia.com/gpu` capacity and zone labels (nodes.py) and runs every pod the
 to them whose image is one of the project's (images.py) as a process: the container's command, args
 and env, with a service-account token from the TokenRequest API handed over as a kubeconfig in
 $KUBECONFIG (podenv.py), and a loopback address of its own as the pod IP (127.B.x.y, so every pod can
-listen on its declared ports; B is drawn per agent so that clusters running side by side on one
-machine, as parallel test runs do, do not hand out the same address). Readiness and liveness probes
+listen on its declared ports; B is claimed per agent, by binding 127.B.0.1, which no pod gets, so that
+clusters running side by side on one machine, as parallel test runs do, never hand out one address). Readiness and liveness probes
 (probes.py), restart policy, exit codes and graceful deletion (SIGTERM, SIGKILL after the grace
 period, then the final delete a kubelet makes) are reflected in the pod status. Pods with other
 images stay Pending with a Warning event that says why.
@@ -28,6 +28,7 @@ import queue
 import random
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +52,26 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 MAX_BACKOFF_S = 20.0
+
+
+# The port each agent binds on 127.B.0.1 to hold its octet B while it lives (pods never get x.y.0.z).
+OCTET_CLAIM_PORT = 47_999
+
+
+def claim_ip_octet() -> tuple[int, socket.socket]:
+    """An octet no other live agent on this machine holds, and the socket that holds it until closed
+    (the process's exit closes it). Drawn in random order so that a fresh agent rarely probes twice."""
+    octets = list(range(1, 255))
+    random.SystemRandom().shuffle(octets)
+    for octet in octets:
+        claim = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            claim.bind((f"127.{octet}.0.1", OCTET_CLAIM_PORT))
+        except OSError:
+            claim.close()
+            continue
+        return octet, claim
+    raise RuntimeError("every pod-IP octet 127.1-254 is held by another node agent on this machine")
 
 
 class NodeAgent:
@@ -81,7 +102,7 @@ class NodeAgent:
         self._free_ips: list[int] = []
         self._next_ip = 0
         # The second octet of this agent's pod IPs: 1..254, never 0 (127.0.0.1 is the host).
-        self._ip_octet = random.SystemRandom().randint(1, 254)
+        self._ip_octet, self._octet_claim = claim_ip_octet()
 
     # ------------------------------------------------------------------------------------- watch
 

@@ -275,9 +275,14 @@ def make_tiny(directory: Path, *, seed: int = 0, spec: TinySpec = TINY) -> Path:
     try:
         for name, data in files.items():
             (staging / name).write_bytes(data)
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        os.replace(staging, directory)
+        try:
+            if directory.exists():
+                directory.rmdir()  # empty, checked above
+            os.replace(staging, directory)
+        except OSError:
+            # Another process (a parallel test run) moved the same model in first: that one is ours too.
+            if not _holds_model(directory, identity):
+                raise
     finally:
         if staging.exists():
             shutil.rmtree(staging)
