@@ -18,14 +18,17 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
     run = run_bench(BENCH, "--quick", "--out", str(tmp_path), first_line="machine: ", timeout_s=1200)
     assert any(line.startswith("targets: ") for line in run.lines)
     summary = run.summary
-    assert summary["bench"] == "sim_vs_live" and summary["window"] == "0:20"
-    assert set(summary["policies"]) == {"mell", "bf"}
-    for policy, f in summary["policies"].items():
+    assert summary["bench"] == "sim_vs_live" and [s["window"] for s in summary["slices"]] == ["0:20"]
+    (figures,) = (s["policies"] for s in summary["slices"])
+    assert set(figures) == {"mell", "bf"}
+    for policy, f in figures.items():
         # Every stream came back whole through whatever the pool did, and both sides billed something.
         assert f["streams_whole"] == f["streams"] > 0, policy
-        assert f["live_gpu_s"] > 0 and f["sim_gpu_s"] > 0
-        assert set(f["migrations"]) == {"live", "live_failed", "simulated"}
+        assert f["live_gpu_s"] > 0 and f["sim_gpu_s"] > 0 and f["sim_gpu_s_as_planned"] > 0
+        assert set(f["migrations"]) == {"live", "live_failed", "simulated", "simulated_as_planned"}
         # The simulator replayed exactly what was sent, at the speed the workers measured.
-        assert (tmp_path / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
-        assert json.loads((tmp_path / policy / "speed-profile.json").read_text())["kind"] == "SpeedProfile"
-    assert summary["policies"]["bf"]["migrations"]["simulated"] == 0  # best-fit never migrates
+        assert (tmp_path / "slice0" / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
+        assert json.loads((tmp_path / "slice0" / policy / "speed-profile.json").read_text())["kind"] == "SpeedProfile"
+    assert figures["bf"]["migrations"]["simulated_as_planned"] == 0  # best-fit's plans never migrate
+    assert summary["live_gpu_s_sum"] == {p: figures[p]["live_gpu_s"] for p in ("mell", "bf")}
+    assert 0 <= summary["targets_met"] <= summary["targets"] == 2 * 2 + 2

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.cli import main
-from kvfleet.mell.models import Plan
+from kvfleet.mell.models import Migration, Plan
 from kvfleet.sim import run as simulator
 from kvfleet.sim.hardware import A100_40GB, LLAMA2_13B
 from kvfleet.sim.prefix_cache import GpuPrefixCache, PrefixCacheSpec
@@ -319,9 +319,9 @@ def test_a_request_only_finds_blocks_kept_in_free_memory(policy: str, monkeypatc
         check(replay)
         match(replay, m, gpu_id)
 
-    def checked_record(replay: simulator._Replay, plan: Plan, now_s: float) -> None:
+    def checked_record(replay: simulator._Replay, plan: Plan, now_s: float, moves: tuple[Migration, ...] | None = None) -> None:
         check(replay)
-        record(replay, plan, now_s)
+        record(replay, plan, now_s, moves)
 
     monkeypatch.setattr(simulator._Replay, "_match_prefix", checked_match)
     monkeypatch.setattr(simulator._Replay, "record_epoch", checked_record)

@@ -72,6 +72,19 @@ def test_scale_flags_reach_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert slow["mell"]["queue_p99_s"] >= 60.0 > base["mell"]["queue_p99_s"]
 
 
+def test_execution_and_floor_flags_reach_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # With a 60 s pod start, best-fit's plans move nothing; carried out as the operator does, the requests
+    # the router ran or queued elsewhere meanwhile are moved to their GPU once its pod is ready.
+    flags = ["--policies", "bf", "--scale-up-s", "60"]
+    planned = simulate_json(capsys, *flags)["policies"]
+    operated = simulate_json(capsys, *flags, "--execution", "operator")["policies"]
+    floored = simulate_json(capsys, *flags, "--execution", "operator", "--min-workers", "1")["policies"]
+    assert isinstance(planned, dict) and isinstance(operated, dict) and isinstance(floored, dict)
+    assert planned["bf"]["num_migrations"] == 0 < operated["bf"]["num_migrations"]
+    # A floor worker is ready from the start: the first requests do not wait the 60 s for a pod.
+    assert floored["bf"]["queue_p50_s"] < operated["bf"]["queue_p50_s"]
+
+
 def test_lookahead_flag_reaches_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     # Told only the KV a request holds (0, as live workers report), best-fit packs tighter than when
     # told an epoch of growth ahead (the default 1): fewer GPUs on average, more preemptions.
@@ -111,6 +124,8 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--trace", str(CONV), "--scale-up-s", "-1"], "--scale-up-s must be >= 0"),
         (["--trace", str(CONV), "--scale-down-delay-s", "-5"], "--scale-down-delay-s must be >= 0"),
         (["--trace", str(CONV), "--lookahead-epochs", "-1"], "--lookahead-epochs must be >= 0"),
+        (["--trace", str(CONV), "--min-workers", "-1"], "--min-workers must be >= 0"),
+        (["--trace", str(CONV), "--execution", "operator", "--no-batching"], "drop --no-batching"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

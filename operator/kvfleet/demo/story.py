@@ -56,6 +56,9 @@ EPOCH_S = 1.0
 SCALE_DOWN_DELAY_S = 3
 # The trace's requests, shrunk to the tiny model and a 2-core machine: prompts / 8, outputs / 2.
 PROMPT_SCALE, OUTPUT_SCALE = 8, 2
+# The pool's workers.min and workers.max: the floor worker is up before the replay starts, and the
+# simulated comparison starts from it too (kvfleet.sim.run, min_workers).
+MIN_WORKERS, MAX_WORKERS = 1, 6
 # The plain demo's cluster; with --karpenter it starts from one such node.
 FIXED_NODES, FIXED_GPUS_PER_NODE = 3, 2
 # With --karpenter: how long the "cloud" takes to boot a node (a real GPU node: minutes).
@@ -67,7 +70,7 @@ def pool_manifest(model_dir: Path) -> dict[str, Any]:
         "model": {"name": "tiny", "path": str(model_dir)},
         "engine": "builtin",
         "capacity": {"kvCapacityPerWorker": KV_CAPACITY},
-        "workers": {"min": 1, "max": 6},
+        "workers": {"min": MIN_WORKERS, "max": MAX_WORKERS},
         "scheduling": {"policy": "mell", "epochSeconds": EPOCH_S},
         "migration": {"mode": "adaptive"},
         "autoscaling": {"scaleDownDelaySeconds": SCALE_DOWN_DELAY_S},
@@ -170,7 +173,8 @@ SIMULATED = ("mell", "bf")
 
 def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
     """The slice the replay sent, simulated under the default policy and best-fit at the speed the
-    workers measured, with the pool's C, epoch and scale-down delay and the pods' measured start."""
+    workers measured, with the pool's C, epoch, floor and scale-down delay and the pods' measured start,
+    carried out as the operator and router do (kvfleet.sim.run, execution="operator")."""
     profile_path = out / "speed-profile.json"
     if not profile_path.exists():
         print("(the workers measured no speed: no simulated comparison)")
@@ -179,7 +183,8 @@ def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
     requests = read_trace(out / "sent.csv")
     scale_up_s = record.pod_ready_s.get("median") or 0.0
     return {policy: simulate(requests, setup, policy, EPOCH_S, policy_config(policy, setup.capacity_bytes),
-                             scale_up_s=scale_up_s, scale_down_delay_s=SCALE_DOWN_DELAY_S) for policy in SIMULATED}
+                             scale_up_s=scale_up_s, scale_down_delay_s=SCALE_DOWN_DELAY_S, execution="operator",
+                             min_workers=MIN_WORKERS) for policy in SIMULATED}
 
 
 def comparison(record: Record, sims: dict[str, RunResult]) -> str:

@@ -29,7 +29,7 @@ from kvfleet.sim.prefix_cache import PrefixCacheSpec
 from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.result import RunResult
-from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate
+from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, EXECUTIONS, simulate
 from kvfleet.sim.speed_model import Setup, make_setup, profile_setup, tpot_load_cap
 from kvfleet.sim.traces import (
     DEFAULT_HASH_BLOCK_TOKENS,
@@ -98,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-up-s", type=float, default=0.0,
                         help="seconds a new worker pod takes to be ready (0); set it to your cloud's node + pod "
                              "start, e.g. 60")
+    parser.add_argument("--min-workers", type=int, default=0,
+                        help="the LLMPool's workers.min: pods that run, ready and billed, from start to end (0)")
     parser.add_argument("--scale-down-delay-s", type=float, default=DEFAULT_SCALE_DOWN_DELAY_S,
                         help="seconds an emptied worker pod stays, warm and billed, before it is deleted "
                              f"({DEFAULT_SCALE_DOWN_DELAY_S:g}, the LLMPool default)")
@@ -112,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model a prefix cache on every worker (MemServe §4): the prompt blocks (trace hash_ids) of "
                              "finished requests stay in free KV memory, and a request prefills only the leading blocks "
                              "its GPU does not hold; reports the hit ratio and prefill tokens saved")
+    parser.add_argument("--execution", choices=EXECUTIONS, default="plan",
+                        help="plan (default): carry out each plan as written, as MELL's simulator does (a request "
+                             "whose GPU's pod starts waits for it); operator: as kvfleet's router and operator do (it "
+                             "runs on a Ready worker meanwhile and is moved once the pod is ready, a request about to "
+                             "finish is not moved, a worker that still holds requests is kept); with --scale-up-s, "
+                             "operator is what a live pool bills")
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
@@ -201,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--scale-up-s must be >= 0")
         if not args.scale_down_delay_s >= 0:
             raise _UsageError("--scale-down-delay-s must be >= 0")
+        if args.min_workers < 0:
+            raise _UsageError("--min-workers must be >= 0")
+        if args.execution == "operator" and args.no_batching:
+            raise _UsageError("--execution operator schedules each epoch as one batch, as the operator does: "
+                              "drop --no-batching")
         disaggregation = _disaggregation(args, policies)
         # Before any replay, so a TPOT objective no GPU can meet is refused at once.
         configs = [_policy_configs(args, setup, policies) for setup in setups]
@@ -271,7 +284,8 @@ def _run_disaggregation(args: argparse.Namespace, pd: _PdPlan, setups: list[Setu
             for cache in caches:
                 colocated.append(simulate(reqs, setup, policy, args.epoch_s, cfg, lookahead_epochs=args.lookahead_epochs,
                                           scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
-                                          prefix_cache=PrefixCacheSpec(args.hash_block_tokens) if cache else None))
+                                          prefix_cache=PrefixCacheSpec(args.hash_block_tokens) if cache else None,
+                                          execution=args.execution, min_workers=args.min_workers))
             runs = [simulate_disaggregated(reqs, setup, split, mode, pd.link_bytes_per_s, policy, args.epoch_s, cfg,
                                            args.lookahead_epochs, args.hash_block_tokens)
                     for split in pd.splits for mode in pd.modes]
@@ -412,7 +426,7 @@ def _simulate_with_progress(
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
                       scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching,
-                      prefix_cache=prefix_cache)
+                      prefix_cache=prefix_cache, execution=args.execution, min_workers=args.min_workers)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

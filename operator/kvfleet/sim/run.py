@@ -20,6 +20,17 @@ pod; what they wait, and how fast they decode, is reported per request (queueing
 Two bounds are reported: each run's own fluid bound (the KV that run held) and one shared by every
 policy, computed from the workload alone (bounds.py). What a run reports is result.py's.
 
+How a plan is carried out is `execution`. "plan" (the default, MELL §VII's simulator) does exactly
+what each plan says: a request placed or moved onto a GPU whose pod is still starting waits there,
+idle, until the pod is ready. "operator" does what kvfleet's operator and router do with the same plan
+(operator/kvfleet/operator/epoch.py, worker-image/kvfleet/router/placement.py): the router never sends a
+request to a pod that is not ready, so a request whose GPU is still starting runs meanwhile on the
+Ready worker with the most room for it (or waits in a worker's queue when none has room); the
+operator then moves every request that is not where the plan holds it, once the plan's GPU has a
+Ready pod and unless the request's worker reports it finishing (its remaining output ends within two
+report intervals); a GPU the plan lets go keeps its pod, billed, until the requests on it have left.
+The moves counted are the ones made, as a live pool's KVMigrations are.
+
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
 requests leave free, for as long as its pod lives (warm pods keep theirs): a request placed on a GPU
@@ -46,6 +57,12 @@ from kvfleet.sim.prefix_cache import GpuPrefixCache, PrefixCacheSpec
 from kvfleet.sim.result import RunResult
 from kvfleet.sim.speed_model import Setup
 from kvfleet.sim.traces import TraceRequest
+
+# How the replay carries out each plan (module docstring): as written, or as kvfleet's operator does.
+EXECUTIONS = ("plan", "operator")
+# A worker reports a request finishing when its remaining output ends within this many report
+# intervals (one epoch each); the operator orders no move for it (worker-image/kvfleet/worker/reporter.py).
+FINISHING_INTERVALS = 2
 
 # The LLMPool's default, so that a bare `simulate` bills what a default pool would.
 DEFAULT_SCALE_DOWN_DELAY_S = float(AutoscalingSpec.model_fields["scale_down_delay_seconds"].default)
@@ -124,6 +141,8 @@ def simulate(
     scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
     batching: bool = True,
     prefix_cache: PrefixCacheSpec | None = None,
+    execution: str = "plan",
+    min_workers: int = 0,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
@@ -134,8 +153,17 @@ def simulate(
     billed. With `scale_up_s=0` the replay is the one without pods: they only add the bill.
     `batching=False` schedules every operation on its own (`_Replay.schedule_unbatched`), the
     baseline of MELL's Fig. 13. `prefix_cache` turns on the per-GPU prefix cache model (module
-    docstring); without it the replay is exactly the one before the model existed.
+    docstring); without it the replay is exactly the one before the model existed. `execution` is
+    "plan" or "operator" (module docstring; "operator" needs `batching`, as the operator batches).
+    `min_workers` is the LLMPool's `workers.min`: that many pods run, ready and billed, from the start
+    of the replay to its end, whether the plans hold GPUs or not.
     """
+    if min_workers < 0:
+        raise ValueError("min_workers must be >= 0")
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, not {execution!r}")
+    if execution == "operator" and not batching:
+        raise ValueError("the operator schedules each epoch's events as one batch: execution='operator' needs batching")
     if epoch_s <= 0:
         raise ValueError("epoch_s must be positive")
     if scale_up_s < 0 or scale_down_delay_s < 0:
@@ -145,7 +173,7 @@ def simulate(
     # A policy that plans by link budgets plans within the §V boundaries the replay costs its moves against.
     cfg = cfg.within_link_budgets(bounds.intra_node_link_bytes, bounds.inter_node_link_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
-                     scale_down_delay_s, prefix_cache)
+                     scale_down_delay_s, prefix_cache, min_workers)
     replay.result.batching = batching
     now_s = 0.0
     epoch = 0
@@ -155,12 +183,16 @@ def simulate(
         events = replay.decode_epoch(start_s, now_s)
         events += replay.report_growth()
         events += replay.admit_arrivals(now_s)
-        if batching:
+        moves: tuple[Migration, ...] | None = None
+        if execution == "operator":
+            plan = replay.policy.schedule(EventBatch(now_s, tuple(events)))
+            moves = replay.apply_plan_as_operated(plan, now_s)
+        elif batching:
             plan = replay.policy.schedule(EventBatch(now_s, tuple(events)))
             replay.apply_plan(plan, now_s)
         else:
             plan = replay.schedule_unbatched(events, now_s)
-        replay.record_epoch(plan, now_s)
+        replay.record_epoch(plan, now_s, moves)
         if on_epoch is not None:
             on_epoch(epoch)
     replay.close_pods(now_s)
@@ -179,6 +211,7 @@ class _Replay:
     def __init__(
         self, requests: list[TraceRequest], setup: Setup, policy: ClusterPolicy, epoch_s: float, lookahead_epochs: float,
         scale_up_s: float, scale_down_delay_s: float, prefix_cache: PrefixCacheSpec | None = None,
+        min_workers: int = 0,
     ) -> None:
         self.setup = setup
         self.policy = policy
@@ -204,9 +237,17 @@ class _Replay:
         self.scale_up_s = scale_up_s
         self.scale_down_delay_s = scale_down_delay_s
         self.pods: dict[str, _Pod] = {}  # the pod behind each GPU the plans hold
-        self.warm: list[_Pod] = []  # released, not yet deleted, in the order they were released
+        # Released, not yet deleted, in the order they were released; the pool's floor starts here, ready.
+        self.warm: list[_Pod] = [_Pod(created_s=0.0, ready_s=0.0, released_s=0.0) for _ in range(min_workers)]
+        self.min_workers = min_workers
         self.over_capacity: set[str] = set()
         self.prefix_spec = prefix_cache
+        # execution="operator" only: GPUs the plans let go whose pods still hold requests (kept, billed,
+        # until those leave), and requests no Ready worker had room for (in a worker's queue, not decoding).
+        self.draining: set[str] = set()
+        # Each maps to the GPU whose worker queues it, or "" while no worker is Ready (the router refuses it
+        # and the client retries: not a move).
+        self.queued: dict[str, str] = {}
 
     def has_work(self) -> bool:
         return self.next_arrival < len(self.pending) or bool(self.live)
@@ -420,6 +461,123 @@ class _Replay:
             self._cost_migrations(plan.migrations, now_s)
         self._terminate(plan.terminate_gpu_ids)
 
+    def apply_plan_as_operated(self, plan: Plan, now_s: float) -> tuple[Migration, ...]:
+        """Carry out the plan as kvfleet's operator and router would (module docstring); the moves made.
+
+        The plan says where each request should be; where it is differs while its GPU's pod starts,
+        while a move waits for that pod, and for a request that finishes where it is. Requests whose KV
+        spans GPUs (larger than C) follow the plan as written: the live pool never moves them.
+        """
+        spanning = {sp.request_id for sp in plan.spans}
+        # A worker that holds requests is not released (epoch.py: `holding`): its GPU drains first.
+        let_go = [g for g in plan.terminate_gpu_ids if not self._holds(g)]
+        self.draining.update(g for g in plan.terminate_gpu_ids if self._holds(g))
+        self._release_pods(let_go, now_s)
+        self._activate(plan.activate_gpu_ids, now_s)
+        for pl in plan.placements:
+            rid = pl.request_id
+            m = self.live[rid]
+            if m.gpu_id:  # a request whose tail passed C starts a new tail elsewhere: as planned
+                del self.on_gpu[m.gpu_id][rid]
+                self._run_on(m, rid, pl.gpu_id, now_s)
+                continue
+            # The router sends a new request to a Ready worker only: the plan's, else the one with the most
+            # room if it fits there, else it queues there (placement.py: "least-loaded", "queued:emptiest").
+            where = pl.gpu_id
+            if not self._ready(pl.gpu_id, now_s):
+                roomiest = self._roomiest_ready(now_s)
+                if roomiest is None or self._free_bytes(roomiest) < self._final_bytes(m):
+                    self.queued[rid] = roomiest or ""  # reaching its GPU from a worker's queue is a move
+                    continue
+                where = roomiest
+            if self.prefix_spec is not None:
+                self._match_prefix(m, where)
+            self._run_on(m, rid, where, now_s)
+        for mig in plan.migrations:
+            if mig.request_id in spanning and self.live[mig.request_id].gpu_id == mig.source_gpu_id:
+                m = self.live[mig.request_id]
+                del self.on_gpu[m.gpu_id][mig.request_id]
+                self._run_on(m, mig.request_id, mig.target_gpu_id, now_s)
+        moves, recomputes = self._level_moves(spanning, {p.request_id for p in plan.preemptions}, now_s)
+        if moves:
+            self._cost_migrations(tuple(mv for mv in moves if mv.source_gpu_id), now_s)
+        for mv in recomputes:  # vLLM recompute (the baselines' preemption): the request re-prefills all it had
+            m = self.live[mv.request_id]
+            m.decode_from_s = max(m.decode_from_s, now_s + self.setup.prefill_s(m.req.prompt_tokens + int(m.generated)))
+        self.policy.note_moved([mv.request_id for mv in moves], now_s)
+        for gpu_id in sorted(self.draining):
+            if not self._holds(gpu_id):
+                self.draining.discard(gpu_id)
+                self.on_gpu.pop(gpu_id, None)
+                self._release_pods([gpu_id], now_s)
+        self._terminate(g for g in plan.terminate_gpu_ids if g not in self.draining)
+        return moves
+
+    def _level_moves(self, spanning: set[str], preempted: set[str],
+                     now_s: float) -> tuple[tuple[Migration, ...], tuple[Migration, ...]]:
+        """The operator's level-triggered step (epoch.py `_moves`): every request away from where the plan
+        holds it moves there, once that GPU's pod is Ready and unless it is finishing where it is.
+        Returns the migrations made and, apart, the preemptions (recomputes) made."""
+        moves: list[Migration] = []
+        recomputes: list[Migration] = []
+        for rid, m in list(self.live.items()):
+            if rid in spanning:
+                continue
+            want = self.policy.gpu_of(rid)
+            if want == m.gpu_id or not self._ready(want, now_s):
+                continue
+            if m.gpu_id and self._finishing(m):
+                continue
+            if m.gpu_id:
+                move = Migration(rid, m.gpu_id, want, m.reported_bytes, "preempt" if rid in preempted else "level")
+                (recomputes if rid in preempted else moves).append(move)
+                del self.on_gpu[m.gpu_id][rid]
+            else:  # out of a queue (a move without KV), or let in by the router: it prefills where it lands, from now
+                if self.queued.pop(rid):
+                    moves.append(Migration(rid, "", want, 0, "level"))
+                if self.prefix_spec is not None:
+                    self._match_prefix(m, want)
+                m.decode_from_s = max(m.decode_from_s, now_s + self.setup.prefill_s(m.prefill_tokens))
+            self._run_on(m, rid, want, now_s)
+        return tuple(moves), tuple(recomputes)
+
+    def _holds(self, gpu_id: str) -> bool:
+        """Its worker runs or queues a request (and so reports it)."""
+        return bool(self.on_gpu.get(gpu_id)) or gpu_id in self.queued.values()
+
+    def _ready(self, gpu_id: str, now_s: float) -> bool:
+        pod = self.pods.get(gpu_id)
+        return pod is not None and pod.ready_s <= now_s
+
+    def _final_bytes(self, m: _Live) -> int:
+        """What the router reserves for a request: its prompt and whole output (kvfleet.router.placement)."""
+        return (m.req.prompt_tokens + m.req.output_tokens) * self.kv_bytes_per_token
+
+    def _free_bytes(self, gpu_id: str) -> int:
+        """C less what a router has committed on the GPU's worker: the whole size of each request it runs
+        or queues there."""
+        held = [*self.on_gpu.get(gpu_id, {}), *(r for r, g in self.queued.items() if g == gpu_id)]
+        return self.capacity_bytes - sum(self._final_bytes(self.live[r]) for r in held)
+
+    def _roomiest_ready(self, now_s: float) -> str | None:
+        """The Ready worker with the most room (ties: the pod held longest), where a router sends a request
+        while the plan's GPU starts if it fits, or queues it if not; None while no worker is Ready."""
+        best: tuple[int, str] | None = None
+        for gpu_id in self.pods:
+            if self._ready(gpu_id, now_s):
+                free = self._free_bytes(gpu_id)
+                if best is None or free > best[0]:
+                    best = (free, gpu_id)
+        return None if best is None else best[1]
+
+    def _finishing(self, m: _Live) -> bool:
+        """Its worker would report it finishing: what it has left to write ends within two report intervals
+        at the step its GPU decodes at now."""
+        members = [self.live[r] for r in self.on_gpu[m.gpu_id]]
+        kv = sum(int(x.req.prompt_tokens + x.generated) for x in members) * self.kv_bytes_per_token
+        remaining = m.req.output_tokens - m.generated
+        return remaining * self.setup.step_s(len(members), kv) <= FINISHING_INTERVALS * self.epoch_s
+
     def _activate(self, gpu_ids: Iterable[str], now_s: float) -> None:
         for gpu_id in gpu_ids:
             self.on_gpu.setdefault(gpu_id, {})
@@ -447,13 +605,16 @@ class _Replay:
         return pod
 
     def _expire_warm(self, now_s: float) -> None:
-        """Delete the warm pods released `scale_down_delay_s` or more before `now_s`."""
+        """Delete the warm pods released `scale_down_delay_s` or more before `now_s`, oldest first, down
+        to the pool's floor (`min_workers` pods, held or warm)."""
         keep: list[_Pod] = []
+        alive = len(self.pods) + len(self.warm)
         for pod in self.warm:
             assert pod.released_s is not None
             deleted_s = pod.released_s + self.scale_down_delay_s
-            if deleted_s <= now_s:
+            if deleted_s <= now_s and alive > self.min_workers:
                 self.result.pod_lifetimes_s.append((pod.created_s, deleted_s))
+                alive -= 1
             else:
                 keep.append(pod)
         self.warm = keep
@@ -466,9 +627,14 @@ class _Replay:
                 self.warm.append(pod)
 
     def close_pods(self, end_s: float) -> None:
-        """At the end of the run: the GPUs still held are let go, and every warm pod lingers its delay."""
+        """At the end of the run: the GPUs still held are let go, and every warm pod lingers its delay
+        (the floor's pods live to the end of the run, at least)."""
         self._release_pods(list(self.pods), end_s)
-        self._expire_warm(math.inf)
+        self._expire_warm(end_s)
+        for pod in self.warm:
+            assert pod.released_s is not None
+            self.result.pod_lifetimes_s.append((pod.created_s, max(end_s, pod.released_s + self.scale_down_delay_s)))
+        self.warm = []
 
     def _run_on(self, m: _Live, request_id: str, gpu_id: str, now_s: float) -> None:
         m.gpu_id = gpu_id
@@ -519,8 +685,10 @@ class _Replay:
             if self.on_gpu.pop(gpu_id, None):
                 raise AssertionError(f"plan terminates {gpu_id} while requests run on it")
 
-    def record_epoch(self, plan: Plan, now_s: float) -> None:
-        """Append this epoch's GPUs, actual KV and fluid lower bound, and add up the plan's moves."""
+    def record_epoch(self, plan: Plan, now_s: float, moves: tuple[Migration, ...] | None = None) -> None:
+        """Append this epoch's GPUs, actual KV and fluid lower bound, and add up the moves made: the
+        plan's, or `moves` where the replay made others (execution="operator")."""
+        migrations = plan.migrations if moves is None else moves
         c = self.capacity_bytes
         heads = {sp.request_id: len(sp.gpu_ids) - 1 for sp in plan.spans}
         total_kv = 0
@@ -535,12 +703,12 @@ class _Replay:
                 self.result.num_capacity_violations += 1
         result = self.result
         result.times_s.append(now_s)
-        result.gpus.append(self.policy.num_gpus())
+        result.gpus.append(self.policy.num_gpus() + len(self.draining))
         result.kv_bytes.append(total_kv)
         result.lower_bound.append(math.ceil(total_kv / c))
-        result.migrations_per_epoch.append(len(plan.migrations))
-        result.num_migrations += len(plan.migrations)
-        result.migrated_bytes += sum(mg.size_bytes for mg in plan.migrations)
+        result.migrations_per_epoch.append(len(migrations))
+        result.num_migrations += len(migrations)
+        result.migrated_bytes += sum(mg.size_bytes for mg in migrations)
         result.num_preemptions += len(plan.preemptions)
         result.num_spanning = max(result.num_spanning, len(plan.spans))
         result.max_moves_per_operation = max(result.max_moves_per_operation, *plan.moves_per_operation, 0)
