@@ -63,17 +63,13 @@ chaos: venv controlplane
 
 # The vLLM tests fail rather than skip when vllm is missing. The slowest tests are listed after the
 # summary: CI's 2 cores give the whole run 45 minutes, and that list says where they go.
-# Two pytest workers, a test file each at a time (--dist loadfile keeps a module's fixtures in one
-# process): the e2e tests spend most of their time waiting on pods, Karpenter and the API server
-# (about a quarter of the two cores busy), so a second file runs in that time. Each worker starts its
-# own local cluster; their node agents claim distinct pod-IP ranges (localcluster/nodeagent.py).
 # Set-up runs as two parallel jobs: Go compiling the control plane is CPU-bound, pip mostly waits
 # on downloads, so on a fresh machine they overlap instead of adding up.
 test: export KVFLEET_REQUIRE_VLLM := 1
 test:
 	$(MAKE) --no-print-directory -j2 vllm controlplane
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25 tests e2e
+	$(PY) -m pytest --durations=25 tests e2e
 
 demo:
 	$(MAKE) --no-print-directory -j2 venv controlplane-demo
