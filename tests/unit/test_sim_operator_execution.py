@@ -17,9 +17,9 @@ ONE = TraceRequest("a", 0.0, 1000, 200)
 
 def test_the_floor_pod_is_ready_from_the_start_and_billed_to_the_end() -> None:
     # The floor's pod exists, ready, at t=0: the plan at t=1 takes it, so the request decodes from 1
-    # (no 10 s pod start), finishes by t=6 and the pod, let go there, lives its 30 s delay: billed 0 to 36.
+    # (no 10 s pod start) and finishes by t=6, where the run ends: the floor's pod is billed 0 to 6.
     r = simulate([ONE], SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=30.0, min_workers=1)
-    assert r.pod_lifetimes_s == [(0.0, 36.0)] and r.peak_pods == 1
+    assert r.pod_lifetimes_s == [(0.0, 6.0)] and r.peak_pods == 1
     assert r.queue_delays_s == [1.0 - SETUP.prefill_s(1000)]
     # Without the floor the same request waits for a new pod (tests/unit/test_sim_simulator.py).
     assert simulate([ONE], SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=30.0).pod_lifetimes_s == [(1.0, 46.0)]
@@ -27,11 +27,16 @@ def test_the_floor_pod_is_ready_from_the_start_and_billed_to_the_end() -> None:
 
 def test_the_floor_pod_outlives_its_delay_and_serves_the_next_request_at_once() -> None:
     # Let go at 6, the floor's pod is not deleted 10 s later: the request at 100 runs on it, ready,
-    # and the run's one pod is billed from 0 until 10 s after the plan at 106 lets it go.
+    # and the run's one pod is billed from 0 until the run ends at 106.
     late = TraceRequest("b", 100.0, 1000, 200)
     r = simulate([ONE, late], SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=10.0, min_workers=1)
-    assert r.pod_lifetimes_s == [(0.0, 116.0)]
+    assert r.pod_lifetimes_s == [(0.0, 106.0)]
     assert r.queue_delays_s[1] == 101.0 - (100.0 + SETUP.prefill_s(1000))
+    # Two at once with a floor of one: the second pod lingers its delay after the run's end, and the
+    # floor's lives until then (the pool has drained to its floor).
+    both = [ONE, TraceRequest("c", 0.0, 14000, 200)]
+    r2 = simulate(both, SETUP, "mell", scale_up_s=0.0, scale_down_delay_s=10.0, min_workers=1)
+    assert len(r2.pod_lifetimes_s) == 2 and r2.pod_lifetimes_s[0][1] == r2.pod_lifetimes_s[1][1]
     with pytest.raises(ValueError, match="min_workers"):
         simulate([ONE], SETUP, "mell", min_workers=-1)
 

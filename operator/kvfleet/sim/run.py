@@ -627,13 +627,19 @@ class _Replay:
                 self.warm.append(pod)
 
     def close_pods(self, end_s: float) -> None:
-        """At the end of the run: the GPUs still held are let go, and every warm pod lingers its delay
-        (the floor's pods live to the end of the run, at least)."""
+        """At the end of the run: the GPUs still held are let go and every warm pod lingers its delay,
+        but the floor's (`min_workers`), which live until the run ends: at `end_s`, or when the last
+        other pod is deleted (a live replay's record ends when the pool has drained to its floor)."""
         self._release_pods(list(self.pods), end_s)
         self._expire_warm(end_s)
-        for pod in self.warm:
+        floor = min(self.min_workers, len(self.warm))
+        others = self.warm[:len(self.warm) - floor]  # released first, so deleted first
+        last_s = end_s
+        for pod in others:
             assert pod.released_s is not None
-            self.result.pod_lifetimes_s.append((pod.created_s, max(end_s, pod.released_s + self.scale_down_delay_s)))
+            last_s = max(last_s, pod.released_s + self.scale_down_delay_s)
+            self.result.pod_lifetimes_s.append((pod.created_s, pod.released_s + self.scale_down_delay_s))
+        self.result.pod_lifetimes_s.extend((pod.created_s, last_s) for pod in self.warm[len(others):])
         self.warm = []
 
     def _run_on(self, m: _Live, request_id: str, gpu_id: str, now_s: float) -> None:
