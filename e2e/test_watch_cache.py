@@ -1,5 +1,5 @@
 """The operator's watch caches (kvfleet.operator.kube.WatchCache) against the real API server: a pass
-reads the pool's worker pods and KVLoads from them instead of listing, so they must show every
+reads the pool's worker pods, KVLoads and KVMigrations from them instead of listing, so they must show every
 create, change and delete, one pool's objects only, and list while they have not read the first list.
 """
 
@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvfleet.api.models import POOL_LABEL
+from kvfleet.api.models import API_VERSION, POOL_LABEL, KVMigrationSpec
 from kvfleet.api.reports import KVLoadReport, kvload_object
 from kvfleet.localcluster.cluster import Cluster
+from kvfleet.mell.migration import MoveMode
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.resources import COMPONENT_LABEL
 
@@ -81,3 +82,27 @@ def follow(cluster: Cluster, namespace: str, kube: Kube) -> None:
     newer = kvload_object("p-worker-1", uid, "p", KVLoadReport(capacity_bytes=1000, used_bytes=20, sequence=2))
     cluster.apply_json(newer, namespace)
     eventually(loads, {"p-worker-1": 20})
+
+    # KVMigrations: from their cache too, with the operator's own creates, status patches and deletes
+    # showing at once (OwnWrites), whether or not the watch has brought them yet.
+    def moves() -> dict[str, str]:
+        return {m["metadata"]["name"]: (m.get("status") or {}).get("phase", "") for m in kube.list_migrations(namespace, "p")}
+
+    def migration(name: str, pool: str) -> dict[str, Any]:
+        spec = KVMigrationSpec(pool=pool, request_id=f"r-{name}", source_pod="p-worker-1", target_pod="p-worker-2",
+                               mode=MoveMode.KV, reason="Allocate", epoch=1)
+        return {"apiVersion": API_VERSION, "kind": "KVMigration",
+                "metadata": {"name": name, "labels": {POOL_LABEL: pool}}, "spec": spec.to_wire()}
+
+    assert moves() == {}  # the first read lists
+    eventually(lambda: kube._caches[(namespace, "kvmigrations")].items() is not None, True)
+    assert kube.create_migration(namespace, migration("m1", "p")) and kube.create_migration(namespace, migration("m2", "p"))
+    assert moves() == {"m1": "", "m2": ""}  # at once
+    assert kube.create_migration(namespace, migration("m3", "q"))  # another pool's
+    kube.patch_migration_status(namespace, "m1", {"phase": "Failed", "message": "timed out"})
+    assert moves()["m1"] == "Failed"
+    kube.delete_migration(namespace, "m2")
+    assert moves() == {"m1": "Failed"}
+    eventually(moves, {"m1": "Failed"})  # and so it stays once the cache has caught up
+    cluster.kubectl("-n", namespace, "delete", "kvmigration", "m1")
+    eventually(moves, {})

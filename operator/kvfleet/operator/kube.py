@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar, cast
 
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 
 # A cache's watch is re-opened this often even when quiet (server side), so a silently dead
 # connection costs at most this plus the client's read timeout; after a failure it retries this soon.
+# The longest a write of the operator's own is laid over a watch cache that has not shown it (OwnWrites).
+OWN_WRITES_S = 30.0
+# How long the nodes' zones are trusted, and how soon a node not among them makes the list be read again.
+NODE_ZONES_TTL_S = 60.0
+NODE_ZONES_MISS_S = 5.0
 WATCH_TIMEOUT_S = 60
 WATCH_RETRY_S = 1.0
 
@@ -128,8 +134,9 @@ class KubeApi(Protocol):
         key); one write per pod, counted in the calling thread."""
         ...
 
-    def node_zones(self) -> dict[str, str]:
-        """Node name -> zone label, for MELL's distance term and the migration planner's links."""
+    def node_zones(self, nodes: Collection[str]) -> dict[str, str]:
+        """Node name -> zone label, for MELL's distance term and the migration planner's links: at least
+        these nodes (a node the API does not know is missing)."""
         ...
 
     def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
@@ -239,6 +246,62 @@ class WatchCache:
         return version
 
 
+class OwnWrites:
+    """A watch cache's view with this process's own writes laid over it until the cache shows them
+    (read-your-writes, as a controller's "expectations" give it): a pass reads the KVMigrations from a
+    watch cache, and one second later the next pass must see the ones it created, failed or deleted,
+    or it orders the same move twice.
+
+    Per object: one created shows until the cache has it; one patched shows until the cache's
+    resourceVersion of it is no longer the one it had before the patch (any newer version includes the
+    patch: writes to an object are serialised); one deleted is hidden while the cache still has it.
+    Each is dropped after OWN_WRITES_S whatever the cache says, so a lost event cannot pin an object.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        # (namespace, name) -> (written at, the object as written or None if deleted, cache version before)
+        self._writes: dict[tuple[str, str], tuple[float, dict[str, Any] | None, str | None]] = {}
+
+    def created(self, namespace: str, obj: dict[str, Any]) -> None:
+        self._put(namespace, obj["metadata"]["name"], obj, None)
+
+    def patched(self, namespace: str, obj: dict[str, Any], version_before: str | None) -> None:
+        self._put(namespace, obj["metadata"]["name"], obj, version_before)
+
+    def deleted(self, namespace: str, name: str) -> None:
+        self._put(namespace, name, None, None)
+
+    def _put(self, namespace: str, name: str, obj: dict[str, Any] | None, version_before: str | None) -> None:
+        with self._lock:
+            self._writes[(namespace, name)] = (self._clock(), obj, version_before)
+
+    def over(self, namespace: str, cached: list[dict[str, Any]], pool_name: str) -> list[dict[str, Any]]:
+        """`cached` (one pool's objects in a namespace) with this process's writes laid over it."""
+        by_name = {obj["metadata"]["name"]: obj for obj in cached}
+        now_s = self._clock()
+        with self._lock:
+            for key, (at_s, obj, version_before) in list(self._writes.items()):
+                name = key[1]
+                seen = by_name.get(name)
+                if now_s - at_s > OWN_WRITES_S:
+                    del self._writes[key]
+                elif key[0] != namespace:
+                    continue
+                elif obj is None:  # deleted by us
+                    if seen is None:
+                        del self._writes[key]
+                    else:
+                        del by_name[name]
+                elif seen is not None and (version_before is None
+                                           or str(seen["metadata"].get("resourceVersion")) != version_before):
+                    del self._writes[key]  # the cache has caught up with the write
+                elif (obj["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name:
+                    by_name[name] = obj
+        return list(by_name.values())
+
+
 def _of_pool(objects: list[dict[str, Any]], pool_name: str) -> list[dict[str, Any]]:
     """The objects a namespace's cache holds that are labelled with this pool."""
     return [obj for obj in objects if (obj["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
@@ -284,6 +347,11 @@ class Kube:
         # (namespace, "pods" | "kvloads") -> its cache, started by the first pass that reads it.
         self._caches: dict[tuple[str, str], WatchCache] = {}
         self._caches_lock = threading.Lock()
+        # The operator's own KVMigration writes, until the watch cache shows them (OwnWrites).
+        self._own_migrations = OwnWrites()
+        # The nodes' zones as last listed, and when (node_zones).
+        self._zones: tuple[float, dict[str, str]] = (-math.inf, {})
+        self._zones_lock = threading.Lock()
 
     def writes(self) -> dict[str, int]:
         counts: dict[str, int] = getattr(self._local, "writes", {})
@@ -320,6 +388,10 @@ class Kube:
                     def lister(**kwargs: Any) -> Any:
                         return self.core.list_namespaced_pod(
                             namespace, label_selector=f"{POOL_LABEL},{resources.COMPONENT_LABEL}=worker", **kwargs)
+                elif kind == "kvmigrations":
+                    def lister(**kwargs: Any) -> Any:
+                        return self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations",
+                                                                         label_selector=POOL_LABEL, **kwargs)
                 else:
                     def lister(**kwargs: Any) -> Any:
                         return self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, KVLOAD_PLURAL,
@@ -421,10 +493,20 @@ class Kube:
         self.record_write("delete_pod")
         _or_none_on(404, lambda: self.core.delete_namespaced_pod(name, namespace))
 
-    def node_zones(self) -> dict[str, str]:
-        zone_label = "topology.kubernetes.io/zone"
-        return {str(n["metadata"]["name"]): (n["metadata"].get("labels") or {}).get(zone_label, "")
-                for n in read_items(self.core.list_node(_preload_content=False))}
+    def node_zones(self, nodes: Collection[str]) -> dict[str, str]:
+        # A node's zone does not change while it lives: the list is kept NODE_ZONES_TTL_S, and read again
+        # sooner only for a node it does not hold (a new node, at most once per NODE_ZONES_MISS_S).
+        now_s = time.monotonic()
+        with self._zones_lock:
+            listed_s, zones = self._zones
+            age_s = now_s - listed_s
+            if age_s < NODE_ZONES_TTL_S and (age_s < NODE_ZONES_MISS_S or all(n in zones for n in nodes if n)):
+                return zones
+            zone_label = "topology.kubernetes.io/zone"
+            zones = {str(n["metadata"]["name"]): (n["metadata"].get("labels") or {}).get(zone_label, "")
+                     for n in read_items(self.core.list_node(_preload_content=False))}
+            self._zones = (now_s, zones)
+            return zones
 
     def patch_pods_metadata(self, namespace: str, changes: Mapping[str, MetadataChanges]) -> None:
         # The patches go out together (PATCH_CONCURRENCY at a time): an epoch that rebinds hundreds of
@@ -444,23 +526,39 @@ class Kube:
         list(self._patchers.map(lambda item: patch(item[0], *item[1]), changes.items()))
 
     def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
-        listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
-            GROUP, VERSION, namespace, "kvmigrations", label_selector=f"{POOL_LABEL}={pool_name}"))
-        return list(listing.get("items", []))
+        cached = self._cache(namespace, "kvmigrations").items()
+        if cached is None:
+            listing = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, "kvmigrations", label_selector=f"{POOL_LABEL}={pool_name}"))
+            return list(listing.get("items", []))
+        return self._own_migrations.over(namespace, _of_pool(cached, pool_name), pool_name)
 
     def create_migration(self, namespace: str, body: dict[str, Any]) -> bool:
         self.record_write("create_kvmigration")
-        return _or_none_on(409, lambda: self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, "kvmigrations", body, field_manager=FIELD_MANAGER)) is not None
+        made = _or_none_on(409, lambda: self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, "kvmigrations", body, field_manager=FIELD_MANAGER))
+        if made is not None:
+            self._own_migrations.created(namespace, cast(dict[str, Any], made))
+        return made is not None
 
     def patch_migration_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.record_write("patch_kvmigration_status")
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "kvmigrations", name,
-                                                          {"status": status}, field_manager=FIELD_MANAGER)
+        before = self._cached_version(namespace, "kvmigrations", name)
+        patched = self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "kvmigrations", name,
+                                                                    {"status": status}, field_manager=FIELD_MANAGER)
+        self._own_migrations.patched(namespace, cast(dict[str, Any], patched), before)
 
     def delete_migration(self, namespace: str, name: str) -> None:
         self.record_write("delete_kvmigration")
         _or_none_on(404, lambda: self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "kvmigrations", name))
+        self._own_migrations.deleted(namespace, name)
+
+    def _cached_version(self, namespace: str, kind: str, name: str) -> str | None:
+        """The resourceVersion the cache holds of one object (None: not cached, or no cache yet)."""
+        for obj in self._cache(namespace, kind).items() or []:
+            if obj["metadata"]["name"] == name:
+                return str(obj["metadata"].get("resourceVersion"))
+        return None
 
     def post_event(self, pool: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
         """Posted by kopf (its event queue), so it needs kopf's context: call it from a handler's thread."""

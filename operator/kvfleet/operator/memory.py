@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 
@@ -132,9 +132,9 @@ class MemoryKube:
                     else:
                         target[key] = value
 
-    def node_zones(self) -> dict[str, str]:
-        nodes = {p["spec"]["nodeName"] for p in self.pods.values()}
-        return {node: f"zone-{int(node.removeprefix('node-')) // self.nodes_per_zone}" for node in nodes}
+    def node_zones(self, nodes: Collection[str]) -> dict[str, str]:
+        held = {p["spec"]["nodeName"] for p in self.pods.values()}
+        return {node: f"zone-{int(node.removeprefix('node-')) // self.nodes_per_zone}" for node in held}
 
     def list_migrations(self, namespace: str, pool_name: str) -> list[dict[str, Any]]:
         return [copy.deepcopy(m) for m in self.migrations.values()]

@@ -37,6 +37,8 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 # A daemon that cannot reach the API server retries this soon, not after a whole epoch.
 RETRY_S = 2.0
+# How long a pass trusts the last check of the pool's owned objects (check_owned).
+OWNED_CHECK_S = 10.0
 
 
 def now_utc() -> dt.datetime:
@@ -72,6 +74,8 @@ class PoolStates:
 
     def __init__(self) -> None:
         self._by_pool: dict[tuple[str, str], PoolState] = {}
+        # When each pool's owned objects were last checked: (pool uid and generation, monotonic s, router Ready).
+        self.owned_checks: dict[tuple[str, str], tuple[tuple[str, int], float, bool]] = {}
 
     def get(self, namespace: str, name: str) -> PoolState | None:
         """The pool's in-memory state, if a pass has made one."""
@@ -83,6 +87,7 @@ class PoolStates:
     def forget(self, namespace: str, name: str) -> None:
         """Drop the pool's in-memory state: the next pass rebuilds it from the cluster, as after a restart."""
         self._by_pool.pop((namespace, name), None)
+        self.owned_checks.pop((namespace, name), None)
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
     if spec is None:
         return RETRY_S * 5
     ctx = PassContext(api, namespace, name, pool, spec, logger)
-    router_ready = reconcile_owned(api, namespace, pool, spec)
+    router_ready = check_owned(ctx, states)
     observed = read_observed(ctx)
     settle_migrations(ctx, observed.view)
     state = scheduler_state(ctx, states, observed.workers)
@@ -174,6 +179,25 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
     return spec.scheduling.epoch_seconds
 
 
+def check_owned(ctx: PassContext, states: PoolStates) -> bool:
+    """The pool's owned objects (Secret, workers' RBAC, headroom, router: owned.reconcile_owned), checked
+    when the spec changed, while the router is not Ready yet, and otherwise every OWNED_CHECK_S; True
+    when a router replica is Ready (as last checked).
+
+    Those checks are about ten reads made one after another, and on an API server loaded by a large
+    pool's reports each waits on the order of 100 ms (docs/scale.md): every pass paid a second for
+    objects that change when a person changes them. A deleted one is made again within OWNED_CHECK_S."""
+    meta = ctx.pool["metadata"]
+    version = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
+    last = states.owned_checks.get((ctx.namespace, ctx.name))
+    now_s = time.monotonic()
+    if last is not None and last[0] == version and last[2] and now_s - last[1] < OWNED_CHECK_S:
+        return True
+    ready = reconcile_owned(ctx.api, ctx.namespace, ctx.pool, ctx.spec)
+    states.owned_checks[(ctx.namespace, ctx.name)] = (version, now_s, ready)
+    return ready
+
+
 def parse_spec(api: KubeApi, namespace: str, name: str, pool: dict[str, Any]) -> LLMPoolSpec | None:
     """The pool's spec, or None after saying in its status (Degraded, InvalidSpec) why it is invalid."""
     try:
@@ -200,8 +224,8 @@ def read_observed(ctx: PassContext) -> Observed:
     prefill_infos = [info for p in raw_pods
                      if (info := pods.prefill_pod_info(p, reports.get(p["metadata"]["name"]))) is not None]
     prefill_reports = [report for i in prefill_infos if i.live and (report := reports.get(i.name)) is not None]
-    zones = ctx.api.node_zones()
     node_of_pod = {p["metadata"]["name"]: p["spec"].get("nodeName") or "" for p in raw_pods}
+    zones = ctx.api.node_zones(set(node_of_pod.values()))
     ip_of_pod = {p["metadata"]["name"]: (p.get("status") or {}).get("podIP") or "" for p in raw_pods}
     workers = [
         epoch.WorkerView(i.name, i.gpu_id, i.index, node_of_pod[i.name], zones.get(node_of_pod[i.name], ""), i.ready,
