@@ -1,37 +1,57 @@
-"""The objects a pool owns besides its worker pods, kept in place at the start of every epoch.
+"""The objects a pool owns besides its worker pods, kept in place at the start of an epoch.
 
 The pool's token Secret and the workers' RBAC (which every worker needs before it starts), the
 headroom placeholders and the router. Each is built by kvfleet.operator.resources and written only
 when it is missing or, for the two Deployments, when the pool's spec says otherwise, and for the
 Roles when a release changed their rules; what a person tunes on the rest is left alone.
+
+The objects are independent, so each is checked in a thread of its own: a check is a read, and on an
+API server loaded by a large pool's reports one read waits about 100 ms (docs/scale.md), so a dozen
+in turn held the epoch a second.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvfleet.api.models import LLMPoolSpec
 from kvfleet.operator import resources
 from kvfleet.operator.kube import KubeApi
 
+# Shared by every pool's pass (each waits for its own checks only).
+_CHECKS = ThreadPoolExecutor(16, thread_name_prefix="owned")
+
 
 def reconcile_owned(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> bool:
-    """Create what is missing of the pool's owned objects; True when a router replica is Ready."""
-    reconcile_worker_prerequisites(api, namespace, pool)
-    reconcile_headroom(api, namespace, pool, spec)
-    return reconcile_router(api, namespace, pool, spec)
+    """Create what is missing of the pool's owned objects, all checked at once; True when a router
+    replica is Ready."""
+    checks: list[Callable[[], bool | None]] = [
+        *worker_prerequisite_checks(api, namespace, pool),
+        lambda: reconcile_headroom(api, namespace, pool, spec),
+        *router_checks(api, namespace, pool, spec),
+    ]
+    results = list(_CHECKS.map(lambda check: check(), checks))  # waits for all; raises the first failure
+    return any(result is True for result in results)
 
 
-def reconcile_worker_prerequisites(api: KubeApi, namespace: str, pool: dict[str, Any]) -> None:
-    """The pool's Secret (fresh random token and migration key whenever it is missing) and the workers'
-    ServiceAccount, Role and RoleBinding."""
-    secret_name = resources.token_secret_name(pool["metadata"]["name"])
-    if not api.exists(namespace, "Secret", secret_name):
-        # Deleted, it is made again with fresh values: that is how a person rotates them.
-        api.create(namespace, resources.token_secret(pool, secrets.token_hex(32), secrets.token_hex(32)))
-    for obj in resources.worker_rbac(pool):
-        _keep(api, namespace, obj)
+def worker_prerequisite_checks(api: KubeApi, namespace: str, pool: dict[str, Any]) -> list[Callable[[], None]]:
+    """The checks of the pool's Secret (fresh random token and migration key whenever it is missing) and
+    of the workers' ServiceAccount, Role and RoleBinding."""
+
+    def secret() -> None:
+        secret_name = resources.token_secret_name(pool["metadata"]["name"])
+        if not api.exists(namespace, "Secret", secret_name):
+            # Deleted, it is made again with fresh values: that is how a person rotates them.
+            api.create(namespace, resources.token_secret(pool, secrets.token_hex(32), secrets.token_hex(32)))
+
+    return [secret, *(_keeper(api, namespace, obj) for obj in resources.worker_rbac(pool))]
+
+
+def _keeper(api: KubeApi, namespace: str, obj: dict[str, Any]) -> Callable[[], None]:
+    return lambda: _keep(api, namespace, obj)
 
 
 def _keep(api: KubeApi, namespace: str, obj: dict[str, Any]) -> None:
@@ -64,21 +84,27 @@ def reconcile_headroom(api: KubeApi, namespace: str, pool: dict[str, Any], spec:
 
 
 def reconcile_router(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> bool:
-    """Keep the pool's router (resources.router_objects); True when a router replica is Ready.
+    """Keep the pool's router (resources.router_objects), one object after another; True when a router
+    replica is Ready."""
+    return any([check() is True for check in router_checks(api, namespace, pool, spec)])
 
-    Created when missing; the Deployment is rolled when the image derived from the worker template
-    changes (a new release), and otherwise left alone, so a person may tune it.
-    """
-    ready = False
-    for obj in resources.router_objects(pool, spec):
-        kind, obj_name = obj["kind"], obj["metadata"]["name"]
-        if kind == "Deployment":
-            observed = api.deployment_image_and_ready(namespace, obj_name)
-            if observed is None:
-                api.create(namespace, obj)
-            elif observed[0] != obj["spec"]["template"]["spec"]["containers"][0]["image"]:
-                api.replace_deployment_template(namespace, obj)
-            ready = observed is not None and observed[1] > 0
-        else:
-            _keep(api, namespace, obj)
-    return ready
+
+def router_checks(api: KubeApi, namespace: str, pool: dict[str, Any], spec: LLMPoolSpec) -> list[Callable[[], bool | None]]:
+    """The checks of the router's objects; the Deployment's says whether a router replica is Ready."""
+    return [_deployment_keeper(api, namespace, obj) if obj["kind"] == "Deployment" else _keeper(api, namespace, obj)
+            for obj in resources.router_objects(pool, spec)]
+
+
+def _deployment_keeper(api: KubeApi, namespace: str, obj: dict[str, Any]) -> Callable[[], bool]:
+    """Created when missing; rolled when the image derived from the worker template changes (a new
+    release), and otherwise left alone, so a person may tune it. True when a replica is Ready."""
+
+    def keep() -> bool:
+        observed = api.deployment_image_and_ready(namespace, obj["metadata"]["name"])
+        if observed is None:
+            api.create(namespace, obj)
+        elif observed[0] != obj["spec"]["template"]["spec"]["containers"][0]["image"]:
+            api.replace_deployment_template(namespace, obj)
+        return observed is not None and observed[1] > 0
+
+    return keep

@@ -140,14 +140,18 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
     if spec is None:
         return RETRY_S * 5
     ctx = PassContext(api, namespace, name, pool, spec, logger)
+    phases = Phases(started_s)
     router_ready = check_owned(ctx, states)
     observed = read_observed(ctx)
     settle_migrations(ctx, observed.view)
+    phases.mark("read")
     state = scheduler_state(ctx, states, observed.workers)
     outcome = run_scheduler(state, observed)
     count_finished_migrations(state, namespace, name, observed.view.finished)
     distkv_status = run_gmanager(ctx, observed)
+    phases.mark("plan")
     planned = write_migrations(ctx, state, observed, outcome)
+    phases.mark("moves")
     table = epoch.routing_table(state.routes or {}, observed.workers)
     held = held_requests(pool, time.time())
     demand = prefill.demand_of(spec, observed.prefill_reports,
@@ -160,6 +164,7 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
         now_s=observed.now_s))
     woken_at = note_wake(ctx, observed, actions, held)
     raw_pods = write_pods(ctx, actions, observed.raw_pods)
+    phases.mark("pods")
     figures = SchedulingFigures(
         gpus_in_use=outcome.active_gpus,
         lower_bound_gpus=outcome.lower_bound_gpus,
@@ -174,7 +179,8 @@ def reconcile_pool(namespace: str, name: str, logger: Logger, api: KubeApi, stat
         kv_transfers=prefill.kv_transfers(observed.prefill_reports),
     )
     status = write_status(ctx, raw_pods, figures, table, router_ready, distkv_status)
-    log_epoch(ctx, state, outcome, planned, actions, started_s)
+    phases.mark("status")
+    log_epoch(ctx, state, outcome, planned, actions, phases)
     record_metrics(ctx, state, status, outcome, figures, started_s)
     return spec.scheduling.epoch_seconds
 
@@ -425,19 +431,35 @@ def write_status(ctx: PassContext, raw_pods: list[dict[str, Any]], figures: Sche
     return status
 
 
+class Phases:
+    """Where a pass's wall time went: the milliseconds from one mark to the next, by name."""
+
+    def __init__(self, started_s: float) -> None:
+        self.started_s = self._last_s = started_s
+        self.ms: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now_s = time.monotonic()
+        self.ms[name] = (now_s - self._last_s) * 1000
+        self._last_s = now_s
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {ms:.0f}" for name, ms in self.ms.items())
+
+
 def log_epoch(ctx: PassContext, state: PoolState, outcome: EpochOutcome, planned: PlannedMoves,
-              actions: pods.PodActions, started_s: float) -> None:
+              actions: pods.PodActions, phases: Phases) -> None:
     """One line for an epoch that changed something; a quiet epoch logs nothing."""
     if outcome.num_events or planned.chosen or actions.create or actions.create_prefill or actions.delete:
         # Which labels and annotations the epoch rewrites on how many pods: the pass waits for those writes.
         keys = Counter(key.rsplit("/", 1)[-1] for labels, notes in actions.metadata.values() for key in (*labels, *notes))
         ctx.logger.info("epoch %d: %d events, %d moves (%d deferred by the migration planner, %d waiting for targets, "
-                        "%d for room on them), %d GPUs in use, lower bound %d; %d pods rewritten (%s); %.0f ms so far",
+                        "%d for room on them), %d GPUs in use, lower bound %d; %d pods rewritten (%s); %.0f ms (%s)",
                         state.epoch,
                         outcome.num_events, len(planned.chosen), planned.num_deferred, outcome.num_deferred_moves,
                         planned.num_waiting_room, outcome.active_gpus, outcome.lower_bound_gpus, len(actions.metadata),
                         ", ".join(f"{key} {count}" for key, count in sorted(keys.items())) or "none",
-                        (time.monotonic() - started_s) * 1000)
+                        (time.monotonic() - phases.started_s) * 1000, phases)
 
 
 def record_metrics(ctx: PassContext, state: PoolState, status: Mapping[str, Any], outcome: EpochOutcome,
