@@ -2,14 +2,16 @@
 
     python bench/sim_vs_live.py            # three 60 s slices of the Azure conversation trace (about 25 minutes on 2 cores)
     python bench/sim_vs_live.py --quick    # one 20 s slice, for a smoke run (part of make test)
+    python bench/sim_vs_live.py --from-records   # simulate again against the records of the last run
 
 On the local control plane (kvfleet.localcluster: fake GPU nodes), a pool of builtin-engine workers
 serving the tiny local model replays each slice of the Azure conversation trace through its router
 (`kvfleet replay`, shrunk as `make demo` shrinks it), once under kvfleet's default policy and once
 under best-fit, each on a fresh pool. Then `kvfleet simulate` replays exactly the requests that were
-sent (the record's sent.csv) with the same C, epoch, floor (workers.min) and scale-down delay, the
-pods' start time measured in that run, and the speed its workers measured (the record's
-speed-profile.json), carried out as the operator and router do (`--execution operator`: a request
+sent (the record's sent.csv) with the same C, epoch, floor and ceiling (workers.min, workers.max)
+and scale-down delay, the pods' start and stop times measured in that run (a pod is billed from its
+creation until it is gone: the delay, then its stop), and the speed its workers measured (the
+record's speed-profile.json), carried out as the operator and router do (`--execution operator`: a request
 whose GPU's pod is starting runs on a Ready worker and is moved later, a request about to finish is
 not moved). Beside it, the same simulation carrying out each plan as written (`--execution plan`, as
 MELL's simulator does: the request waits for its pod), which shows what modelling the operator buys.
@@ -42,6 +44,7 @@ from _machine import cpu_model  # noqa: E402
 from kvfleet.demo.story import (  # noqa: E402
     EPOCH_S,
     KV_CAPACITY_TOKENS,
+    MAX_WORKERS,
     MIN_WORKERS,
     OUTPUT_SCALE,
     PROMPT_SCALE,
@@ -97,29 +100,42 @@ def live_run(cluster: Cluster, model_dir: Path, policy: str, window: str, every:
     return record
 
 
-def simulated(policy: str, out: Path, scale_up_s: float, execution: str) -> dict[str, Any]:
-    """`kvfleet simulate` on the requests the live run sent, at the speed its workers measured."""
+def simulated(policy: str, out: Path, scale_up_s: float, pod_stop_s: float, execution: str) -> dict[str, Any]:
+    """`kvfleet simulate` on the requests the live run sent, at the speed its workers measured. A pod is
+    billed from its creation until it is gone: the scale-down delay and then its measured stop."""
     cmd = [sys.executable, "-m", "kvfleet.cli", "simulate", "--trace", str(out / "sent.csv"),
            "--speed-profile", str(out / "speed-profile.json"), "--policies", policy, "--epoch-s", str(EPOCH_S),
-           "--scale-down-delay-s", str(SCALE_DOWN_DELAY_S), "--scale-up-s", f"{scale_up_s:.3f}",
+           "--scale-down-delay-s", f"{SCALE_DOWN_DELAY_S + pod_stop_s:.3f}", "--scale-up-s", f"{scale_up_s:.3f}",
            "--min-workers", str(MIN_WORKERS), "--execution", execution, "--json", "--no-progress"]
+    if execution == "operator":
+        cmd += ["--max-workers", str(MAX_WORKERS)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return dict(json.loads(result.stdout.strip().splitlines()[-1])["policies"][policy])
 
 
-def compare(rec: Record, operated: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
-    """One policy on one slice: live against simulated (as operated, and as planned)."""
+def compare(rec: dict[str, Any], operated: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
+    """One policy on one slice: the live record (its record.json) against simulated (as operated, and as planned)."""
     sim_gpu_s = operated["billed_gpu_hours"] * 3600.0
-    moves = rec.migrations
-    return {"live_gpu_s": round(rec.billed_gpu_seconds, 1), "sim_gpu_s": round(sim_gpu_s, 1),
-            "ratio": round(sim_gpu_s / rec.billed_gpu_seconds, 3) if rec.billed_gpu_seconds else None,
+    live_gpu_s, moves = rec["billedGpuSeconds"], rec["migrations"]
+    return {"live_gpu_s": round(live_gpu_s, 1), "sim_gpu_s": round(sim_gpu_s, 1),
+            "ratio": round(sim_gpu_s / live_gpu_s, 3) if live_gpu_s else None,
             "sim_gpu_s_as_planned": round(planned["billed_gpu_hours"] * 3600.0, 1),
-            "pod_start_s": rec.pod_ready_s.get("median") or 0.0,
-            "migrations": {"live": moves.total, "live_failed": moves.failed, "simulated": int(operated["num_migrations"]),
+            "pod_start_s": pod_start_s(rec), "pod_stop_s": pod_stop_s(rec),
+            "migrations": {"live": moves["total"], "live_failed": moves["failed"],
+                           "simulated": int(operated["num_migrations"]),
                            "simulated_as_planned": int(planned["num_migrations"])},
-            "moved_again_within_30s": moves.quick_removes,
-            "streams_whole": rec.streams_whole, "streams": rec.streams,
-            "peak_gpus": {"live": rec.peak_gpus_in_use, "simulated": operated["peak_gpus"]}}
+            "moved_again_within_30s": moves["movedAgainWithin30s"],
+            "streams_whole": rec["streamsWhole"], "streams": rec["streams"],
+            "peak_gpus": {"live": rec["peakGpusInUse"], "simulated": operated["peak_gpus"]}}
+
+
+def pod_start_s(rec: dict[str, Any]) -> float:
+    return float((rec.get("podReadySeconds") or {}).get("median") or 0.0)
+
+
+def pod_stop_s(rec: dict[str, Any]) -> float:
+    """The median pod's stop (delete call to gone); 0 for a record that did not measure it."""
+    return float((rec.get("podStopSeconds") or {}).get("median") or 0.0)
 
 
 def within(a: float, b: float, share: float) -> bool:
@@ -134,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 20 s slice instead of three of 60 s")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "sim_vs_live")
+    parser.add_argument("--from-records", action="store_true",
+                        help="no live runs: simulate again against the records an earlier run left under --out")
     args = parser.parse_args(argv)
     every = 3
     windows = ["0:20"] if args.quick else [f"{start}:60" for start in SLICE_STARTS_S]
@@ -141,33 +159,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine}; local control plane, builtin workers (tiny model, 1 thread each, 30 ms minimum step)",
           flush=True)
     started = time.monotonic()
-    records: dict[tuple[int, str], Record] = {}
-    model_dir = make_tiny(REPO_ROOT / ".cache" / "models" / "tiny")
-    with local_cluster(num_nodes=3, gpus_per_node=2, num_zones=2) as cluster:
-        operator = start_operator(cluster, lease_duration_s=5)
-        try:
-            for index, window in enumerate(windows):
-                for policy in POLICIES:
-                    records[index, policy] = live_run(cluster, model_dir, policy, window, every,
-                                                      args.out / f"slice{index}" / policy, index)
-        finally:
-            stop_process(operator)
+    if not args.from_records:
+        model_dir = make_tiny(REPO_ROOT / ".cache" / "models" / "tiny")
+        with local_cluster(num_nodes=3, gpus_per_node=2, num_zones=2) as cluster:
+            operator = start_operator(cluster, lease_duration_s=5)
+            try:
+                for index, window in enumerate(windows):
+                    for policy in POLICIES:
+                        live_run(cluster, model_dir, policy, window, every, args.out / f"slice{index}" / policy, index)
+            finally:
+                stop_process(operator)
+    records = {(index, policy): json.loads((args.out / f"slice{index}" / policy / "record.json").read_text())
+               for index in range(len(windows)) for policy in POLICIES}
 
     slices: list[dict[str, Any]] = []
     checks: list[str] = []
     print(f"\n{'slice':<8} {'policy':<6} {'live GPU-s':>10} {'sim GPU-s':>10} {'sim/live':>8} {'(as planned)':>12} "
-          f"{'pod start s':>11} {'live moves':>10} {'failed':>7} {'sim moves':>9} {'(as planned)':>12} "
+          f"{'pod start/stop s':>16} {'live moves':>10} {'failed':>7} {'sim moves':>9} {'(as planned)':>12} "
           f"{'peak live/sim':>13} {'streams whole':>13}")
     for index, window in enumerate(windows):
         figures: dict[str, Any] = {}
         for policy in POLICIES:
             rec, out = records[index, policy], args.out / f"slice{index}" / policy
-            start_s = rec.pod_ready_s.get("median") or 0.0
-            f = figures[policy] = compare(rec, simulated(policy, out, start_s, "operator"),
-                                          simulated(policy, out, start_s, "plan"))
+            start_s, stop_s = pod_start_s(rec), pod_stop_s(rec)
+            f = figures[policy] = compare(rec, simulated(policy, out, start_s, stop_s, "operator"),
+                                          simulated(policy, out, start_s, stop_s, "plan"))
             moves = f["migrations"]
             print(f"{window:<8} {policy:<6} {f['live_gpu_s']:>10.1f} {f['sim_gpu_s']:>10.1f} {f['ratio'] or float('nan'):>8.3f} "
-                  f"{f['sim_gpu_s_as_planned']:>12.1f} {start_s:>11.0f} {moves['live']:>10} {moves['live_failed']:>7} "
+                  f"{f['sim_gpu_s_as_planned']:>12.1f} {f'{start_s:.0f}/{stop_s:.1f}':>16} {moves['live']:>10} {moves['live_failed']:>7} "
                   f"{moves['simulated']:>9} {moves['simulated_as_planned']:>12} "
                   f"{f['peak_gpus']['live']:>6}/{f['peak_gpus']['simulated']:<6} {f['streams_whole']:>6}/{f['streams']:<6}")
             ratio = f["ratio"] if f["ratio"] is not None else float("nan")

@@ -126,6 +126,7 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--trace", str(CONV), "--lookahead-epochs", "-1"], "--lookahead-epochs must be >= 0"),
         (["--trace", str(CONV), "--min-workers", "-1"], "--min-workers must be >= 0"),
         (["--trace", str(CONV), "--execution", "operator", "--no-batching"], "drop --no-batching"),
+        (["--trace", str(CONV), "--max-workers", "4"], "--max-workers needs --execution operator"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -51,17 +51,31 @@ def test_a_request_with_no_ready_worker_waits_at_the_router_and_is_no_move() -> 
     assert operated.num_migrations == plan.num_migrations == 0
 
 
-def test_requests_queued_on_a_ready_worker_while_their_pod_starts_move_to_it_without_kv() -> None:
+def test_while_a_pod_starts_a_request_runs_on_a_ready_worker_and_then_moves_to_its_gpu() -> None:
     # a runs on the floor's pod. b (14,400 + 900 tokens) fits beside it nowhere: best-fit activates a
-    # second GPU, whose pod is ready at 13. The router sends b to the only Ready worker, which has no room
-    # for it, so b queues there; c too (best-fit holds it beside b, on the GPU still starting). At 13
-    # both reach their GPU from the queue: two moves, no KV carried, the same waits as the plan's.
+    # second GPU, whose pod is ready at 13. The router sends b to the only Ready worker, which has no
+    # room for it whole, so b waits in its queue; c (300 + 1,500) is held beside b on the starting GPU,
+    # and the router has no whole room for it either, but the Ready worker's engine starts it from its
+    # queue at once (its KV fits now). At 13 both move to their GPU: b from the queue (no KV), c with
+    # its KV. c waits well under a second where the plan kept it waiting ~10 s for the pod.
     reqs = [TraceRequest("a", 0.0, 1000, 2000), TraceRequest("b", 2.5, 14400, 900), TraceRequest("c", 3.5, 300, 1500)]
     plan = simulate(reqs, SETUP, "bf", scale_up_s=10.0, scale_down_delay_s=30.0, min_workers=1)
     operated = simulate(reqs, SETUP, "bf", scale_up_s=10.0, scale_down_delay_s=30.0, min_workers=1, execution="operator")
     assert plan.num_migrations == 0
-    assert operated.num_migrations == 2 and operated.migrated_bytes == 0
-    assert operated.queue_delays_s == plan.queue_delays_s and operated.pod_lifetimes_s == plan.pod_lifetimes_s
+    assert operated.num_migrations == 2 and operated.num_kv_transfers == 1 and operated.migrated_bytes > 0
+    assert max(plan.queue_delays_s) > 9.0 and sorted(operated.queue_delays_s)[-2] < 1.0
+    assert operated.pod_lifetimes_s == plan.pod_lifetimes_s and operated.num_capacity_violations == 0
+
+
+def test_at_the_pools_ceiling_a_gpu_without_a_pod_waits_for_one() -> None:
+    # One pod at most: b's GPU never gets one while a runs, so b waits in the floor pod's queue and
+    # starts there once a has finished (its engine's queue), never moved.
+    reqs = [TraceRequest("a", 0.0, 1000, 200), TraceRequest("b", 0.5, 15000, 100)]
+    r = simulate(reqs, SETUP, "mell", scale_up_s=10.0, scale_down_delay_s=30.0, min_workers=1, max_workers=1,
+                 execution="operator")
+    assert len(r.pod_lifetimes_s) == 1 and len(r.jcts_s) == 2 and r.num_migrations == 0
+    with pytest.raises(ValueError, match="max_workers"):
+        simulate(reqs, SETUP, "mell", max_workers=1)
 
 
 @pytest.mark.parametrize("policy", ["mell", "bf"])
@@ -81,12 +95,13 @@ def test_an_azure_slice_as_operated_finishes_every_request_and_counts_the_moves_
                                                                         operated.queue_delays_s)
 
 
-def test_without_pod_starts_the_operator_moves_no_more_than_the_plans() -> None:
-    # Pods ready at once: what differs is only that a request about to finish is not moved.
+def test_without_pod_starts_the_operator_moves_what_the_router_put_elsewhere() -> None:
+    # Pods ready at once. The router sends a request where its whole size fits (prompt + output), the
+    # plan packs by what requests hold now: where they disagree the operator moves it later. Nothing
+    # outgrows its GPU and every request finishes.
     reqs = slice_trace(read_trace(bundled.trace_dir() / "AzureLLMInferenceTrace_conv.csv"), 600.0, 120.0)
-    plan = simulate(reqs, SETUP, "mell")
     operated = simulate(reqs, SETUP, "mell", execution="operator")
-    assert 0 < operated.num_migrations < plan.num_migrations
+    assert operated.num_migrations > simulate(reqs, SETUP, "mell").num_migrations > 0
     assert operated.num_capacity_violations == 0 and len(operated.jcts_s) == len(reqs)
 
 

@@ -173,7 +173,8 @@ SIMULATED = ("mell", "bf")
 
 def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
     """The slice the replay sent, simulated under the default policy and best-fit at the speed the
-    workers measured, with the pool's C, epoch, floor and scale-down delay and the pods' measured start,
+    workers measured, with the pool's C, epoch, floor, ceiling and scale-down delay and the pods' measured
+    start and stop,
     carried out as the operator and router do (kvfleet.sim.run, execution="operator")."""
     profile_path = out / "speed-profile.json"
     if not profile_path.exists():
@@ -182,9 +183,11 @@ def simulate_slice(out: Path, record: Record) -> dict[str, RunResult]:
     setup = profile_setup(load_profile(profile_path))
     requests = read_trace(out / "sent.csv")
     scale_up_s = record.pod_ready_s.get("median") or 0.0
+    # A pod is billed until it is gone: the scale-down delay, then its measured stop.
+    delay_s = SCALE_DOWN_DELAY_S + (record.pod_stop_s.get("median") or 0.0)
     return {policy: simulate(requests, setup, policy, EPOCH_S, policy_config(policy, setup.capacity_bytes),
-                             scale_up_s=scale_up_s, scale_down_delay_s=SCALE_DOWN_DELAY_S, execution="operator",
-                             min_workers=MIN_WORKERS) for policy in SIMULATED}
+                             scale_up_s=scale_up_s, scale_down_delay_s=delay_s, execution="operator",
+                             min_workers=MIN_WORKERS, max_workers=MAX_WORKERS) for policy in SIMULATED}
 
 
 def comparison(record: Record, sims: dict[str, RunResult]) -> str:

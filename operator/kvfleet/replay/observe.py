@@ -56,6 +56,7 @@ class PodLife:
     created_s: float
     ready_s: float | None = None  # when it first turned Ready (the kubelet's condition time)
     gone_s: float | None = None
+    deleted_s: float | None = None  # when its deletion was asked for (its deletionTimestamp less its grace period)
 
 
 def timestamp_s(text: str) -> float:
@@ -179,6 +180,10 @@ class PoolObserver:
                 with self._lock:
                     self.pods[uid] = PodLife(meta["name"], uid, pod_gpus(pod), created)
             life = self.pods[uid]
+            if life.deleted_s is None and meta.get("deletionTimestamp"):
+                # The API server sets deletionTimestamp to the request's time plus the grace period.
+                grace_s = float(meta.get("deletionGracePeriodSeconds") or 0)
+                life.deleted_s = self.clock.at_wall_s(timestamp_s(meta["deletionTimestamp"])) - grace_s
             if life.ready_s is None:
                 for c in (pod.get("status") or {}).get("conditions") or []:
                     if c["type"] == "Ready" and c["status"] == "True" and c.get("lastTransitionTime"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,9 @@ class Record:
     per_token_ms: dict[str, float | None]
     pod_ready_s: dict[str, float | None]
     speed_profile_workers: int
+    # From the delete call to the pod gone (its shutdown, the kubelet's final delete): billed after the
+    # scale-down delay, so the simulator adds it to the delay (bench/sim_vs_live.py).
+    pod_stop_s: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +137,7 @@ class Record:
                            "succeededDowntimeMs": self.migrations.succeeded_downtime_ms,
                            "moves": self.migrations.moves},
             "ttftMs": self.ttft_ms, "perTokenMs": self.per_token_ms, "podReadySeconds": self.pod_ready_s,
+            "podStopSeconds": self.pod_stop_s,
             "speedProfileWorkers": self.speed_profile_workers,
             "pods": [{"name": p.name, "uid": p.uid, "gpus": p.gpus, "createdSeconds": round(p.created_s, 3),
                       "readySeconds": None if p.ready_s is None else round(p.ready_s, 3),
@@ -152,6 +156,7 @@ def build_record(*, pool: str, policy: str, trace: str, window: str, time_scale:
     # GPU-seconds in use: each status sample stands for the time until the next one.
     in_use = sum(a.gpus_in_use * (b.at_s - a.at_s) for a, b in zip(samples, samples[1:]))
     readies = [p.ready_s - p.created_s for p in pods if p.ready_s is not None and p.created_s >= 0]
+    stops = [p.gone_s - p.deleted_s for p in pods if p.gone_s is not None and p.deleted_s is not None]
     return Record(
         pool=pool, policy=policy, trace=trace, window=window, time_scale=time_scale, started_wall_s=started_wall_s,
         duration_s=end_s,
@@ -164,6 +169,7 @@ def build_record(*, pool: str, policy: str, trace: str, window: str, time_scale:
         ttft_ms=percentiles_ms([t for s in streams if (t := s.ttft_s) is not None]),
         per_token_ms=percentiles_ms([t for s in streams if (t := s.per_token_s) is not None]),
         pod_ready_s={"median": nearest_rank(readies, 50) if readies else None, "max": max(readies, default=None)},
+        pod_stop_s={"median": nearest_rank(stops, 50) if stops else None, "max": max(stops, default=None)},
         speed_profile_workers=len(profiles),
     )
 

@@ -100,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "start, e.g. 60")
     parser.add_argument("--min-workers", type=int, default=0,
                         help="the LLMPool's workers.min: pods that run, ready and billed, from start to end (0)")
+    parser.add_argument("--max-workers", type=int, default=None,
+                        help="the LLMPool's workers.max: no more pods than this (with --execution operator)")
     parser.add_argument("--scale-down-delay-s", type=float, default=DEFAULT_SCALE_DOWN_DELAY_S,
                         help="seconds an emptied worker pod stays, warm and billed, before it is deleted "
                              f"({DEFAULT_SCALE_DOWN_DELAY_S:g}, the LLMPool default)")
@@ -211,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--scale-down-delay-s must be >= 0")
         if args.min_workers < 0:
             raise _UsageError("--min-workers must be >= 0")
+        if args.max_workers is not None and (args.execution != "operator" or args.max_workers < max(1, args.min_workers)):
+            raise _UsageError("--max-workers needs --execution operator and at least max(1, --min-workers)")
         if args.execution == "operator" and args.no_batching:
             raise _UsageError("--execution operator schedules each epoch as one batch, as the operator does: "
                               "drop --no-batching")
@@ -285,7 +289,8 @@ def _run_disaggregation(args: argparse.Namespace, pd: _PdPlan, setups: list[Setu
                 colocated.append(simulate(reqs, setup, policy, args.epoch_s, cfg, lookahead_epochs=args.lookahead_epochs,
                                           scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
                                           prefix_cache=PrefixCacheSpec(args.hash_block_tokens) if cache else None,
-                                          execution=args.execution, min_workers=args.min_workers))
+                                          execution=args.execution, min_workers=args.min_workers,
+                                          max_workers=args.max_workers))
             runs = [simulate_disaggregated(reqs, setup, split, mode, pd.link_bytes_per_s, policy, args.epoch_s, cfg,
                                            args.lookahead_epochs, args.hash_block_tokens)
                     for split in pd.splits for mode in pd.modes]
@@ -426,7 +431,8 @@ def _simulate_with_progress(
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
                       scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching,
-                      prefix_cache=prefix_cache, execution=args.execution, min_workers=args.min_workers)
+                      prefix_cache=prefix_cache, execution=args.execution, min_workers=args.min_workers,
+                      max_workers=args.max_workers)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

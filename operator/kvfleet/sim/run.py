@@ -143,6 +143,7 @@ def simulate(
     prefix_cache: PrefixCacheSpec | None = None,
     execution: str = "plan",
     min_workers: int = 0,
+    max_workers: int | None = None,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
@@ -156,10 +157,14 @@ def simulate(
     docstring); without it the replay is exactly the one before the model existed. `execution` is
     "plan" or "operator" (module docstring; "operator" needs `batching`, as the operator batches).
     `min_workers` is the LLMPool's `workers.min`: that many pods run, ready and billed, from the start
-    of the replay to its end, whether the plans hold GPUs or not.
+    of the replay to its end, whether the plans hold GPUs or not. `max_workers` is `workers.max`: no
+    more pods than that, held, draining or warm (execution="operator" only: a GPU the plan holds
+    without a pod is served when one is free, and until then its requests run or queue elsewhere).
     """
     if min_workers < 0:
         raise ValueError("min_workers must be >= 0")
+    if max_workers is not None and (execution != "operator" or max_workers < max(1, min_workers)):
+        raise ValueError("max_workers needs execution='operator' and at least max(1, min_workers)")
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, not {execution!r}")
     if execution == "operator" and not batching:
@@ -173,7 +178,7 @@ def simulate(
     # A policy that plans by link budgets plans within the §V boundaries the replay costs its moves against.
     cfg = cfg.within_link_budgets(bounds.intra_node_link_bytes, bounds.inter_node_link_bytes)
     replay = _Replay(requests, setup, make_policy(policy_name, cfg), epoch_s, lookahead_epochs, scale_up_s,
-                     scale_down_delay_s, prefix_cache, min_workers)
+                     scale_down_delay_s, prefix_cache, min_workers, max_workers)
     replay.result.batching = batching
     now_s = 0.0
     epoch = 0
@@ -211,7 +216,7 @@ class _Replay:
     def __init__(
         self, requests: list[TraceRequest], setup: Setup, policy: ClusterPolicy, epoch_s: float, lookahead_epochs: float,
         scale_up_s: float, scale_down_delay_s: float, prefix_cache: PrefixCacheSpec | None = None,
-        min_workers: int = 0,
+        min_workers: int = 0, max_workers: int | None = None,
     ) -> None:
         self.setup = setup
         self.policy = policy
@@ -240,6 +245,9 @@ class _Replay:
         # Released, not yet deleted, in the order they were released; the pool's floor starts here, ready.
         self.warm: list[_Pod] = [_Pod(created_s=0.0, ready_s=0.0, released_s=0.0) for _ in range(min_workers)]
         self.min_workers = min_workers
+        self.max_workers = max_workers
+        # GPUs the plans hold that have no pod, at max_workers (served in this order as pods free).
+        self.unserved: dict[str, None] = {}
         self.over_capacity: set[str] = set()
         self.prefix_spec = prefix_cache
         # execution="operator" only: GPUs the plans let go whose pods still hold requests (kept, billed,
@@ -473,6 +481,9 @@ class _Replay:
         let_go = [g for g in plan.terminate_gpu_ids if not self._holds(g)]
         self.draining.update(g for g in plan.terminate_gpu_ids if self._holds(g))
         self._release_pods(let_go, now_s)
+        for gpu_id in list(self.unserved):  # oldest first, before the GPUs this plan activates
+            if gpu_id in plan.terminate_gpu_ids or self._pod_for(gpu_id, now_s) is not None:
+                del self.unserved[gpu_id]
         self._activate(plan.activate_gpu_ids, now_s)
         for pl in plan.placements:
             rid = pl.request_id
@@ -481,15 +492,9 @@ class _Replay:
                 del self.on_gpu[m.gpu_id][rid]
                 self._run_on(m, rid, pl.gpu_id, now_s)
                 continue
-            # The router sends a new request to a Ready worker only: the plan's, else the one with the most
-            # room if it fits there, else it queues there (placement.py: "least-loaded", "queued:emptiest").
-            where = pl.gpu_id
-            if not self._ready(pl.gpu_id, now_s):
-                roomiest = self._roomiest_ready(now_s)
-                if roomiest is None or self._free_bytes(roomiest) < self._final_bytes(m):
-                    self.queued[rid] = roomiest or ""  # reaching its GPU from a worker's queue is a move
-                    continue
-                where = roomiest
+            where = self._routed(pl.gpu_id, m, now_s)
+            if where is None:
+                continue
             if self.prefix_spec is not None:
                 self._match_prefix(m, where)
             self._run_on(m, rid, where, now_s)
@@ -499,6 +504,7 @@ class _Replay:
                 del self.on_gpu[m.gpu_id][mig.request_id]
                 self._run_on(m, mig.request_id, mig.target_gpu_id, now_s)
         moves, recomputes = self._level_moves(spanning, {p.request_id for p in plan.preemptions}, now_s)
+        self._admit_queued(now_s)
         if moves:
             self._cost_migrations(tuple(mv for mv in moves if mv.source_gpu_id), now_s)
         for mv in recomputes:  # vLLM recompute (the baselines' preemption): the request re-prefills all it had
@@ -528,18 +534,41 @@ class _Replay:
                 continue
             if m.gpu_id and self._finishing(m):
                 continue
+            if not self._has_room(want, m):
+                continue
             if m.gpu_id:
                 move = Migration(rid, m.gpu_id, want, m.reported_bytes, "preempt" if rid in preempted else "level")
                 (recomputes if rid in preempted else moves).append(move)
                 del self.on_gpu[m.gpu_id][rid]
-            else:  # out of a queue (a move without KV), or let in by the router: it prefills where it lands, from now
-                if self.queued.pop(rid):
+            else:  # out of a queue, or let in by the router: it prefills where it lands, from now
+                if self.queued.pop(rid) not in ("", want):  # from another worker's queue: a move without KV
                     moves.append(Migration(rid, "", want, 0, "level"))
                 if self.prefix_spec is not None:
                     self._match_prefix(m, want)
                 m.decode_from_s = max(m.decode_from_s, now_s + self.setup.prefill_s(m.prefill_tokens))
             self._run_on(m, rid, want, now_s)
         return tuple(moves), tuple(recomputes)
+
+    def _admit_queued(self, now_s: float) -> None:
+        """A worker's engine starts what waits in its queue, oldest first, as its KV frees, whatever the
+        plan says (the operator then moves it like any request away from its GPU)."""
+        for rid, gpu_id in list(self.queued.items()):
+            m = self.live[rid]
+            if gpu_id and self._ready(gpu_id, now_s) and self._has_room(gpu_id, m):
+                del self.queued[rid]
+                if self.prefix_spec is not None:
+                    self._match_prefix(m, gpu_id)
+                m.decode_from_s = max(m.decode_from_s, now_s + self.setup.prefill_s(m.prefill_tokens))
+                self._run_on(m, rid, gpu_id, now_s)
+
+    def _has_room(self, gpu_id: str, m: _Live) -> bool:
+        """The operator moves a request only to a target with room for it now (epoch.py and
+        migrations.admit_by_room): C less the KV of what runs there, one block kept back per running
+        request for its growth."""
+        running = [self.live[r] for r in self.on_gpu.get(gpu_id, {})]
+        used = sum(int(x.req.prompt_tokens + x.generated) for x in running) * self.kv_bytes_per_token
+        need = int(m.req.prompt_tokens + m.generated) * self.kv_bytes_per_token
+        return used + len(running) * self.block_bytes + need <= self.capacity_bytes
 
     def _holds(self, gpu_id: str) -> bool:
         """Its worker runs or queues a request (and so reports it)."""
@@ -559,16 +588,26 @@ class _Replay:
         held = [*self.on_gpu.get(gpu_id, {}), *(r for r, g in self.queued.items() if g == gpu_id)]
         return self.capacity_bytes - sum(self._final_bytes(self.live[r]) for r in held)
 
-    def _roomiest_ready(self, now_s: float) -> str | None:
-        """The Ready worker with the most room (ties: the pod held longest), where a router sends a request
-        while the plan's GPU starts if it fits, or queues it if not; None while no worker is Ready."""
-        best: tuple[int, str] | None = None
-        for gpu_id in self.pods:
-            if self._ready(gpu_id, now_s):
-                free = self._free_bytes(gpu_id)
-                if best is None or free > best[0]:
-                    best = (free, gpu_id)
-        return None if best is None else best[1]
+    def _routed(self, planned: str, m: _Live, now_s: float) -> str | None:
+        """Where the router sends a new request the plan put on `planned`; None when it queues (in a
+        worker's queue, or at the router while no worker is Ready: `self.queued` says which).
+
+        The router counts each request it sent at its whole size (prompt + output), and sends a request
+        only to a Ready worker with room for that: the plan's GPU if so, else the fullest Ready worker
+        that has room (its Allocate on what it sees: worker-image/kvfleet/router/placement.py). With no
+        room anywhere it queues at the plan's GPU if Ready, else at the roomiest Ready worker."""
+        need = self._final_bytes(m)
+        if self._ready(planned, now_s) and self._free_bytes(planned) >= need:
+            return planned
+        ready = [(self._free_bytes(g), g) for g in self.pods if self._ready(g, now_s)]
+        fitting = [(free, g) for free, g in ready if free >= need]
+        if fitting:
+            return min(fitting, key=lambda fg: fg[0])[1]  # ties: the pod held longest
+        if self._ready(planned, now_s):
+            self.queued[m.req.request_id] = planned
+        else:
+            self.queued[m.req.request_id] = max(ready, key=lambda fg: fg[0])[1] if ready else ""
+        return None
 
     def _finishing(self, m: _Live) -> bool:
         """Its worker would report it finishing: what it has left to write ends within two report intervals
@@ -584,11 +623,13 @@ class _Replay:
             gpu = self.policy.gpus.get(gpu_id)
             if gpu is not None:
                 self.locations[gpu_id] = gpu.location
-            self._pod_for(gpu_id, now_s)
+            if self._pod_for(gpu_id, now_s) is None:
+                self.unserved[gpu_id] = None
 
-    def _pod_for(self, gpu_id: str, now_s: float) -> _Pod:
+    def _pod_for(self, gpu_id: str, now_s: float) -> _Pod | None:
         """The pod behind `gpu_id`: its own, else the last one released less than the delay ago
-        (ready at once, already billed), else a new one, billed now and ready `scale_up_s` later.
+        (ready at once, already billed), else a new one, billed now and ready `scale_up_s` later;
+        None at `max_workers` pods.
 
         Pods are interchangeable: a warm pod is a GPU slot, whatever the policy calls the GPU.
         """
@@ -599,6 +640,8 @@ class _Replay:
         if self.warm:
             pod = self.warm.pop()
             pod.released_s = None
+        elif self.max_workers is not None and len(self.pods) + len(self.warm) >= self.max_workers:
+            return None
         else:
             pod = _Pod(created_s=now_s, ready_s=now_s + self.scale_up_s)
         self.pods[gpu_id] = pod
@@ -648,7 +691,10 @@ class _Replay:
         # A request cannot run on a pod that is still starting: one that never decoded prefills
         # there once it is ready, a moved one resumes then. (Only a pod not ready *now* pushes it:
         # with scale_up_s=0 decode_from_s is left alone and the replay is the one without pods.)
-        ready_s = self._pod_for(gpu_id, now_s).ready_s
+        pod = self._pod_for(gpu_id, now_s)
+        # No pod (at max_workers; only a request larger than C is sent to such a GPU, as planned): taken
+        # as one that starts now, a simplification for a case the live pool refuses anyway.
+        ready_s = now_s + self.scale_up_s if pod is None else pod.ready_s
         if ready_s > now_s:
             if m.last_decoded_s is None and m.generated == 0:
                 ready_s += self.setup.prefill_s(m.prefill_tokens)
