@@ -141,7 +141,8 @@ class Record:
             "speedProfileWorkers": self.speed_profile_workers,
             "pods": [{"name": p.name, "uid": p.uid, "gpus": p.gpus, "createdSeconds": round(p.created_s, 3),
                       "readySeconds": None if p.ready_s is None else round(p.ready_s, 3),
-                      "goneSeconds": None if p.gone_s is None else round(p.gone_s, 3)} for p in self.pods],
+                      "goneSeconds": None if p.gone_s is None else round(p.gone_s, 3),
+                      "deletedSeconds": None if p.deleted_s is None else round(p.deleted_s, 3)} for p in self.pods],
             "samples": [[round(s.at_s, 2), s.gpus_in_use, s.lower_bound_gpus, s.workers, s.streams_in_flight]
                         for s in self.samples],
         }
