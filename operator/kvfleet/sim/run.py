@@ -23,13 +23,14 @@ policy, computed from the workload alone (bounds.py). What a run reports is resu
 How a plan is carried out is `execution`. "plan" (the default, MELL §VII's simulator) does exactly
 what each plan says: a request placed or moved onto a GPU whose pod is still starting waits there,
 idle, until the pod is ready. "operator" does what kvfleet's operator and router do with the same plan
-(operator/kvfleet/operator/epoch.py, worker-image/kvfleet/router/placement.py): the router never sends a
-request to a pod that is not ready, so a request whose GPU is still starting runs meanwhile on the
-Ready worker with the most room for it (or waits in a worker's queue when none has room); the
-operator then moves every request that is not where the plan holds it, once the plan's GPU has a
-Ready pod and unless the request's worker reports it finishing (its remaining output ends within two
-report intervals); a GPU the plan lets go keeps its pod, billed, until the requests on it have left.
-The moves counted are the ones made, as a live pool's KVMigrations are.
+(operator/kvfleet/operator/epoch.py, worker-image/kvfleet/router/placement.py): the router sends a
+request only to a Ready worker with room for its whole size, so a request whose GPU is still starting,
+or has no room for that, runs meanwhile on another Ready worker (or waits in a worker's queue, whose
+engine starts it when its KV fits); the operator then moves every request that is not where the plan
+holds it, once the plan's GPU has a Ready pod with room and unless the request's worker reports it
+finishing (its remaining output ends within two report intervals); a GPU the plan lets go keeps its
+pod, billed, until the requests on it have left. The moves counted are the ones made, as a live
+pool's KVMigrations are.
 
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
