@@ -295,16 +295,20 @@ def namespace_is_going(cluster: Cluster, namespace: str) -> bool:
 
 
 def refusals(cluster: Cluster, log: str) -> list[str]:
-    """Log lines where the API server refused the operator, less those that are not RBAC's: a
-    namespace being deleted refuses new objects with 403 too (NamespaceLifecycle admission). While
-    cluster-wide, the operator also serves other test modules' pools, whose namespaces are going;
-    its RBAC is the same in every namespace then, so a real denial would show on our pool as well."""
+    """Log lines where the API server refused the operator, less those that are not about its RBAC
+    on our pool: a namespace being deleted refuses new objects with 403 too (NamespaceLifecycle
+    admission). While cluster-wide, the operator also serves other test modules' pools, whose
+    namespaces are going, and the upgrade to namespaced rights takes its cluster-wide binding away
+    while the old pod still finishes their deletion (kopf retries a refused finalizer PATCH until the
+    pod stops). Its RBAC is the same in every namespace before that, so a real denial would show on
+    our pool as well. The namespace comes from our reconcile line or from kopf's request URL."""
     found = []
     for line in log.splitlines():
         if not REFUSALS.search(line) or "because it is being terminated" in line:
             continue
-        pool = re.search(r"reconcile of ([a-z0-9-]+)/\S+ failed", line)
-        if pool and pool[1] != POOLS_NS and namespace_is_going(cluster, pool[1]):
+        named = re.search(r"reconcile of ([a-z0-9-]+)/\S+ failed|/namespaces/([a-z0-9-]+)/", line)
+        namespace = named and (named[1] or named[2])
+        if namespace and namespace != POOLS_NS and namespace_is_going(cluster, namespace):
             continue
         found.append(line)
     return found
