@@ -34,7 +34,7 @@ printed, flushed, as it is measured, and followed by a JSON line of everything m
    unless `--vllm-cpu-buffer-gib`), each started, measured and stopped in turn. The budget is that
    reserve over the last `--reserve-share` (0.5 by default, the builtin part's tighter row) or
    `--budget-gib`; `bound` = budget / (budget - reserve) is the most the elastic KV can hold over the
-   static one. Contexts: the first of `--contexts` (8192; quick 512) and the longest context the
+   static one. Contexts: the first of `--contexts` (8192; quick 256) and the longest context the
    static split still holds one request at (its KV in whole 1024 tokens, at most 32768: 17408 with the
    tiny model at the default budget, the model built with the positions for it; not with --quick).
    In each engine, in this order: c. (first context only), offline, growth, b. (first context only),
@@ -166,7 +166,7 @@ def plan_of(args: argparse.Namespace, device: str) -> Plan:
                     online_requests=0, online_output=0, vllm_context=8192, vllm_long=False)
     elif args.quick:
         base = Plan("tiny", "float32", [1024, 768], [0.5], None, online=True, stop_early=True, strict_row=True,
-                    low_load_output=32, low_load_rounds=3, online_requests=12, online_output=8, vllm_context=512,
+                    low_load_output=32, low_load_rounds=3, online_requests=12, online_output=8, vllm_context=256,
                     vllm_long=False)
     else:
         base = Plan("tiny", "bfloat16" if device == "cuda" else "float32", [8192], [PAPER_RESERVE_SHARE, 0.5], None,

@@ -49,19 +49,19 @@ def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
 
 
 def check_vllm_rows(vllm: dict[str, Any], lines: list[str]) -> None:
-    """The quick run's vLLM figures have their shape (its toy context is 512 tokens; no longest context)."""
+    """The quick run's vLLM figures have their shape (its toy context is 256 tokens; no longest context)."""
     assert "skipped" not in vllm
-    assert vllm["contexts"] == [512]
+    assert vllm["contexts"] == [256]
     assert 0 < vllm["reserve_bytes"] < vllm["budget_bytes"]
     assert vllm["bound"] == pytest.approx(vllm["budget_bytes"] / (vllm["budget_bytes"] - vllm["reserve_bytes"]))
     # Both workloads' batches (vLLM's running gauge), their ratio and preemptions, at the context.
-    assert set(vllm["batch"]) == set(vllm["batch_ratio"]) == set(vllm["preemptions"]) == {"512"}
+    assert set(vllm["batch"]) == set(vllm["batch_ratio"]) == set(vllm["preemptions"]) == {"256"}
     for workload in ("offline", "growth", "offline_warm"):
-        batch = vllm["batch"]["512"][workload]
+        batch = vllm["batch"]["256"][workload]
         assert batch["static"] >= 1 and batch["elastic"] >= 1, (workload, batch)
-        assert vllm["batch_ratio"]["512"][workload] == pytest.approx(batch["elastic"] / batch["static"])
-        assert set(vllm["preemptions"]["512"][workload]) == {"static", "elastic"}
-    sessions = vllm["sessions"]["512"]
+        assert vllm["batch_ratio"]["256"][workload] == pytest.approx(batch["elastic"] / batch["static"])
+        assert set(vllm["preemptions"]["256"][workload]) == {"static", "elastic"}
+    sessions = vllm["sessions"]["256"]
     assert all(sessions[name][w]["stalled"] is None for name in ("static", "elastic")
                for w in ("offline", "growth", "online", "offline_warm"))
     # Goodput, low-load TPOT, and the balloon's grows and shrinks (a set: one chunk in each of 2 layers).
