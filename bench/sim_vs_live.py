@@ -1,7 +1,7 @@
 """Does the simulator tell the truth about a live pool? The same trace slices, live and simulated.
 
     python bench/sim_vs_live.py            # three 60 s slices of the Azure conversation trace (about 25 minutes on 2 cores)
-    python bench/sim_vs_live.py --quick    # one 20 s slice, for a smoke run (part of make test)
+    python bench/sim_vs_live.py --quick    # one 10 s slice, for a smoke run (part of make test)
     python bench/sim_vs_live.py --from-records   # simulate again against the records of the last run
 
 On the local control plane (kvfleet.localcluster: fake GPU nodes), a pool of builtin-engine workers
@@ -148,13 +148,13 @@ def verdict(ok: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one 20 s slice instead of three of 60 s")
+    parser.add_argument("--quick", action="store_true", help="one 10 s slice instead of three of 60 s")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "sim_vs_live")
     parser.add_argument("--from-records", action="store_true",
                         help="no live runs: simulate again against the records an earlier run left under --out")
     args = parser.parse_args(argv)
     every = 3
-    windows = ["0:20"] if args.quick else [f"{start}:60" for start in SLICE_STARTS_S]
+    windows = ["0:10"] if args.quick else [f"{start}:60" for start in SLICE_STARTS_S]
     machine = f"{platform.node()} ({cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()})"
     print(f"machine: {machine}; local control plane, builtin workers (tiny model, 1 thread each, 30 ms minimum step)",
           flush=True)
