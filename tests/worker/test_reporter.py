@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 from kvfleet.api.reports import MAX_REQUESTS_PER_REPORT, KVLoadReport
 from kvfleet.worker.engines.base import RequestKV
@@ -234,3 +236,10 @@ def test_a_distkv_worker_reports_what_it_lends_and_borrows_and_writes_when_that_
     assert (written[-1].lent_bytes, written[-1].borrowed) == (65_536, None)
     plain = build_report([], CAPACITY, 1)
     assert (plain.lend_cap_bytes, plain.lent_bytes, plain.borrowed) == (None, None, None)  # a worker without DistKV
+
+
+def test_the_report_path_loads_no_torch() -> None:
+    """What writes reports (and the e2e tests' scripted worker, started a few hundred times a run)
+    imports no torch: 1.4 s of CPU at every start for nothing (capabilities.py needs it for annotations)."""
+    code = "import sys, kvfleet.worker.reporter; sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

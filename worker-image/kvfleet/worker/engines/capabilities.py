@@ -40,12 +40,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
 from prometheus_client.registry import Collector
 
 from kvfleet.worker.engines.base import EngineError, SamplingParams, StepOutput
 
 if TYPE_CHECKING:
+    # Annotations only: the report path (reporter.py, and the tests' scripted worker) imports this
+    # module and need not pay torch's import (1.4 s of CPU on these machines).
+    import torch
+
     from kvfleet.worker.distkv.creditors import Creditors
 
 
