@@ -59,6 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
     from aiohttp import web
 
     from kvfleet.api.incluster import SecretReader
@@ -81,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     web.run_app(Router(config, view).app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=30,
                 # A burst of clients (bench/load.py: 1,000 at once) overflows aiohttp's default backlog of 128:
                 # each dropped SYN costs its client a second or more.
-                backlog=LISTEN_BACKLOG)
+                backlog=LISTEN_BACKLOG,
+                # uvloop's event loop and transports: the relay is a socket read and a write per token.
+                loop=uvloop.new_event_loop())
     return 0
 
 

@@ -23,13 +23,13 @@ chunk (`clean`), and the held-back tokens are generated again with their text.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
 from kvfleet.router.placement import NoRoute, RouteChoice
 from kvfleet.serving.credentials import PoolCredentials
@@ -263,7 +263,7 @@ class Relay:
                     if self.finish_reason is None:
                         raise _Broken("[DONE] before a finish reason")
                     return
-                step = self._chunk(source, json.loads(data))
+                step = self._chunk(source, orjson.loads(data))
                 if step is not None:
                     yield step
         except TimeoutError as err:  # the worker went quiet (sse_events' idle limit)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -132,7 +133,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse_data(payload: dict[str, Any]) -> bytes:
     """One server-sent event carrying `payload` as compact JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 def sse_event(event: str, payload: dict[str, Any]) -> bytes:
