@@ -333,9 +333,7 @@ class _Replay:
         cache = None if pod is None else pod.prefix_cache
         if cache is None:
             return
-        running_bytes = sum(int(self.live[r].req.prompt_tokens + self.live[r].generated)
-                            for r in self.on_gpu.get(gpu_id, {})) * self.kv_bytes_per_token
-        self.result.num_prefix_evictions += cache.evict_to(max(0, self.capacity_bytes - running_bytes))
+        self.result.num_prefix_evictions += cache.evict_to(max(0, self.capacity_bytes - self._running_kv_bytes(gpu_id)))
 
     def _match_prefix(self, m: _Live, gpu_id: str) -> None:
         """Where a request is first placed, its prefill skips the prompt's leading hash blocks that
@@ -566,10 +564,14 @@ class _Replay:
         """The operator moves a request only to a target with room for it now (epoch.py and
         migrations.admit_by_room): C less the KV of what runs there, one block kept back per running
         request for its growth."""
-        running = [self.live[r] for r in self.on_gpu.get(gpu_id, {})]
-        used = sum(int(x.req.prompt_tokens + x.generated) for x in running) * self.kv_bytes_per_token
+        running = len(self.on_gpu.get(gpu_id, {}))
         need = int(m.req.prompt_tokens + m.generated) * self.kv_bytes_per_token
-        return used + len(running) * self.block_bytes + need <= self.capacity_bytes
+        return self._running_kv_bytes(gpu_id) + running * self.block_bytes + need <= self.capacity_bytes
+
+    def _running_kv_bytes(self, gpu_id: str) -> int:
+        """The KV of the requests running on the GPU now: prompt and what each has generated so far."""
+        return sum(int(self.live[r].req.prompt_tokens + self.live[r].generated)
+                   for r in self.on_gpu.get(gpu_id, {})) * self.kv_bytes_per_token
 
     def _holds(self, gpu_id: str) -> bool:
         """Its worker runs or queues a request (and so reports it)."""
@@ -583,11 +585,15 @@ class _Replay:
         """What the router reserves for a request: its prompt and whole output (kvfleet.router.placement)."""
         return (m.req.prompt_tokens + m.req.output_tokens) * self.kv_bytes_per_token
 
-    def _free_bytes(self, gpu_id: str) -> int:
-        """C less what a router has committed on the GPU's worker: the whole size of each request it runs
-        or queues there."""
-        held = [*self.on_gpu.get(gpu_id, {}), *(r for r, g in self.queued.items() if g == gpu_id)]
-        return self.capacity_bytes - sum(self._final_bytes(self.live[r]) for r in held)
+    def _free_bytes(self, now_s: float) -> dict[str, int]:
+        """Each Ready worker's room as a router sees it: C less the whole size of each request it runs or
+        queues there. One pass over the queue for every worker."""
+        free = {g: self.capacity_bytes - sum(self._final_bytes(self.live[r]) for r in self.on_gpu.get(g, {}))
+                for g in self.pods if self._ready(g, now_s)}
+        for rid, g in self.queued.items():
+            if g in free:
+                free[g] -= self._final_bytes(self.live[rid])
+        return free
 
     def _routed(self, planned: str, m: _Live, now_s: float) -> str | None:
         """Where the router sends a new request the plan put on `planned`; None when it queues (in a
@@ -598,25 +604,24 @@ class _Replay:
         that has room (its Allocate on what it sees: worker-image/kvfleet/router/placement.py). With no
         room anywhere it queues at the plan's GPU if Ready, else at the roomiest Ready worker."""
         need = self._final_bytes(m)
-        if self._ready(planned, now_s) and self._free_bytes(planned) >= need:
+        free = self._free_bytes(now_s)
+        if free.get(planned, -1) >= need:
             return planned
-        ready = [(self._free_bytes(g), g) for g in self.pods if self._ready(g, now_s)]
-        fitting = [(free, g) for free, g in ready if free >= need]
+        fitting = [(room, g) for g, room in free.items() if room >= need]
         if fitting:
             return min(fitting, key=lambda fg: fg[0])[1]  # ties: the pod held longest
-        if self._ready(planned, now_s):
+        if planned in free:
             self.queued[m.req.request_id] = planned
         else:
-            self.queued[m.req.request_id] = max(ready, key=lambda fg: fg[0])[1] if ready else ""
+            self.queued[m.req.request_id] = max(free, key=lambda g: free[g]) if free else ""
         return None
 
     def _finishing(self, m: _Live) -> bool:
         """Its worker would report it finishing: what it has left to write ends within two report intervals
         at the step its GPU decodes at now."""
-        members = [self.live[r] for r in self.on_gpu[m.gpu_id]]
-        kv = sum(int(x.req.prompt_tokens + x.generated) for x in members) * self.kv_bytes_per_token
         remaining = m.req.output_tokens - m.generated
-        return remaining * self.setup.step_s(len(members), kv) <= FINISHING_INTERVALS * self.epoch_s
+        step_s = self.setup.step_s(len(self.on_gpu[m.gpu_id]), self._running_kv_bytes(m.gpu_id))
+        return remaining * step_s <= FINISHING_INTERVALS * self.epoch_s
 
     def _activate(self, gpu_ids: Iterable[str], now_s: float) -> None:
         for gpu_id in gpu_ids:
