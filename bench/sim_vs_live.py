@@ -126,7 +126,24 @@ def compare(rec: dict[str, Any], operated: dict[str, Any], planned: dict[str, An
                            "simulated_as_planned": int(planned["num_migrations"])},
             "moved_again_within_30s": moves["movedAgainWithin30s"],
             "streams_whole": rec["streamsWhole"], "streams": rec["streams"],
-            "peak_gpus": {"live": rec["peakGpusInUse"], "simulated": operated["peak_gpus"]}}
+            "peak_gpus": {"live": rec["peakGpusInUse"], "simulated": operated["peak_gpus"]},
+            "timing_s": timing(rec, operated)}
+
+
+def timing(rec: dict[str, Any], operated: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Where the simulated requests' times part from the live streams' (s): the first token at p90,
+    the whole stream (send to last token) at p50 and p90, and when the last stream ended. A record from
+    before these were measured gives None for the live side."""
+    def ms(key: str, q: str) -> float | None:
+        value = (rec.get(key) or {}).get(q)
+        return None if value is None else round(value / 1000.0, 2)
+
+    last = rec.get("lastStreamEndSeconds")
+    return {"ttft_p90": {"live": ms("ttftMs", "p90"), "simulated": round(operated["ttft_p90_s"], 2)},
+            "jct_p50": {"live": ms("jctMs", "p50"), "simulated": round(operated["jct_p50_s"], 2)},
+            "jct_p90": {"live": ms("jctMs", "p90"), "simulated": round(operated["jct_p90_s"], 2)},
+            "last_end": {"live": None if last is None else round(float(last), 2),
+                         "simulated": round(operated["last_finish_s"], 2)}}
 
 
 def pod_start_s(rec: dict[str, Any]) -> float:
@@ -136,6 +153,13 @@ def pod_start_s(rec: dict[str, Any]) -> float:
 def pod_stop_s(rec: dict[str, Any]) -> float:
     """The median pod's stop (delete call to gone); 0 for a record that did not measure it."""
     return float((rec.get("podStopSeconds") or {}).get("median") or 0.0)
+
+
+TIMING = ("ttft_p90", "jct_p50", "jct_p90", "last_end")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def within(a: float, b: float, share: float) -> bool:
@@ -194,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(f"{window} {policy} migrations {verdict(within(moves['live'], moves['simulated'], 0.2))} "
                           f"live {moves['live']} vs simulated {moves['simulated']} within 20%")
         slices.append({"window": window, "policies": figures})
+    print(f"\n{'slice':<8} {'policy':<6} " + " ".join(f"{name + ' live/sim s':>20}" for name in TIMING))
+    for sl in slices:
+        for policy, f in sl["policies"].items():
+            cells = [f"{fmt(f['timing_s'][k]['live'])}/{fmt(f['timing_s'][k]['simulated'])}" for k in TIMING]
+            print(f"{sl['window']:<8} {policy:<6} " + " ".join(f"{c:>20}" for c in cells))
     total = sum(sl["policies"][p]["migrations"]["live"] for sl in slices for p in POLICIES)
     failed = sum(sl["policies"][p]["migrations"]["live_failed"] for sl in slices for p in POLICIES)
     share = failed / total if total else 0.0

@@ -26,6 +26,9 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
         assert f["streams_whole"] == f["streams"] > 0, policy
         assert f["live_gpu_s"] > 0 and f["sim_gpu_s"] > 0 and f["sim_gpu_s_as_planned"] > 0
         assert set(f["migrations"]) == {"live", "live_failed", "simulated", "simulated_as_planned"}
+        # Both sides' timing, to show where they part: every figure measured on each side.
+        assert set(f["timing_s"]) == {"ttft_p90", "jct_p50", "jct_p90", "last_end"}
+        assert all(t["live"] is not None and t["live"] > 0 and t["simulated"] > 0 for t in f["timing_s"].values())
         # The simulator replayed exactly what was sent, at the speed the workers measured.
         assert (tmp_path / "slice0" / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
         assert json.loads((tmp_path / "slice0" / policy / "speed-profile.json").read_text())["kind"] == "SpeedProfile"

@@ -94,6 +94,9 @@ def test_replay_records_whole_streams_and_real_pod_lifetimes(cluster: Cluster, n
     assert figures["streams"] == record["streams"] == len(sent) > 5
     assert record["streamsWhole"] == record["streams"], record["notWhole"]
     assert record["ttftMs"]["p50"] is not None and record["perTokenMs"]["p50"] is not None
+    # A stream's whole time is at least its first token's; the last one ended before the record did.
+    assert record["jctMs"]["p99"] >= record["ttftMs"]["p50"] > 0
+    assert max(float(r["timestamp"]) for r in sent) < record["lastStreamEndSeconds"] <= record["durationSeconds"]
 
     # The record's pods are the pods the API server had, created when the API server says.
     t0, end_s = record["startedAtUnixSeconds"], record["durationSeconds"]

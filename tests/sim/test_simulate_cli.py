@@ -17,7 +17,8 @@ KEYS = {"peak_gpus", "mean_gpus", "utilization", "migrations_per_s", "migrated_b
         "billed_gpu_hours", "peak_pods", "queue_p50_s", "queue_p99_s", "tpot_p50_ms", "tpot_p99_ms",
         "num_over_capacity_requests", "num_spanning", "lower_bound_peak", "lower_bound_mean", "shared_bound_peak",
         "shared_bound_mean", "shared_bound_gpu_hours", "mean_vs_own_bound", "active_vs_shared_bound",
-        "billed_vs_shared_bound", "scale_up_s", "scale_down_delay_s", "batching"}
+        "billed_vs_shared_bound", "scale_up_s", "scale_down_delay_s", "batching", "ttft_p50_s", "ttft_p90_s",
+        "ttft_p99_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "last_finish_s"}
 
 
 def simulate_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:

@@ -140,6 +140,9 @@ def test_a_request_takes_prefill_then_output_steps(step_s: float, epoch_s: float
     assert result.tpots_s == [step_s] and result.queue_delays_s == [queue_s]
     # The last epoch is the one it finished at: it held KV until then, none after.
     assert result.times_s[-1] == finish_s
+    # It arrived at 0: its job took until its finish, the last one's; its first token came one step in.
+    assert result.jcts_s == [finish_s] and result.last_finish_s == finish_s and result.jct_s(99) == finish_s
+    assert result.ttft_s(50) == finish_s - (output_tokens - 1) * step_s
     assert result.kv_bytes[-1] == 0 < result.kv_bytes[-2]
     assert result.peak_gpus == 1 and result.num_migrations == 0
 

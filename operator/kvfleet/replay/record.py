@@ -119,6 +119,10 @@ class Record:
     # From the delete call to the pod gone (its shutdown, the kubelet's final delete): billed after the
     # scale-down delay, so the simulator adds it to the delay (bench/sim_vs_live.py).
     pod_stop_s: dict[str, float | None] = field(default_factory=dict)
+    # Each stream from its send to its last token (its job completion time), and when the last one
+    # ended: where the simulator's timing and the pool's part (bench/sim_vs_live.py prints both).
+    jct_ms: dict[str, float | None] = field(default_factory=dict)
+    last_stream_end_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -137,7 +141,8 @@ class Record:
                            "succeededDowntimeMs": self.migrations.succeeded_downtime_ms,
                            "moves": self.migrations.moves},
             "ttftMs": self.ttft_ms, "perTokenMs": self.per_token_ms, "podReadySeconds": self.pod_ready_s,
-            "podStopSeconds": self.pod_stop_s,
+            "podStopSeconds": self.pod_stop_s, "jctMs": self.jct_ms,
+            "lastStreamEndSeconds": None if self.last_stream_end_s is None else round(self.last_stream_end_s, 3),
             "speedProfileWorkers": self.speed_profile_workers,
             "pods": [{"name": p.name, "uid": p.uid, "gpus": p.gpus, "createdSeconds": round(p.created_s, 3),
                       "readySeconds": None if p.ready_s is None else round(p.ready_s, 3),
@@ -172,6 +177,8 @@ def build_record(*, pool: str, policy: str, trace: str, window: str, time_scale:
         pod_ready_s={"median": nearest_rank(readies, 50) if readies else None, "max": max(readies, default=None)},
         pod_stop_s={"median": nearest_rank(stops, 50) if stops else None, "max": max(stops, default=None)},
         speed_profile_workers=len(profiles),
+        jct_ms=percentiles_ms([s.ended_s - s.sent_s for s in streams if s.ended_s is not None]),
+        last_stream_end_s=max((s.ended_s for s in streams if s.ended_s is not None), default=None),
     )
 
 

@@ -76,6 +76,9 @@ class Scenario:
                 "queue_p99_s": round(r.queue_p99_s, 4),
                 "tpot_p50_ms": round(r.tpot_p50_ms, 4),
                 "tpot_p99_ms": round(r.tpot_p99_ms, 4),
+                **{f"{name}_p{q}_s": round(of(q), 4) for name, of in (("ttft", r.ttft_s), ("jct", r.jct_s))
+                   for q in (50, 90, 99)},
+                "last_finish_s": round(r.last_finish_s, 4),
                 "num_over_capacity_requests": r.num_over_capacity_requests,
                 "num_spanning": r.num_spanning,
                 "shared_bound_peak": r.shared_bound.peak,

@@ -62,6 +62,7 @@ class RunResult:
     # Per finished request, from its arrival: to the end of its first decode step, and to its last token.
     ttfts_s: list[float] = field(default_factory=list)
     jcts_s: list[float] = field(default_factory=list)
+    last_finish_s: float = 0.0  # when the last request wrote its last token (0 with none finished)
     num_over_capacity_requests: int = 0  # requests whose reservation ever passed C (they span GPUs)
     shared_bound: SharedBound = SharedBound()
     # False: every operation was scheduled on its own (MELL Fig. 13's baseline), see simulate().
@@ -136,6 +137,14 @@ class RunResult:
     @property
     def queue_p99_s(self) -> float:
         return nearest_rank(self.queue_delays_s, 99)
+
+    def ttft_s(self, percentile: int) -> float:
+        """Arrival to the end of the first decode step, at a percentile of the finished requests."""
+        return nearest_rank(self.ttfts_s, percentile)
+
+    def jct_s(self, percentile: int) -> float:
+        """Arrival to the last token (job completion time), at a percentile of the finished requests."""
+        return nearest_rank(self.jcts_s, percentile)
 
     @property
     def tpot_p50_ms(self) -> float:

@@ -372,6 +372,7 @@ class _Replay:
         first_token_s = finish_s if m.first_token_s is None else min(m.first_token_s, finish_s)
         self.result.ttfts_s.append(first_token_s - m.req.arrival_s)
         self.result.jcts_s.append(finish_s - m.req.arrival_s)
+        self.result.last_finish_s = max(self.result.last_finish_s, finish_s)
         return finish_s
 
     def report_growth(self) -> list[Event]:
