@@ -128,6 +128,8 @@ def test_table_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--trace", str(CONV), "--min-workers", "-1"], "--min-workers must be >= 0"),
         (["--trace", str(CONV), "--execution", "operator", "--no-batching"], "drop --no-batching"),
         (["--trace", str(CONV), "--max-workers", "4"], "--max-workers needs --execution operator"),
+        (["--trace", str(CONV), "--report-lag-epochs", "1"], "--report-lag-epochs needs --execution operator"),
+        (["--trace", str(CONV), "--execution", "operator", "--report-lag-epochs", "-1"], "must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

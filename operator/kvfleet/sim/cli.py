@@ -122,6 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs on a Ready worker meanwhile and is moved once the pod is ready, a request about to "
                              "finish is not moved, a worker that still holds requests is kept); with --scale-up-s, "
                              "operator is what a live pool bills")
+    parser.add_argument("--report-lag-epochs", type=int, default=0,
+                        help="with --execution operator: the plan hears each epoch's arrivals, growths and finishes "
+                             "this many epochs late, as a live operator reads workers' reports (1 there: one report "
+                             "a worker an epoch, read at the next pass); the router places new requests meanwhile (0)")
     parser.add_argument("--no-batching", action="store_true",
                         help="schedule every request operation on its own, without MELL's request operation "
                              "batching (Fig. 13): run once with and once without to see the moves it saves")
@@ -215,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
             raise _UsageError("--min-workers must be >= 0")
         if args.max_workers is not None and (args.execution != "operator" or args.max_workers < max(1, args.min_workers)):
             raise _UsageError("--max-workers needs --execution operator and at least max(1, --min-workers)")
+        if args.report_lag_epochs < 0 or (args.report_lag_epochs and args.execution != "operator"):
+            raise _UsageError("--report-lag-epochs needs --execution operator and must be >= 0")
         if args.execution == "operator" and args.no_batching:
             raise _UsageError("--execution operator schedules each epoch as one batch, as the operator does: "
                               "drop --no-batching")
@@ -290,7 +296,7 @@ def _run_disaggregation(args: argparse.Namespace, pd: _PdPlan, setups: list[Setu
                                           scale_up_s=args.scale_up_s, scale_down_delay_s=args.scale_down_delay_s,
                                           prefix_cache=PrefixCacheSpec(args.hash_block_tokens) if cache else None,
                                           execution=args.execution, min_workers=args.min_workers,
-                                          max_workers=args.max_workers))
+                                          max_workers=args.max_workers, report_lag_epochs=args.report_lag_epochs))
             runs = [simulate_disaggregated(reqs, setup, split, mode, pd.link_bytes_per_s, policy, args.epoch_s, cfg,
                                            args.lookahead_epochs, args.hash_block_tokens)
                     for split in pd.splits for mode in pd.modes]
@@ -432,7 +438,7 @@ def _simulate_with_progress(
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
                       scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching,
                       prefix_cache=prefix_cache, execution=args.execution, min_workers=args.min_workers,
-                      max_workers=args.max_workers)
+                      max_workers=args.max_workers, report_lag_epochs=args.report_lag_epochs)
     if bar is not None and seen[0] < limit:
         bar.update(limit - seen[0])
     return result

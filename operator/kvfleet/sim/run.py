@@ -30,7 +30,12 @@ engine starts it when its KV fits); the operator then moves every request that i
 holds it, once the plan's GPU has a Ready pod with room and unless the request's worker reports it
 finishing (its remaining output ends within two report intervals); a GPU the plan lets go keeps its
 pod, billed, until the requests on it have left. The moves counted are the ones made, as a live
-pool's KVMigrations are.
+pool's KVMigrations are. `report_lag_epochs` (operator only) is how late the plan hears of what
+happened: a worker writes its report at most once an epoch and the operator reads it at its next
+pass, so a live plan learns of an arrival, a growth or a finish about an epoch after it. With a lag
+the router places a new request as it arrives, before any plan holds it (the fullest Ready worker
+with room, else a queue), and the operator moves it once a plan does; a GPU whose requests finished
+stays held, and its pod billed, until the plan hears. 0 (the default) is a plan that hears at once.
 
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
@@ -44,10 +49,12 @@ beside it, which the MELL core's per-request sizes cannot say.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from kvfleet.api.models import AutoscalingSpec
+from kvfleet.mell.allocate import allocate_on_snapshot
 from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
 from kvfleet.mell.migration import Boundaries, plan_migrations
 from kvfleet.mell.models import Arrive, Event, EventBatch, Finish, Grow, Location, Migration, Plan
@@ -116,6 +123,7 @@ class _Live:
     waited_s: float = 0.0
     decoding_s: float = 0.0
     first_token_s: float | None = None  # when its first decode step ended (TTFT = this - arrival)
+    routed: bool = False  # placed by the router on arrival, before a plan held it (report_lag_epochs)
 
 
 @dataclass
@@ -145,6 +153,7 @@ def simulate(
     execution: str = "plan",
     min_workers: int = 0,
     max_workers: int | None = None,
+    report_lag_epochs: int = 0,
 ) -> RunResult:
     """Replay `requests` (sorted by arrival) under one policy.
 
@@ -161,7 +170,11 @@ def simulate(
     of the replay to its end, whether the plans hold GPUs or not. `max_workers` is `workers.max`: no
     more pods than that, held, draining or warm (execution="operator" only: a GPU the plan holds
     without a pod is served when one is free, and until then its requests run or queue elsewhere).
+    `report_lag_epochs` (execution="operator" only): the plan hears each epoch's events that many
+    epochs later (module docstring).
     """
+    if report_lag_epochs < 0 or (report_lag_epochs and execution != "operator"):
+        raise ValueError("report_lag_epochs must be >= 0, and above 0 only with execution='operator'")
     if min_workers < 0:
         raise ValueError("min_workers must be >= 0")
     if max_workers is not None and (execution != "operator" or max_workers < max(1, min_workers)):
@@ -183,14 +196,21 @@ def simulate(
     replay.result.batching = batching
     now_s = 0.0
     epoch = 0
-    while replay.has_work():
+    unheard: deque[list[Event]] = deque()  # each epoch's events, until the plan hears them
+    # Until the plan has heard the last finish: a GPU's pod stays held until then (report_lag_epochs).
+    while replay.has_work() or any(unheard):
         epoch += 1
         start_s, now_s = now_s, epoch * epoch_s
         events = replay.decode_epoch(start_s, now_s)
         events += replay.report_growth()
-        events += replay.admit_arrivals(now_s)
+        arrivals = replay.admit_arrivals(now_s)
+        events += arrivals
         moves: tuple[Migration, ...] | None = None
         if execution == "operator":
+            if report_lag_epochs:
+                replay.route_arrivals(arrivals, now_s)
+                unheard.append(events)
+                events = unheard.popleft() if len(unheard) > report_lag_epochs else []
             plan = replay.policy.schedule(EventBatch(now_s, tuple(events)))
             moves = replay.apply_plan_as_operated(plan, now_s)
         elif batching:
@@ -487,7 +507,9 @@ class _Replay:
         self._activate(plan.activate_gpu_ids, now_s)
         for pl in plan.placements:
             rid = pl.request_id
-            m = self.live[rid]
+            m = self.live.get(rid)
+            if m is None or m.routed:  # finished before the plan heard of it, or placed on arrival: moved
+                continue           # like any request away from its plan's GPU (`_level_moves`)
             if m.gpu_id:  # a request whose tail passed C starts a new tail elsewhere: as planned
                 del self.on_gpu[m.gpu_id][rid]
                 self._run_on(m, rid, pl.gpu_id, now_s)
@@ -499,7 +521,8 @@ class _Replay:
                 self._match_prefix(m, where)
             self._run_on(m, rid, where, now_s)
         for mig in plan.migrations:
-            if mig.request_id in spanning and self.live[mig.request_id].gpu_id == mig.source_gpu_id:
+            if mig.request_id in spanning and mig.request_id in self.live \
+                    and self.live[mig.request_id].gpu_id == mig.source_gpu_id:
                 m = self.live[mig.request_id]
                 del self.on_gpu[m.gpu_id][mig.request_id]
                 self._run_on(m, mig.request_id, mig.target_gpu_id, now_s)
@@ -527,7 +550,7 @@ class _Replay:
         moves: list[Migration] = []
         recomputes: list[Migration] = []
         for rid, m in list(self.live.items()):
-            if rid in spanning:
+            if rid in spanning or rid not in self.policy.item_of:  # not yet heard of (report_lag_epochs)
                 continue
             want = self.policy.gpu_of(rid)
             if want == m.gpu_id or not self._ready(want, now_s):
@@ -596,9 +619,25 @@ class _Replay:
                 free[g] -= self._final_bytes(self.live[rid])
         return free
 
-    def _routed(self, planned: str, m: _Live, now_s: float) -> str | None:
-        """Where the router sends a new request the plan put on `planned`; None when it queues (in a
-        worker's queue, or at the router while no worker is Ready: `self.queued` says which).
+    def route_arrivals(self, arrivals: list[Event], now_s: float) -> None:
+        """The router places each new request as it comes, before a plan holds it (report_lag_epochs):
+        where Allocate puts it on the last plan's state (the operator's routing table, which the router
+        follows: worker-image/kvfleet/router/placement.py) if that worker is Ready with room, else as
+        `_routed` does without a plan."""
+        for event in arrivals:
+            m = self.live[event.request_id]
+            m.routed = True
+            choice = allocate_on_snapshot(self.policy.snapshot(), m.reported_bytes, self.policy.cfg, self.policy.name)
+            where = self._routed(None if choice.new_gpu else choice.gpu_id, m, now_s)
+            if where is not None:
+                if self.prefix_spec is not None:
+                    self._match_prefix(m, where)
+                self._run_on(m, event.request_id, where, now_s)
+
+    def _routed(self, planned: str | None, m: _Live, now_s: float) -> str | None:
+        """Where the router sends a new request the plan put on `planned` (None: no plan holds it yet);
+        None when it queues (in a worker's queue, or at the router while no worker is Ready:
+        `self.queued` says which).
 
         The router counts each request it sent at its whole size (prompt + output), and sends a request
         only to a Ready worker with room for that: the plan's GPU if so, else the fullest Ready worker
@@ -606,12 +645,12 @@ class _Replay:
         room anywhere it queues at the plan's GPU if Ready, else at the roomiest Ready worker."""
         need = self._final_bytes(m)
         free = self._free_bytes(now_s)
-        if free.get(planned, -1) >= need:
+        if planned is not None and free.get(planned, -1) >= need:
             return planned
         fitting = [(room, g) for g, room in free.items() if room >= need]
         if fitting:
             return min(fitting, key=lambda fg: fg[0])[1]  # ties: the pod held longest
-        if planned in free:
+        if planned is not None and planned in free:
             self.queued[m.req.request_id] = planned
         else:
             self.queued[m.req.request_id] = max(free, key=lambda g: free[g]) if free else ""
