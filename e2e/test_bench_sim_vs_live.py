@@ -18,7 +18,7 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
     run = run_bench(BENCH, "--quick", "--out", str(tmp_path), first_line="machine: ", timeout_s=1200)
     assert any(line.startswith("targets: ") for line in run.lines)
     summary = run.summary
-    assert summary["bench"] == "sim_vs_live" and [s["window"] for s in summary["slices"]] == ["0:10"]
+    assert summary["bench"] == "sim_vs_live" and summary["runs"] == 1 and [s["window"] for s in summary["slices"]] == ["0:10"]
     (figures,) = (s["policies"] for s in summary["slices"])
     assert set(figures) == {"mell", "bf"}
     for policy, f in figures.items():
@@ -30,8 +30,9 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
         assert set(f["timing_s"]) == {"ttft_p90", "jct_p50", "jct_p90", "last_end"}
         assert all(t["live"] is not None and t["live"] > 0 and t["simulated"] > 0 for t in f["timing_s"].values())
         # The simulator replayed exactly what was sent, at the speed the workers measured.
-        assert (tmp_path / "slice0" / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
-        assert json.loads((tmp_path / "slice0" / policy / "speed-profile.json").read_text())["kind"] == "SpeedProfile"
+        assert (tmp_path / "run0" / "slice0" / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
+        speed_profile = tmp_path / "run0" / "slice0" / policy / "speed-profile.json"
+        assert json.loads(speed_profile.read_text())["kind"] == "SpeedProfile"
     assert figures["bf"]["migrations"]["simulated_as_planned"] == 0  # best-fit's plans never migrate
     assert summary["live_gpu_s_sum"] == {p: figures[p]["live_gpu_s"] for p in ("mell", "bf")}
     assert 0 <= summary["targets_met"] <= summary["targets"] == 2 * 2 + 2
