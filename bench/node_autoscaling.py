@@ -45,6 +45,11 @@ from kvfleet.localcluster.controlplane import REPO_ROOT, stop_process  # noqa: E
 from kvfleet.worker.model.tiny import make_tiny  # noqa: E402
 
 POOL = "bench"
+# The pool's scale-down delay while the cold and warm requests are measured: long enough that the
+# worker the first request woke is still there for the warm one (with 3 s, a first request slowed by a
+# busy machine outlived the delay and the "warm" request waited for a new pod); then a short one, so
+# the pool goes back to zero quickly for the new-node request.
+WARM_DELAY_S, IDLE_DELAY_S = 300, 3
 WORKERS = f"kvfleet.dev/pool={POOL},app.kubernetes.io/component=worker"
 
 
@@ -55,7 +60,7 @@ def pool_manifest(model_dir: Path) -> dict[str, Any]:
         "capacity": {"kvCapacityPerWorker": "16Mi"},
         "workers": {"min": 0, "max": 2},
         "scheduling": {"epochSeconds": 1},
-        "autoscaling": {"scaleDownDelaySeconds": 3},
+        "autoscaling": {"scaleDownDelaySeconds": WARM_DELAY_S},
         "workerTemplate": {"image": "kvfleet/worker:dev", "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
     }}
 
@@ -123,6 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"warm: first token {warm_s:.3f} s (median of {len(warm)}; a Ready worker)", flush=True)
 
             # Back to zero; the only GPU taken: the next worker waits for a node from Karpenter.
+            cluster.kubectl("patch", "llmpool", POOL, "--type=merge",
+                            "-p", json.dumps({"spec": {"autoscaling": {"scaleDownDelaySeconds": IDLE_DELAY_S}}}))
             wait_for(lambda: at_zero(cluster), "the pool back at zero", timeout_s=120, interval_s=0.5)
             cluster.apply_json(blocker(), "default")
             wait_for(lambda: ready(cluster.get_json("pod", "gpu-taken")), "the blocker", timeout_s=60)
