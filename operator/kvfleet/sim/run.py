@@ -33,8 +33,9 @@ pod, billed, until the requests on it have left. The moves counted are the ones 
 pool's KVMigrations are. `report_lag_epochs` (operator only) is how late the plan hears of what
 happened: a worker writes its report at most once an epoch and the operator reads it at its next
 pass, so a live plan learns of an arrival, a growth or a finish about an epoch after it. With a lag
-the router places a new request as it arrives, before any plan holds it (the fullest Ready worker
-with room, else a queue), and the operator moves it once a plan does; a GPU whose requests finished
+the router places a new request as it arrives, before any plan holds it (where Allocate puts it on
+the last plan's state if that worker is Ready with room, else the fullest Ready worker with room,
+else a queue), and the operator moves it once a plan holds it elsewhere; a GPU whose requests finished
 stays held, and its pod billed, until the plan hears. 0 (the default) is a plan that hears at once.
 
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
@@ -514,12 +515,7 @@ class _Replay:
                 del self.on_gpu[m.gpu_id][rid]
                 self._run_on(m, rid, pl.gpu_id, now_s)
                 continue
-            where = self._routed(pl.gpu_id, m, now_s)
-            if where is None:
-                continue
-            if self.prefix_spec is not None:
-                self._match_prefix(m, where)
-            self._run_on(m, rid, where, now_s)
+            self._route(m, pl.gpu_id, now_s)
         for mig in plan.migrations:
             if mig.request_id in spanning and mig.request_id in self.live \
                     and self.live[mig.request_id].gpu_id == mig.source_gpu_id:
@@ -628,11 +624,16 @@ class _Replay:
             m = self.live[event.request_id]
             m.routed = True
             choice = allocate_on_snapshot(self.policy.snapshot(), m.reported_bytes, self.policy.cfg, self.policy.name)
-            where = self._routed(None if choice.new_gpu else choice.gpu_id, m, now_s)
-            if where is not None:
-                if self.prefix_spec is not None:
-                    self._match_prefix(m, where)
-                self._run_on(m, event.request_id, where, now_s)
+            self._route(m, None if choice.new_gpu else choice.gpu_id, now_s)
+
+    def _route(self, m: _Live, planned: str | None, now_s: float) -> None:
+        """A new request where the router sends it (`_routed`), prefilling there what the GPU's prefix
+        cache does not hold; or left in the queue `_routed` put it in."""
+        where = self._routed(planned, m, now_s)
+        if where is not None:
+            if self.prefix_spec is not None:
+                self._match_prefix(m, where)
+            self._run_on(m, m.req.request_id, where, now_s)
 
     def _routed(self, planned: str | None, m: _Live, now_s: float) -> str | None:
         """Where the router sends a new request the plan put on `planned` (None: no plan holds it yet);
