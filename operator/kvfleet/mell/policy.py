@@ -18,6 +18,7 @@ from typing import Any
 
 from kvfleet.mell.best_fit import BestFitPolicy
 from kvfleet.mell.cluster import ClusterPolicy, PolicyConfig
+from kvfleet.mell.kv_autoscaler import KvAutoscalerPolicy
 from kvfleet.mell.load_balance import LoadBalancePolicy
 from kvfleet.mell.mell_default import MellDefaultPolicy
 from kvfleet.mell.mell_paper import MellPaperPolicy
@@ -31,6 +32,8 @@ POLICIES: dict[str, type[ClusterPolicy]] = {
     "bf": BestFitPolicy,
     "wf": WorstFitPolicy,
     "lb": LoadBalancePolicy,
+    # Not an LLMPool policy: today's stack in the simulator (kv_autoscaler.py).
+    "hpa": KvAutoscalerPolicy,
 }
 # The LLMPool spec spells the baselines out.
 ALIASES = {"best-fit": "bf", "worst-fit": "wf", "load-balance": "lb"}

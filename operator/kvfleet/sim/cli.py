@@ -31,6 +31,7 @@ from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.result import RunResult
 from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, EXECUTIONS, simulate
 from kvfleet.sim.speed_model import Setup, make_setup, profile_setup, tpot_load_cap
+from kvfleet.sim.stacks import DEFAULT_HPA_TARGET, STACKS, Stack, StackRun, parse_stacks, prepare
 from kvfleet.sim.traces import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TraceError,
@@ -89,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=None,
                         help=f"comma-separated, from {','.join(POLICY_NAMES)} (all; mell with --disaggregation): mell "
                              "is kvfleet's default, mell-paper MELL's Fig. 10 as written")
+    parser.add_argument("--stack", default=None, metavar="STACKS",
+                        help=f"replay whole serving stacks instead of policies, comma-separated from {','.join(STACKS)} "
+                             "(e.g. today,kvfleet): each a policy, a KV capacity (vLLM's static split or elastic "
+                             "memory) and a scaling rule; docs/simulator.md, 'Two stacks'")
+    parser.add_argument("--hpa-target", type=float, default=DEFAULT_HPA_TARGET,
+                        help="with --stack today: the KV-usage target its HorizontalPodAutoscaler keeps "
+                             f"({DEFAULT_HPA_TARGET:g})")
     parser.add_argument("--epoch-s", type=float, default=1.0, help="scheduling epoch (1.0 s)")
     parser.add_argument("--paper-strict", action="store_true",
                         help="run MELL exactly as Fig. 10 (mell-paper) in place of kvfleet's default (mell)")
@@ -205,6 +213,7 @@ class _UsageError(ValueError):
 def run(args: argparse.Namespace) -> int:
     try:
         workloads = _workloads(args)
+        stacks = _stacks(args)
         policies = _policies(args)
         setups = _setups(args)
         if args.epoch_s <= 0:
@@ -232,6 +241,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if disaggregation is not None:
         _run_disaggregation(args, disaggregation, setups, configs, workloads)
+        return 0
+    if stacks:
+        try:
+            runs = [(setup.name, stack, _stack_run(args, setup.name, stack)) for setup in setups for stack in stacks]
+        except _UsageError as err:
+            print(f"kvfleet simulate: error: {err}", file=sys.stderr)
+            return 2
+        bar = None if args.no_progress else _progress_bar(args.epoch_s, workloads, len(runs) // len(setups))
+        _write_outputs(args, _run_stacks(args, runs, setups, workloads, bar))
+        if bar is not None:
+            bar.close()
         return 0
     bar = None if args.no_progress else _progress_bar(args.epoch_s, workloads, len(setups) * len(policies))
     scenarios = [scenario for setup, config in zip(setups, configs)
@@ -311,6 +331,57 @@ def _run_disaggregation(args: argparse.Namespace, pd: _PdPlan, setups: list[Setu
             sys.stdout.write(text)
         else:
             args.csv.write_text(text)
+
+
+def _stacks(args: argparse.Namespace) -> list[Stack]:
+    """The --stack choices, checked before any replay; [] without the flag."""
+    if args.stack is None:
+        return []
+    for flag, given in (("--policies", args.policies is not None), ("--paper-strict", args.paper_strict),
+                        ("--disaggregation", args.disaggregation is not None),
+                        ("--speed-profile", args.speed_profile is not None),
+                        ("--activation-reserve-gib", args.activation_reserve_gib is not None),
+                        ("--headroom", args.headroom is not None)):
+        if given:
+            raise _UsageError(f"--stack sets each stack's policy and capacity: drop {flag}")
+    if not 0 < args.hpa_target <= 1:
+        raise _UsageError("--hpa-target must be in (0, 1]")
+    try:
+        return parse_stacks(args.stack)
+    except ValueError as err:
+        raise _UsageError(f"--stack: {err}") from None
+
+
+def _stack_run(args: argparse.Namespace, setup_name: str, stack: Stack) -> StackRun:
+    model, gpu = SETUPS[setup_name]
+    try:
+        return prepare(stack, setup_name, model, gpu, scale_down_delay_s=args.scale_down_delay_s,
+                       hpa_target=args.hpa_target, tpot_ms=args.tpot_ms)
+    except ValueError as err:
+        raise _UsageError(str(err)) from None
+
+
+def _run_stacks(args: argparse.Namespace, runs: list[tuple[str, Stack, StackRun]], setups: list[Setup],
+                workloads: list[tuple[str, list[TraceRequest]]], bar: Any) -> list[Scenario]:
+    """Every workload under every stack on each setup: one scenario per (setup, workload), a result per
+    stack, named after it."""
+    scenarios: list[Scenario] = []
+    for setup in setups:
+        mine = [(stack, run) for name, stack, run in runs if name == setup.name]
+        if not args.json:
+            for stack, run in mine:
+                print(f"{_capacity_line(run.setup)} ({stack.name}: {stack.description})", file=sys.stderr)
+        for wname, reqs in workloads:
+            results: list[RunResult] = []
+            for stack, run in mine:
+                if bar is not None:
+                    bar.set_description(f"{setup.name} {wname} {stack.name}")
+                stack_args = argparse.Namespace(**{**vars(args), "scale_down_delay_s": run.scale_down_delay_s})
+                result = _simulate_with_progress(reqs, run.setup, stack.policy, stack_args, run.config, bar)
+                result.policy = stack.name
+                results.append(result)
+            scenarios.append(Scenario(setup.name, wname, mine[-1][1].setup.capacity_bytes, tuple(results)))
+    return scenarios
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
