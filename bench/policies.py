@@ -99,6 +99,8 @@ def parse_knobs(settings: list[str]) -> dict[str, object]:
         default = defaults[name]
         if isinstance(default, bool):
             knobs[name] = text.lower() in ("1", "true", "yes", "on")
+        elif isinstance(default, str):
+            knobs[name] = text
         elif isinstance(default, int) or default is None:
             knobs[name] = int(text)
         else:

@@ -138,9 +138,12 @@ def test_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], ar
 
 
 def test_without_batching_every_operation_moves_on_its_own(capsys: pytest.CaptureFixture[str]) -> None:
-    """MELL Fig. 13 on this slice: without request operation batching no move is cancelled, so MELL
-    (the paper's and the default) and load-balance move more; policies that never migrate are
-    unchanged; C is never exceeded.
+    """MELL Fig. 13 on this slice: without request operation batching no move is cancelled, so the
+    paper's MELL and load-balance move more; policies that never migrate are unchanged; C is never
+    exceeded. The default policy moves less without batching on this slice (0.25 against 0.42 moves/s):
+    batched, an epoch's arrivals are placed together and its consolidation, which tries the four least
+    loaded GPUs, finds more to empty (0.37 with one candidate; before the per-request growth estimate,
+    0.305 against 0.319).
     Pinned, like the golden: the load balancer rebalances once an epoch either way (were it run
     after every operation it would make about 5x its moves)."""
     batched = simulate_json(capsys)["policies"]
@@ -149,6 +152,6 @@ def test_without_batching_every_operation_moves_on_its_own(capsys: pytest.Captur
     assert all(stats["batching"] is True for stats in batched.values())
     assert all(stats["batching"] is False for stats in unbatched.values())
     moves = {p: (batched[p]["migrations_per_s"], unbatched[p]["migrations_per_s"]) for p in batched}
-    assert moves == {"mell": (0.305, 0.3191), "mell-paper": (0.8369, 0.8794), "bf": (0.0, 0.0), "wf": (0.0, 0.0),
+    assert moves == {"mell": (0.4184, 0.2535), "mell-paper": (0.8369, 0.8794), "bf": (0.0, 0.0), "wf": (0.0, 0.0),
                      "lb": (0.8201, 1.036)}
     assert all(stats["capacity_violations"] == 0 for stats in unbatched.values())

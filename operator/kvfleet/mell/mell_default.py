@@ -22,6 +22,9 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
    request of an overloaded GPU, the smallest that clears it is recomputed elsewhere (a preemption).
 5. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
    break it (`MellDefaultConfig.max_load_bytes` and `load_bytes_per_request`).
+6. Growth room per request: where an Arrive gives a request's final size, the headroom of rules 1-3
+   is the room the GPU's own requests will write over a horizon (those finishing sooner leave);
+   without final sizes it is the pool headroom as before (`growth_estimate`).
 
 Pure between epochs, as every policy: all it keeps across them is the state a snapshot holds.
 Every rule is a MellDefaultConfig knob; docs/mell.md gives the measurement behind each default.
@@ -41,24 +44,47 @@ from kvfleet.mell.models import Arrive, EventBatch, Location, Plan
 from kvfleet.mell.size_classes import SizeClass, size_class
 from kvfleet.mell.state import ClusterSnapshot, Gpu, Item, ItemSnapshot
 
+# How a GPU's growth room is estimated (MellDefaultConfig.growth_estimate).
+GROWTH_ESTIMATES = ("per-request", "pool")
+# Requests as `_room` reads them: (size in bytes, bytes still to write or None where unknown).
+Growth = tuple[tuple[int, int | None], ...]
+
 
 @dataclass(frozen=True)
 class MellDefaultConfig(PolicyConfig):
     """Knobs of the default policy, one per rule of the module docstring."""
 
-    # Share of C kept free for growth when placing and consolidating (rules 1-3).
+    # Share of C kept free for growth when placing and consolidating (rules 1-3): on every GPU with
+    # growth_estimate="pool", else only on GPUs holding a request whose final size is unknown.
     headroom_fraction: float = 0.05
+    # Rule 6, growth room (rules 1-3). "per-request" (the default): a GPU keeps room for what its own
+    # requests will still write, from each one's final size (Arrive.final_size_bytes: prompt + output
+    # budget), each growing by at most growth_horizon_fraction x C and those that finish sooner leaving
+    # (a GPU's requests decode in lockstep, a token each per step). It is the default because a request
+    # about to finish needs no room and one with thousands of tokens to go needs more than 5% of C: it
+    # packs tighter and sheds less (docs/mell.md). A request without a final size (the live operator
+    # today, whose reports carry none) gets the pool allowance on its GPU, so "per-request" without final
+    # sizes is exactly "pool". "pool": headroom_fraction of C on every GPU, whatever its requests.
+    growth_estimate: str = "per-request"
+    growth_horizon_fraction: float = 0.1
     # Rule 1: an epoch's arrivals are placed largest first (best-fit decreasing), not in arrival order.
     arrivals_largest_first: bool = True
     # Rules 1-2: a request that fits nowhere with headroom may use a GPU's headroom before a GPU starts.
     fill_without_headroom: bool = True
     # Rule 2: a request shed by an overloaded GPU goes to the emptiest GPU (room to grow), not the fullest.
+    # Only a request whose final size is unknown (or with growth_estimate="pool"): rule 6 gives one
+    # whose final size is known its own room to grow wherever it goes, so it goes best fit, and the
+    # emptiest GPU is the one consolidation would empty next.
     relieve_to_emptiest: bool = True
     # Rule 3: empty the least loaded GPU when the others take its requests; at most this many an epoch,
     # and only while all KV fits in one GPU fewer filled to this share of C.
     consolidate: bool = True
     max_consolidations_per_epoch: int = 1
     consolidate_fill: float = 0.9
+    # Rule 3: the least loaded GPUs tried, in that order, for one to empty (1: only the least loaded):
+    # the least loaded often holds a request that just moved (it waits) or one no other GPU has room
+    # for, while the next one could be emptied.
+    consolidate_candidates: int = 4
     # A request moved less than this long ago is not moved again by choice (consolidation, or relief
     # while another request can clear the overload): each move costs its request a pause and a copy,
     # and a live pool's reports lag its moves, so a quick second move is the likeliest to fail.
@@ -88,7 +114,17 @@ class MellDefaultPolicy(ClusterPolicy):
     def __init__(self, config: MellDefaultConfig) -> None:
         super().__init__(config)
         self.cfg: MellDefaultConfig = config
+        if config.growth_estimate not in GROWTH_ESTIMATES:
+            raise ValueError(f"growth_estimate must be one of {', '.join(GROWTH_ESTIMATES)}, "
+                             f"not {config.growth_estimate!r}")
         self._headroom = int(config.headroom_fraction * config.capacity_bytes)
+        self._per_request = config.growth_estimate == "per-request"
+        self._horizon_bytes = int(config.growth_horizon_fraction * config.capacity_bytes)
+        # Rule 6: each live request's final size, where its Arrive gave one; and those given by this
+        # batch's arrivals, taken up when each is placed (a Finish and an Arrive of the same request
+        # in one batch, as the operator sends for a restarted request, keep the new one's).
+        self._final_bytes: dict[str, int] = {}
+        self._arriving_final_bytes: dict[str, int] = {}
         self._overloaded: dict[str, Gpu] = {}
         self._link_used: dict[str, int] = {}
         # Items moved this epoch: none moves twice, so the link each migration is charged to is the
@@ -109,6 +145,9 @@ class MellDefaultPolicy(ClusterPolicy):
             item = self.item_of.get(request_id)
             if item is not None:
                 self._moved_at_s[item.item_id] = moved_s
+        for request_id, final_bytes in snap.final_sizes_bytes:
+            if request_id in self.item_of:
+                self._final_bytes[request_id] = final_bytes
         for gpu in self.gpus.values():
             if not gpu.idle and gpu.load_bytes > self._cap(gpu, 0):
                 self._overloaded[gpu.gpu_id] = gpu
@@ -117,7 +156,8 @@ class MellDefaultPolicy(ClusterPolicy):
         snap = super().snapshot()
         moved = tuple(sorted((rid, self._moved_at_s[item.item_id]) for rid, item in self.item_of.items()
                              if item.item_id in self._moved_at_s))
-        return dataclasses.replace(snap, moved_at_s=moved)
+        finals = tuple(sorted((rid, b) for rid, b in self._final_bytes.items() if rid in self.item_of))
+        return dataclasses.replace(snap, moved_at_s=moved, final_sizes_bytes=finals)
 
     # ================================================================ epoch
 
@@ -128,6 +168,8 @@ class MellDefaultPolicy(ClusterPolicy):
             arrivals.sort(key=lambda e: -e.size_bytes)
         others = [e for e in batch.events if not isinstance(e, Arrive)]
         self._now_s = batch.now_s
+        self._arriving_final_bytes = {e.request_id: e.final_size_bytes for e in arrivals
+                                      if e.final_size_bytes is not None}
         plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
@@ -150,8 +192,17 @@ class MellDefaultPolicy(ClusterPolicy):
 
     def on_arrive(self, request_id: str, size_bytes: int) -> None:
         self._relieve()
+        final_bytes = self._arriving_final_bytes.pop(request_id, None)
+        if final_bytes is not None:
+            self._final_bytes[request_id] = final_bytes
         item = self._new_item(size_class(size_bytes, self.capacity_bytes), {request_id: size_bytes}, False)
-        self._put(item, self._target(item.size_bytes), "allocate", None)
+        self._put(item, self._target(item), "allocate", None)
+
+    def _finish(self, request_id: str) -> None:
+        # Not in on_finish: a tail that passes C is finished and arrives again (cluster._grow), the
+        # same request with the same final size.
+        super()._finish(request_id)
+        self._final_bytes.pop(request_id, None)
 
     def on_finish(self, request_id: str) -> None:
         item = self.item_of.pop(request_id, None)
@@ -192,45 +243,107 @@ class MellDefaultPolicy(ClusterPolicy):
         cap = cfg.max_load_bytes - (gpu.num_requests + extra_requests) * cfg.load_bytes_per_request
         return min(self.capacity_bytes, cap)
 
-    def _fits(self, gpu: Gpu, size: int, headroom: bool) -> bool:
-        return gpu.load_bytes + size + (self._headroom if headroom else 0) <= self._cap(gpu, 1)
+    def _growth(self, item: Item) -> Growth:
+        """(size, remaining growth or None) of each request of `item`, as `_room` reads them."""
+        return tuple((size, self._remaining(rid, size)) for rid, size in item.members.items())
 
-    def _takes(self, gpu: Gpu, size: int, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
-        """Whether `gpu` can take `size` more bytes from `src` (None: a new request): it is in use, no
-        span head, not `src`, holds them (with its headroom if asked) and, if `budgeted`, the link from
+    def _remaining(self, request_id: str, size: int) -> int | None:
+        """Bytes `request_id` will still write (rule 6), None if its final size is unknown. A request
+        larger than C holds whole chunks on span heads besides the `size` of its tail here."""
+        final_bytes = self._final_bytes.get(request_id)
+        if final_bytes is None:
+            return None
+        heads = self._heads.get(request_id)
+        return max(0, final_bytes - size - (len(heads) if heads else 0) * self.capacity_bytes)
+
+    def _room(self, gpu: Gpu | None, extra: Growth = (), without: Item | None = None) -> int:
+        """Growth room `gpu` keeps (rules 1-3) with the requests `extra` added and `without` gone.
+
+        "pool": the headroom. "per-request" (rule 6): the most its requests whose final size is known
+        will hold above their load now while each writes up to the horizon, a request leaving when it
+        reaches its final size (all of a GPU's requests write a token a step, so after x bytes each, those
+        with less than x to go have left and the others hold size + x: the peak is at x = a request's
+        remaining bytes, or the horizon); plus the headroom where a request's final size is unknown."""
+        if not self._per_request or (not self._final_bytes and all(r is None for _, r in extra)):
+            # No request has a final size (the live operator's reports carry none): every request is
+            # unknown, and walking the GPU's requests would only find that out (bench/mell.py's 100,000).
+            return self._headroom
+        unknown = False
+        load_known = 0
+        growing: list[tuple[int, int]] = []  # (remaining bytes up to the horizon, size)
+        requests: list[tuple[int, int | None]] = list(extra)
+        if gpu is not None:
+            for it in gpu.items.values():
+                if it is not without:
+                    requests.extend(self._growth(it))
+        for size, remaining in requests:
+            if remaining is None:
+                unknown = True
+                continue
+            load_known += size
+            if remaining > 0:
+                growing.append((min(remaining, self._horizon_bytes), size))
+        peak = load_known
+        held = count = 0
+        for remaining, size in sorted(growing, reverse=True):
+            held += size
+            count += 1
+            peak = max(peak, held + count * remaining)
+        return peak - load_known + (self._headroom if unknown else 0)
+
+    def _fits(self, gpu: Gpu, growth: Growth, headroom: bool) -> bool:
+        size = sum(s for s, _ in growth)
+        room = self._room(gpu, growth) if headroom else 0
+        return gpu.load_bytes + size + room <= self._cap(gpu, 1)
+
+    def _takes(self, gpu: Gpu, growth: Growth, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
+        """Whether `gpu` can take the requests `growth` from `src` (None: a new request): it is in use, no
+        span head, not `src`, holds them (with its growth room if asked) and, if `budgeted`, the link from
         `src` still carries them this epoch."""
+        size = sum(s for s, _ in growth)
         return (not gpu.idle and gpu.category is not SizeClass.X and gpu is not src
-                and self._fits(gpu, size, headroom)
+                and self._fits(gpu, growth, headroom)
                 and (src is None or not budgeted or self._link_allows(src, gpu, size)))
 
-    def _best_fit(self, size: int, headroom: bool, src: Gpu | None, budgeted: bool = True) -> Gpu | None:
-        """The fullest GPU that takes `size` more bytes from `src` (see `_takes`)."""
+    def _least_room(self, headroom: bool, growth: Growth) -> int:
+        """The least growth room any GPU would keep with `growth` added, to skip GPUs by the free-bytes
+        index alone: the pool headroom where it applies whatever the GPU holds (pool estimates, or a
+        request of unknown final size among `growth`), else none."""
+        if not headroom:
+            return 0
+        return self._headroom if not self._per_request or any(r is None for _, r in growth) else 0
+
+    def _best_fit(self, growth: Growth, headroom: bool, src: Gpu | None, budgeted: bool = True) -> Gpu | None:
+        """The fullest GPU that takes the requests `growth` from `src` (see `_takes`)."""
         index = self._sync_free_index()
-        pos = bisect_left(index, (size + (self._headroom if headroom else 0), -1, ""))
+        size = sum(s for s, _ in growth)
+        pos = bisect_left(index, (size + self._least_room(headroom, growth), -1, ""))
         for i in range(pos, len(index)):  # not a slice: no copy of the index per request
             gpu = self.gpus[index[i][2]]
-            if self._takes(gpu, size, headroom, src, budgeted):
+            if self._takes(gpu, growth, headroom, src, budgeted):
                 return gpu
         return None
 
-    def _emptiest(self, size: int, src: Gpu) -> Gpu | None:
-        """The emptiest GPU that takes `size` more bytes from `src` with headroom, within the link budget."""
+    def _emptiest(self, growth: Growth, src: Gpu) -> Gpu | None:
+        """The emptiest GPU that takes the requests `growth` from `src` with growth room, within the link budget."""
         index = self._sync_free_index()
+        size = sum(s for s, _ in growth)
         for free, _, gpu_id in reversed(index):
-            if free < size + self._headroom:
+            if free < size + self._least_room(True, growth):
                 return None
             gpu = self.gpus[gpu_id]
-            if self._takes(gpu, size, True, src, True):
+            if self._takes(gpu, growth, True, src, True):
                 return gpu
         return None
 
-    def _target(self, size: int, away_from: Gpu | None = None) -> Gpu:
-        """Rule 1: the fullest GPU (other than `away_from`) that holds `size` with headroom, else
+    def _target(self, item: Item, away_from: Gpu | None = None) -> Gpu:
+        """Rule 1: the fullest GPU (other than `away_from`) that holds `item` with growth room, else
         without, else a new GPU. No link is involved: a new request, or one recomputed elsewhere."""
-        gpu = self._best_fit(size, True, away_from, budgeted=False)
+        growth = self._growth(item)
+        gpu = self._best_fit(growth, True, away_from, budgeted=False)
         self.last_allocate_step = "best-fit"
         if gpu is None and self.cfg.fill_without_headroom:
-            gpu = self._best_fit(size, False, away_from, budgeted=False)
+            gpu = self._best_fit(growth, False, away_from, budgeted=False)
             self.last_allocate_step = "best-fit-in-headroom"
         if gpu is None:
             gpu = self._activate()
@@ -270,17 +383,20 @@ class MellDefaultPolicy(ClusterPolicy):
         while self._overloaded:
             _, gpu = self._overloaded.popitem()
             while not gpu.idle and len(gpu.items) > 1 and gpu.load_bytes > self._cap(gpu, 0):
-                excess = gpu.load_bytes - (self._cap(gpu, 0) - self._headroom)
                 items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
-                clears = [it for it in items if it.size_bytes >= excess]
-                order = clears + [it for it in reversed(items) if it.size_bytes < excess]
+                # Clears: leaves the GPU its growth room (rule 6: the room of the requests that stay).
+                cap = self._cap(gpu, 0)
+                clear = {it.item_id for it in items
+                         if gpu.load_bytes - it.size_bytes + self._room(gpu, without=it) <= cap}
+                clears = [it for it in items if it.item_id in clear]
+                order = clears + [it for it in reversed(items) if it.item_id not in clear]
                 # One move that clears it, by a settled request if one can; a request moved moments ago
                 # only where fewer moves need it (an overloaded engine would otherwise preempt), and
                 # none twice in one epoch.
                 movable = [it for it in clears if not self._settling(it)] + [
                     it for it in order if it.item_id not in self._moved_items]
                 for it in movable:
-                    dst = self._within_budget(it.size_bytes, gpu)
+                    dst = self._within_budget(it, gpu)
                     if dst is not None:
                         self._move_item(it, dst, "overload")
                         break
@@ -289,24 +405,26 @@ class MellDefaultPolicy(ClusterPolicy):
                     # recomputed at its new GPU instead (vLLM's recompute preemption; a re-prefill,
                     # reported as a preemption, never a deferred migration).
                     victim = order[0]
-                    self._move(victim, self._target(victim.size_bytes, away_from=gpu), "preempt")
+                    self._move(victim, self._target(victim, away_from=gpu), "preempt")
                     for rid in victim.members:
                         move = self._moves.get(rid)
                         if move is not None:
                             move[3] = "preempt"  # moved earlier this epoch: the whole way is a recompute
 
-    def _within_budget(self, size: int, src: Gpu) -> Gpu | None:
-        """A GPU that takes `size` bytes from `src` within the link budget: the emptiest with headroom
-        (`relieve_to_emptiest`), else best fit with headroom, then without, else a new GPU on a
+    def _within_budget(self, item: Item, src: Gpu) -> Gpu | None:
+        """A GPU that takes `item` from `src` within the link budget: the emptiest with growth room
+        (`relieve_to_emptiest`), else best fit with growth room, then without, else a new GPU on a
         node the copy may reach this epoch; None if there is none."""
-        dst = self._emptiest(size, src) if self.cfg.relieve_to_emptiest else None
+        growth = self._growth(item)
+        emptiest = self.cfg.relieve_to_emptiest and (not self._per_request or any(r is None for _, r in growth))
+        dst = self._emptiest(growth, src) if emptiest else None
         if dst is None:
-            dst = self._best_fit(size, True, src)
+            dst = self._best_fit(growth, True, src)
         if dst is None and self.cfg.fill_without_headroom:
-            dst = self._best_fit(size, False, src)
+            dst = self._best_fit(growth, False, src)
         if dst is not None:
             return dst
-        if self._link_allows_to(src, self._activation_location(src), size):
+        if self._link_allows_to(src, self._activation_location(src), item.size_bytes):
             return self._activate(src)
         return None
 
@@ -318,12 +436,25 @@ class MellDefaultPolicy(ClusterPolicy):
         total = sum(g.load_bytes for g in candidates)
         if total > self.cfg.consolidate_fill * (len(candidates) - 1) * self.capacity_bytes:
             return False
-        victim = min(candidates, key=lambda g: (g.load_bytes, -g.seq))
-        if any(self._settling(it) for it in victim.items.values()):
-            return False  # it waits for its requests to settle (a fuller GPU instead would move more)
+        by_load = sorted(candidates, key=lambda g: (g.load_bytes, -g.seq))
+        for victim in by_load[:self.cfg.consolidate_candidates]:
+            if any(self._settling(it) for it in victim.items.values()):
+                # It waits for its requests to settle; a fuller GPU is tried instead only within
+                # consolidate_candidates (emptying it moves more bytes).
+                continue
+            plan = self._consolidation_plan(victim, candidates)
+            if plan is not None:
+                for item, dst in plan:
+                    self._move_item(item, dst, "consolidate")
+                return True
+        return False
+
+    def _consolidation_plan(self, victim: Gpu, candidates: list[Gpu]) -> list[tuple[Item, Gpu]] | None:
+        """Where each request of `victim` would go (rule 3), or None if the others cannot take them all."""
         # Dry run: the largest items first, each to the fullest other GPU that holds it with headroom.
         tentative: dict[str, int] = {}
         tentative_n: dict[str, int] = {}
+        tentative_growth: dict[str, Growth] = {}
         link_used = dict(self._link_used)
         plan: list[tuple[Item, Gpu]] = []
         for item in sorted(victim.items.values(), key=lambda it: (-it.size_bytes, it.item_id)):
@@ -333,19 +464,19 @@ class MellDefaultPolicy(ClusterPolicy):
                     continue
                 load = g.load_bytes + tentative.get(g.gpu_id, 0)
                 n_extra = tentative_n.get(g.gpu_id, 0) + 1
-                if load + item.size_bytes + self._headroom > self._cap(g, n_extra):
+                room = self._room(g, tentative_growth.get(g.gpu_id, ()) + self._growth(item))
+                if load + item.size_bytes + room > self._cap(g, n_extra):
                     continue
                 if not self._link_allows_to(victim, g.location, item.size_bytes, link_used):
                     continue
                 if best is None or load > best.load_bytes + tentative.get(best.gpu_id, 0):
                     best = g
             if best is None:
-                return False
+                return None
             tentative[best.gpu_id] = tentative.get(best.gpu_id, 0) + item.size_bytes
             tentative_n[best.gpu_id] = tentative_n.get(best.gpu_id, 0) + 1
+            tentative_growth[best.gpu_id] = tentative_growth.get(best.gpu_id, ()) + self._growth(item)
             link = link_of(victim.location, best.location)
             link_used[link] = link_used.get(link, 0) + item.size_bytes
             plan.append((item, best))
-        for item, dst in plan:
-            self._move_item(item, dst, "consolidate")
-        return True
+        return plan

@@ -70,6 +70,10 @@ class Location:
 class Arrive:
     request_id: str
     size_bytes: int
+    # What the request will hold when its output budget is spent (prompt + max_tokens, what the router
+    # reserves; the trace's output in the simulator), if known: the default policy reserves room for
+    # each request's own remaining growth from it (MellDefaultConfig.growth_estimate). None: unknown.
+    final_size_bytes: int | None = None
 
 
 @dataclass(frozen=True)

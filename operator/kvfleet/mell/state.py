@@ -85,6 +85,9 @@ class ClusterSnapshot:
     # (request id, epoch time it last moved) for requests moved recently: the default policy does not
     # move them again by choice for a while (MellDefaultConfig.min_move_interval_s).
     moved_at_s: tuple[tuple[str, float], ...] = ()
+    # (request id, final size in bytes) for requests whose Arrive gave one: the default policy's
+    # per-request growth estimate (MellDefaultConfig.growth_estimate).
+    final_sizes_bytes: tuple[tuple[str, int], ...] = ()
 
 
 class SortedIndex:
