@@ -10,7 +10,8 @@ split, a least-loaded router, no migration and a HorizontalPodAutoscaler on mean
 target is a team's choice, so today runs at every target of --hpa-targets and is judged at the
 cheapest one that still meets the TPOT objective: the strongest today, not a typical one. One row per
 technique shows what it buys: today with elastic memory, kvfleet without elastic memory, kvfleet
-without migration. Both setups (LLaMA-2-13B on A100-40GB, LLaMA-2-7B on RTX 4090) over the scenarios
+without migration, and kvfleet with each request's output budget known (the default policy's
+per-request growth room, which live reports cannot feed yet). Both setups (LLaMA-2-13B on A100-40GB, LLaMA-2-7B on RTX 4090) over the scenarios
 of bench/policies.py (Azure conv and code traces, Poisson 0.5/0.8/1.1, long-context), every stack with
 the pool's 60 s scale-down delay and pods ready at once.
 
@@ -40,7 +41,7 @@ from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate  # noqa: E402
 from kvfleet.sim.stacks import DEFAULT_HPA_TARGET, STACKS, StackRun, prepare  # noqa: E402
 
 TARGET_RATIO = 0.75
-ABLATIONS = ("today+elastic", "kvfleet-static", "kvfleet-no-migration")
+ABLATIONS = ("today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet+budgets")
 
 
 def figures(r: RunResult) -> dict[str, float | int]:

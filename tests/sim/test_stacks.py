@@ -54,6 +54,10 @@ def test_stacks_parse_and_prepare() -> None:
     assert today.config.target_utilization == 0.7  # type: ignore[attr-defined]
     kvfleet = prepare(STACKS["kvfleet"], "13b-a100", LLAMA2_13B, A100_40GB, scale_down_delay_s=60, tpot_ms=60)
     assert kvfleet.scale_down_delay_s == 60 and kvfleet.config.max_load_bytes is not None  # type: ignore[attr-defined]
+    # kvfleet runs its policy as a live operator does (no output budgets); kvfleet+budgets as the default has it.
+    assert kvfleet.config.growth_estimate == "pool"  # type: ignore[attr-defined]
+    budgets = prepare(STACKS["kvfleet+budgets"], "13b-a100", LLAMA2_13B, A100_40GB, scale_down_delay_s=60)
+    assert budgets.config.growth_estimate == "per-request"  # type: ignore[attr-defined]
     assert kvfleet.setup.capacity_bytes > today.setup.capacity_bytes
 
 

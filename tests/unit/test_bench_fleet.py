@@ -12,7 +12,7 @@ def test_quick_run_prints_both_stacks_every_ablation_and_the_target() -> None:
     assert summary["bench"] == "fleet" and summary["quick"] is True and summary["machine"]
     scenarios = summary["scenarios"]
     assert len(scenarios) == 12  # both setups x the scenarios of bench/policies.py
-    expected = {"today@0.8", "today@1", "today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet"}
+    expected = {"today@0.8", "today@1", "today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet+budgets", "kvfleet"}
     for sc in scenarios:
         stacks = sc["stacks"]
         assert set(stacks) == expected

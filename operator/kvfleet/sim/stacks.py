@@ -14,6 +14,9 @@ here is a policy, a KV capacity per GPU and a scale-down rule:
   memory (eLLM): KV may use what the step's activations leave.
 - **today+elastic**, **kvfleet-static**, **kvfleet-no-migration**: one technique added to today or taken
   from kvfleet, so each one's share of the saving is its own row.
+- **kvfleet+budgets**: kvfleet with the default policy's per-request growth room, from each request's
+  final size (the trace's output in the replay). A live pool cannot run it yet: workers' reports carry
+  no output budget, so `kvfleet` runs the policy as a live operator does, with the pool's headroom.
 
 KV capacity per GPU (`capacity_setup`). vLLM sizes its KV cache once, at start: gpu_memory_utilization
 (0.9) of the GPU less the weights and less the peak activations of a profiling step of
@@ -55,18 +58,26 @@ class Stack:
     policy: str
     capacity: str  # "static" (vLLM's split) or "elastic" (eLLM)
     description: str
+    knobs: tuple[tuple[str, object], ...] = ()  # the policy's knobs where not its defaults
 
     @property
     def hpa(self) -> bool:
         return self.policy == "hpa"
 
 
+# The default policy as a live operator runs it: workers' reports carry no output budget, so it keeps
+# the pool's growth headroom (kvfleet.mell.mell_default rule 6 falls back to it without final sizes).
+_AS_LIVE = (("growth_estimate", "pool"),)
+
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("today", "hpa", "static", "vLLM's static split, least-loaded router, no migration, HPA on KV usage"),
     Stack("today+elastic", "hpa", "elastic", "today, with elastic memory"),
-    Stack("kvfleet-static", "mell", "static", "kvfleet without elastic memory"),
+    Stack("kvfleet-static", "mell", "static", "kvfleet without elastic memory", _AS_LIVE),
     Stack("kvfleet-no-migration", "bf", "elastic", "kvfleet without migration (best-fit, the operator's scaling)"),
-    Stack("kvfleet", "mell", "elastic", "kvfleet: default policy with migration, operator scaling, elastic memory"),
+    Stack("kvfleet", "mell", "elastic", "kvfleet: default policy with migration, operator scaling, elastic memory",
+          _AS_LIVE),
+    Stack("kvfleet+budgets", "mell", "elastic", "kvfleet, with each request's output budget in its report "
+          "(the default policy's per-request growth room; not carried by live reports yet)"),
 )}
 
 
@@ -117,7 +128,7 @@ def prepare(stack: Stack, setup_name: str, model: ModelShape, gpu: GpuSpec, *, s
         config = policy_config(stack.policy, setup.capacity_bytes, target_utilization=hpa_target,
                                stabilization_s=scale_down_delay_s)
         return StackRun(stack, setup, config, 0.0)
-    knobs: dict[str, object] = {}
+    knobs: dict[str, object] = dict(stack.knobs)
     if tpot_ms is not None and stack.policy == "mell":
         max_load, per_request = tpot_load_cap(setup, tpot_ms / 1000.0)
         knobs.update(max_load_bytes=max_load, load_bytes_per_request=per_request)
