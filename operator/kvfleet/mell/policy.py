@@ -5,7 +5,9 @@ The operator names a policy in the LLMPool spec (`mell`, `mell-paper`, `best-fit
 config dataclass of its own (`ClusterPolicy.config_type`): `mell` is kvfleet's default
 (mell_default.py), `mell-paper` MELL's Fig. 10 exactly as the paper states it (mell_paper.py), kept
 so that the default's gain is always measured against it, and the baselines `bf`, `wf` and `lb`
-(best_fit.py, worst_fit.py, load_balance.py). Callers name the policy and give either its config or
+(best_fit.py, worst_fit.py, load_balance.py); `hpa` (kv_autoscaler.py) is no LLMPool's policy but the
+simulator's model of what teams run today, worst-fit under a HorizontalPodAutoscaler on KV usage
+(`kvfleet simulate --stack today`). Callers name the policy and give either its config or
 its knobs: `make_policy("mell", capacity_bytes=C)`. `plan_epoch` is the core as a pure function of
 (snapshot, events) -> plan: no state survives the call, so the operator can rebuild the snapshot from
 worker reports after a restart.
