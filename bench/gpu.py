@@ -68,6 +68,8 @@ def parts(model_dir: Path) -> list[Part]:
              env={"KVFLEET_KERNELS_ON_GPU": "1"}),
         Part("crash_hunt", [py, "bench/kernels.py", "--crash-hunt"], [py, "bench/kernels.py", "--crash-hunt", "--cpu-smoke"], 90),
         Part("kernels", [py, "bench/kernels.py", "--quick"], [py, "bench/kernels.py", "--cpu-smoke"], 75),
+        # The dry run's engine part is bench/gpu_engine.py's quick run, which tests/worker/test_bench_gpu.py
+        # checks from this part's output.
         Part("engine", [py, "bench/gpu_engine.py", *model], [py, "bench/gpu_engine.py", "--quick"], 90, needs_model=True),
         # The dry runs leave vLLM out as the GPU machines do (they carry no vLLM): the dry run rehearses
         # what runs there, and the vLLM rows have quick runs of their own (tests/worker/test_bench_*.py).
@@ -75,7 +77,11 @@ def parts(model_dir: Path) -> list[Part]:
              needs_model=True),
         Part("distkv", [py, "bench/distkv.py", "--gpu", *model],
              [py, "bench/distkv.py", "--quick", "--skip-context", "--skip-vllm"], 50, needs_model=True),
-        Part("migration", [py, "bench/migration.py", "--gpu", *model], [py, "bench/migration.py", "--quick", "--processes", "--no-vllm"], 80,
+        # The dry run's two-process form with a deadline that cuts its second round and the throughput
+        # section, as the GPU form's --deadline-s may: tests/worker/test_bench_gpu.py checks this part's
+        # output as that form's test (one ~20 s run of that form in `make test`, not two).
+        Part("migration", [py, "bench/migration.py", "--gpu", *model],
+             [py, "bench/migration.py", "--quick", "--processes", "--no-vllm", "--repeat", "2", "--deadline-s", "1"], 80,
              needs_model=True),
     ]
 

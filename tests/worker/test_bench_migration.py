@@ -1,5 +1,8 @@
 """bench/migration.py runs end to end (--quick) and ends with its JSON line of headline figures, the vLLM
-section's too where vllm is installed (its workers' KV moves through kvfleet's connector)."""
+section's too where vllm is installed (its workers' KV moves through kvfleet's connector).
+
+The two-process form (`--processes`, the GPU form's path) runs as a part of bench/gpu.py's dry run, and
+tests/worker/test_bench_gpu.py checks it there: one start of its two worker processes, not two."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ BENCH = ROOT / "bench" / "migration.py"
 
 
 def assert_builtin_figures(summary: dict[str, Any], processes: int) -> None:
-    """Both forms of the CPU run time a move of each length in both modes on float32 workers."""
+    """The CPU run times a move of each length in both modes on float32 workers."""
     assert (summary["device"], summary["processes"], summary["dtype"]) == ("cpu", processes, "float32")
     assert set(summary["kv_downtime_ms"]) == set(summary["token_downtime_ms"]) == {"64", "256"}
     assert all(v > 0 for v in [*summary["kv_downtime_ms"].values(), *summary["token_downtime_ms"].values()])
@@ -43,27 +46,6 @@ def test_quick_run_ends_with_the_headline_figures(tmp_path: Path) -> None:
         assert all(v > 0 for v in downtime_ms.values())
     assert summary["vllm_kv_flatness"] > 0
     assert isinstance(summary["vllm"], str) and summary["vllm"]
-
-
-def test_two_worker_processes_move_requests_through_the_executor(tmp_path: Path) -> None:
-    """The GPU form's path on the CPU (small model, short prompts): two worker processes started as pods
-    start them, every move asked of the source's migrate endpoint; a deadline already past when the first
-    round ends cuts the second round and the throughput section."""
-    run = run_bench(BENCH, "--quick", "--processes", "--no-vllm", "--repeat", "2", "--deadline-s", "1",
-                    "--model-dir", str(tmp_path / "tiny"), first_line="host: ")
-    # The workers log to stderr: a request they failed to serve would show there.
-    assert "Traceback" not in run.stderr, run.stderr[-4000:]
-    lines, summary = run.lines, run.summary
-    assert_builtin_figures(summary, processes=2)
-    assert summary["failures"] == []
-    assert summary["kv_samples"] == summary["token_samples"] == {"64": 1, "256": 1}
-    assert any("stopped in round 2 of 2" in line for line in lines)
-    assert summary["throughput_ratio_vs_socket"] is None
-    assert summary["goals"]["kv_below_token"] is None  # no length above 512 tokens
-    # Printed as measured, in the order the goals need them: KV and token at the longest length first.
-    rows = [line.split(": ", 1)[1] for line in lines if line.lstrip().startswith("builtin round")]
-    assert [" ".join(row.split()[:4]) for row in rows] == ["kv mode, 256 tokens:", "token mode, 256 tokens:",
-                                                           "kv mode, 64 tokens:", "token mode, 64 tokens:"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, --gpu runs the GPU form")
