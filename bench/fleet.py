@@ -39,6 +39,7 @@ from kvfleet.sim.cli import SETUPS  # noqa: E402
 from kvfleet.sim.result import RunResult  # noqa: E402
 from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate  # noqa: E402
 from kvfleet.sim.stacks import DEFAULT_HPA_TARGET, STACKS, StackRun, prepare  # noqa: E402
+from kvfleet.sim.traces import TraceRequest  # noqa: E402
 
 TARGET_RATIO = 0.75
 ABLATIONS = ("today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet+budgets")
@@ -58,7 +59,7 @@ def figures(r: RunResult) -> dict[str, float | int]:
     }
 
 
-def run(stack_run: StackRun, reqs: list, tpot_ms: float) -> dict[str, float | int]:  # type: ignore[type-arg]
+def run(stack_run: StackRun, reqs: list[TraceRequest], tpot_ms: float) -> dict[str, float | int]:
     result = simulate(reqs, stack_run.setup, stack_run.stack.policy, config=stack_run.config,
                       scale_down_delay_s=stack_run.scale_down_delay_s)
     out = figures(result)

@@ -44,7 +44,7 @@ from kvfleet.sim import bundled  # noqa: E402
 from kvfleet.sim.cli import AZURE_TRACES, PAPER_RATES, SETUPS  # noqa: E402
 from kvfleet.sim.result import RunResult  # noqa: E402
 from kvfleet.sim.run import simulate  # noqa: E402
-from kvfleet.sim.speed_model import Setup, make_setup, tpot_load_cap  # noqa: E402
+from kvfleet.sim.speed_model import Setup, make_setup, tpot_knobs  # noqa: E402
 from kvfleet.sim.traces import (  # noqa: E402
     TraceRequest,
     long_context_workload,
@@ -81,8 +81,7 @@ def config_for(setup: Setup, policy: str, tpot_ms: float | None, knobs: dict[str
     config = dataclasses.replace(config, **{k: v for k, v in knobs.items() if k in own})  # type: ignore[arg-type]
     if tpot_ms is None or policy != "mell":
         return config
-    max_load, per_request = tpot_load_cap(setup, tpot_ms / 1000.0)
-    return dataclasses.replace(config, max_load_bytes=max_load, load_bytes_per_request=per_request)  # type: ignore[call-arg]
+    return dataclasses.replace(config, **tpot_knobs(setup, tpot_ms))
 
 
 def parse_knobs(settings: list[str]) -> dict[str, object]:

@@ -133,7 +133,7 @@ class KvAutoscalerPolicy(WorstFitPolicy):
         if desired > current:
             self._scale_up(desired - current)
         elif desired < current:
-            self._scale_down(current - desired)
+            self._scale_down(serving, current - desired)
 
     def _scale_up(self, count: int) -> None:
         # Replicas still draining are the cheapest to get back: they are running.
@@ -143,8 +143,8 @@ class KvAutoscalerPolicy(WorstFitPolicy):
         for _ in range(count):
             self._activate()
 
-    def _scale_down(self, count: int) -> None:
-        victims = sorted(self._serving(), key=lambda g: (g.load_bytes, -g.seq))[:count]
+    def _scale_down(self, serving: list[Gpu], count: int) -> None:
+        victims = sorted(serving, key=lambda g: (g.load_bytes, -g.seq))[:count]
         for gpu in victims:
             self._draining.add(gpu.gpu_id)
             if not gpu.items:

@@ -291,18 +291,18 @@ class MellDefaultPolicy(ClusterPolicy):
             peak = max(peak, held + count * remaining)
         return peak - load_known + (self._headroom if unknown else 0)
 
-    def _fits(self, gpu: Gpu, growth: Growth, headroom: bool) -> bool:
-        size = sum(s for s, _ in growth)
+    def _fits(self, gpu: Gpu, growth: Growth, size: int, headroom: bool) -> bool:
+        """Whether `gpu` holds the requests `growth` (`size` bytes in all) within its cap, with their room if asked."""
         room = self._room(gpu, growth) if headroom else 0
         return gpu.load_bytes + size + room <= self._cap(gpu, 1)
 
-    def _takes(self, gpu: Gpu, growth: Growth, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
-        """Whether `gpu` can take the requests `growth` from `src` (None: a new request): it is in use, no
-        span head, not `src`, holds them (with its growth room if asked) and, if `budgeted`, the link from
-        `src` still carries them this epoch."""
-        size = sum(s for s, _ in growth)
+    def _takes(self, gpu: Gpu, growth: Growth, size: int, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
+        """Whether `gpu` can take the requests `growth` (`size` bytes) from `src` (None: a new request): it
+        is in use, no span head, not `src`, holds them (with its growth room if asked) and, if `budgeted`,
+        the link from `src` still carries them this epoch. The callers sum `size` once for every GPU
+        they try."""
         return (not gpu.idle and gpu.category is not SizeClass.X and gpu is not src
-                and self._fits(gpu, growth, headroom)
+                and self._fits(gpu, growth, size, headroom)
                 and (src is None or not budgeted or self._link_allows(src, gpu, size)))
 
     def _least_room(self, headroom: bool, growth: Growth) -> int:
@@ -320,7 +320,7 @@ class MellDefaultPolicy(ClusterPolicy):
         pos = bisect_left(index, (size + self._least_room(headroom, growth), -1, ""))
         for i in range(pos, len(index)):  # not a slice: no copy of the index per request
             gpu = self.gpus[index[i][2]]
-            if self._takes(gpu, growth, headroom, src, budgeted):
+            if self._takes(gpu, growth, size, headroom, src, budgeted):
                 return gpu
         return None
 
@@ -328,11 +328,12 @@ class MellDefaultPolicy(ClusterPolicy):
         """The emptiest GPU that takes the requests `growth` from `src` with growth room, within the link budget."""
         index = self._sync_free_index()
         size = sum(s for s, _ in growth)
+        least = size + self._least_room(True, growth)
         for free, _, gpu_id in reversed(index):
-            if free < size + self._least_room(True, growth):
+            if free < least:
                 return None
             gpu = self.gpus[gpu_id]
-            if self._takes(gpu, growth, True, src, True):
+            if self._takes(gpu, growth, size, True, src, True):
                 return gpu
         return None
 
@@ -458,13 +459,14 @@ class MellDefaultPolicy(ClusterPolicy):
         link_used = dict(self._link_used)
         plan: list[tuple[Item, Gpu]] = []
         for item in sorted(victim.items.values(), key=lambda it: (-it.size_bytes, it.item_id)):
+            growth = self._growth(item)
             best: Gpu | None = None
             for g in candidates:
                 if g is victim:
                     continue
                 load = g.load_bytes + tentative.get(g.gpu_id, 0)
                 n_extra = tentative_n.get(g.gpu_id, 0) + 1
-                room = self._room(g, tentative_growth.get(g.gpu_id, ()) + self._growth(item))
+                room = self._room(g, tentative_growth.get(g.gpu_id, ()) + growth)
                 if load + item.size_bytes + room > self._cap(g, n_extra):
                     continue
                 if not self._link_allows_to(victim, g.location, item.size_bytes, link_used):
@@ -475,7 +477,7 @@ class MellDefaultPolicy(ClusterPolicy):
                 return None
             tentative[best.gpu_id] = tentative.get(best.gpu_id, 0) + item.size_bytes
             tentative_n[best.gpu_id] = tentative_n.get(best.gpu_id, 0) + 1
-            tentative_growth[best.gpu_id] = tentative_growth.get(best.gpu_id, ()) + self._growth(item)
+            tentative_growth[best.gpu_id] = tentative_growth.get(best.gpu_id, ()) + growth
             link = link_of(victim.location, best.location)
             link_used[link] = link_used.get(link, 0) + item.size_bytes
             plan.append((item, best))

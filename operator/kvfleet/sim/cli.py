@@ -30,7 +30,7 @@ from kvfleet.sim.profile import ProfileError, ProfileSpeed, load_profile
 from kvfleet.sim.report import Scenario, plot, table, to_csv
 from kvfleet.sim.result import RunResult
 from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, EXECUTIONS, simulate
-from kvfleet.sim.speed_model import Setup, make_setup, profile_setup, tpot_load_cap
+from kvfleet.sim.speed_model import Setup, make_setup, profile_setup, tpot_knobs
 from kvfleet.sim.stacks import DEFAULT_HPA_TARGET, STACKS, Stack, StackRun, parse_stacks, prepare
 from kvfleet.sim.traces import (
     DEFAULT_HASH_BLOCK_TOKENS,
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if stacks:
         try:
-            runs = [(setup.name, stack, _stack_run(args, setup.name, stack)) for setup in setups for stack in stacks]
+            runs = [_stack_run(args, setup.name, stack) for setup in setups for stack in stacks]
         except _UsageError as err:
             print(f"kvfleet simulate: error: {err}", file=sys.stderr)
             return 2
@@ -361,26 +361,26 @@ def _stack_run(args: argparse.Namespace, setup_name: str, stack: Stack) -> Stack
         raise _UsageError(str(err)) from None
 
 
-def _run_stacks(args: argparse.Namespace, runs: list[tuple[str, Stack, StackRun]], setups: list[Setup],
+def _run_stacks(args: argparse.Namespace, runs: list[StackRun], setups: list[Setup],
                 workloads: list[tuple[str, list[TraceRequest]]], bar: Any) -> list[Scenario]:
     """Every workload under every stack on each setup: one scenario per (setup, workload), a result per
     stack, named after it."""
     scenarios: list[Scenario] = []
     for setup in setups:
-        mine = [(stack, run) for name, stack, run in runs if name == setup.name]
+        mine = [run for run in runs if run.setup.name == setup.name]
         if not args.json:
-            for stack, run in mine:
-                print(f"{_capacity_line(run.setup)} ({stack.name}: {stack.description})", file=sys.stderr)
+            for run in mine:
+                print(f"{_capacity_line(run.setup)} ({run.stack.name}: {run.stack.description})", file=sys.stderr)
         for wname, reqs in workloads:
             results: list[RunResult] = []
-            for stack, run in mine:
+            for run in mine:
                 if bar is not None:
-                    bar.set_description(f"{setup.name} {wname} {stack.name}")
-                stack_args = argparse.Namespace(**{**vars(args), "scale_down_delay_s": run.scale_down_delay_s})
-                result = _simulate_with_progress(reqs, run.setup, stack.policy, stack_args, run.config, bar)
-                result.policy = stack.name
+                    bar.set_description(f"{setup.name} {wname} {run.stack.name}")
+                result = _simulate_with_progress(reqs, run.setup, run.stack.policy, args, run.config, bar,
+                                                 scale_down_delay_s=run.scale_down_delay_s)
+                result.policy = run.stack.name
                 results.append(result)
-            scenarios.append(Scenario(setup.name, wname, mine[-1][1].setup.capacity_bytes, tuple(results)))
+            scenarios.append(Scenario(setup.name, wname, mine[-1].setup.capacity_bytes, tuple(results)))
     return scenarios
 
 
@@ -445,10 +445,9 @@ def _policy_configs(args: argparse.Namespace, setup: Setup, policies: list[str])
         default_knobs["headroom_fraction"] = args.headroom
     if args.tpot_ms is not None:
         try:
-            max_load, per_request = tpot_load_cap(setup, args.tpot_ms / 1000.0)
+            default_knobs.update(tpot_knobs(setup, args.tpot_ms))
         except ValueError as err:
             raise _UsageError(str(err)) from None
-        default_knobs.update(max_load_bytes=max_load, load_bytes_per_request=per_request)
     return {policy: policy_config(policy, setup.capacity_bytes, **(default_knobs if policy == "mell" else {}))
             for policy in policies}
 
@@ -492,8 +491,11 @@ def _run_setup(
 
 
 def _simulate_with_progress(
-    reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: PolicyConfig, bar: Any
+    reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: PolicyConfig, bar: Any,
+    scale_down_delay_s: float | None = None,
 ) -> RunResult:
+    """One replay with the flags' settings; `scale_down_delay_s` in place of --scale-down-delay-s where
+    given (a stack's own)."""
     # The bar advances one step per epoch up to the last arrival, then jumps to the end of this run,
     # so its total is known before the run (how long the drain takes is not).
     limit = _num_epochs(reqs, args.epoch_s)
@@ -507,7 +509,8 @@ def _simulate_with_progress(
     prefix_cache = PrefixCacheSpec(args.hash_block_tokens) if args.prefix_cache else None
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
-                      scale_down_delay_s=args.scale_down_delay_s, batching=not args.no_batching,
+                      scale_down_delay_s=args.scale_down_delay_s if scale_down_delay_s is None else scale_down_delay_s,
+                      batching=not args.no_batching,
                       prefix_cache=prefix_cache, execution=args.execution, min_workers=args.min_workers,
                       max_workers=args.max_workers, report_lag_epochs=args.report_lag_epochs)
     if bar is not None and seen[0] < limit:

@@ -36,10 +36,10 @@ pass, so a live plan learns of an arrival, a growth or a finish about an epoch a
 the router places a new request as it arrives, before any plan holds it (where Allocate puts it on
 the last plan's state if that worker is Ready with room, else the fullest Ready worker with room,
 else a queue), and the operator moves it once a plan holds it elsewhere; a GPU whose requests finished
-stays held, and its pod billed, until the plan hears. 0 (the default) is a plan that hears at once. Carried out as written, the plan is told each request's
-final size when it arrives (prompt + output, the trace's: the default policy's per-request growth
-estimate, kvfleet.mell.mell_default rule 6); operated, it is told none, as a live operator's reports
-carry no output budget.
+stays held, and its pod billed, until the plan hears. 0 (the default) is a plan that hears at once.
+Carried out as written, the plan is told each request's final size when it arrives (prompt + output,
+the trace's: the default policy's per-request growth estimate, kvfleet.mell.mell_default rule 6);
+operated, it is told none, as a live operator's reports carry no output budget.
 
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
@@ -251,9 +251,9 @@ class _Replay:
         self.capacity_bytes = setup.capacity_bytes
         self.kv_bytes_per_token = setup.kv_bytes_per_token
         self.block_bytes = BLOCK_SIZE_TOKENS * self.kv_bytes_per_token
-        # Look-ahead: tokens a request can write in one epoch at the fastest step (batch 1, no KV).
         # Whether an Arrive gives the request's final size (the default policy's growth estimate, rule 6).
         self.tell_final_sizes = True
+        # Look-ahead: tokens a request can write in one epoch at the fastest step (batch 1, no KV).
         self.lookahead_tokens = math.ceil(lookahead_epochs * epoch_s / setup.step_s(1, 0))
         self.boundaries = migration_boundaries(setup, epoch_s)
         # Where each GPU the plans activated is, kept after the policy forgets a GPU it terminated.

@@ -103,6 +103,13 @@ def tpot_load_cap(setup: Setup, tpot_s: float) -> tuple[int, int]:
         raise ValueError(f"{setup.name}: {err}") from None
 
 
+def tpot_knobs(setup: Setup, tpot_ms: float) -> dict[str, int]:
+    """A TPOT objective in milliseconds as the default policy's knobs (MellDefaultConfig.max_load_bytes and
+    load_bytes_per_request) on this setup (`tpot_load_cap`; ValueError where no load keeps it)."""
+    max_load, per_request = tpot_load_cap(setup, tpot_ms / 1000.0)
+    return {"max_load_bytes": max_load, "load_bytes_per_request": per_request}
+
+
 def make_setup(name: str, model: ModelShape, gpu: GpuSpec, activation_reserve_bytes: int | None = None) -> Setup:
     capacity = derive_capacity(model, gpu, activation_reserve_bytes)
     return Setup(name, BandwidthSpeed(model, gpu), capacity.capacity_bytes, model.kv_bytes_per_token, capacity)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvfleet.mell.cluster import PolicyConfig
 from kvfleet.mell.policy import policy_config
 from kvfleet.sim.hardware import GpuSpec, ModelShape, step_activation_bytes
-from kvfleet.sim.speed_model import Setup, make_setup, tpot_load_cap
+from kvfleet.sim.speed_model import Setup, make_setup, tpot_knobs
 
 # vLLM 0.32's defaults for its OpenAI server on GPUs below H100 class (A100, RTX 4090).
 VLLM_MAX_NUM_BATCHED_TOKENS = 2048
@@ -130,6 +130,5 @@ def prepare(stack: Stack, setup_name: str, model: ModelShape, gpu: GpuSpec, *, s
         return StackRun(stack, setup, config, 0.0)
     knobs: dict[str, object] = dict(stack.knobs)
     if tpot_ms is not None and stack.policy == "mell":
-        max_load, per_request = tpot_load_cap(setup, tpot_ms / 1000.0)
-        knobs.update(max_load_bytes=max_load, load_bytes_per_request=per_request)
+        knobs.update(tpot_knobs(setup, tpot_ms))
     return StackRun(stack, setup, policy_config(stack.policy, setup.capacity_bytes, **knobs), scale_down_delay_s)
