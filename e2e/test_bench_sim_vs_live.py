@@ -2,7 +2,10 @@
 with its JSON line (part of `make test`, so the live-vs-simulated comparison does not rot).
 
 A smoke test of the machinery, not of the targets: the bench prints those as PASS/MISS (10 s of trace
-on two cores is one GPU's work, too little to judge the simulator by)."""
+on two cores is one GPU's work, too little to judge the simulator by). It runs the stacks' arms
+(`--stacks`: today's worst-fit pool at the static capacity, kvfleet's default policy at the elastic
+one); the policy comparison runs the same live and simulated code with other arms, and its judging
+is tested on figures in tests/unit/test_sim_vs_live_judging.py."""
 
 from __future__ import annotations
 
@@ -14,13 +17,16 @@ from bench_testing import ROOT, run_bench
 BENCH = ROOT / "bench" / "sim_vs_live.py"
 
 
-def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> None:
-    run = run_bench(BENCH, "--quick", "--out", str(tmp_path), first_line="machine: ", timeout_s=1200)
+def test_quick_run_replays_both_stacks_live_and_simulated(tmp_path: Path) -> None:
+    run = run_bench(BENCH, "--quick", "--stacks", "--out", str(tmp_path), first_line="machine: ", timeout_s=1200)
     assert any(line.startswith("targets: ") for line in run.lines)
+    # Each live pool ran at its arm's capacity: the workers' own speed profiles say so.
+    assert "arms: today = live worst-fit / simulated wf, C 768 tokens; kvfleet = live mell / simulated mell, C 784 tokens" in run.lines
     summary = run.summary
-    assert summary["bench"] == "sim_vs_live" and summary["runs"] == 1 and [s["window"] for s in summary["slices"]] == ["0:10"]
+    assert summary["bench"] == "sim_vs_live" and summary["mode"] == "stacks" and summary["runs"] == 1
+    assert [s["window"] for s in summary["slices"]] == ["0:10"]
     (figures,) = (s["policies"] for s in summary["slices"])
-    assert set(figures) == {"mell", "bf"}
+    assert set(figures) == {"today", "kvfleet"}
     for policy, f in figures.items():
         # Every stream came back whole through whatever the pool did, and both sides billed something.
         assert f["streams_whole"] == f["streams"] > 0, policy
@@ -33,6 +39,11 @@ def test_quick_run_replays_both_policies_live_and_simulated(tmp_path: Path) -> N
         assert (tmp_path / "run0" / "slice0" / policy / "sent.csv").read_text().count("\n") == f["streams"] + 1
         speed_profile = tmp_path / "run0" / "slice0" / policy / "speed-profile.json"
         assert json.loads(speed_profile.read_text())["kind"] == "SpeedProfile"
-    assert figures["bf"]["migrations"]["simulated_as_planned"] == 0  # best-fit's plans never migrate
-    assert summary["live_gpu_s_sum"] == {p: figures[p]["live_gpu_s"] for p in ("mell", "bf")}
-    assert 0 <= summary["targets_met"] <= summary["targets"] == 2 * 2 + 2
+        capacity = json.loads(speed_profile.read_text())["capacityBytes"]
+        assert capacity == {"today": 768, "kvfleet": 784}[policy] * 2048
+    assert figures["today"]["migrations"]["simulated_as_planned"] == 0  # worst-fit's plans never migrate
+    assert summary["live_gpu_s_sum"] == {p: figures[p]["live_gpu_s"] for p in ("today", "kvfleet")}
+    (ratio,) = (s["stack_ratio"] for s in summary["slices"])
+    assert ratio["live"] == round(figures["kvfleet"]["live_gpu_s"] / figures["today"]["live_gpu_s"], 4)
+    assert summary["stack_ratio"]["simulated"] == round(figures["kvfleet"]["sim_gpu_s"] / figures["today"]["sim_gpu_s"], 4)
+    assert 0 <= summary["targets_met"] <= summary["targets"] == 2  # the slice's ratio and the sum's
