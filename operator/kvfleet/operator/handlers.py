@@ -43,7 +43,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo[MEMO_KEY] = Operator(Kube())
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
+# On a pool's deletion kopf sets `stopped` and rechecks the daemon after the backoff; without one it
+# goes straight to cancelling, which cannot interrupt this thread, and rechecks only when the whole
+# timeout is over, so every deletion waited 10 s for its finalizer. The loop sees `stopped` within
+# 0.5 s; one that a slow pass keeps past the backoff is rechecked after the timeout, as before.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=10)
 def pool_daemon(stopped: kopf.DaemonStopped, namespace: str | None, name: str, logger: kopf.Logger, memo: kopf.Memo,
                 **_: Any) -> None:
     """The pool's epoch loop: reconcile, then sleep an epoch or until poked by a change."""
