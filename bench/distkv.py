@@ -14,7 +14,9 @@ this machine, all engines in one process talking over loopback TCP with the pool
    token). Target: borrowed / local <= 1.5. Where vLLM is installed, a fourth row borrows the same
    half from a vLLM worker (kvfleet's DistAttention backend, blocks of 128 tokens: a vLLM lender
    answers from its EngineCore through a socket of its own, engines/vllm/lending.py), against the
-   same target.
+   same target. That lender is of C_v tokens where C_v holds 2C (the default and quick sizes), and
+   then serves as the first lender of the same claims on vLLM workers (`measure_vllm`): one vLLM
+   engine start less.
 3. Bytes on the wire per decode step (the borrower's `wire_bytes()` deltas: queries out, partial
    outputs and log-sum-exps back, and the newest blocks spilled to the lender as the request grows)
    against the bytes that fetching the remote KV every step would move (§4.6, Fig. 12's argument).
@@ -326,11 +328,13 @@ async def decode_rounds(engines: Mapping[str, Engine], lenders_of: dict[str, tup
     return served, want
 
 
-async def measure_vllm(args: argparse.Namespace, model_dir: Path, kv_bytes_per_token: int) -> dict[str, object]:
+async def measure_vllm(args: argparse.Namespace, model_dir: Path, kv_bytes_per_token: int,
+                       first_lender: Lender | None) -> dict[str, object]:
     """The same three claims for vLLM workers (engines/vllm/borrowing.py): a vLLM borrower on vLLM lenders,
     each of C_v tokens (whole 128-token blocks), lenders lending all of theirs. The decode rows compare
     a 1.5 C_v prompt on a big vLLM worker (the same DistAttention backend, all local) with the borrower
-    holding C_v of it and one lender the rest."""
+    holding C_v of it and one lender the rest. `first_lender`, when given, is the first of those lenders,
+    already started (`measure`'s vLLM lender: a vLLM engine takes many seconds to start)."""
     capacity, block = args.vllm_capacity_tokens, VLLM_BLOCK_TOKENS
     counts = (1, 2) if args.quick else WORKER_COUNTS
     print(f"vLLM workers: C_v = {capacity} tokens ({capacity // block} blocks of {block}) per worker", flush=True)
@@ -342,8 +346,9 @@ async def measure_vllm(args: argparse.Namespace, model_dir: Path, kv_bytes_per_t
             model_dir, "cpu", args.dtype, (max(counts) + 1) * capacity, "sdpa", kv_bytes_per_token)))
         borrower = await stack.enter_async_context(vllm_started(model_dir, args.dtype, capacity, kv_bytes_per_token,
                                                                 borrow=True))
-        lenders = [await stack.enter_async_context(vllm_lender(model_dir, args.dtype, capacity, kv_bytes_per_token))
-                   for _ in range(max(counts) - 1)]
+        lenders = [first_lender] if first_lender is not None else []
+        lenders += [await stack.enter_async_context(vllm_lender(model_dir, args.dtype, capacity, kv_bytes_per_token))
+                    for _ in range(max(counts) - 1 - len(lenders))]
         for n in counts:
             started_s = time.perf_counter()
             longest, tried = await longest_context(borrower, reference, lenders[: n - 1], capacity, kv_bytes_per_token,
@@ -388,8 +393,21 @@ async def measure_vllm(args: argparse.Namespace, model_dir: Path, kv_bytes_per_t
 
 
 async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, object]:
-    capacity = args.capacity_tokens
+    """The builtin engine's figures, then, where vLLM is installed, the vLLM workers' (`vllm_workers`)."""
     kv_bytes_per_token = read_architecture(model_dir).kv_bytes_per_token(torch_dtype(args.dtype))
+    # The decode rows' vLLM lender, when it is also the vLLM workers' first, lives on to their part.
+    async with AsyncExitStack() as vllm_stack:
+        summary, first_lender = await measure_builtin(args, model_dir, device, kv_bytes_per_token, vllm_stack)
+        summary["vllm_workers"] = (await measure_vllm(args, model_dir, kv_bytes_per_token, first_lender)
+                                   if args.vllm else None)
+    return summary
+
+
+async def measure_builtin(args: argparse.Namespace, model_dir: Path, device: str, kv_bytes_per_token: int,
+                          vllm_stack: AsyncExitStack) -> tuple[dict[str, object], Lender | None]:
+    """The three claims on builtin workers (the module's docstring), and the vLLM lender of the decode rows
+    when it can serve `measure_vllm` as its first lender (then started on `vllm_stack`, to outlive this)."""
+    capacity = args.capacity_tokens
     cfg = functools.partial(engine_config, model_dir, device, args.dtype, kv_bytes_per_token=kv_bytes_per_token)
     lend_all = capacity * kv_bytes_per_token
     prompt_tokens = 2 * capacity
@@ -397,6 +415,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
     print(f"model: {args.shape} {describe(shape(args.shape, capacity))}, KV {kv_bytes_per_token} bytes a token "
           f"({args.dtype}, all layers), blocks of {BLOCK_SIZE_TOKENS} tokens; "
           f"C = {capacity} tokens ({capacity // BLOCK_SIZE_TOKENS} blocks, {lend_all // 1024} KiB) per worker", flush=True)
+    shared_vllm_lender: Lender | None = None
     async with AsyncExitStack() as stack:
         big_sdpa = await stack.enter_async_context(started(cfg(big_tokens, "sdpa")))
         big_dist = await stack.enter_async_context(started(cfg(big_tokens, "distattention")))
@@ -427,8 +446,15 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
         engines = {"local_sdpa": big_sdpa, "local_distattention": big_dist, "borrowed": borrower}
         lenders_of: dict[str, tuple[Sequence[Lender], int]] = {"borrowed": ([half_lender], 2 * lend_all)}
         if args.vllm:
-            half_vllm = await stack.enter_async_context(vllm_lender(
-                model_dir, args.dtype, -(-2 * capacity // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS, kv_bytes_per_token))
+            # Room for 2C in whole vLLM blocks; one of the vLLM workers' lenders (C_v) when C_v has that room
+            # (it does at the default and quick sizes): the half it lends is the same either way.
+            half_tokens = -(-2 * capacity // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+            if half_tokens <= args.vllm_capacity_tokens:
+                half_vllm = shared_vllm_lender = await vllm_stack.enter_async_context(vllm_lender(
+                    model_dir, args.dtype, args.vllm_capacity_tokens, kv_bytes_per_token))
+            else:
+                half_vllm = await stack.enter_async_context(vllm_lender(model_dir, args.dtype, half_tokens,
+                                                                        kv_bytes_per_token))
             engines["borrowed_vllm_lender"] = borrower
             lenders_of["borrowed_vllm_lender"] = ([half_vllm], 2 * lend_all)
         served, want = await decode_rounds(engines, lenders_of, prompt_of(prompt_tokens), args.decode_tokens,
@@ -471,9 +497,8 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
              "not measured (no vLLM)" if vllm_lender_over_local is None else f"{vllm_lender_over_local:.2f}x"),
             (f"query bytes on the wire per step < {WIRE_TARGET} x the remote KV", wire_met, f"{wire_ratio:.4f}")):
         print(f"{'SKIP' if met is None else 'PASS' if met else 'MISS'} {name}: {value}")
-    vllm_workers = await measure_vllm(args, model_dir, kv_bytes_per_token) if args.vllm else None
     return {
-        "vllm_workers": vllm_workers,
+        "vllm_workers": None,  # `measure` fills it in
         "max_context_tokens": max_context, "max_context_over_n_capacity": context_ratio,
         "borrowed_over_local_step": borrowed_over_local, "borrowed_over_local_sdpa_step": borrowed_over_sdpa,
         "vllm_lender_over_local_step": vllm_lender_over_local,
@@ -488,7 +513,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, device: str) -> dic
         "wire_bytes_per_step": {"sent": sent_per_step, "received": received_per_step, "kv_written": written_per_step,
                                 "query": query_per_step, "remote_kv": remote_kv_bytes},
         "context_output_tokens": args.output_tokens, "context_trials": trials,
-    }
+    }, shared_vllm_lender
 
 
 def main() -> int:

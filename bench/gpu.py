@@ -73,8 +73,11 @@ def parts(model_dir: Path) -> list[Part]:
         Part("engine", [py, "bench/gpu_engine.py", *model], [py, "bench/gpu_engine.py", "--quick"], 90, needs_model=True),
         # The dry runs leave vLLM out as the GPU machines do (they carry no vLLM): the dry run rehearses
         # what runs there, and the vLLM rows have quick runs of their own (tests/worker/test_bench_*.py).
-        Part("elastic", [py, "bench/elastic.py", "--gpu", *model], [py, "bench/elastic.py", "--quick", "--skip-vllm", "--contexts", "768"], 80,
-             needs_model=True),
+        # Its dry run is smaller than the quick run that tests/worker/test_bench_elastic.py checks figure by
+        # figure: one context, a smaller batch, and no online part (the GPU form has none either).
+        Part("elastic", [py, "bench/elastic.py", "--gpu", *model],
+             [py, "bench/elastic.py", "--quick", "--skip-vllm", "--contexts", "768", "--max-num-seqs", "16", "--skip-online"],
+             80, needs_model=True),
         Part("distkv", [py, "bench/distkv.py", "--gpu", *model],
              [py, "bench/distkv.py", "--quick", "--skip-context", "--skip-vllm"], 50, needs_model=True),
         # The dry run's two-process form with a deadline that cuts its second round and the throughput

@@ -1,7 +1,13 @@
 """The real worker on the real control plane: a pool's worker Pod, run by the node agent from the
-`kvfleet/worker` image's entrypoint, loads the tiny model with the builtin engine, serves OpenAI
+`kvfleet/worker` image's entrypoint, loads the tiny model with the builtin engine or vLLM, serves OpenAI
 completions on its pod IP, and keeps its KV-load report on its Pod current as requests come and go,
-written with its own ServiceAccount."""
+written with its own ServiceAccount.
+
+Then the official `openai` client through the router the operator gives the same pool: what users of
+vLLM send every day (n, logprobs, top_logprobs, echo, seed, penalties, response_format, tools) is
+answered, and bad values are refused with a 400 naming the field (the exercises:
+kvfleet_e2e/openai_client.py). One pool serves both parts, so each engine's worker starts once (a vLLM
+worker takes tens of seconds on 2 cores); the first part leaves it idle and serving."""
 
 from __future__ import annotations
 
@@ -14,12 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from kvfleet.api.reports import KVLoadReport
 from kvfleet.localcluster.cluster import Cluster, start_operator, wait_for
 from kvfleet.localcluster.controlplane import Process, stop_process
 from kvfleet.operator.resources import TOKEN_KEY
+from kvfleet_e2e import openai_client as exercises
+from kvfleet_e2e.pools import ready
 from kvfleet_e2e.real_workers import require_vllm
 from kvfleet_e2e.reports import worker_report
 
@@ -59,21 +68,19 @@ def report(cluster: Cluster, namespace: str, pod_name: str) -> KVLoadReport | No
 
 
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])
-def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str, operator: Process, model_dir: Path,
-                                                engine: str) -> None:
+def test_worker_pod_serves_and_reports_its_load_and_the_openai_client_through_its_router(
+        cluster: Cluster, namespace: str, operator: Process, model_dir: Path, engine: str) -> None:
     if engine == "vllm":
         require_vllm()
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(pool("real", model_dir, engine)))
 
-    def ready_pod() -> dict[str, Any] | None:
+    def ready_pod(selector: str) -> dict[str, Any] | None:
         assert operator.popen.poll() is None, operator.tail(40)
-        pods = cluster.get_json("pods", "-n", namespace, "-l", "kvfleet.dev/pool=real")["items"]
-        for pod in pods:
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
-                return dict(pod)
-        return None
+        pods = [p for p in cluster.get_json("pods", "-n", namespace, "-l", selector)["items"] if ready(p)]
+        return dict(pods[0]) if pods else None
 
-    pod = wait_for(ready_pod, "a Ready worker pod", timeout_s=180, interval_s=0.5)
+    pod = wait_for(lambda: ready_pod("kvfleet.dev/pool=real,app.kubernetes.io/component=worker"), "a Ready worker pod",
+                   timeout_s=240, interval_s=0.5)
     name = pod["metadata"]["name"]
     logs = cluster.pod_dir(namespace, name)
 
@@ -120,4 +127,12 @@ def test_worker_pod_serves_and_reports_its_load(cluster: Cluster, namespace: str
     status, body = call(pod, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1})
     assert status == 400 and "max_tokens" in body["error"]["message"]
     assert call(pod, "/healthz")[0] == 200
+    assert "Traceback" not in (logs / "worker.log").read_text()
+
+    # The official client through the pool's router, to the same worker.
+    router = wait_for(lambda: ready_pod("kvfleet.dev/router=real"), "the pool's router", timeout_s=120, interval_s=0.5)
+    client = openai.OpenAI(base_url=f"http://{router['status']['podIP']}:8000/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    exercises.everything(client, model_dir)
+    assert "Traceback" not in (cluster.pod_dir(namespace, router["metadata"]["name"]) / "router.log").read_text()
     assert "Traceback" not in (logs / "worker.log").read_text()

@@ -3,7 +3,7 @@ echo, seed, penalties, response_format and tools, and bad values answered with a
 
 One set of exercises for any kvfleet endpoint (a router over in-process workers in
 tests/worker/test_openai_client.py, a pool's router on the local control plane in
-e2e/test_openai_client.py), each taking the client pointed at it."""
+e2e/test_worker.py), each taking the client pointed at it."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def test_quick_run_ends_with_throughput_over_time_for_dgfm_on_and_off() -> None:
     assert summary["borrowed_kib_mean"]["off"] > 0 and summary["borrowed_kib_mean"]["on"] > 0
     assert summary["throughput_on_over_off"] > 0
     # With DGFM off nothing is recalled; on, every recall brought whole blocks home. (Whether a cycle forms in
-    # a 12-second run is up to timing: the full run counts them.)
+    # a 9-second quick run is up to timing: the full run counts them.)
     assert summary["recalled_bytes"] >= 0 and (summary["recalls"] > 0) == (summary["recalled_bytes"] > 0)
     assert summary["epochs"]["off"] > 10 and summary["epochs"]["on"] > 10
     assert 0 <= summary["cycle_epochs"]["on"] <= summary["epochs"]["on"]

@@ -390,8 +390,14 @@ def test_the_cpu_buffer_parks_preempted_requests_instead_of_recomputing_them(tin
         assert books["parked"] > 0 and books["loaded_from_buffer"] == books["parked"], books
         assert books["books_errors"] == 0 and books["cpu_buffer_bytes"] == 0, books
         assert engine.memory_state().cpu_buffer_capacity_bytes == 32 * 1024 * 1024
-        for i in (0, 23):  # alone, nothing is preempted
-            alone = tokens(engine_loop.run(collect(engine, f"alone{i}", prompts[i], greedy(900)), timeout_s=300))
-            assert together[i] == alone, i
+        # Without the crowd nothing is preempted: two of the requests again, side by side (two fit the pool
+        # with room to spare; one at a time would be twice the decode steps), none of them parked.
+        async def again() -> list[Any]:
+            return await asyncio.gather(*(collect(engine, f"alone{i}", prompts[i], greedy(900)) for i in (0, 23)))
+
+        parked = books["parked"]
+        alone = [tokens(out) for out in engine_loop.run(again(), timeout_s=300)]
+        assert engine.balloon["parked"] == parked, engine.balloon
+        assert (together[0], together[23]) == (alone[0], alone[1])
     finally:
         engine_loop.run(engine.stop())
