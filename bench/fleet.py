@@ -10,10 +10,13 @@ split, a least-loaded router, no migration and a HorizontalPodAutoscaler on mean
 target is a team's choice, so today runs at every target of --hpa-targets and is judged at the
 cheapest one that still meets the TPOT objective: the strongest today, not a typical one. One row per
 technique shows what it buys: today with elastic memory, kvfleet without elastic memory, kvfleet
-without migration, and kvfleet with each request's output budget known (the default policy's
-per-request growth room, which live reports cannot feed yet). Both setups (LLaMA-2-13B on A100-40GB, LLaMA-2-7B on RTX 4090) over the scenarios
-of bench/policies.py (Azure conv and code traces, Poisson 0.5/0.8/1.1, long-context), every stack with
-the pool's 60 s scale-down delay and pods ready at once.
+without migration, kvfleet with a cache-blind router, and kvfleet with each request's output budget
+known (the default policy's per-request growth room, which live reports cannot feed yet). Both setups
+(LLaMA-2-13B on A100-40GB, LLaMA-2-7B on RTX 4090) over the scenarios of bench/policies.py (Azure conv
+and code traces, Poisson 0.5/0.8/1.1, long-context) and Mooncake's conversation trace, every stack with
+the pool's 60 s scale-down delay and pods ready at once. The Mooncake trace carries prompt block
+hashes, so its scenarios run every stack with a prefix cache on each worker (`hit`: prompt tokens
+found cached), routed as the stack routes: today cache-blind, kvfleet by a prompt tree.
 
 Target (issue "The fleet number"): kvfleet billed <= 0.75 x today's on every scenario, printed as PASS
 or MISS per scenario. Prints the machine first; the last line is one JSON object with every figure.
@@ -35,14 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from _machine import cpu_model  # noqa: E402
 from policies import workloads  # noqa: E402
 
+from kvfleet.sim import bundled  # noqa: E402
 from kvfleet.sim.cli import SETUPS  # noqa: E402
+from kvfleet.sim.prefix_cache import PrefixCacheSpec  # noqa: E402
 from kvfleet.sim.result import RunResult  # noqa: E402
 from kvfleet.sim.run import DEFAULT_SCALE_DOWN_DELAY_S, simulate  # noqa: E402
 from kvfleet.sim.stacks import DEFAULT_HPA_TARGET, STACKS, StackRun, prepare  # noqa: E402
-from kvfleet.sim.traces import TraceRequest  # noqa: E402
+from kvfleet.sim.traces import TraceRequest, read_trace, slice_trace  # noqa: E402
 
 TARGET_RATIO = 0.75
-ABLATIONS = ("today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet+budgets")
+ABLATIONS = ("today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet-no-prompt-tree", "kvfleet+budgets")
+# The one bundled trace with prompt content (block hashes): its scenarios run every stack with the
+# replay's prefix cache, each with its own router (today's cache-blind, kvfleet's prompt tree).
+MOONCAKE = "mooncake-conv"
 
 
 def figures(r: RunResult) -> dict[str, float | int]:
@@ -59,10 +67,20 @@ def figures(r: RunResult) -> dict[str, float | int]:
     }
 
 
-def run(stack_run: StackRun, reqs: list[TraceRequest], tpot_ms: float) -> dict[str, float | int]:
+def fleet_workloads(quick: bool) -> list[tuple[str, list[TraceRequest]]]:
+    """bench/policies.py's scenarios and Mooncake's conversation trace (the whole hour; quick: 3 minutes)."""
+    mooncake = read_trace(bundled.mooncake_conversation())
+    return [*workloads(quick), (MOONCAKE, slice_trace(mooncake, 600.0, 180.0) if quick else mooncake)]
+
+
+def run(stack_run: StackRun, reqs: list[TraceRequest], tpot_ms: float, prefix: bool = False) -> dict[str, float | int]:
+    """One stack on one workload; `prefix`: with the replay's prefix cache, routed as the stack routes."""
+    cache = PrefixCacheSpec(prompt_tree=stack_run.stack.prompt_tree) if prefix else None
     result = simulate(reqs, stack_run.setup, stack_run.stack.policy, config=stack_run.config,
-                      scale_down_delay_s=stack_run.scale_down_delay_s)
+                      scale_down_delay_s=stack_run.scale_down_delay_s, prefix_cache=cache)
     out = figures(result)
+    if prefix:
+        out["prefix_hit_ratio"] = round(result.prefix_hit_ratio, 4)
     out["capacity_gib"] = round(stack_run.setup.capacity_bytes / 2**30, 3)
     out["meets_tpot"] = result.tpot_p99_ms <= tpot_ms
     return out
@@ -86,8 +104,8 @@ def main() -> int:
     billed_h: list[tuple[float, float, float]] = []  # (kvfleet, the strongest today, perfect) per scenario
     typical_h: list[float] = []  # today at the default target (DEFAULT_HPA_TARGET), where it was tried
     header = (f"{'setup':9} {'workload':13} {'stack':22} {'C_GiB':>6} {'billed_h':>9} {'vs_today':>8} {'mean':>7} "
-              f"{'peak':>5} {'ttft99_s':>8} {'tpot99':>7} {'mig/s':>6} {'pre/s':>6}")
-    loads = workloads(args.quick)
+              f"{'peak':>5} {'ttft99_s':>8} {'tpot99':>7} {'mig/s':>6} {'pre/s':>6} {'hit':>6}")
+    loads = fleet_workloads(args.quick)
     typical = f"today@{DEFAULT_HPA_TARGET:g}"
     for setup_name, (model, gpu) in SETUPS.items():
         kvfleet_run = prepare(STACKS["kvfleet"], setup_name, model, gpu, scale_down_delay_s=delay_s, tpot_ms=args.tpot_ms)
@@ -96,11 +114,12 @@ def main() -> int:
         todays = {t: prepare(STACKS["today"], setup_name, model, gpu, scale_down_delay_s=delay_s, hpa_target=t)
                   for t in hpa_targets}
         for workload, reqs in loads:
-            sweep = {f"today@{t:g}": run(r, reqs, args.tpot_ms) for t, r in todays.items()}
+            prefix = workload == MOONCAKE
+            sweep = {f"today@{t:g}": run(r, reqs, args.tpot_ms, prefix) for t, r in todays.items()}
             meeting = [name for name, f in sweep.items() if f["meets_tpot"]] or list(sweep)
             best_today = min(meeting, key=lambda name: float(sweep[name]["billed_gpu_hours"]))
-            stacks = {**sweep, **{name: run(r, reqs, args.tpot_ms) for name, r in others.items()},
-                      "kvfleet": run(kvfleet_run, reqs, args.tpot_ms)}
+            stacks = {**sweep, **{name: run(r, reqs, args.tpot_ms, prefix) for name, r in others.items()},
+                      "kvfleet": run(kvfleet_run, reqs, args.tpot_ms, prefix)}
             today_billed = float(stacks[best_today]["billed_gpu_hours"])
             for f in stacks.values():
                 f["vs_today"] = round(float(f["billed_gpu_hours"]) / today_billed, 4) if today_billed else 0.0
@@ -108,9 +127,10 @@ def main() -> int:
             print(f"\n# {setup_name} {workload}: {len(reqs)} requests; today judged at {best_today} (the cheapest "
                   f"meeting TPOT p99 <= {args.tpot_ms:g} ms)\n{header}", flush=True)
             for name, f in stacks.items():
+                hit = f"{float(f['prefix_hit_ratio']):6.3f}" if "prefix_hit_ratio" in f else f"{'-':>6}"
                 print(f"{setup_name:9} {workload:13} {name:22} {f['capacity_gib']:6.2f} {f['billed_gpu_hours']:9.3f} "
                       f"{f['vs_today']:8.3f} {f['mean_gpus']:7.2f} {f['peak_pods']:5d} {f['ttft_p99_s']:8.2f} "
-                      f"{f['tpot_p99_ms']:7.1f} {f['migrations_per_s']:6.3f} {f['preemptions_per_s']:6.3f}")
+                      f"{f['tpot_p99_ms']:7.1f} {f['migrations_per_s']:6.3f} {f['preemptions_per_s']:6.3f} {hit}")
             ok = ratio <= TARGET_RATIO and bool(stacks["kvfleet"]["meets_tpot"])
             # The reach of any stack holding kvfleet's KV at its C: a perfect packer's bill, over today's.
             reach = round(float(stacks["kvfleet"]["perfect_gpu_hours"]) / today_billed, 4) if today_billed else 0.0

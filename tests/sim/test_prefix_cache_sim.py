@@ -142,6 +142,27 @@ def test_second_request_hits_the_two_blocks_it_shares(tmp_path: Path) -> None:
                                                3.0 - (2.6 + SETUP.prefill_s(600))])
 
 
+def test_a_prompt_tree_sends_a_request_to_the_gpu_holding_its_prefix() -> None:
+    # C is 15,408 tokens. a (11,000 tokens, long) runs on gpu-0; b (5,000, 5 out) and d (5,000, long) do
+    # not fit beside it and run on gpu-1, where b finishes and leaves blocks 1-10. c (2,000 tokens, blocks
+    # 1-4) then fits both GPUs with growth room: by bytes it goes to the fuller gpu-0 (11,000 + 2,000 and
+    # a's 1,540-token growth horizon <= C) and finds nothing; with the prompt tree to gpu-1, where its
+    # whole prompt is cached (blocks 1-4 hold 512 x 3 + 464 of its tokens, the last cut at its end).
+    reqs = [TraceRequest("a", 0.0, 11_000, 2000, tuple(range(100, 122))),
+            TraceRequest("b", 1.2, 5000, 5, tuple(range(1, 11))),
+            TraceRequest("d", 1.3, 5000, 2000, tuple(range(200, 210))),
+            TraceRequest("c", 4.0, 2000, 5, (1, 2, 3, 4))]
+    blind = simulate(reqs, SETUP, "mell", prefix_cache=SPEC)
+    tree = simulate(reqs, SETUP, "mell", prefix_cache=replace(SPEC, prompt_tree=True))
+    assert (blind.prefix_hit_tokens, blind.num_prefix_hits) == (0, 0)
+    assert (tree.prefix_hit_tokens, tree.prefill_tokens_saved, tree.num_prefix_hits) == (2000, 1999, 1)
+    assert blind.peak_gpus == tree.peak_gpus == 2 and blind.num_migrations == tree.num_migrations == 0
+    # The baselines place by bytes alone, the tree or not.
+    assert simulate(reqs, SETUP, "bf", prefix_cache=replace(SPEC, prompt_tree=True)).prefix_hit_tokens == 0
+    with pytest.raises(ValueError, match="execution='plan' only"):
+        simulate(reqs, SETUP, "mell", prefix_cache=replace(SPEC, prompt_tree=True), execution="operator")
+
+
 def test_a_deleted_pod_takes_its_cache_with_it(tmp_path: Path) -> None:
     # With no scale-down delay r0's pod is deleted the moment its GPU drains: r1 finds nothing.
     reqs = read_trace(write_jsonl(tmp_path / "t.jsonl", THREE))
@@ -267,6 +288,10 @@ def test_cli_refuses_bad_prefix_flags(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--trace-length-scale cannot be used with --prefix-cache" in capsys.readouterr().err
     assert main([*base, "--hash-block-tokens", "0"]) == 2
     assert "--hash-block-tokens 0: must be positive" in capsys.readouterr().err
+    assert main([*base, "--prefix-routing", "prompt-tree"]) == 2
+    assert "--prefix-routing needs --prefix-cache" in capsys.readouterr().err
+    assert main([*base, "--prefix-cache", "--prefix-routing", "prompt-tree", "--execution", "operator"]) == 2
+    assert "--prefix-routing prompt-tree is modelled with --execution plan only" in capsys.readouterr().err
     # With blocks of 256 tokens, 1200 tokens are 5 blocks: three ids still fit, and r1 then hits 512.
     stats = simulate_json(capsys, trace, "--prefix-cache", "--hash-block-tokens", "256")["mell"]
     assert isinstance(stats, dict) and stats["prefix_hit_tokens"] == 512

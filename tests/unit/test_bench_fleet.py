@@ -11,9 +11,16 @@ def test_quick_run_prints_both_stacks_every_ablation_and_the_target() -> None:
     summary = run_bench(BENCH, "--quick", "--hpa-targets", "0.8,1.0", first_line="machine: ").summary
     assert summary["bench"] == "fleet" and summary["quick"] is True and summary["machine"]
     scenarios = summary["scenarios"]
-    assert len(scenarios) == 12  # both setups x the scenarios of bench/policies.py
-    expected = {"today@0.8", "today@1", "today+elastic", "kvfleet-static", "kvfleet-no-migration", "kvfleet+budgets", "kvfleet"}
+    assert len(scenarios) == 14  # both setups x (the scenarios of bench/policies.py and Mooncake's trace)
+    expected = {"today@0.8", "today@1", "today+elastic", "kvfleet-static", "kvfleet-no-migration",
+                "kvfleet-no-prompt-tree", "kvfleet+budgets", "kvfleet"}
     for sc in scenarios:
+        # Only the Mooncake trace carries prompt hashes: its scenarios run with a prefix cache and find hits.
+        hits = [stacks_f.get("prefix_hit_ratio") for stacks_f in sc["stacks"].values()]
+        if sc["workload"] == "mooncake-conv":
+            assert all(isinstance(h, float) for h in hits) and max(hits) > 0
+        else:
+            assert hits == [None] * len(hits)
         stacks = sc["stacks"]
         assert set(stacks) == expected
         assert sc["today_at"] in ("today@0.8", "today@1")
@@ -25,5 +32,5 @@ def test_quick_run_prints_both_stacks_every_ablation_and_the_target() -> None:
         # Today never migrates; elastic memory gives a GPU more KV than vLLM's static split.
         assert stacks["today@0.8"]["migrations_per_s"] == 0
         assert stacks["kvfleet"]["capacity_gib"] > stacks["kvfleet-static"]["capacity_gib"]
-    assert 0 <= summary["targets_met"] <= summary["targets_total"] == 12
+    assert 0 <= summary["targets_met"] <= summary["targets_total"] == 14
     assert summary["kvfleet_vs_today"] > 0

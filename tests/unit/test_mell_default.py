@@ -83,6 +83,37 @@ def test_a_tpot_objective_caps_each_gpus_load_by_its_request_count() -> None:
     assert where(pol)["c"] == "gpu-1"
 
 
+def test_an_arrival_goes_to_the_gpu_with_its_longest_cached_prefix_that_has_room() -> None:
+    # Rule 7 (MemServe §6) on gpu-0 holding 60, gpu-1 30 and gpu-2 50.
+    def three(**knobs: object) -> ClusterPolicy:
+        loc = Location("node-0", "zone-0")
+        pol = policy(consolidate=False, **knobs)
+        pol.restore(ClusterSnapshot(
+            tuple(GpuSnapshot(f"gpu-{i}", i, i, loc) for i in range(3)),
+            tuple(ItemSnapshot(((rid, size),), False, f"gpu-{i}") for i, (rid, size) in enumerate(
+                (("a", 60), ("b", 30), ("c", 50)))), (), 3, 3))
+        return pol
+
+    def placed(pol: ClusterPolicy, arrive: Arrive) -> tuple[Placement, ...]:
+        plan = pol.schedule(EventBatch(1.0, (arrive,)))
+        assert plan.activate_gpu_ids == ()
+        return plan.placements
+
+    # Bytes alone: 30 goes to the fullest GPU holding it with 5 to spare, gpu-0 (60 + 30 + 5 <= 100).
+    assert placed(three(), Arrive("x", 30)) == (Placement("x", "gpu-0"),)
+    # Longest prefix first: gpu-2 holds 30 with room, so it takes it although gpu-0 is fuller.
+    assert placed(three(), Arrive("x", 30, preferred_gpu_ids=("gpu-2", "gpu-1"))) == (Placement("x", "gpu-2"),)
+    # A preferred GPU without growth room is passed over for the next (50 + 48 + 5 > 100 on gpu-2).
+    assert placed(three(), Arrive("x", 48, preferred_gpu_ids=("gpu-2", "gpu-1"))) == (Placement("x", "gpu-1"),)
+    # None named has room: rule 1, as if none were named (gpu-1 is the only GPU with 46 + 5 to spare).
+    assert placed(three(), Arrive("x", 46, preferred_gpu_ids=("gpu-2",))) == (Placement("x", "gpu-1"),)
+    # A GPU the policy does not hold is no choice (a replay's prompt tree may name a GPU just let go).
+    assert placed(three(), Arrive("x", 30, preferred_gpu_ids=("gpu-9",))) == (Placement("x", "gpu-0"),)
+    # prefix_affinity=False (a cache-blind router) ignores the names.
+    assert placed(three(prefix_affinity=False), Arrive("x", 30, preferred_gpu_ids=("gpu-2",))) == (
+        Placement("x", "gpu-0"),)
+
+
 def test_a_rebuilt_states_multi_items_are_split_into_requests() -> None:
     gpu = GpuSnapshot("gpu-0", 0, 0, Location("node-0", "zone-0"))
     snap = ClusterSnapshot((gpu,), (ItemSnapshot((("x", 5), ("y", 5)), True, "gpu-0"),), (), 1, 1)

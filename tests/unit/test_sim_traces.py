@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -124,6 +127,72 @@ def test_the_shipped_azure_traces_are_the_datasets_bytes() -> None:
         assert bundled.sha256_of(path) == bundled.SHA256[name], name
     assert "CC BY 4.0" in (bundled.bundled_dir() / "README.md").read_text()
     assert len(read_trace(bundled.bundled_dir() / bundled.CODE)) == 8819
+
+
+# sha256 of the release's conversation_trace.jsonl (traces_data/README.md): the .gz holds it unchanged.
+MOONCAKE_JSONL_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+
+
+def test_the_shipped_mooncake_trace_is_the_releases_bytes() -> None:
+    """The Mooncake conversation trace ships gzip-compressed (Apache 2.0, licence beside it); the .gz
+    and the bytes inside it are the ones traces_data/README.md names."""
+    path = bundled.mooncake_conversation()
+    assert path == bundled.bundled_dir() / bundled.MOONCAKE_CONV
+    assert bundled.sha256_of(path) == bundled.SHA256[bundled.MOONCAKE_CONV]
+    assert hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest() == MOONCAKE_JSONL_SHA256
+    assert "Apache License" in (bundled.bundled_dir() / "LICENSE-Mooncake-Apache-2.0.txt").read_text()
+    readme = (bundled.bundled_dir() / "README.md").read_text()
+    assert MOONCAKE_JSONL_SHA256 in readme and bundled.SHA256[bundled.MOONCAKE_CONV] in readme
+
+
+def test_reads_the_mooncake_conversation_trace() -> None:
+    reqs = read_trace(bundled.mooncake_conversation())
+    assert len(reqs) == 12_031
+    assert reqs[0].arrival_s == 0.0 and 3400 < reqs[-1].arrival_s < 3600  # one hour
+    assert all(r.hash_ids for r in reqs)
+    first = reqs[0]  # {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, ..., 13]}
+    assert (first.prompt_tokens, first.output_tokens, first.hash_ids) == (6758, 500, tuple(range(14)))
+    assert len(first.hash_ids) == math.ceil(first.prompt_tokens / 512)
+
+
+def test_mooncake_trace_ignores_kvfleet_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLEET_TRACES", str(tmp_path))
+    assert bundled.mooncake_conversation() == bundled.bundled_dir() / bundled.MOONCAKE_CONV
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".ndjson", ".json", ".JSONL"])
+def test_gzip_jsonl_reads_like_its_uncompressed_twin(tmp_path: Path, suffix: str) -> None:
+    text = "\n".join(json.dumps(r) for r in [
+        {"timestamp": 2500, "input_length": 1030, "output_length": 3, "hash_ids": [7, 8, 9]},
+        {"timestamp": 1000, "input_length": 7, "output_length": 9},
+        {"timestamp": 1000, "input_length": 600, "output_length": 1, "hash_ids": [7]},
+    ]) + "\n\n"
+    plain, packed = tmp_path / f"t{suffix}", tmp_path / f"t{suffix}.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    expected = read_trace(plain)
+    assert read_trace(packed) == expected and len(expected) == 3
+    assert [r.hash_ids for r in expected] == [(), (7,), (7, 8, 9)]
+
+
+def test_gzip_errors_name_the_file(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    corrupt.write_bytes(b"not gzip at all\n")
+    with pytest.raises(TraceError, match=r"corrupt\.jsonl\.gz: not a readable gzip file"):
+        read_trace(corrupt)
+    truncated = tmp_path / "truncated.jsonl.gz"
+    truncated.write_bytes(gzip.compress(b'{"timestamp": 0, "input_length": 1, "output_length": 1}\n' * 50)[:-12])
+    with pytest.raises(TraceError, match=r"truncated\.jsonl\.gz: not a readable gzip file"):
+        read_trace(truncated)
+    # A line's error inside a gzip still names the file and line.
+    bad_line = tmp_path / "bad.jsonl.gz"
+    bad_line.write_bytes(gzip.compress(b'{"timestamp": 0, "input_length": 1, "output_length": 1}\n{not json\n'))
+    with pytest.raises(TraceError, match=r"bad\.jsonl\.gz:2: not JSON"):
+        read_trace(bad_line)
+    csv_gz = tmp_path / "t.csv.gz"
+    csv_gz.write_bytes(gzip.compress(b"timestamp,prompt,output\n0,1,1\n"))
+    with pytest.raises(TraceError, match=r"t\.csv\.gz: only JSONL traces may be gzip-compressed"):
+        read_trace(csv_gz)
 
 
 def test_kvfleet_traces_names_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

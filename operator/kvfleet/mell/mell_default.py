@@ -25,6 +25,9 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
 6. Growth room per request: where an Arrive gives a request's final size, the headroom of rules 1-3
    is the room the GPU's own requests will write over a horizon (those finishing sooner leave);
    without final sizes it is the pool headroom as before (`growth_estimate`).
+7. Prefix affinity: where an Arrive names GPUs whose prefix caches hold the start of its prompt
+   (longest first), it goes to the first of them that holds it with growth room: MemServe §6's
+   "instance with the longest common prefix", within rule 1's capacity (`prefix_affinity`).
 
 Pure between epochs, as every policy: all it keeps across them is the state a snapshot holds.
 Every rule is a MellDefaultConfig knob; docs/mell.md gives the measurement behind each default.
@@ -93,6 +96,10 @@ class MellDefaultConfig(PolicyConfig):
     # load_bytes_per_request per request it serves (the decode step model, models.tpot_load_cap).
     max_load_bytes: int | None = None
     load_bytes_per_request: int = 0
+    # Rule 7: an arrival goes to the GPU with the longest cached prefix of its prompt (Arrive.preferred_gpu_ids,
+    # MemServe §6's locality-aware choice) when that GPU holds it with growth room; else rule 1. A hit skips
+    # that much prefill. False: placement by bytes alone, the cache-blind router.
+    prefix_affinity: bool = True
     # Rule 4, the §V communication boundary of one epoch per link (None: unbounded): only moves
     # within it are planned, so none is deferred.
     intra_node_move_budget_bytes: int | None = None
@@ -125,6 +132,8 @@ class MellDefaultPolicy(ClusterPolicy):
         # in one batch, as the operator sends for a restarted request, keep the new one's).
         self._final_bytes: dict[str, int] = {}
         self._arriving_final_bytes: dict[str, int] = {}
+        # Rule 7: the GPUs this batch's arrivals would find their prompt's prefix on, longest first.
+        self._arriving_preferred: dict[str, tuple[str, ...]] = {}
         self._overloaded: dict[str, Gpu] = {}
         self._link_used: dict[str, int] = {}
         # Items moved this epoch: none moves twice, so the link each migration is charged to is the
@@ -170,6 +179,8 @@ class MellDefaultPolicy(ClusterPolicy):
         self._now_s = batch.now_s
         self._arriving_final_bytes = {e.request_id: e.final_size_bytes for e in arrivals
                                       if e.final_size_bytes is not None}
+        self._arriving_preferred = {e.request_id: e.preferred_gpu_ids for e in arrivals
+                                    if e.preferred_gpu_ids and self.cfg.prefix_affinity}
         plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
@@ -196,7 +207,8 @@ class MellDefaultPolicy(ClusterPolicy):
         if final_bytes is not None:
             self._final_bytes[request_id] = final_bytes
         item = self._new_item(size_class(size_bytes, self.capacity_bytes), {request_id: size_bytes}, False)
-        self._put(item, self._target(item), "allocate", None)
+        preferred = self._arriving_preferred.pop(request_id, ())
+        self._put(item, self._with_prefix(item, preferred) or self._target(item), "allocate", None)
 
     def _finish(self, request_id: str) -> None:
         # Not in on_finish: a tail that passes C is finished and arrives again (cluster._grow), the
@@ -350,6 +362,20 @@ class MellDefaultPolicy(ClusterPolicy):
             gpu = self._activate()
             self.last_allocate_step = "new-GPU"
         return gpu
+
+    def _with_prefix(self, item: Item, preferred: tuple[str, ...]) -> Gpu | None:
+        """Rule 7: the first of `preferred` (longest cached prefix first) that holds `item` with growth
+        room. MemServe §6 routes to the instance with the longest common prefix; here only where rule 1
+        would also have room, so that a cache hit never costs a shed or a new GPU."""
+        if not preferred:
+            return None
+        growth = self._growth(item)
+        for gpu_id in preferred:
+            gpu = self.gpus.get(gpu_id)
+            if gpu is not None and self._takes(gpu, growth, item.size_bytes, True, None, False):
+                self.last_allocate_step = "prefix"
+                return gpu
+        return None
 
     def _link_allows(self, src: Gpu, dst: Gpu, size: int) -> bool:
         return self._link_allows_to(src, dst.location, size)

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--hash-block-tokens", type=int, default=DEFAULT_HASH_BLOCK_TOKENS, metavar="N",
                     help=f"prompt tokens per hash_ids block of JSONL traces ({DEFAULT_HASH_BLOCK_TOKENS}, as Mooncake's)")
     wl.add_argument("--azure", action="store_true", help="both Azure traces from --trace-dir")
+    wl.add_argument("--mooncake", action="store_true",
+                    help="Mooncake's conversation trace (kvfleet ships it: an hour, 12,031 requests, with the prompt "
+                         "block hashes --prefix-cache matches)")
     wl.add_argument("--trace-dir", type=Path, default=None,
                     help="where the Azure traces are (default: $KVFLEET_TRACES, else the copies kvfleet ships)")
     wl.add_argument("--poisson", action="append", type=float, default=[], metavar="RATE",
@@ -124,6 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model a prefix cache on every worker (MemServe §4): the prompt blocks (trace hash_ids) of "
                              "finished requests stay in free KV memory, and a request prefills only the leading blocks "
                              "its GPU does not hold; reports the hit ratio and prefill tokens saved")
+    parser.add_argument("--prefix-routing", choices=("none", "prompt-tree"), default="none",
+                        help="with --prefix-cache: none (default), placement does not know the caches; prompt-tree, "
+                             "a request goes to the GPU holding the longest prefix of its prompt that has room for it "
+                             "(a pool router's MemServe §6 routing; the default policy only, --execution plan)")
     parser.add_argument("--execution", choices=EXECUTIONS, default="plan",
                         help="plan (default): carry out each plan as written, as MELL's simulator does (a request "
                              "whose GPU's pod starts waits for it); operator: as kvfleet's router and operator do (it "
@@ -160,10 +167,12 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
     traces: list[Path] = list(args.trace)
     rates: list[float] = list(args.poisson)
     long_rates: list[float] = list(args.long_context)
-    if args.azure or (not traces and not rates and not long_rates):
+    if args.azure or (not traces and not rates and not long_rates and not args.mooncake):
         trace_dir = args.trace_dir or bundled.trace_dir()
         traces += [trace_dir / name for name in AZURE_TRACES]
-    if not args.trace and not args.poisson and not args.azure and not long_rates:
+    if args.mooncake:
+        traces.append(bundled.mooncake_conversation())
+    if not args.trace and not args.poisson and not args.azure and not long_rates and not args.mooncake:
         rates = list(PAPER_RATES)
     window: tuple[float, float] | None = None
     if args.window:
@@ -192,7 +201,8 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[TraceRequest]]]
             k = args.trace_length_scale
             reqs = [TraceRequest(r.request_id, r.arrival_s, max(1, round(r.prompt_tokens * k)),
                                  max(1, round(r.output_tokens * k))) for r in reqs]
-        name = path.stem.replace("AzureLLMInferenceTrace_", "azure-")
+        name = ("mooncake-conv" if path == bundled.mooncake_conversation()
+                else path.stem.replace("AzureLLMInferenceTrace_", "azure-"))
         out.append((name, reqs))
     for rate in rates:
         if rate <= 0:
@@ -233,6 +243,13 @@ def run(args: argparse.Namespace) -> int:
         if args.execution == "operator" and args.no_batching:
             raise _UsageError("--execution operator schedules each epoch as one batch, as the operator does: "
                               "drop --no-batching")
+        if args.prefix_routing != "none":
+            if not args.prefix_cache:
+                raise _UsageError("--prefix-routing needs --prefix-cache")
+            if args.execution != "plan":
+                raise _UsageError("--prefix-routing prompt-tree is modelled with --execution plan only")
+            if stacks:
+                raise _UsageError("--stack sets each stack's routing: drop --prefix-routing")
         disaggregation = _disaggregation(args, policies)
         # Before any replay, so a TPOT objective no GPU can meet is refused at once.
         configs = [_policy_configs(args, setup, policies) for setup in setups]
@@ -377,7 +394,8 @@ def _run_stacks(args: argparse.Namespace, runs: list[StackRun], setups: list[Set
                 if bar is not None:
                     bar.set_description(f"{setup.name} {wname} {run.stack.name}")
                 result = _simulate_with_progress(reqs, run.setup, run.stack.policy, args, run.config, bar,
-                                                 scale_down_delay_s=run.scale_down_delay_s)
+                                                 scale_down_delay_s=run.scale_down_delay_s,
+                                                 prompt_tree=run.stack.prompt_tree)
                 result.policy = run.stack.name
                 results.append(result)
             scenarios.append(Scenario(setup.name, wname, mine[-1].setup.capacity_bytes, tuple(results)))
@@ -492,10 +510,10 @@ def _run_setup(
 
 def _simulate_with_progress(
     reqs: list[TraceRequest], setup: Setup, policy: str, args: argparse.Namespace, config: PolicyConfig, bar: Any,
-    scale_down_delay_s: float | None = None,
+    scale_down_delay_s: float | None = None, prompt_tree: bool | None = None,
 ) -> RunResult:
-    """One replay with the flags' settings; `scale_down_delay_s` in place of --scale-down-delay-s where
-    given (a stack's own)."""
+    """One replay with the flags' settings; `scale_down_delay_s` in place of --scale-down-delay-s and
+    `prompt_tree` in place of --prefix-routing where given (a stack's own)."""
     # The bar advances one step per epoch up to the last arrival, then jumps to the end of this run,
     # so its total is known before the run (how long the drain takes is not).
     limit = _num_epochs(reqs, args.epoch_s)
@@ -506,7 +524,9 @@ def _simulate_with_progress(
             seen[0] += 1
             bar.update(1)
 
-    prefix_cache = PrefixCacheSpec(args.hash_block_tokens) if args.prefix_cache else None
+    if prompt_tree is None:
+        prompt_tree = args.prefix_routing == "prompt-tree"
+    prefix_cache = PrefixCacheSpec(args.hash_block_tokens, prompt_tree=prompt_tree) if args.prefix_cache else None
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
                       scale_down_delay_s=args.scale_down_delay_s if scale_down_delay_s is None else scale_down_delay_s,

@@ -29,6 +29,13 @@ class PrefixCacheSpec:
     trace's hash blocks (512 in Mooncake's traces)."""
 
     hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS
+    # Whether placement knows the caches: a pool's router keeps a global prompt tree and sends a request
+    # to the worker holding the longest prefix of its prompt that has room for it (MemServe §6;
+    # worker-image/kvfleet/router/locality.py). The replay tells the plan those GPUs, longest prefix
+    # first (Arrive.preferred_gpu_ids), and the default policy places there within its capacity rule.
+    # False: a cache-blind router (least-loaded, or MELL by bytes alone), hits where placement happens
+    # to put a request.
+    prompt_tree: bool = False
 
     def __post_init__(self) -> None:
         if self.hash_block_tokens <= 0:

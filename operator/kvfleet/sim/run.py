@@ -44,10 +44,12 @@ operated, it is told none, as a live operator's reports carry no output budget.
 With a `PrefixCacheSpec` (`--prefix-cache`) each worker also keeps the prompt blocks of the requests
 that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the KV memory its running
 requests leave free, for as long as its pod lives (warm pods keep theirs): a request placed on a GPU
-prefills only what that GPU does not hold of its prompt's leading hash blocks. The scheduler is not
-told (placement stays cache-blind) and each running request still holds its whole prompt's KV:
-counting a prefix two running requests share once would make a request's size depend on what runs
-beside it, which the MELL core's per-request sizes cannot say.
+prefills only what that GPU does not hold of its prompt's leading hash blocks. Placement is
+cache-blind unless the spec has a prompt tree (`prompt_tree`, a pool router's MemServe §6 routing):
+then each Arrive names the GPUs holding the longest prefixes of its prompt, and the default policy
+places it on the first with room (rule 7 of kvfleet.mell.mell_default). Each running request still
+holds its whole prompt's KV: counting a prefix two running requests share once would make a
+request's size depend on what runs beside it, which the MELL core's per-request sizes cannot say.
 """
 
 from __future__ import annotations
@@ -187,6 +189,10 @@ def simulate(
         raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, not {execution!r}")
     if execution == "operator" and not batching:
         raise ValueError("the operator schedules each epoch's events as one batch: execution='operator' needs batching")
+    if prefix_cache is not None and prefix_cache.prompt_tree and execution != "plan":
+        # The operated replay's router places arrivals before the plan hears of them (route_arrivals),
+        # by bytes only: it does not model the router's prompt tree.
+        raise ValueError("a prefix cache with a prompt tree is modelled with execution='plan' only")
     if epoch_s <= 0:
         raise ValueError("epoch_s must be positive")
     if scale_up_s < 0 or scale_down_delay_s < 0:
@@ -440,8 +446,25 @@ class _Replay:
             self.live[req.request_id] = m
             # Its final size (the trace's prompt + output) where the plan is told it (`tell_final_sizes`).
             final_bytes = self.reservation_bytes(req.prompt_tokens + req.output_tokens) if self.tell_final_sizes else None
-            events.append(Arrive(req.request_id, m.reported_bytes, final_bytes))
+            events.append(Arrive(req.request_id, m.reported_bytes, final_bytes, self._cached_on(req)))
         return events
+
+    def _cached_on(self, req: TraceRequest) -> tuple[str, ...]:
+        """With a prompt tree (PrefixCacheSpec.prompt_tree): the held GPUs whose caches hold the start of
+        `req`'s prompt, the longest cached prefix first (ties: by GPU id, for a deterministic replay).
+        The tree is exact here (MemServe §6's is best effort, its entries expire) and looking does not
+        make a block recent (`peek`)."""
+        spec = self.prefix_spec
+        if spec is None or not spec.prompt_tree or not req.hash_ids:
+            return ()
+        blocks = spec.block_tokens(req.prompt_tokens, len(req.hash_ids))
+        hits = []
+        for gpu_id, pod in self.pods.items():
+            if pod.prefix_cache is not None:
+                tokens = pod.prefix_cache.peek(req.hash_ids, blocks)
+                if tokens:
+                    hits.append((-tokens, gpu_id))
+        return tuple(gpu_id for _, gpu_id in sorted(hits))
 
     def schedule_unbatched(self, events: list[Event], now_s: float) -> Plan:
         """Without request operation batching (MELL §VI-C, Fig. 13's baseline): each operation is

@@ -12,8 +12,8 @@ here is a policy, a KV capacity per GPU and a scale-down rule:
 - **kvfleet**: the default policy (`mell`: packing, migration, consolidation), the operator's scaling
   (a GPU starts when a request fits on none, goes the scale-down delay after it empties) and elastic
   memory (eLLM): KV may use what the step's activations leave.
-- **today+elastic**, **kvfleet-static**, **kvfleet-no-migration**: one technique added to today or taken
-  from kvfleet, so each one's share of the saving is its own row.
+- **today+elastic**, **kvfleet-static**, **kvfleet-no-migration**, **kvfleet-no-prompt-tree**: one
+  technique added to today or taken from kvfleet, so each one's share of the saving is its own row.
 - **kvfleet+budgets**: kvfleet with the default policy's per-request growth room, from each request's
   final size (the trace's output in the replay). A live pool cannot run it yet: workers' reports carry
   no output budget, so `kvfleet` runs the policy as a live operator does, with the pool's headroom.
@@ -25,8 +25,15 @@ max_num_batched_tokens tokens over max_num_seqs sequences (vLLM 0.32's OpenAI se
 idle whenever the batch decodes. An elastic worker keeps the same 10% for the CUDA context and the
 allocator, and reserves activations only for the largest decode step (max_num_seqs tokens over as many
 sequences): a prefill chunk is admitted into the room KV leaves (eLLM's Algorithm 1), which this model
-does not charge for. Prefix caching and disaggregation are not part of the stacks yet: the bundled
-Azure traces carry no prompt content, so neither a shared prefix nor a cache hit can be counted on them.
+does not charge for.
+
+Prefix caching, on a trace with prompt block hashes (the bundled Mooncake conversation trace) and the
+replay's prefix cache (`--prefix-cache`): every worker keeps finished prompts in the KV memory its
+requests leave free, in both stacks (vLLM's automatic prefix caching does the same). Today's router is
+cache-blind; kvfleet's routes by a prompt tree (`prompt_tree`: MemServe §6, as a pool's router does),
+so a conversation's next turn finds its history. The Azure traces carry no prompt content: on them no
+cache hit can be counted and the stacks run without it. Disaggregation is not part of the stacks
+(docs/simulator.md, "Two stacks").
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class Stack:
     capacity: str  # "static" (vLLM's split) or "elastic" (eLLM)
     description: str
     knobs: tuple[tuple[str, object], ...] = ()  # the policy's knobs where not its defaults
+    # With the replay's prefix cache (--prefix-cache): whether its router routes by a prompt tree
+    # (MemServe §6, as a pool's router does) or is cache-blind (a least-loaded router, as today's).
+    prompt_tree: bool = False
 
     @property
     def hpa(self) -> bool:
@@ -72,12 +82,14 @@ _AS_LIVE = (("growth_estimate", "pool"),)
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("today", "hpa", "static", "vLLM's static split, least-loaded router, no migration, HPA on KV usage"),
     Stack("today+elastic", "hpa", "elastic", "today, with elastic memory"),
-    Stack("kvfleet-static", "mell", "static", "kvfleet without elastic memory", _AS_LIVE),
+    Stack("kvfleet-static", "mell", "static", "kvfleet without elastic memory", _AS_LIVE, prompt_tree=True),
     Stack("kvfleet-no-migration", "bf", "elastic", "kvfleet without migration (best-fit, the operator's scaling)"),
-    Stack("kvfleet", "mell", "elastic", "kvfleet: default policy with migration, operator scaling, elastic memory",
+    Stack("kvfleet-no-prompt-tree", "mell", "elastic", "kvfleet with a cache-blind router (with --prefix-cache)",
           _AS_LIVE),
+    Stack("kvfleet", "mell", "elastic", "kvfleet: default policy with migration, operator scaling, elastic memory, "
+          "prompt-tree routing (with --prefix-cache)", _AS_LIVE, prompt_tree=True),
     Stack("kvfleet+budgets", "mell", "elastic", "kvfleet, with each request's output budget in its report "
-          "(the default policy's per-request growth room; not carried by live reports yet)"),
+          "(the default policy's per-request growth room; not carried by live reports yet)", prompt_tree=True),
 )}
 
 

@@ -5,13 +5,15 @@ clock timestamps), any CSV with timestamp / prompt / output columns, and JSONL w
 (milliseconds), `input_length`, `output_length`; other columns and fields are ignored. A JSONL line may
 also carry `hash_ids`, the Mooncake trace's prompt block hashes (one int per `hash_block_tokens` block
 of the prompt, in prompt order; equal ids mean equal blocks): the simulator's prefix cache model
-matches them (MemServe §4.2). CSV traces have none. A bad file raises TraceError naming file and line:
-a trace with no requests, a length that is not a whole number >= 0, a timestamp that cannot be read,
-`hash_ids` that are not a list of ints or name more blocks than the prompt has, and (with
-`max_context_tokens`) a request whose prompt and output exceed the model's context. Documented
-handling, not errors: rows out of time order are replayed in time order (ties keep the file's order:
-duplicate timestamps are simultaneous arrivals), timestamps are re-based so the first request arrives
-at 0, and a length of 0 counts as 1 token.
+matches them (MemServe §4.2). CSV traces have none. JSONL may be gzip-compressed (`.jsonl.gz`,
+`.ndjson.gz`, `.json.gz`), as kvfleet ships Mooncake's trace, and is decompressed in memory. A bad
+file raises TraceError naming file and line: a trace with no requests, a length that is not a whole
+number >= 0, a timestamp that cannot be read, `hash_ids` that are not a list of ints or name more
+blocks than the prompt has, an unreadable gzip, and (with `max_context_tokens`) a request whose
+prompt and output exceed the model's context. Documented handling, not errors: rows out of time
+order are replayed in time order (ties keep the file's order: duplicate timestamps are simultaneous
+arrivals), timestamps are re-based so the first request arrives at 0, and a length of 0 counts as 1
+token.
 
 The Poisson workloads follow MELL §VIII-B: arrivals at lambda 0.5 / 0.8 / 1.1 requests per second and
 conversation lengths like LMSYS-Chat-1M and WildChat, scaled up ten times. The datasets are not
@@ -22,9 +24,11 @@ shipped; their published means (LMSYS-Chat-1M: 69.5 prompt / 214.5 response toke
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import random
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -161,18 +165,49 @@ def _parse_hash_ids(value: object, prompt_tokens: int, hash_block_tokens: int, p
     return tuple(value)
 
 
+_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+def _is_gzip(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
+def _is_jsonl(path: Path) -> bool:
+    """By suffix, under a `.gz` if there is one (`t.jsonl.gz` is JSONL, gzip-compressed)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    return bool(suffixes) and suffixes[-1] in _JSONL_SUFFIXES
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, gunzipped first if its name ends in `.gz`. In memory: the traces are a few MB
+    decompressed, and a whole-file read keeps a truncated gzip an error before any line is parsed."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise TraceError(f"{path}: cannot open: {err.strerror}") from err
+    if _is_gzip(path):
+        # BadGzipFile (an OSError) for a bad header, EOFError for a truncated stream, zlib.error for
+        # corrupt deflate data.
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise TraceError(f"{path}: not a readable gzip file: {err}") from err
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{path}: not UTF-8 text") from err
+
+
 def read_jsonl(path: Path, max_context_tokens: int | None = None,
                hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS) -> list[TraceRequest]:
     """JSONL: one object per line with `timestamp` (ms), `input_length`, `output_length`, optionally
-    `hash_ids` (prompt block hashes, `hash_block_tokens` tokens a block)."""
+    `hash_ids` (prompt block hashes, `hash_block_tokens` tokens a block); gzip-compressed if the name
+    ends in `.gz`."""
     if hash_block_tokens <= 0:
         raise TraceError(f"hash block of {hash_block_tokens} tokens: must be positive")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise TraceError(f"{path}: cannot open: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise TraceError(f"{path}: not UTF-8 text") from err
+    lines = _read_text(path).splitlines()
     rows: list[_Row] = []
     for line, text in enumerate(lines, start=1):
         if not text.strip():
@@ -198,11 +233,15 @@ def read_jsonl(path: Path, max_context_tokens: int | None = None,
 
 def read_trace(path: Path, max_context_tokens: int | None = None,
                hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS) -> list[TraceRequest]:
-    """A trace file by its suffix (.jsonl/.ndjson/.json: JSONL; anything else: CSV); see the module doc."""
+    """A trace file by its suffix (.jsonl/.ndjson/.json, each optionally .gz: JSONL; anything else:
+    CSV); see the module doc."""
     if not path.exists():
         raise TraceError(f"{path}: no such file")
-    if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
+    if _is_jsonl(path):
         return read_jsonl(path, max_context_tokens, hash_block_tokens)
+    if _is_gzip(path):
+        # The CSV reader would fail on the compressed bytes with a message about CSV, not the cause.
+        raise TraceError(f"{path}: only JSONL traces may be gzip-compressed (.jsonl.gz, .ndjson.gz, .json.gz)")
     return read_csv(path, max_context_tokens=max_context_tokens)
 
 
