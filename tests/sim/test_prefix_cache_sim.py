@@ -124,6 +124,29 @@ def test_a_hash_held_for_a_partial_block_hits_only_its_tokens() -> None:
     assert cache.cached_tokens == 1024 and cache.match([1, 2], [512, 512]) == 1024
 
 
+def test_a_host_tier_keeps_evicted_blocks_and_a_match_copies_them_back() -> None:
+    # 1 byte a token; the GPU's cache gets 1024 bytes, the host tier 1100.
+    cache = GpuPrefixCache(kv_bytes_per_token=1, host_bytes=1100)
+    cache.insert([1, 2, 3], [512, 512, 512])
+    # Blocks 3 and 2 (least recent first) go to the host tier; 1 stays on the GPU.
+    assert cache.evict_to(512) == 2
+    assert (cache.cached_tokens, cache.host_tokens) == (512, 1024)
+    # A prefix runs on across tiers: 1 on the GPU, then 2 and 3 from the host.
+    assert cache.peek([1, 2, 3], [512, 512, 512]) == 1536 and cache.host_tokens == 1024  # peek moves nothing
+    assert cache.match([1, 2, 3], [512, 512, 512]) == 1536
+    assert (cache.last_host_tokens, cache.cached_tokens, cache.host_tokens) == (1024, 1536, 0)
+    # Evicting all three: the host tier keeps the two most recent that fit its 1100 bytes (3 is the
+    # least recent, evicted first, and dropped when 1 comes).
+    assert cache.evict_to(0) == 3
+    assert (cache.cached_tokens, cache.host_tokens) == (0, 1024)
+    assert cache.match([1, 2, 3], [512, 512, 512]) == 1024 and cache.last_host_tokens == 1024
+    # Without a host tier an evicted block is gone.
+    plain = GpuPrefixCache(kv_bytes_per_token=1)
+    plain.insert([1], [512])
+    plain.evict_to(0)
+    assert plain.match([1], [512]) == 0 and plain.host_tokens == 0
+
+
 # --- the replay -------------------------------------------------------------------------------------
 
 
@@ -161,6 +184,25 @@ def test_a_prompt_tree_sends_a_request_to_the_gpu_holding_its_prefix() -> None:
     assert simulate(reqs, SETUP, "bf", prefix_cache=replace(SPEC, prompt_tree=True)).prefix_hit_tokens == 0
     with pytest.raises(ValueError, match="execution='plan' only"):
         simulate(reqs, SETUP, "mell", prefix_cache=replace(SPEC, prompt_tree=True), execution="operator")
+
+
+def test_a_host_tier_hit_is_copied_back_instead_of_prefilled() -> None:
+    # C = 4096 tokens. a (2048 tokens, blocks 1-4) finishes and is cached; b (3800 tokens of other
+    # blocks) runs there and leaves under 512 tokens free: all of a's blocks leave GPU memory. c repeats a's prompt after b
+    # finished: without a host tier it prefills all 2048 tokens; with one it finds them in host memory
+    # and copies 2048 x 800 KiB back over the host link instead.
+    small = replace(SETUP, capacity_bytes=4096 * BPT)
+    reqs = [TraceRequest("a", 0.0, 2048, 5, (1, 2, 3, 4)), TraceRequest("b", 2.5, 3800, 5, (5, 6, 7, 8, 9, 10, 11, 12)),
+            TraceRequest("c", 5.5, 2048, 5, (1, 2, 3, 4))]
+    link = 25e9
+    plain = simulate(reqs, small, "mell", prefix_cache=SPEC)
+    tiered = simulate(reqs, small, "mell", prefix_cache=replace(SPEC, host_bytes=4096 * BPT, host_link_bytes_per_s=link))
+    assert len(plain.pod_lifetimes_s) == len(tiered.pod_lifetimes_s) == 1
+    assert (plain.prefix_hit_tokens, plain.prefix_host_hit_tokens) == (0, 0)
+    assert (tiered.prefix_hit_tokens, tiered.prefix_host_hit_tokens, tiered.prefill_tokens_saved) == (2048, 2048, 2047)
+    # c's queueing delay is its epoch end (6.0) less when it could decode: arrival + prefill + copy.
+    assert plain.queue_delays_s[2] == pytest.approx(6.0 - (5.5 + SETUP.prefill_s(2048)))
+    assert tiered.queue_delays_s[2] == pytest.approx(6.0 - (5.5 + SETUP.prefill_s(1) + 2048 * BPT / link))
 
 
 def test_a_deleted_pod_takes_its_cache_with_it(tmp_path: Path) -> None:
@@ -292,6 +334,13 @@ def test_cli_refuses_bad_prefix_flags(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--prefix-routing needs --prefix-cache" in capsys.readouterr().err
     assert main([*base, "--prefix-cache", "--prefix-routing", "prompt-tree", "--execution", "operator"]) == 2
     assert "--prefix-routing prompt-tree is modelled with --execution plan only" in capsys.readouterr().err
+    assert main([*base, "--prefix-host-gib", "4"]) == 2
+    assert "--prefix-host-gib needs --prefix-cache" in capsys.readouterr().err
+    assert main([*base, "--prefix-cache", "--prefix-host-gib", "-1"]) == 2
+    assert "--prefix-host-gib must be >= 0" in capsys.readouterr().err
+    # With a host tier the JSON says what it held.
+    stats = simulate_json(capsys, trace, "--prefix-cache", "--prefix-host-gib", "4")["mell"]
+    assert isinstance(stats, dict) and stats["prefix_host_hit_tokens"] == 0 and stats["prefix_hit_tokens"] == 1024
     # With blocks of 256 tokens, 1200 tokens are 5 blocks: three ids still fit, and r1 then hits 512.
     stats = simulate_json(capsys, trace, "--prefix-cache", "--hash-block-tokens", "256")["mell"]
     assert isinstance(stats, dict) and stats["prefix_hit_tokens"] == 512

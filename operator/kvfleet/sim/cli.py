@@ -127,6 +127,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model a prefix cache on every worker (MemServe §4): the prompt blocks (trace hash_ids) of "
                              "finished requests stay in free KV memory, and a request prefills only the leading blocks "
                              "its GPU does not hold; reports the hit ratio and prefill tokens saved")
+    parser.add_argument("--prefix-host-gib", type=float, default=0.0, metavar="GIB",
+                        help="with --prefix-cache: host memory per worker for blocks evicted from the GPU (MemServe's "
+                             "swap_out/swap_in; the builtin engine's CPU buffer); a hit there is copied back at "
+                             "--host-link-gbps instead of prefilled (0: none)")
+    parser.add_argument("--host-link-gbps", type=float, default=200.0,
+                        help="the host link a host-tier hit is copied back over, Gb/s (200: PCIe 4.0 x16's 25 GB/s)")
     parser.add_argument("--prefix-routing", choices=("none", "prompt-tree"), default="none",
                         help="with --prefix-cache: none (default), placement does not know the caches; prompt-tree, "
                              "a request goes to the GPU holding the longest prefix of its prompt that has room for it "
@@ -243,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
         if args.execution == "operator" and args.no_batching:
             raise _UsageError("--execution operator schedules each epoch as one batch, as the operator does: "
                               "drop --no-batching")
+        if not args.prefix_host_gib >= 0 or not args.host_link_gbps > 0:
+            raise _UsageError("--prefix-host-gib must be >= 0 and --host-link-gbps positive")
+        if args.prefix_host_gib and not args.prefix_cache:
+            raise _UsageError("--prefix-host-gib needs --prefix-cache")
         if args.prefix_routing != "none":
             if not args.prefix_cache:
                 raise _UsageError("--prefix-routing needs --prefix-cache")
@@ -526,7 +536,10 @@ def _simulate_with_progress(
 
     if prompt_tree is None:
         prompt_tree = args.prefix_routing == "prompt-tree"
-    prefix_cache = PrefixCacheSpec(args.hash_block_tokens, prompt_tree=prompt_tree) if args.prefix_cache else None
+    prefix_cache = (PrefixCacheSpec(args.hash_block_tokens, prompt_tree=prompt_tree,
+                                    host_bytes=int(args.prefix_host_gib * 2**30),
+                                    host_link_bytes_per_s=args.host_link_gbps * 1e9 / 8)
+                    if args.prefix_cache else None)
     result = simulate(reqs, setup, policy, args.epoch_s, config, tick,
                       lookahead_epochs=args.lookahead_epochs, scale_up_s=args.scale_up_s,
                       scale_down_delay_s=args.scale_down_delay_s if scale_down_delay_s is None else scale_down_delay_s,

@@ -11,7 +11,10 @@ the engine would.
 
 Historical KV lives only in memory no running request needs: the cache is bounded by the GPU's free
 KV bytes (C minus its running requests' KV) and gives way least recently used first, as vLLM's
-prefix cache does when it reclaims free blocks. Pure and deterministic, like the rest of kvfleet.sim.
+prefix cache does when it reclaims free blocks. With a host tier (`PrefixCacheSpec.host_bytes`: MemServe
+§4.1 Table 1's swap_out / swap_in, the builtin engine's CPU buffer) an evicted block moves to the
+worker's host memory instead, and a match copies it back. Pure and deterministic, like the rest of
+kvfleet.sim.
 """
 
 from __future__ import annotations
@@ -36,10 +39,18 @@ class PrefixCacheSpec:
     # False: a cache-blind router (least-loaded, or MELL by bytes alone), hits where placement happens
     # to put a request.
     prompt_tree: bool = False
+    # A host tier per worker (MemServe §4.1 Table 1, swap_out / swap_in; the builtin engine's CPU buffer):
+    # blocks evicted from GPU memory go to this many bytes of host memory, least recently used out, and
+    # a prompt that finds its prefix there copies those blocks back over the host link before it
+    # decodes instead of prefilling them. 0: no host tier (GPU memory only).
+    host_bytes: int = 0
+    host_link_bytes_per_s: float = 25e9
 
     def __post_init__(self) -> None:
         if self.hash_block_tokens <= 0:
             raise ValueError(f"hash_block_tokens must be positive, not {self.hash_block_tokens}")
+        if self.host_bytes < 0 or not self.host_link_bytes_per_s > 0:
+            raise ValueError("host_bytes must be >= 0 and host_link_bytes_per_s positive")
 
     def block_tokens(self, prompt_tokens: int, num_blocks: int) -> list[int]:
         """Tokens in each of a prompt's first `num_blocks` hash blocks: whole blocks, the last cut at
@@ -49,12 +60,22 @@ class PrefixCacheSpec:
 
 
 class GpuPrefixCache:
-    """The block hashes one GPU holds as historical KV, least recently used first, with their tokens."""
+    """The block hashes one GPU holds as historical KV, least recently used first, with their tokens;
+    with `host_bytes`, also those its worker keeps in host memory (blocks evicted from the GPU)."""
 
-    def __init__(self, kv_bytes_per_token: int) -> None:
+    def __init__(self, kv_bytes_per_token: int, host_bytes: int = 0) -> None:
         self.kv_bytes_per_token = kv_bytes_per_token
         self._blocks: OrderedDict[int, int] = OrderedDict()  # hash id -> tokens of the block
         self._tokens = 0
+        self.host_bytes = host_bytes
+        self._host: OrderedDict[int, int] = OrderedDict()  # the host tier, least recently used first
+        self._host_tokens = 0
+        # Tokens of the last `match` found in the host tier (copied back to the GPU by it).
+        self.last_host_tokens = 0
+
+    @property
+    def host_tokens(self) -> int:
+        return self._host_tokens
 
     @property
     def cached_tokens(self) -> int:
@@ -70,8 +91,18 @@ class GpuPrefixCache:
 
     def match(self, hash_ids: Sequence[int], block_tokens: Sequence[int]) -> int:
         """Prompt tokens whose KV this GPU holds: its hash blocks from the first up to the first miss
-        (§4.2 `match`). The hit blocks become the most recently used."""
+        (§4.2 `match`), in GPU memory or the host tier. Blocks found in the host tier are copied back
+        into GPU memory (swap_in; `last_host_tokens` says how many tokens), and the hit blocks become
+        the most recently used."""
         hit_tokens, hits = self._held_prefix(hash_ids, block_tokens)
+        self.last_host_tokens = 0
+        for hash_id in hits:
+            tokens = self._host.pop(hash_id, None)
+            if tokens is not None:
+                self._host_tokens -= tokens
+                self.last_host_tokens += tokens
+                self._blocks[hash_id] = tokens
+                self._tokens += tokens
         self._touch(hits)
         return hit_tokens
 
@@ -86,6 +117,8 @@ class GpuPrefixCache:
         for hash_id, tokens in zip(hash_ids, block_tokens):
             held = self._blocks.get(hash_id)
             if held is None:
+                held = self._host.get(hash_id)
+            if held is None:
                 break
             # The same hash with fewer tokens (a partial last block in one request, a whole one in
             # another) holds only the shorter block's KV.
@@ -98,6 +131,9 @@ class GpuPrefixCache:
         for hash_id, tokens in zip(hash_ids, block_tokens):
             if tokens <= 0:
                 continue
+            in_host = self._host.pop(hash_id, None)
+            if in_host is not None:  # written again on the GPU: the host copy is superseded
+                self._host_tokens -= in_host
             held = self._blocks.get(hash_id, 0)
             if tokens > held:
                 self._tokens += tokens - held
@@ -112,10 +148,18 @@ class GpuPrefixCache:
             self._blocks.move_to_end(hash_id)
 
     def evict_to(self, limit_bytes: int) -> int:
-        """Drop least recently used blocks until the cache holds at most `limit_bytes`; returns how many."""
+        """Drop least recently used blocks until the GPU holds at most `limit_bytes` of them; returns how
+        many. With a host tier each goes there (swap_out) as its most recent block, and the host tier
+        then drops its least recently used blocks past `host_bytes`."""
         evicted = 0
         while self._blocks and self.cached_bytes > limit_bytes:
-            _, tokens = self._blocks.popitem(last=False)
+            hash_id, tokens = self._blocks.popitem(last=False)
             self._tokens -= tokens
             evicted += 1
+            if self.host_bytes:
+                self._host[hash_id] = tokens
+                self._host_tokens += tokens
+        while self._host and self._host_tokens * self.kv_bytes_per_token > self.host_bytes:
+            _, tokens = self._host.popitem(last=False)
+            self._host_tokens -= tokens
         return evicted

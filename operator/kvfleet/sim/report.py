@@ -118,6 +118,7 @@ def prefix_stats(r: RunResult) -> dict[str, object]:
         "prefix_cache": True,
         "prompt_tokens": r.prompt_tokens,
         "prefix_hit_tokens": r.prefix_hit_tokens,
+        "prefix_host_hit_tokens": r.prefix_host_hit_tokens,
         "prefix_hit_ratio": round(r.prefix_hit_ratio, 4),
         "prefill_tokens_saved": r.prefill_tokens_saved,
         "num_prefix_hits": r.num_prefix_hits,

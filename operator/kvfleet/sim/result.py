@@ -71,6 +71,7 @@ class RunResult:
     prefix_cache: bool = False
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens the GPU held (its leading hash blocks)
+    prefix_host_hit_tokens: int = 0  # of those, tokens its worker's host tier held (copied back, not prefilled)
     prefill_tokens_saved: int = 0  # what the prefill skipped: hits, less the 1 token always prefilled
     num_prefix_hits: int = 0  # requests with a hit
     num_prefix_evictions: int = 0  # hash blocks given up to running requests' KV

@@ -345,7 +345,7 @@ class _Replay:
             return
         pod = self.pods[m.gpu_id]  # it ran there this epoch, so the GPU and its pod are held
         if pod.prefix_cache is None:
-            pod.prefix_cache = GpuPrefixCache(self.kv_bytes_per_token)
+            pod.prefix_cache = GpuPrefixCache(self.kv_bytes_per_token, spec.host_bytes)
         pod.prefix_cache.insert(m.req.hash_ids, spec.block_tokens(m.req.prompt_tokens, len(m.req.hash_ids)))
 
     def bound_prefix_caches(self) -> None:
@@ -373,20 +373,26 @@ class _Replay:
         """Where a request is first placed, its prefill skips the prompt's leading hash blocks that
         GPU holds (MemServe §4.2 `match`), but always computes at least the last prompt token."""
         req = m.req
-        hit_tokens = 0
+        hit_tokens = host_tokens = 0
         pod = self.pods.get(gpu_id)
         cache = None if pod is None else pod.prefix_cache
-        if cache is not None and self.prefix_spec is not None and req.hash_ids:
-            hit_tokens = cache.match(req.hash_ids, self.prefix_spec.block_tokens(req.prompt_tokens, len(req.hash_ids)))
+        spec = self.prefix_spec
+        if cache is not None and spec is not None and req.hash_ids:
+            hit_tokens = cache.match(req.hash_ids, spec.block_tokens(req.prompt_tokens, len(req.hash_ids)))
+            host_tokens = cache.last_host_tokens
         m.prefill_tokens = max(1, req.prompt_tokens - hit_tokens)
         result = self.result
         result.prompt_tokens += req.prompt_tokens
         result.prefix_hit_tokens += hit_tokens
+        result.prefix_host_hit_tokens += host_tokens
         result.prefill_tokens_saved += req.prompt_tokens - m.prefill_tokens
         if hit_tokens:
             result.num_prefix_hits += 1
+            # Blocks found in the host tier are copied back over the host link before it decodes
+            # (swap_in), at line rate and beside its prefill of the rest.
+            swap_in_s = host_tokens * self.kv_bytes_per_token / spec.host_link_bytes_per_s if spec and host_tokens else 0.0
             # Nothing else has moved its start yet (a pod that is not ready does so after this).
-            m.earliest_decode_s = req.arrival_s + self.setup.prefill_s(m.prefill_tokens)
+            m.earliest_decode_s = req.arrival_s + self.setup.prefill_s(m.prefill_tokens) + swap_in_s
             m.decode_from_s = max(m.earliest_decode_s, m.not_before_s)
 
     def _record_finish(self, m: _Live, before: float, step: float, begin_s: float, busy_s: float) -> float:
