@@ -81,6 +81,9 @@ def run(stack_run: StackRun, reqs: list[TraceRequest], tpot_ms: float, prefix: b
     out = figures(result)
     if prefix:
         out["prefix_hit_ratio"] = round(result.prefix_hit_ratio, 4)
+        # What holding a block two running requests share once would save, here and in the best placement.
+        out["shared_same_gpu_ratio"] = round(result.shared_same_gpu_ratio, 4)
+        out["shared_pool_ratio"] = round(result.shared_pool_ratio, 4)
     out["capacity_gib"] = round(stack_run.setup.capacity_bytes / 2**30, 3)
     out["meets_tpot"] = result.tpot_p99_ms <= tpot_ms
     return out

@@ -265,7 +265,25 @@ def test_without_hits_the_cache_model_changes_nothing_else() -> None:
     assert on.prompt_tokens == 5100 and on.prefix_hit_tokens == 0
     # The shared bound assumes every hashed block could be cached, so it is the only other change.
     assert on.shared_bound.kv_byte_seconds < off.shared_bound.kv_byte_seconds
-    assert replace(on, prefix_cache=False, prompt_tokens=0, shared_bound=off.shared_bound) == off
+    assert (on.shared_same_gpu_tokens, on.shared_pool_tokens) == (0, 0)
+    assert replace(on, prefix_cache=False, prompt_tokens=0, running_prompt_tokens=0, shared_bound=off.shared_bound) == off
+
+
+def test_the_replay_measures_what_counting_shared_blocks_once_would_save() -> None:
+    # a and b share their first block (512 tokens) and run together: on one GPU when both fit (1024
+    # tokens each), so every epoch 512 of their 2048 running prompt tokens are a second copy; on two GPUs
+    # when neither fits beside the other (9000 tokens each, C is 15,408), so only the pool could share it.
+    small = [TraceRequest("a", 0.0, 1024, 200, (1, 2)), TraceRequest("b", 0.0, 1024, 200, (1, 3))]
+    r = simulate(small, SETUP, "mell", prefix_cache=SPEC)
+    assert r.peak_gpus == 1
+    epochs = r.running_prompt_tokens // 2048
+    assert r.running_prompt_tokens == 2048 * epochs and epochs > 1
+    assert r.shared_same_gpu_tokens == r.shared_pool_tokens == 512 * epochs
+    assert r.shared_same_gpu_ratio == r.shared_pool_ratio == 0.25
+    large = [TraceRequest("a", 0.0, 9000, 200, (1, *range(10, 27))), TraceRequest("b", 0.0, 9000, 200, (1, *range(30, 47)))]
+    r = simulate(large, SETUP, "mell", prefix_cache=SPEC)
+    assert r.peak_gpus == 2
+    assert r.shared_same_gpu_tokens == 0 and r.shared_pool_ratio == 512 / 18_000
 
 
 def test_off_ignores_hash_ids() -> None:

@@ -123,6 +123,8 @@ def prefix_stats(r: RunResult) -> dict[str, object]:
         "prefill_tokens_saved": r.prefill_tokens_saved,
         "num_prefix_hits": r.num_prefix_hits,
         "num_prefix_evictions": r.num_prefix_evictions,
+        "shared_same_gpu_ratio": round(r.shared_same_gpu_ratio, 4),
+        "shared_pool_ratio": round(r.shared_pool_ratio, 4),
     }
 
 

@@ -72,6 +72,12 @@ class RunResult:
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens the GPU held (its leading hash blocks)
     prefix_host_hit_tokens: int = 0  # of those, tokens its worker's host tier held (copied back, not prefilled)
+    # Summed over epochs: the running requests' prompt tokens, and of those the copies of hash blocks that
+    # another running request holds on the same GPU (or anywhere in the pool): what an engine that
+    # holds a shared block once would not hold (the replay counts every copy).
+    running_prompt_tokens: int = 0
+    shared_same_gpu_tokens: int = 0
+    shared_pool_tokens: int = 0
     prefill_tokens_saved: int = 0  # what the prefill skipped: hits, less the 1 token always prefilled
     num_prefix_hits: int = 0  # requests with a hit
     num_prefix_evictions: int = 0  # hash blocks given up to running requests' KV
@@ -80,6 +86,16 @@ class RunResult:
     def prefix_hit_ratio(self) -> float:
         """Hit prompt tokens / prompt tokens of the placed requests."""
         return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def shared_same_gpu_ratio(self) -> float:
+        """Time-averaged share of running prompt KV that is a second copy of a block on the same GPU."""
+        return self.shared_same_gpu_tokens / self.running_prompt_tokens if self.running_prompt_tokens else 0.0
+
+    @property
+    def shared_pool_ratio(self) -> float:
+        """The same over the whole pool: what counting shared blocks once could save at best."""
+        return self.shared_pool_tokens / self.running_prompt_tokens if self.running_prompt_tokens else 0.0
 
     @property
     def duration_s(self) -> float:

@@ -851,3 +851,32 @@ class _Replay:
         result.max_moves_per_operation = max(result.max_moves_per_operation, *plan.moves_per_operation, 0)
         result.num_moves_cancelled += plan.num_moves_cancelled
         result.num_item_moves += sum(plan.moves_per_operation)
+        if self.prefix_spec is not None:
+            self._measure_sharing()
+
+    def _measure_sharing(self) -> None:
+        """What counting shared prompt blocks once would save this epoch (the replay counts each running
+        request's whole prompt): the tokens of hash blocks that two or more running requests hold on the
+        same GPU, beyond the first copy, and the same over the whole pool (the most any placement could
+        share). Summed over epochs beside the running prompt tokens, for the time-averaged ratios."""
+        spec = self.prefix_spec
+        assert spec is not None
+        pool: dict[int, list[int]] = {}  # hash -> tokens of each running copy, over all GPUs
+        prompt_tokens = same_gpu = 0
+        for rids in self.on_gpu.values():
+            here: dict[int, int] = {}  # hash -> the most tokens one copy on this GPU holds
+            for r in rids:
+                req = self.live[r].req
+                prompt_tokens += req.prompt_tokens
+                for hash_id, tokens in zip(req.hash_ids, spec.block_tokens(req.prompt_tokens, len(req.hash_ids))):
+                    pool.setdefault(hash_id, []).append(tokens)
+                    held = here.get(hash_id)
+                    if held is None:
+                        here[hash_id] = tokens
+                    else:  # a copy of a block already here: all but the largest copy could go
+                        same_gpu += min(held, tokens)
+                        here[hash_id] = max(held, tokens)
+        result = self.result
+        result.running_prompt_tokens += prompt_tokens
+        result.shared_same_gpu_tokens += same_gpu
+        result.shared_pool_tokens += sum(sum(copies) - max(copies) for copies in pool.values() if len(copies) > 1)
