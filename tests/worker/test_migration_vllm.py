@@ -51,12 +51,14 @@ def payload() -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True}
 
 
-LETTERS = "[a-z]{80}"
+LETTERS = "[a-z]{300}"
 
 
 def constrained_payload() -> dict[str, Any]:
-    # The grammar holds EOS back until all 80 letters are written: the request outlives the move's start.
-    return {"model": "tiny", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 120,
+    # The grammar holds EOS back until all 300 letters are written: the request outlives the move's start
+    # (asked after 10 chunks) even when the tiny model writes several letters a token and the move's
+    # request is slow to come, as on a loaded machine (80 letters could all be out first).
+    return {"model": "tiny", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 400,
             "temperature": 0, "structured_outputs": {"regex": LETTERS}}
 
 
@@ -166,7 +168,7 @@ def test_a_structured_request_moves_with_its_grammar(vllm_and_builtin: tuple[Wor
     streamed, result = stream_with_migration(source, target, f"{direction}-structured-{mode}", mode,
                                              payload=constrained_payload(), after_chunks=10)
     assert result["phase"] == "Succeeded" and result["mode"] == mode, result
-    # The target went on with the grammar where it was: still the 80 letters, and the unmoved ones.
+    # The target went on with the grammar where it was: still the 300 letters, and the unmoved ones.
     assert streamed.done and streamed.text == ref_text, (streamed.text, ref_text)
     wait_idle(v, b)
 
