@@ -102,15 +102,18 @@ def test_an_arrival_goes_to_the_gpu_with_its_longest_cached_prefix_that_has_room
     # Bytes alone: 30 goes to the fullest GPU holding it with 5 to spare, gpu-0 (60 + 30 + 5 <= 100).
     assert placed(three(), Arrive("x", 30)) == (Placement("x", "gpu-0"),)
     # Longest prefix first: gpu-2 holds 30 with room, so it takes it although gpu-0 is fuller.
-    assert placed(three(), Arrive("x", 30, preferred_gpu_ids=("gpu-2", "gpu-1"))) == (Placement("x", "gpu-2"),)
-    # A preferred GPU without growth room is passed over for the next (50 + 48 + 5 > 100 on gpu-2).
-    assert placed(three(), Arrive("x", 48, preferred_gpu_ids=("gpu-2", "gpu-1"))) == (Placement("x", "gpu-1"),)
+    assert placed(three(), Arrive("x", 30, prefix_tiers=(("gpu-2",), ("gpu-1",)))) == (Placement("x", "gpu-2"),)
+    # Among GPUs holding equally long prefixes, the fullest with room, as rule 1 would choose.
+    assert placed(three(), Arrive("x", 30, prefix_tiers=(("gpu-1", "gpu-2"),))) == (Placement("x", "gpu-2"),)
+    assert placed(three(), Arrive("x", 30, prefix_tiers=(("gpu-0", "gpu-1", "gpu-2"),))) == (Placement("x", "gpu-0"),)
+    # A group without growth room is passed over for the next (50 + 48 + 5 > 100 on gpu-2).
+    assert placed(three(), Arrive("x", 48, prefix_tiers=(("gpu-2",), ("gpu-1",)))) == (Placement("x", "gpu-1"),)
     # None named has room: rule 1, as if none were named (gpu-1 is the only GPU with 46 + 5 to spare).
-    assert placed(three(), Arrive("x", 46, preferred_gpu_ids=("gpu-2",))) == (Placement("x", "gpu-1"),)
+    assert placed(three(), Arrive("x", 46, prefix_tiers=(("gpu-2",),))) == (Placement("x", "gpu-1"),)
     # A GPU the policy does not hold is no choice (a replay's prompt tree may name a GPU just let go).
-    assert placed(three(), Arrive("x", 30, preferred_gpu_ids=("gpu-9",))) == (Placement("x", "gpu-0"),)
+    assert placed(three(), Arrive("x", 30, prefix_tiers=(("gpu-9",),))) == (Placement("x", "gpu-0"),)
     # prefix_affinity=False (a cache-blind router) ignores the names.
-    assert placed(three(prefix_affinity=False), Arrive("x", 30, preferred_gpu_ids=("gpu-2",))) == (
+    assert placed(three(prefix_affinity=False), Arrive("x", 30, prefix_tiers=(("gpu-2",),))) == (
         Placement("x", "gpu-0"),)
 
 

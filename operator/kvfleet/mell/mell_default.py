@@ -26,8 +26,9 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
    is the room the GPU's own requests will write over a horizon (those finishing sooner leave);
    without final sizes it is the pool headroom as before (`growth_estimate`).
 7. Prefix affinity: where an Arrive names GPUs whose prefix caches hold the start of its prompt
-   (longest first), it goes to the first of them that holds it with growth room: MemServe §6's
-   "instance with the longest common prefix", within rule 1's capacity (`prefix_affinity`).
+   (grouped by prefix length, longest first), it goes to the fullest GPU of the first group that
+   holds it with growth room: MemServe §6's "instance with the longest common prefix", with its load
+   deciding among equals, within rule 1's capacity (`prefix_affinity`).
 
 Pure between epochs, as every policy: all it keeps across them is the state a snapshot holds.
 Every rule is a MellDefaultConfig knob; docs/mell.md gives the measurement behind each default.
@@ -96,9 +97,9 @@ class MellDefaultConfig(PolicyConfig):
     # load_bytes_per_request per request it serves (the decode step model, models.tpot_load_cap).
     max_load_bytes: int | None = None
     load_bytes_per_request: int = 0
-    # Rule 7: an arrival goes to the GPU with the longest cached prefix of its prompt (Arrive.preferred_gpu_ids,
-    # MemServe §6's locality-aware choice) when that GPU holds it with growth room; else rule 1. A hit skips
-    # that much prefill. False: placement by bytes alone, the cache-blind router.
+    # Rule 7: an arrival goes to a GPU with the longest cached prefix of its prompt (Arrive.prefix_tiers,
+    # MemServe §6's locality-aware choice), the fullest of those that hold it with growth room; else rule 1.
+    # A hit skips that much prefill. False: placement by bytes alone, the cache-blind router.
     prefix_affinity: bool = True
     # Rule 4, the §V communication boundary of one epoch per link (None: unbounded): only moves
     # within it are planned, so none is deferred.
@@ -133,7 +134,7 @@ class MellDefaultPolicy(ClusterPolicy):
         self._final_bytes: dict[str, int] = {}
         self._arriving_final_bytes: dict[str, int] = {}
         # Rule 7: the GPUs this batch's arrivals would find their prompt's prefix on, longest first.
-        self._arriving_preferred: dict[str, tuple[str, ...]] = {}
+        self._arriving_preferred: dict[str, tuple[tuple[str, ...], ...]] = {}
         self._overloaded: dict[str, Gpu] = {}
         self._link_used: dict[str, int] = {}
         # Items moved this epoch: none moves twice, so the link each migration is charged to is the
@@ -179,8 +180,8 @@ class MellDefaultPolicy(ClusterPolicy):
         self._now_s = batch.now_s
         self._arriving_final_bytes = {e.request_id: e.final_size_bytes for e in arrivals
                                       if e.final_size_bytes is not None}
-        self._arriving_preferred = {e.request_id: e.preferred_gpu_ids for e in arrivals
-                                    if e.preferred_gpu_ids and self.cfg.prefix_affinity}
+        self._arriving_preferred = {e.request_id: e.prefix_tiers for e in arrivals
+                                    if e.prefix_tiers and self.cfg.prefix_affinity}
         plan = super().schedule(EventBatch(batch.now_s, (*others, *arrivals)), end_of_epoch=end_of_epoch)
         if end_of_epoch:
             self._link_used = {}  # each epoch's moves have the links' budgets to themselves (§V)
@@ -363,18 +364,19 @@ class MellDefaultPolicy(ClusterPolicy):
             self.last_allocate_step = "new-GPU"
         return gpu
 
-    def _with_prefix(self, item: Item, preferred: tuple[str, ...]) -> Gpu | None:
-        """Rule 7: the first of `preferred` (longest cached prefix first) that holds `item` with growth
-        room. MemServe §6 routes to the instance with the longest common prefix; here only where rule 1
-        would also have room, so that a cache hit never costs a shed or a new GPU."""
-        if not preferred:
-            return None
+    def _with_prefix(self, item: Item, tiers: tuple[tuple[str, ...], ...]) -> Gpu | None:
+        """Rule 7: the fullest GPU of the first of `tiers` (GPUs holding equally long cached prefixes,
+        longest first) that holds `item` with growth room. MemServe §6 routes to the instance with the
+        longest common prefix, its load deciding among equals; here only where rule 1 would also have
+        room, so that a cache hit never costs a shed or a new GPU, and among equals as rule 1 would
+        choose (a block every GPU caches, a shared system prompt, then changes nothing)."""
         growth = self._growth(item)
-        for gpu_id in preferred:
-            gpu = self.gpus.get(gpu_id)
-            if gpu is not None and self._takes(gpu, growth, item.size_bytes, True, None, False):
+        for tier in tiers:
+            taking = [g for g in (self.gpus.get(gpu_id) for gpu_id in tier)
+                      if g is not None and self._takes(g, growth, item.size_bytes, True, None, False)]
+            if taking:
                 self.last_allocate_step = "prefix"
-                return gpu
+                return min(taking, key=lambda g: (self._free(g), g.seq, g.gpu_id))
         return None
 
     def _link_allows(self, src: Gpu, dst: Gpu, size: int) -> bool:

@@ -74,11 +74,12 @@ class Arrive:
     # reserves; the trace's output in the simulator), if known: the default policy reserves room for
     # each request's own remaining growth from it (MellDefaultConfig.growth_estimate). None: unknown.
     final_size_bytes: int | None = None
-    # GPUs whose prefix caches hold the start of its prompt, the longest cached prefix first (what a
-    # prefix-aware router reads from its prompt trees, MemServe §6). The default policy places the
-    # request on the first of them that holds it with growth room (MellDefaultConfig.prefix_affinity);
-    # the other policies place by bytes alone. Empty: none known.
-    preferred_gpu_ids: tuple[str, ...] = ()
+    # GPUs whose prefix caches hold the start of its prompt, grouped by how much of it they hold, the
+    # longest cached prefix first (what a prefix-aware router reads from its prompt trees, MemServe §6).
+    # The default policy places the request on the fullest GPU of the first group that holds it with
+    # growth room (MellDefaultConfig.prefix_affinity); the other policies place by bytes alone. Empty:
+    # none known.
+    prefix_tiers: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

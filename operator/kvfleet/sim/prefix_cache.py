@@ -35,7 +35,7 @@ class PrefixCacheSpec:
     # Whether placement knows the caches: a pool's router keeps a global prompt tree and sends a request
     # to the worker holding the longest prefix of its prompt that has room for it (MemServe §6;
     # worker-image/kvfleet/router/locality.py). The replay tells the plan those GPUs, longest prefix
-    # first (Arrive.preferred_gpu_ids), and the default policy places there within its capacity rule.
+    # first (Arrive.prefix_tiers), and the default policy places there within its capacity rule.
     # False: a cache-blind router (least-loaded, or MELL by bytes alone), hits where placement happens
     # to put a request.
     prompt_tree: bool = False

@@ -455,22 +455,22 @@ class _Replay:
             events.append(Arrive(req.request_id, m.reported_bytes, final_bytes, self._cached_on(req)))
         return events
 
-    def _cached_on(self, req: TraceRequest) -> tuple[str, ...]:
+    def _cached_on(self, req: TraceRequest) -> tuple[tuple[str, ...], ...]:
         """With a prompt tree (PrefixCacheSpec.prompt_tree): the held GPUs whose caches hold the start of
-        `req`'s prompt, the longest cached prefix first (ties: by GPU id, for a deterministic replay).
-        The tree is exact here (MemServe §6's is best effort, its entries expire) and looking does not
-        make a block recent (`peek`)."""
+        `req`'s prompt, grouped by the tokens they hold, the longest cached prefix first (each group by GPU
+        id, for a deterministic replay). The tree is exact here (MemServe §6's is best effort, its entries
+        expire) and looking does not make a block recent (`peek`)."""
         spec = self.prefix_spec
         if spec is None or not spec.prompt_tree or not req.hash_ids:
             return ()
         blocks = spec.block_tokens(req.prompt_tokens, len(req.hash_ids))
-        hits = []
+        tiers: dict[int, list[str]] = {}
         for gpu_id, pod in self.pods.items():
             if pod.prefix_cache is not None:
                 tokens = pod.prefix_cache.peek(req.hash_ids, blocks)
                 if tokens:
-                    hits.append((-tokens, gpu_id))
-        return tuple(gpu_id for _, gpu_id in sorted(hits))
+                    tiers.setdefault(tokens, []).append(gpu_id)
+        return tuple(tuple(sorted(tiers[tokens])) for tokens in sorted(tiers, reverse=True))
 
     def schedule_unbatched(self, events: list[Event], now_s: float) -> Plan:
         """Without request operation batching (MELL §VI-C, Fig. 13's baseline): each operation is
