@@ -46,8 +46,9 @@ that finished on its GPU (MemServe §4.1-4.2, kvfleet.sim.prefix_cache), in the 
 requests leave free, for as long as its pod lives (warm pods keep theirs): a request placed on a GPU
 prefills only what that GPU does not hold of its prompt's leading hash blocks. Placement is
 cache-blind unless the spec has a prompt tree (`prompt_tree`, a pool router's MemServe §6 routing):
-then each Arrive names the GPUs holding the longest prefixes of its prompt, and the default policy
-places it on the first with room (rule 7 of kvfleet.mell.mell_default). Each running request still
+then each Arrive names the GPUs holding its prompt's prefixes, grouped by length, longest first, and
+the default policy places it on the fullest GPU with room of the first group it can (rule 7 of
+kvfleet.mell.mell_default). Each running request still
 holds its whole prompt's KV: counting a prefix two running requests share once would make a
 request's size depend on what runs beside it, which the MELL core's per-request sizes cannot say.
 """
@@ -55,9 +56,10 @@ request's size depend on what runs beside it, which the MELL core's per-request 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from kvfleet.api.models import AutoscalingSpec
 from kvfleet.mell.allocate import allocate_on_snapshot
@@ -285,6 +287,9 @@ class _Replay:
         self.unserved: dict[str, None] = {}
         self.over_capacity: set[str] = set()
         self.prefix_spec = prefix_cache
+        # Tokens in each hash block of a request's prompt (`_prompt_block_tokens`), once per request.
+        self._block_tokens: dict[str, tuple[int, ...]] = {}
+        self._blocks_by_hash: dict[str, dict[int, tuple[int, ...]]] = {}
         # execution="operator" only: GPUs the plans let go whose pods still hold requests (kept, billed,
         # until those leave), and requests no Ready worker had room for (in a worker's queue, not decoding).
         self.draining: set[str] = set()
@@ -346,7 +351,17 @@ class _Replay:
         pod = self.pods[m.gpu_id]  # it ran there this epoch, so the GPU and its pod are held
         if pod.prefix_cache is None:
             pod.prefix_cache = GpuPrefixCache(self.kv_bytes_per_token, spec.host_bytes)
-        pod.prefix_cache.insert(m.req.hash_ids, spec.block_tokens(m.req.prompt_tokens, len(m.req.hash_ids)))
+        pod.prefix_cache.insert(m.req.hash_ids, self._prompt_block_tokens(m.req))
+
+    def _prompt_block_tokens(self, req: TraceRequest) -> tuple[int, ...]:
+        """Tokens in each of `req`'s prompt hash blocks (PrefixCacheSpec.block_tokens), worked out once per
+        request: placement, finishing and every epoch's sharing measurement read them."""
+        blocks = self._block_tokens.get(req.request_id)
+        if blocks is None:
+            assert self.prefix_spec is not None
+            blocks = tuple(self.prefix_spec.block_tokens(req.prompt_tokens, len(req.hash_ids)))
+            self._block_tokens[req.request_id] = blocks
+        return blocks
 
     def bound_prefix_caches(self) -> None:
         """Keep each GPU's historical KV within the memory its running requests leave free (after they
@@ -378,7 +393,7 @@ class _Replay:
         cache = None if pod is None else pod.prefix_cache
         spec = self.prefix_spec
         if cache is not None and spec is not None and req.hash_ids:
-            hit_tokens = cache.match(req.hash_ids, spec.block_tokens(req.prompt_tokens, len(req.hash_ids)))
+            hit_tokens = cache.match(req.hash_ids, self._prompt_block_tokens(req))
             host_tokens = cache.last_host_tokens
         m.prefill_tokens = max(1, req.prompt_tokens - hit_tokens)
         result = self.result
@@ -463,7 +478,7 @@ class _Replay:
         spec = self.prefix_spec
         if spec is None or not spec.prompt_tree or not req.hash_ids:
             return ()
-        blocks = spec.block_tokens(req.prompt_tokens, len(req.hash_ids))
+        blocks = self._prompt_block_tokens(req)
         tiers: dict[int, list[str]] = {}
         for gpu_id, pod in self.pods.items():
             if pod.prefix_cache is not None:
@@ -857,26 +872,43 @@ class _Replay:
     def _measure_sharing(self) -> None:
         """What counting shared prompt blocks once would save this epoch (the replay counts each running
         request's whole prompt): the tokens of hash blocks that two or more running requests hold on the
-        same GPU, beyond the first copy, and the same over the whole pool (the most any placement could
-        share). Summed over epochs beside the running prompt tokens, for the time-averaged ratios."""
-        spec = self.prefix_spec
-        assert spec is not None
-        pool: dict[int, list[int]] = {}  # hash -> tokens of each running copy, over all GPUs
-        prompt_tokens = same_gpu = 0
+        same GPU, beyond the largest copy, and the same over the whole pool (the most any placement could
+        share). Summed over epochs beside the running prompt tokens, for the time-averaged ratios.
+
+        It runs every epoch, so blocks are counted in bulk (a GPU whose blocks are all distinct, most of
+        them, needs no count) and only those held more than once are looked up again for their tokens."""
+        running: list[TraceRequest] = []
+        same_gpu = 0
         for rids in self.on_gpu.values():
-            here: dict[int, int] = {}  # hash -> the most tokens one copy on this GPU holds
-            for r in rids:
-                req = self.live[r].req
-                prompt_tokens += req.prompt_tokens
-                for hash_id, tokens in zip(req.hash_ids, spec.block_tokens(req.prompt_tokens, len(req.hash_ids))):
-                    pool.setdefault(hash_id, []).append(tokens)
-                    held = here.get(hash_id)
-                    if held is None:
-                        here[hash_id] = tokens
-                    else:  # a copy of a block already here: all but the largest copy could go
-                        same_gpu += min(held, tokens)
-                        here[hash_id] = max(held, tokens)
+            reqs = [self.live[r].req for r in rids]
+            running += reqs
+            blocks = list(chain.from_iterable(req.hash_ids for req in reqs))
+            if len(set(blocks)) < len(blocks):
+                same_gpu += self._second_copies(Counter(blocks), reqs)
         result = self.result
-        result.running_prompt_tokens += prompt_tokens
+        result.running_prompt_tokens += sum(req.prompt_tokens for req in running)
         result.shared_same_gpu_tokens += same_gpu
-        result.shared_pool_tokens += sum(sum(copies) - max(copies) for copies in pool.values() if len(copies) > 1)
+        result.shared_pool_tokens += self._second_copies(Counter(chain.from_iterable(req.hash_ids for req in running)),
+                                                         running)
+
+    def _second_copies(self, counts: Counter[int], reqs: list[TraceRequest]) -> int:
+        """Tokens of every copy of a block beyond its largest, among `reqs` (`counts`: each hash's copies)."""
+        shared = {h for h, n in counts.items() if n > 1}
+        if not shared:
+            return 0
+        copies: dict[int, list[int]] = {}
+        for req in reqs:
+            blocks = self._prompt_blocks_by_hash(req)
+            for hash_id in shared.intersection(blocks):
+                copies.setdefault(hash_id, []).extend(blocks[hash_id])
+        return sum(sum(c) - max(c) for c in copies.values())
+
+    def _prompt_blocks_by_hash(self, req: TraceRequest) -> dict[int, tuple[int, ...]]:
+        """`_prompt_block_tokens` by hash id (a hash a prompt repeats has a copy per place), once per request."""
+        by_hash = self._blocks_by_hash.get(req.request_id)
+        if by_hash is None:
+            lists: dict[int, list[int]] = {}
+            for hash_id, tokens in zip(req.hash_ids, self._prompt_block_tokens(req)):
+                lists.setdefault(hash_id, []).append(tokens)
+            by_hash = self._blocks_by_hash[req.request_id] = {h: tuple(t) for h, t in lists.items()}
+        return by_hash
