@@ -83,6 +83,27 @@ def test_a_tpot_objective_caps_each_gpus_load_by_its_request_count() -> None:
     assert where(pol)["c"] == "gpu-1"
 
 
+def test_a_tpot_objective_counts_a_spans_heads_on_its_tail_gpu() -> None:
+    # The tail's GPU steps over the span's whole KV (DistAttention): with a cap of 250, a span of
+    # 2 heads (200) leaves its tail's GPU 50 for the tail and the requests beside it.
+    pol = policy(max_load_bytes=250, load_bytes_per_request=0, headroom_fraction=0.0, consolidate=False)
+    plan = pol.schedule(EventBatch(1.0, (Arrive("s", 230),)))
+    assert plan.activate_gpu_ids == ("gpu-0", "gpu-1", "gpu-2") and where(pol) == {"s": "gpu-2"}
+    pol.schedule(EventBatch(2.0, (Arrive("a", 15),)))
+    assert where(pol)["a"] == "gpu-2"  # 30 + 15 <= 50
+    plan = pol.schedule(EventBatch(3.0, (Arrive("b", 15),)))
+    # 30 + 15 + 15 fits C but not the step: b starts a GPU.
+    assert plan.activate_gpu_ids == ("gpu-3",) and where(pol)["b"] == "gpu-3"
+    # The tail grows to 45: 60 on gpu-2 > 50, and a (the smallest that clears it) moves beside b.
+    plan = pol.schedule(EventBatch(4.0, (Grow("s", 245),)))
+    assert plan.migrations == (Migration("a", "gpu-2", "gpu-3", 15, "overload"),)
+    # Without an objective the cap is C, whatever the spans.
+    free = policy(headroom_fraction=0.0, consolidate=False)
+    free.schedule(EventBatch(1.0, (Arrive("s", 230),)))
+    free.schedule(EventBatch(2.0, (Arrive("a", 15), Arrive("b", 15))))
+    assert where(free) == {"s": "gpu-2", "a": "gpu-2", "b": "gpu-2"}
+
+
 def test_an_arrival_goes_to_the_gpu_with_its_longest_cached_prefix_that_has_room() -> None:
     # Rule 7 (MemServe §6) on gpu-0 holding 60, gpu-1 30 and gpu-2 50.
     def three(**knobs: object) -> ClusterPolicy:

@@ -21,7 +21,9 @@ DistAttention spans for requests larger than C, all in cluster.py) and replaces 
    charged to is the one its copy takes): no migration is ever deferred. When no link can carry any
    request of an overloaded GPU, the smallest that clears it is recomputed elsewhere (a preemption).
 5. Objective: with a TPOT objective, no GPU is packed past the load at which its decode step would
-   break it (`MellDefaultConfig.max_load_bytes` and `load_bytes_per_request`).
+   break it (`MellDefaultConfig.max_load_bytes` and `load_bytes_per_request`). A span's tail GPU
+   counts the span's heads too: its step attends over the request's whole KV (Infinite-LLM §4.2's
+   DistAttention waits for every head's part), so a request packed beside it decodes at its speed.
 6. Growth room per request: where an Arrive gives a request's final size, the headroom of rules 1-3
    is the room the GPU's own requests will write over a horizon (those finishing sooner leave);
    without final sizes it is the pool headroom as before (`growth_estimate`).
@@ -248,13 +250,29 @@ class MellDefaultPolicy(ClusterPolicy):
 
     # ================================================================ rules
 
-    def _cap(self, gpu: Gpu, extra_requests: int) -> int:
-        """The load `gpu` may hold with `extra_requests` more requests: C, or less under a TPOT objective."""
+    def _cap(self, gpu: Gpu, extra_requests: int, extra_span_bytes: int = 0) -> int:
+        """The load `gpu` may hold with `extra_requests` more requests, whose spans' heads hold
+        `extra_span_bytes`: C, or less under a TPOT objective (rule 5). A span's tail GPU steps over
+        its whole KV, heads included, so that KV counts against the tail's decode step: a request
+        beside a tail decodes at the span's speed."""
         cfg = self.cfg
         if cfg.max_load_bytes is None:
             return self.capacity_bytes
-        cap = cfg.max_load_bytes - (gpu.num_requests + extra_requests) * cfg.load_bytes_per_request
+        cap = (cfg.max_load_bytes - (gpu.num_requests + extra_requests) * cfg.load_bytes_per_request
+               - self._spans_on(gpu) - extra_span_bytes)
         return min(self.capacity_bytes, cap)
+
+    def _span_bytes(self, item: Item) -> int:
+        """Bytes the spans' heads of `item`'s requests hold on GPUs of their own (whole chunks of C)."""
+        if not self._heads:
+            return 0
+        return sum(len(self._heads.get(rid, ())) for rid in item.members) * self.capacity_bytes
+
+    def _spans_on(self, gpu: Gpu) -> int:
+        """Bytes held by the heads of the spans whose tails `gpu` holds."""
+        if not self._heads:
+            return 0
+        return sum(self._span_bytes(it) for it in gpu.items.values())
 
     def _growth(self, item: Item) -> Growth:
         """(size, remaining growth or None) of each request of `item`, as `_room` reads them."""
@@ -304,18 +322,20 @@ class MellDefaultPolicy(ClusterPolicy):
             peak = max(peak, held + count * remaining)
         return peak - load_known + (self._headroom if unknown else 0)
 
-    def _fits(self, gpu: Gpu, growth: Growth, size: int, headroom: bool) -> bool:
-        """Whether `gpu` holds the requests `growth` (`size` bytes in all) within its cap, with their room if asked."""
+    def _fits(self, gpu: Gpu, growth: Growth, size: int, headroom: bool, spans: int) -> bool:
+        """Whether `gpu` holds the requests `growth` (`size` bytes in all, `spans` more on their spans'
+        heads) within its cap, with their room if asked."""
         room = self._room(gpu, growth) if headroom else 0
-        return gpu.load_bytes + size + room <= self._cap(gpu, 1)
+        return gpu.load_bytes + size + room <= self._cap(gpu, 1, spans)
 
-    def _takes(self, gpu: Gpu, growth: Growth, size: int, headroom: bool, src: Gpu | None, budgeted: bool) -> bool:
-        """Whether `gpu` can take the requests `growth` (`size` bytes) from `src` (None: a new request): it
-        is in use, no span head, not `src`, holds them (with its growth room if asked) and, if `budgeted`,
-        the link from `src` still carries them this epoch. The callers sum `size` once for every GPU
-        they try."""
+    def _takes(self, gpu: Gpu, growth: Growth, size: int, headroom: bool, src: Gpu | None, budgeted: bool,
+               spans: int) -> bool:
+        """Whether `gpu` can take the requests `growth` (`size` bytes, `spans` on their spans' heads) from
+        `src` (None: a new request): it is in use, no span head, not `src`, holds them (with its growth
+        room if asked) and, if `budgeted`, the link from `src` still carries them this epoch. The callers
+        sum `size` once for every GPU they try."""
         return (not gpu.idle and gpu.category is not SizeClass.X and gpu is not src
-                and self._fits(gpu, growth, size, headroom)
+                and self._fits(gpu, growth, size, headroom, spans)
                 and (src is None or not budgeted or self._link_allows(src, gpu, size)))
 
     def _least_room(self, headroom: bool, growth: Growth) -> int:
@@ -326,19 +346,22 @@ class MellDefaultPolicy(ClusterPolicy):
             return 0
         return self._headroom if not self._per_request or any(r is None for _, r in growth) else 0
 
-    def _best_fit(self, growth: Growth, headroom: bool, src: Gpu | None, budgeted: bool = True) -> Gpu | None:
-        """The fullest GPU that takes the requests `growth` from `src` (see `_takes`)."""
+    def _best_fit(self, growth: Growth, headroom: bool, src: Gpu | None, budgeted: bool = True,
+                  spans: int = 0) -> Gpu | None:
+        """The fullest GPU that takes the requests `growth` (`spans` on their spans' heads) from `src`
+        (see `_takes`)."""
         index = self._sync_free_index()
         size = sum(s for s, _ in growth)
         pos = bisect_left(index, (size + self._least_room(headroom, growth), -1, ""))
         for i in range(pos, len(index)):  # not a slice: no copy of the index per request
             gpu = self.gpus[index[i][2]]
-            if self._takes(gpu, growth, size, headroom, src, budgeted):
+            if self._takes(gpu, growth, size, headroom, src, budgeted, spans):
                 return gpu
         return None
 
-    def _emptiest(self, growth: Growth, src: Gpu) -> Gpu | None:
-        """The emptiest GPU that takes the requests `growth` from `src` with growth room, within the link budget."""
+    def _emptiest(self, growth: Growth, src: Gpu, spans: int) -> Gpu | None:
+        """The emptiest GPU that takes the requests `growth` (`spans` on their spans' heads) from `src` with
+        growth room, within the link budget."""
         index = self._sync_free_index()
         size = sum(s for s, _ in growth)
         least = size + self._least_room(True, growth)
@@ -346,7 +369,7 @@ class MellDefaultPolicy(ClusterPolicy):
             if free < least:
                 return None
             gpu = self.gpus[gpu_id]
-            if self._takes(gpu, growth, size, True, src, True):
+            if self._takes(gpu, growth, size, True, src, True, spans):
                 return gpu
         return None
 
@@ -354,10 +377,11 @@ class MellDefaultPolicy(ClusterPolicy):
         """Rule 1: the fullest GPU (other than `away_from`) that holds `item` with growth room, else
         without, else a new GPU. No link is involved: a new request, or one recomputed elsewhere."""
         growth = self._growth(item)
-        gpu = self._best_fit(growth, True, away_from, budgeted=False)
+        spans = self._span_bytes(item)
+        gpu = self._best_fit(growth, True, away_from, budgeted=False, spans=spans)
         self.last_allocate_step = "best-fit"
         if gpu is None and self.cfg.fill_without_headroom:
-            gpu = self._best_fit(growth, False, away_from, budgeted=False)
+            gpu = self._best_fit(growth, False, away_from, budgeted=False, spans=spans)
             self.last_allocate_step = "best-fit-in-headroom"
         if gpu is None:
             gpu = self._activate()
@@ -371,9 +395,10 @@ class MellDefaultPolicy(ClusterPolicy):
         room, so that a cache hit never costs a shed or a new GPU, and among equals as rule 1 would
         choose (a block every GPU caches, a shared system prompt, then changes nothing)."""
         growth = self._growth(item)
+        spans = self._span_bytes(item)
         for tier in tiers:
             taking = [g for g in (self.gpus.get(gpu_id) for gpu_id in tier)
-                      if g is not None and self._takes(g, growth, item.size_bytes, True, None, False)]
+                      if g is not None and self._takes(g, growth, item.size_bytes, True, None, False, spans)]
             if taking:
                 self.last_allocate_step = "prefix"
                 return min(taking, key=lambda g: (self._free(g), g.seq, g.gpu_id))
@@ -415,8 +440,9 @@ class MellDefaultPolicy(ClusterPolicy):
                 items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
                 # Clears: leaves the GPU its growth room (rule 6: the room of the requests that stay).
                 cap = self._cap(gpu, 0)
+                # (A span's tail that leaves takes its heads' bytes off the GPU's step: rule 5.)
                 clear = {it.item_id for it in items
-                         if gpu.load_bytes - it.size_bytes + self._room(gpu, without=it) <= cap}
+                         if gpu.load_bytes - it.size_bytes + self._room(gpu, without=it) <= cap + self._span_bytes(it)}
                 clears = [it for it in items if it.item_id in clear]
                 order = clears + [it for it in reversed(items) if it.item_id not in clear]
                 # One move that clears it, by a settled request if one can; a request moved moments ago
@@ -445,12 +471,13 @@ class MellDefaultPolicy(ClusterPolicy):
         (`relieve_to_emptiest`), else best fit with growth room, then without, else a new GPU on a
         node the copy may reach this epoch; None if there is none."""
         growth = self._growth(item)
+        spans = self._span_bytes(item)
         emptiest = self.cfg.relieve_to_emptiest and (not self._per_request or any(r is None for _, r in growth))
-        dst = self._emptiest(growth, src) if emptiest else None
+        dst = self._emptiest(growth, src, spans) if emptiest else None
         if dst is None:
-            dst = self._best_fit(growth, True, src)
+            dst = self._best_fit(growth, True, src, spans=spans)
         if dst is None and self.cfg.fill_without_headroom:
-            dst = self._best_fit(growth, False, src)
+            dst = self._best_fit(growth, False, src, spans=spans)
         if dst is not None:
             return dst
         if self._link_allows_to(src, self._activation_location(src), item.size_bytes):
@@ -484,10 +511,12 @@ class MellDefaultPolicy(ClusterPolicy):
         tentative: dict[str, int] = {}
         tentative_n: dict[str, int] = {}
         tentative_growth: dict[str, Growth] = {}
+        tentative_spans: dict[str, int] = {}
         link_used = dict(self._link_used)
         plan: list[tuple[Item, Gpu]] = []
         for item in sorted(victim.items.values(), key=lambda it: (-it.size_bytes, it.item_id)):
             growth = self._growth(item)
+            spans = self._span_bytes(item)
             best: Gpu | None = None
             for g in candidates:
                 if g is victim:
@@ -495,7 +524,7 @@ class MellDefaultPolicy(ClusterPolicy):
                 load = g.load_bytes + tentative.get(g.gpu_id, 0)
                 n_extra = tentative_n.get(g.gpu_id, 0) + 1
                 room = self._room(g, tentative_growth.get(g.gpu_id, ()) + growth)
-                if load + item.size_bytes + room > self._cap(g, n_extra):
+                if load + item.size_bytes + room > self._cap(g, n_extra, tentative_spans.get(g.gpu_id, 0) + spans):
                     continue
                 if not self._link_allows_to(victim, g.location, item.size_bytes, link_used):
                     continue
@@ -506,6 +535,7 @@ class MellDefaultPolicy(ClusterPolicy):
             tentative[best.gpu_id] = tentative.get(best.gpu_id, 0) + item.size_bytes
             tentative_n[best.gpu_id] = tentative_n.get(best.gpu_id, 0) + 1
             tentative_growth[best.gpu_id] = tentative_growth.get(best.gpu_id, ()) + growth
+            tentative_spans[best.gpu_id] = tentative_spans.get(best.gpu_id, 0) + spans
             link = link_of(victim.location, best.location)
             link_used[link] = link_used.get(link, 0) + item.size_bytes
             plan.append((item, best))
