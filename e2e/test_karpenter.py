@@ -322,11 +322,16 @@ def test_karpenter_moving_an_empty_worker_mell_still_wants_loses_nothing(kcluste
     wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
     node = node_of(kcluster, ns, "floor-worker-0")
     assert node in karpenter_nodes(kcluster)
+    first_uid = workers(kcluster, ns, "floor")["floor-worker-0"]["metadata"]["uid"]
     # The fixed node's GPU frees: Karpenter consolidates by moving the empty floor worker there (it
     # says do-not-disrupt "false"); the operator replaces the evicted pod, and the node goes.
     kcluster.kubectl("delete", "pod", "blocker", "-n", ns)
     wait_for(lambda: node not in karpenter_nodes(kcluster), "Karpenter to consolidate the floor worker's node",
              timeout_s=90, interval_s=1)
-    back = wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1
-                    and list(workers(kcluster, ns, "floor")), "the floor worker back", timeout_s=60)
-    assert back != ["floor-worker-0"] and node_of(kcluster, ns, back[0]) not in karpenter_nodes(kcluster)
+    # A new pod, told by its uid: once the evicted one is gone, the replacement may take its name
+    # again (the operator numbers new workers after the highest it sees).
+    back = wait_for(lambda: [p for p in workers(kcluster, ns, "floor").values()
+                             if p["metadata"]["uid"] != first_uid and ready(p)],
+                    "the floor worker back", timeout_s=60)
+    assert len(back) == 1 and back[0]["spec"]["nodeName"] not in karpenter_nodes(kcluster)
+    wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1, "the pool ready again", timeout_s=30)
