@@ -252,9 +252,9 @@ class MellDefaultPolicy(ClusterPolicy):
 
     def _cap(self, gpu: Gpu, extra_requests: int, extra_span_bytes: int = 0) -> int:
         """The load `gpu` may hold with `extra_requests` more requests, whose spans' heads hold
-        `extra_span_bytes`: C, or less under a TPOT objective (rule 5). A span's tail GPU steps over
-        its whole KV, heads included, so that KV counts against the tail's decode step: a request
-        beside a tail decodes at the span's speed."""
+        `extra_span_bytes` (less than 0: a tail leaving): C, or less under a TPOT objective (rule 5).
+        A span's tail GPU steps over its whole KV, heads included, so that KV counts against the tail's
+        decode step: a request beside a tail decodes at the span's speed."""
         cfg = self.cfg
         if cfg.max_load_bytes is None:
             return self.capacity_bytes
@@ -438,11 +438,11 @@ class MellDefaultPolicy(ClusterPolicy):
             _, gpu = self._overloaded.popitem()
             while not gpu.idle and len(gpu.items) > 1 and gpu.load_bytes > self._cap(gpu, 0):
                 items = sorted(gpu.items.values(), key=lambda it: (it.size_bytes, it.item_id))
-                # Clears: leaves the GPU its growth room (rule 6: the room of the requests that stay).
-                cap = self._cap(gpu, 0)
-                # (A span's tail that leaves takes its heads' bytes off the GPU's step: rule 5.)
+                # Clears: leaves the GPU its growth room (rule 6: the room of the requests that stay)
+                # within its cap, which a span's tail that leaves no longer lowers (rule 5).
                 clear = {it.item_id for it in items
-                         if gpu.load_bytes - it.size_bytes + self._room(gpu, without=it) <= cap + self._span_bytes(it)}
+                         if gpu.load_bytes - it.size_bytes + self._room(gpu, without=it)
+                         <= self._cap(gpu, 0, -self._span_bytes(it))}
                 clears = [it for it in items if it.item_id in clear]
                 order = clears + [it for it in reversed(items) if it.item_id not in clear]
                 # One move that clears it, by a settled request if one can; a request moved moments ago
