@@ -319,10 +319,14 @@ def test_karpenter_moving_an_empty_worker_mell_still_wants_loses_nothing(kcluste
     kcluster.apply_json(blocker("blocker"), ns)
     wait_for(lambda: ready(kcluster.get_json("pod", "blocker", "-n", ns)), "the blocker", timeout_s=30)
     kcluster.apply_json(pool("floor", workers={"min": 1, "max": 2}), ns)
-    wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1, "the floor worker", timeout_s=60)
-    node = node_of(kcluster, ns, "floor-worker-0")
+    # The floor worker, whatever its name (a pod replaced before it was ready takes the next index).
+    first = wait_for(lambda: status(kcluster, ns, "floor", operator).get("readyWorkers") == 1
+                     and [p for p in workers(kcluster, ns, "floor").values() if ready(p)], "the floor worker",
+                     timeout_s=60)
+    assert len(first) == 1
+    node = first[0]["spec"]["nodeName"]
     assert node in karpenter_nodes(kcluster)
-    first_uid = workers(kcluster, ns, "floor")["floor-worker-0"]["metadata"]["uid"]
+    first_uid = first[0]["metadata"]["uid"]
     # The fixed node's GPU frees: Karpenter consolidates by moving the empty floor worker there (it
     # says do-not-disrupt "false"); the operator replaces the evicted pod, and the node goes.
     kcluster.kubectl("delete", "pod", "blocker", "-n", ns)
